@@ -1,0 +1,66 @@
+"""The two error types of kvd_protocol: one for the wire, one for entry files."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Error codes carried by error replies and by ProtocolError (see PROTOCOL.md)."""
+
+    BAD_FRAME = "bad_frame"  # framing broken: the connection cannot continue
+    BAD_MESSAGE = "bad_message"  # a frame whose body is not a valid message
+    UNKNOWN_OP = "unknown_op"
+    BAD_DESCRIPTORS = "bad_descriptors"  # descriptors missing, extra, or where none belong
+    HANDSHAKE_REQUIRED = "handshake_required"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    TOO_LARGE = "too_large"  # a limit from the handshake was exceeded
+    TOO_MANY_IN_FLIGHT = "too_many_in_flight"
+    DUPLICATE_ID = "duplicate_id"
+    UNEXPECTED_REPLY = "unexpected_reply"
+    NOT_FOUND = "not_found"  # unknown put, ticket, lease or entry
+    REFUSED = "refused"  # the write-behind queue is full under the refuse policy
+    TIMEOUT = "timeout"
+    PERMISSION_DENIED = "permission_denied"
+    NO_SPACE = "no_space"
+    INVALID_ENTRY = "invalid_entry"  # a committed staging file failed validation
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """The only exception the wire protocol raises, for any bad input or misuse."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Rule(StrEnum):
+    """The validation rules of an entry file (see FORMAT.md); each failure names one."""
+
+    TRUNCATED = "truncated"  # the file is shorter than its prefix, header or declared size
+    MAGIC = "magic"
+    VERSION = "version"
+    HEADER_SIZE = "header_size"  # header length over the limit, or data start inconsistent
+    HEADER_CHECKSUM = "header_checksum"
+    SCHEMA = "schema"  # the header is not the documented msgpack shape
+    TOKEN_COUNT = "token_count"
+    DTYPE = "dtype"
+    SLOT_NBYTES = "slot_nbytes"  # nbytes != prod(shape) * itemsize
+    SLOT_ALIGNMENT = "slot_alignment"
+    SLOT_BOUNDS = "slot_bounds"  # a slot reaches past the end of the file
+    SLOT_OVERLAP = "slot_overlap"
+    FILE_SIZE = "file_size"  # the file's size differs from the size its prefix declares
+    DATA_CHECKSUM = "data_checksum"  # a tensor's bytes do not match its slot checksum
+
+
+class EntryFormatError(Exception):
+    """The only exception the entry-file reader raises: names the file and the rule broken."""
+
+    def __init__(self, name: str, rule: Rule, detail: str) -> None:
+        super().__init__(f"{name}: {rule.value}: {detail}")
+        self.name = name
+        self.rule = rule
+        self.detail = detail
