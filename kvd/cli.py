@@ -1,22 +1,43 @@
-"""The `kvd` command: runs the daemon in the foreground."""
+"""The `kvd` command: `kvd [serve] [flags]` runs the daemon in the foreground (it never forks)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 from kvd import __version__
+from kvd.config import ConfigError, add_config_arguments, load_config
+from kvd.listener import SocketInUseError
+from kvd.logs import configure_logging, get_logger
+from kvd.server import serve
+from kvd.tier_dir import TierLockedError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvd", description="The kvd daemon: a shared SSD cold tier for MLX prompt caches."
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    parser.add_argument("command", nargs="?", default="serve", choices=["serve"])
+    add_config_arguments(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("-V", "--version"):
-        print(f"kvd {__version__}")
-        return 0
-    print(
-        f"kvd {__version__}: the daemon's server is not built yet; "
-        "this entry point only confirms the installation.",
-        file=sys.stderr,
-    )
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args, os.environ)
+    except ConfigError as exc:
+        print(f"kvd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_format)
+    log = get_logger("kvd")
+    try:
+        serve(config)
+    except (SocketInUseError, TierLockedError, PermissionError) as exc:
+        log.error("not_started", reason=str(exc))
+        return 1
     return 0
 
 

@@ -69,8 +69,11 @@ PURE_IMPORTS = {
     "kvd_protocol",  # its own modules
     "math",
     "msgpack",
+    "pathlib",  # PurePosixPath only: path strings, no file access
+    "posixpath",
     "struct",
     "sys",
+    "types",
     "typing",
     "xxhash",
     "zlib",

@@ -1,0 +1,86 @@
+"""Blocking file work on entries, run in worker threads: create, validate, persist, quarantine.
+
+Nothing here touches the daemon's state; the tier calls these through anyio.to_thread and
+applies the results on the event loop.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+from kvd_protocol.entry import PREFIX_BYTES, EntryHeader
+from kvd_protocol.entry_reader import parse_header, parse_prefix, verify_slot
+from kvd_protocol.limits import Limits
+
+from kvd.durability import preallocate, replace_durably, sync_directory
+
+
+def create_staging(path: Path, size: int) -> int:
+    """A new read-write file of exactly size bytes, space reserved; returns its descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        preallocate(fd, size)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def read_header(path: Path, limits: Limits) -> EntryHeader:
+    """Parse and validate an entry's prefix and header against the file's real size.
+
+    Raises EntryFormatError for a bad file, OSError if it cannot be read.
+    """
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        prefix = parse_prefix(path.name, file.read(PREFIX_BYTES), limits)
+        return parse_header(path.name, prefix, file.read(prefix.header_length), size, limits)
+
+
+def verify_data(path: Path, header: EntryHeader) -> None:
+    """Check every tensor's bytes against its slot checksum; raises EntryFormatError."""
+    if not header.slots:
+        return
+    with (
+        open(path, "rb", buffering=0) as file,
+        mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+    ):
+        view = memoryview(mapped)
+        try:
+            for slot in header.slots:
+                verify_slot(path.name, slot, view[slot.start : slot.end])
+        finally:
+            view.release()
+
+
+def persist(staging: Path, final: Path) -> None:
+    """Make a validated staging file a durable entry: full sync, rename, sync the folders."""
+    if not final.parent.is_dir():
+        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sync_directory(final.parent.parent)
+    replace_durably(staging, final)
+
+
+def quarantine(path: Path, folder: Path, max_bytes: int) -> None:
+    """Move a file that failed validation aside for inspection, keeping the folder under
+    max_bytes by deleting the oldest quarantined files first."""
+    target = folder / path.name
+    os.replace(path, target)
+    files = sorted(
+        (entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)),
+        key=lambda entry: entry.stat().st_mtime_ns,
+    )
+    total = sum(entry.stat().st_size for entry in files)
+    for entry in files:
+        if total <= max_bytes:
+            break
+        total -= entry.stat().st_size
+        os.unlink(entry.path)
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file that may already be gone."""
+    path.unlink(missing_ok=True)

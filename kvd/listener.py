@@ -1,0 +1,67 @@
+"""The daemon's listening socket: inherited from launchd or systemd, or bound by kvd itself.
+
+Binding never steals a live daemon's socket: an existing path is probed first, and only a
+stale one (connection refused) is replaced. The socket's folder is private to the owner, which
+is the access control that holds on every platform; peer credentials are checked on top.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+from kvd.launchd_socket import launchd_sockets
+from kvd.sd_notify import listen_fds
+
+
+class SocketInUseError(RuntimeError):
+    """Another process answers on the socket path."""
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket a service manager passed in, if any."""
+    fds = listen_fds()
+    if fds:
+        return socket.socket(fileno=fds[0].fd)
+    sockets = launchd_sockets("Listener")
+    return sockets[0] if sockets else None
+
+
+def prepare_socket_folder(folder: Path) -> None:
+    """Create the socket's folder 0700, or check that an existing one is ours and private."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{folder} is not a folder owned by uid {os.getuid()}")
+    if info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+
+
+def bind_socket(path: Path) -> socket.socket:
+    """Bind and listen at path, replacing a stale socket file but never a live one."""
+    prepare_socket_folder(path.parent)
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink()  # a socket file left by a daemon that died
+        except FileNotFoundError:
+            pass
+        else:
+            raise SocketInUseError(f"another kvd is already serving on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # srw------- from the start: no window before a chmod
+    try:
+        sock.bind(str(path))
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    sock.listen(128)
+    return sock

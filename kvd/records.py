@@ -1,0 +1,38 @@
+"""What the daemon knows of one entry, in memory: the unit the index, eviction and queue share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvd_protocol.tokens import token_count
+
+
+# eq=False: a record is one entry, compared and hashed by identity, so that two entries with
+# equal fields (a re-put of the same tokens) stay two distinct keys in sets and dicts.
+@dataclass(slots=True, eq=False)
+class EntryRecord:
+    """One entry of the tier.
+
+    identity is Identity.digest(); tokens are packed little-endian u32 bytes; nbytes is the
+    file's size. min_reuse: the entry may not be trimmed below this many tokens. last_used is
+    a logical clock value (larger = more recent), never a wall-clock time, so that two uses
+    never tie. durable: stored and fsynced, rather than still pending in the write-behind queue.
+    leases: readers holding the file. checkpoint_key: set for generation checkpoints, which live
+    apart from prompt lookups and are never returned by a prefix lookup.
+    """
+
+    id: str
+    identity: str
+    tokens: bytes
+    nbytes: int
+    trimmable: bool
+    min_reuse: int = 0
+    created: float = 0.0
+    last_used: int = 0
+    durable: bool = False
+    leases: int = 0
+    checkpoint_key: str | None = None
+
+    @property
+    def token_count(self) -> int:
+        return token_count(self.tokens)

@@ -1,0 +1,145 @@
+"""The daemon: one event loop owning the tier, a task per connection, the writer, signals.
+
+SIGTERM or SIGINT: stop accepting, flush the write-behind queue within the shutdown deadline,
+close, exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import grp
+import itertools
+import os
+import signal
+from typing import Any
+
+import anyio
+from anyio.abc import SocketListener, SocketStream, TaskGroup
+from kvd_protocol import messages as m
+from kvd_protocol.errors import ErrorCode
+from kvd_protocol.framing import encode_frame
+from kvd_protocol.limits import DEFAULT_LIMITS, Limits
+
+from kvd import __version__
+from kvd.config import Config
+from kvd.listener import bind_socket, inherited_socket
+from kvd.logs import get_logger
+from kvd.peercred import peer_credentials
+from kvd.sd_notify import Notifier, watchdog_interval
+from kvd.session import Peer, Session, raw_socket
+from kvd.status import status_report
+from kvd.tier import Tier
+
+log = get_logger("kvd.server")
+
+
+class Server:
+    def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.config = config
+        self.tier = Tier(config, limits)
+        self.peers: dict[int, Peer] = {}
+        self._sessions = itertools.count(1)
+        self._allowed_gid = _group_id(config.socket_group)
+
+    def status(self) -> dict[str, Any]:
+        return status_report(self.tier, self.peers.values())
+
+    async def handle(self, stream: SocketStream) -> None:
+        """One connection, start to end; nothing it does may take the server down."""
+        session_id = next(self._sessions)
+        try:
+            async with stream:
+                credentials = peer_credentials(raw_socket(stream))
+                if not self._allowed(credentials.uid, credentials.gid):
+                    log.warning("peer_refused", uid=credentials.uid, pid=credentials.pid)
+                    refusal = m.ErrorReply(
+                        id=0,
+                        code=ErrorCode.PERMISSION_DENIED,
+                        message=f"uid {credentials.uid} may not use this kvd",
+                    )
+                    await stream.send(
+                        encode_frame(refusal.to_wire(), DEFAULT_LIMITS.max_frame_bytes)
+                    )
+                    return
+                admin = credentials.uid in (os.getuid(), 0)
+                peer = Peer(session_id, credentials, admin=admin)
+                self.peers[session_id] = peer
+                try:
+                    await Session(self.tier, stream, peer, self.status).run()
+                finally:
+                    del self.peers[session_id]
+        except Exception:
+            log.exception("session_crashed", session=session_id)
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        return uid in (os.getuid(), 0) or (
+            self._allowed_gid is not None and gid == self._allowed_gid
+        )
+
+    async def run(self) -> None:
+        await self.tier.open()
+        sock = inherited_socket()
+        owns_socket = sock is None
+        if sock is None:
+            sock = bind_socket(self.config.socket)
+        listener = await SocketListener.from_socket(sock)
+        notifier = Notifier.from_environ()
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self.tier.run_writer)
+                tasks.start_soon(self._serve, listener, tasks)
+                tasks.start_soon(self._watchdog, notifier)
+                log.info("serving", socket=str(self.config.socket), version=__version__)
+                notifier.ready(f"serving {len(self.tier.records)} entries")
+                await self._wait_for_signal(listener, notifier)
+                tasks.cancel_scope.cancel()
+        finally:
+            if owns_socket:
+                self.config.socket.unlink(missing_ok=True)
+            self.tier.close()
+            notifier.close()
+        log.info("stopped")
+
+    async def _serve(self, listener: SocketListener, tasks: TaskGroup) -> None:
+        try:
+            while True:
+                stream = await listener.accept()
+                tasks.start_soon(self.handle, stream)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return
+
+    async def _watchdog(self, notifier: Notifier) -> None:
+        interval = watchdog_interval()
+        if interval is None:
+            return
+        while True:  # a task of the event loop: a hung loop stops the pings
+            notifier.watchdog()
+            await anyio.sleep(interval)
+
+    async def _wait_for_signal(self, listener: SocketListener, notifier: Notifier) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("stopping", signal=signal.Signals(signum).name)
+                notifier.stopping()
+                await listener.aclose()
+                async with anyio.create_task_group() as shutdown:
+                    shutdown.start_soon(self._exit_on_second_signal, signals)
+                    durable, pending = await self.tier.flush(self.config.shutdown_deadline)
+                    log.info("flushed", durable=durable, pending=pending)
+                    shutdown.cancel_scope.cancel()
+                return
+
+    @staticmethod
+    async def _exit_on_second_signal(signals: Any) -> None:
+        async for signum in signals:
+            log.warning("exiting_now", signal=signal.Signals(signum).name)
+            os._exit(1)
+
+
+def _group_id(name: str | None) -> int | None:
+    if name is None:
+        return None
+    return grp.getgrnam(name).gr_gid
+
+
+def serve(config: Config) -> None:
+    anyio.run(Server(config).run)

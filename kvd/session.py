@@ -1,0 +1,230 @@
+"""One engine's connection: bytes through the sans-I/O Connection, requests to the tier.
+
+Each connection is a task; a request that may wait (a put under the block policy, a commit's
+validation, a ticket wait, a flush) runs as a task of its own so that other requests on the
+same connection are answered meanwhile. Whatever a connection does, the server goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from kvd_protocol import messages as m
+from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, ConnectionClosed, Role
+from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.framing import encode_frame
+
+from kvd import __version__
+from kvd.logs import get_logger
+from kvd.peercred import PeerCredentials
+from kvd.tier import Tier
+
+log = get_logger("kvd.session")
+
+RECEIVE_BYTES = 1 << 16
+RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
+FEATURES = ("put", "lookup", "leases", "flush", "evict", "list")
+# Requests answered inline: they never wait, so ordering stays simple and latency low.
+INLINE = frozenset({"hello", "ping", "lookup", "release", "status", "list", "evict", "put_abort"})
+
+
+@dataclass
+class Peer:
+    session: int
+    credentials: PeerCredentials
+    name: str = ""
+    admin: bool = False  # the daemon's own uid or root: may evict
+
+
+class Session:
+    def __init__(
+        self,
+        tier: Tier,
+        stream: anyio.abc.SocketStream,
+        peer: Peer,
+        status: Callable[[], dict[str, object]],
+    ) -> None:
+        self.tier = tier
+        self.stream = stream
+        self.peer = peer
+        self.status = status
+        self.conn = Connection(Role.SERVER, tier.limits)
+        self._send_lock = anyio.Lock()
+        # One handler per op; each takes its request and returns its reply.
+        self._handlers: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
+            "hello": self._hello,
+            "ping": self._ping,
+            "put_begin": self._put_begin,
+            "put_commit": self._put_commit,
+            "put_abort": self._put_abort,
+            "ticket": self._ticket,
+            "lookup": self._lookup,
+            "release": self._release,
+            "flush": self._flush,
+            "status": self._status,
+            "list": self._list,
+            "evict": self._evict,
+        }
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+                await self._receive_loop(tasks)
+                tasks.cancel_scope.cancel()  # the peer is gone: nobody awaits those answers
+        finally:
+            self.tier.close_session(self.peer.session)
+
+    async def _receive_loop(self, tasks: TaskGroup) -> None:
+        while True:
+            try:
+                data, fds = await self.stream.receive_fds(RECEIVE_BYTES, RECEIVE_FDS)  # type: ignore[attr-defined]
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return
+            except RuntimeError as exc:  # ancillary data other than descriptors
+                await self._fatal(ProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
+                return
+            try:
+                self.conn.receive_data(data, fds)
+            except ProtocolError as exc:
+                for fd in fds:
+                    os.close(fd)
+                await self._fatal(exc)
+                return
+            while True:
+                try:
+                    event = self.conn.next_event()
+                except ProtocolError as exc:
+                    await self._fatal(exc)
+                    return
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, ConnectionClosed):
+                    return
+                if isinstance(event, BadRequest):
+                    await self._send(event.reply())
+                elif isinstance(event, m.Request):
+                    if event.op in INLINE:
+                        await self._answer(event)
+                    else:
+                        tasks.start_soon(self._answer, event)
+
+    async def _fatal(self, exc: ProtocolError) -> None:
+        """A framing error: say why, then close (the stream cannot be resynchronised)."""
+        log.info("connection_error", session=self.peer.session, error=str(exc))
+        frame = m.ErrorReply(id=0, code=exc.code, message=exc.message).to_wire()
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self.stream.send(encode_frame(frame, self.tier.limits.max_frame_bytes))
+
+    async def _answer(self, request: m.Request) -> None:
+        try:
+            reply = await self._handlers[request.op](request)
+        except ProtocolError as exc:
+            reply = m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
+        except OSError as exc:
+            log.error("request_failed", op=request.op, error=str(exc))
+            reply = m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))
+        await self._send(reply)
+
+    async def _send(self, reply: m.Reply) -> None:
+        fds = reply.fds
+        try:
+            async with self._send_lock:
+                frame = self.conn.send(reply)
+                if fds:
+                    await self.stream.send_fds(frame, fds)  # type: ignore[attr-defined]
+                else:
+                    await self.stream.send(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ProtocolError) as exc:
+            log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        finally:
+            for fd in fds:
+                os.close(fd)  # the engine holds its own copy now (or never will)
+
+    # --- handlers: each takes its request and returns its reply --------------------------
+
+    async def _hello(self, request: m.Hello) -> m.HelloReply:
+        if request.protocol != m.PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"this daemon speaks protocol {m.PROTOCOL_VERSION}, not {request.protocol}",
+            )
+        self.peer.name = request.client
+        return m.HelloReply(
+            id=request.id,
+            protocol=m.PROTOCOL_VERSION,
+            server=__version__,
+            limits=self.tier.limits,
+            features=FEATURES,
+        )
+
+    async def _ping(self, request: m.Request) -> m.PingReply:
+        return m.PingReply(id=request.id)
+
+    async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
+        put, skip, fd = await self.tier.begin_put(
+            self.peer.session, request.identity, request.tokens, request.size
+        )
+        return m.PutBeginReply(id=request.id, put=put.id if put else 0, skip=skip, fd=fd)
+
+    async def _put_commit(self, request: m.PutCommit) -> m.PutCommitReply:
+        put = self.tier.take_put(self.peer.session, request.put)
+        ticket = await self.tier.commit_put(put)
+        return m.PutCommitReply(id=request.id, ticket=ticket)
+
+    async def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:
+        self.tier.abort_put(self.tier.take_put(self.peer.session, request.put))
+        return m.PutAbortReply(id=request.id)
+
+    async def _ticket(self, request: m.Ticket) -> m.TicketReply:
+        state = await self.tier.wait_ticket(request.ticket, request.timeout)
+        return m.TicketReply(
+            id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
+        )
+
+    async def _lookup(self, request: m.Lookup) -> m.LookupReply:
+        found = self.tier.lookup(self.peer.session, request.identity, request.tokens)
+        if found is None:
+            return m.LookupReply(id=request.id, matched=0, entry=None, lease=None)
+        match, lease, fd = found
+        return m.LookupReply(
+            id=request.id,
+            matched=match.matched,
+            entry=self.tier.summary(match.record),
+            lease=lease,
+            fd=fd,
+        )
+
+    async def _release(self, request: m.Release) -> m.ReleaseReply:
+        self.tier.release(self.peer.session, request.lease)
+        return m.ReleaseReply(id=request.id)
+
+    async def _flush(self, request: m.Flush) -> m.FlushReply:
+        durable, pending = await self.tier.flush(request.timeout)
+        return m.FlushReply(id=request.id, durable=durable, pending=pending)
+
+    async def _status(self, request: m.Request) -> m.StatusReply:
+        return m.StatusReply(id=request.id, status=self.status())
+
+    async def _list(self, request: m.ListEntries) -> m.ListEntriesReply:
+        entries, more = self.tier.list_entries(request.identity, request.limit, request.after)
+        return m.ListEntriesReply(id=request.id, entries=tuple(entries), more=more)
+
+    async def _evict(self, request: m.Evict) -> m.EvictReply:
+        if not self.peer.admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION_DENIED, "evict needs the daemon's own user or root"
+            )
+        count, freed = self.tier.evict(request.entry, request.identity, request.all)
+        return m.EvictReply(id=request.id, evicted=count, bytes=freed)
+
+
+def raw_socket(stream: anyio.abc.SocketStream) -> socket.socket:
+    sock: socket.socket = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    return sock

@@ -1,0 +1,81 @@
+"""The status report: what `kvctl status` shows and the status request answers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+
+from kvd import __version__
+from kvd.durability import disk_free
+from kvd.session import Peer
+from kvd.tier import Tier
+
+_process = psutil.Process()
+
+
+def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
+    per_identity: dict[str, dict[str, int]] = {}
+    for record in tier.live_records():
+        counts = per_identity.setdefault(record.identity, {"entries": 0, "bytes": 0})
+        counts["entries"] += 1
+        counts["bytes"] += record.nbytes
+    queue = tier.queue
+    counters = tier.counters
+    try:
+        free = disk_free(tier.dirs.root)
+    except OSError:
+        free = -1
+    return {
+        "entries": len(tier.records),
+        "bytes": tier.total_bytes,
+        "max_bytes": tier.config.max_bytes,
+        "min_free_bytes": tier.config.min_free,
+        "disk_free_bytes": free,
+        "hits": counters.hits,
+        "misses": counters.misses,
+        "evictions": counters.evictions,
+        "evicted_bytes": counters.evicted_bytes,
+        "superseded": counters.superseded,
+        "duplicates": counters.duplicates,
+        "quarantined": counters.quarantined,
+        "abandoned_puts": counters.abandoned,
+        "bytes_written": counters.bytes_written,
+        "leased_entries": sum(1 for r in tier.live_records() if r.leases) + len(tier.doomed),
+        "writeback": {
+            "pending_bytes": queue.pending_bytes,
+            "pending_count": queue.pending_count,
+            "max_bytes": queue.cap_bytes,
+            "policy": tier.config.writeback_policy.value,
+            "stored": queue.stored,
+            "dropped": queue.dropped + queue.cancelled,
+            "failed": queue.failed,
+            "refused": queue.refused,
+        },
+        "identities": [
+            {"identity": digest, **counts} for digest, counts in sorted(per_identity.items())
+        ],
+        "clients": [
+            {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
+            for p in peers
+        ],
+        "daemon": {
+            "pid": os.getpid(),
+            "rss_bytes": _process.memory_info().rss,
+            "uptime_s": round(time.time() - tier.started, 3),
+            "version": __version__,
+            "dir": str(tier.dirs.root),
+            "socket": str(tier.config.socket),
+        },
+    }
+
+
+def _name(peer: Peer) -> str:
+    """The client's process name, when it did not say (psutil may be denied on macOS)."""
+    try:
+        return str(psutil.Process(peer.credentials.pid).name())
+    except (psutil.Error, OSError):
+        return ""

@@ -1,0 +1,76 @@
+"""The tier's directory: where each kind of file lives, and the lock that makes it one daemon's.
+
+<dir>/lock                          held (flock) by the running daemon
+<dir>/staging/<put>.tmp              files being written by engines; reaped at start
+<dir>/entries/<identity>/<id>.kve    durable entries, one folder per identity digest
+<dir>/quarantine/<id>.kve            files that failed validation, capped in bytes
+<dir>/index.snapshot                 the index as of the last snapshot (a start-up shortcut)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+ENTRY_SUFFIX = ".kve"
+STAGING_SUFFIX = ".tmp"
+
+
+class TierLockedError(RuntimeError):
+    """Another daemon holds the tier directory."""
+
+
+@dataclass(frozen=True)
+class TierDir:
+    root: Path
+
+    @property
+    def staging(self) -> Path:
+        return self.root / "staging"
+
+    @property
+    def entries(self) -> Path:
+        return self.root / "entries"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
+    def snapshot(self) -> Path:
+        return self.root / "index.snapshot"
+
+    def identity_dir(self, identity: str) -> Path:
+        return self.entries / identity
+
+    def entry_path(self, identity: str, entry_id: str) -> Path:
+        return self.entries / identity / f"{entry_id}{ENTRY_SUFFIX}"
+
+    def staging_path(self, name: str) -> Path:
+        return self.staging / f"{name}{STAGING_SUFFIX}"
+
+    def create(self) -> None:
+        """Create the folders, private to the owner (entries may hold anyone's prompts)."""
+        for path in (self.root, self.staging, self.entries, self.quarantine):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+
+    def lock(self) -> int:
+        """Take the tier's lock for the life of the process; returns the lock's descriptor."""
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TierLockedError(
+                f"another kvd is using the tier directory {self.root} (its lock is held)"
+            ) from None
+        return fd
+
+
+def new_entry_id() -> str:
+    """A fresh, unguessable entry name: 128 random bits in hex."""
+    return secrets.token_hex(16)

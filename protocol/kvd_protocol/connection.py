@@ -1,0 +1,318 @@
+"""One end of a kvd connection as a sans-I/O state machine: bytes and descriptors in, events out.
+
+In the manner of h11: the caller moves bytes (send() returns them; receive_data() takes them)
+and descriptors (a reply's `fds` go out in the same sendmsg as its frame; received ones are
+passed to receive_data()). The Connection never touches a socket and never closes a descriptor.
+See PROTOCOL.md for the rules it enforces.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final, Literal, NoReturn, TypeAlias
+
+from .errors import ErrorCode, ProtocolError
+from .framing import FrameReader, decode_body, encode_frame
+from .limits import DEFAULT_LIMITS, Limits
+from .messages import (
+    OPS,
+    U32,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Message,
+    Reply,
+    Request,
+    decode_request,
+    peek_id,
+)
+
+
+class Role(Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class NeedData(Enum):
+    NEED_DATA = "need_data"
+
+
+NEED_DATA: Final = NeedData.NEED_DATA  # next_event(): no complete frame yet, receive more
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    """Server side: a frame that is not a valid request. Answer it with reply(); the
+    connection goes on."""
+
+    id: int  # 0 when the request's id could not be read
+    code: ErrorCode
+    message: str
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(id=self.id, code=self.code, message=self.message)
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer ended the stream (receive_data(b"")) at a frame boundary."""
+
+
+Event: TypeAlias = Request | Reply | BadRequest | ConnectionClosed
+
+
+def _check_id(message: Message, lo: int) -> None:
+    if (
+        not isinstance(message.id, int)
+        or isinstance(message.id, bool)
+        or not lo <= message.id <= U32
+    ):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"message id {message.id!r} outside {lo}..{U32}")
+
+
+class Connection:
+    """The protocol state of one connection, for a client or a server."""
+
+    def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.role = role
+        self.limits = limits  # a client adopts the server's limits from the hello reply
+        self._reader = FrameReader(limits.max_frame_bytes)
+        self._in_flight: dict[int, str] = {}  # request id -> op, awaiting a reply
+        self._unanswered: list[int] = []  # server: ids of BadRequest events not yet answered
+        self._fds: deque[int] = deque()  # client: received descriptors not yet claimed
+        self._hello_sent = False  # client
+        self._hello_received = False  # server: hello request; client: hello reply
+        self._ended = False
+        self._error: ProtocolError | None = None
+
+    # --- state, for callers and tests ---
+
+    @property
+    def in_flight(self) -> Mapping[int, str]:
+        """Request ids awaiting a reply, with their op."""
+        return dict(self._in_flight)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Received bytes not yet returned in an event (at most one partial frame once
+        next_event() has returned NEED_DATA)."""
+        return self._reader.buffered
+
+    @property
+    def failed(self) -> bool:
+        """True once a fatal ProtocolError was raised: every later call raises."""
+        return self._error is not None
+
+    def take_descriptors(self) -> list[int]:
+        """Client: every received descriptor not yet handed out in a reply, for the caller to
+        close (after a ProtocolError, or when giving up on the connection). Works when failed."""
+        fds = list(self._fds)
+        self._fds.clear()
+        return fds
+
+    # --- sending ---
+
+    def send(self, message: Message) -> bytes:
+        """The frame for message, after checking it is allowed now. A ProtocolError here
+        changes nothing: the message was not sent and the connection stays usable."""
+        self._check_usable()
+        if self.role is Role.CLIENT:
+            self._check_request(message)
+        else:
+            self._check_reply(message)
+        frame = encode_frame(message.to_wire(), self.limits.max_frame_bytes)
+        if self.role is Role.CLIENT:
+            self._hello_sent |= isinstance(message, Hello)
+            self._in_flight[message.id] = message.op
+        else:
+            self._settle(message)
+        return frame
+
+    def _check_request(self, message: Message) -> None:
+        if not isinstance(message, Request):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a client sends requests only")
+        _check_id(message, 1)
+        if isinstance(message, Hello) and self._hello_sent:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
+        if not isinstance(message, Hello) and not self._hello_sent:
+            raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
+        if message.id in self._in_flight:
+            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {message.id} is in flight")
+        if len(self._in_flight) >= self.limits.max_in_flight:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_IN_FLIGHT,
+                f"{len(self._in_flight)} requests in flight, the limit",
+            )
+
+    def _check_reply(self, message: Message) -> None:
+        if not isinstance(message, Reply):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
+        _check_id(message, 0 if isinstance(message, ErrorReply) else 1)
+        fds = message.fds
+        if len(fds) != message.descriptor_count() or not all(
+            isinstance(fd, int) and fd >= 0 for fd in fds
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_DESCRIPTORS,
+                f"{message.op} reply holds {fds}, needs {message.descriptor_count()} descriptor(s)",
+            )
+        if isinstance(message, ErrorReply):
+            if message.id in self._unanswered or message.id in self._in_flight:
+                return
+            if message.id == 0:  # a notice not tied to any request
+                return
+        elif self._in_flight.get(message.id) == message.op:
+            return
+        raise ProtocolError(
+            ErrorCode.UNEXPECTED_REPLY,
+            f"no {message.op!r} request with id {message.id} awaits a reply",
+        )
+
+    def _settle(self, reply: Message) -> None:
+        """Server: the request (or bad request) reply answers is answered."""
+        if isinstance(reply, ErrorReply) and reply.id in self._unanswered:
+            self._unanswered.remove(reply.id)
+        else:
+            self._in_flight.pop(reply.id, None)
+
+    # --- receiving ---
+
+    def receive_data(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Bytes (and the descriptors of the same recvmsg) from the peer; b"" is the end of the
+        stream. Call next_event() until NEED_DATA before feeding more.
+
+        A server raises BAD_DESCRIPTORS for any descriptor and keeps none (the caller closes
+        them). A client queues them first, so take_descriptors() returns them on any error."""
+        self._check_usable()
+        if fds and self.role is Role.SERVER:
+            self._fail(ProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors"))
+        self._fds.extend(fds)
+        if self._ended and (data or fds):
+            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
+        if len(self._fds) > len(self._in_flight):
+            self._fail(
+                ProtocolError(
+                    ErrorCode.BAD_DESCRIPTORS,
+                    f"{len(self._fds)} descriptors queued for {len(self._in_flight)} replies",
+                )
+            )
+        if data:
+            self._reader.feed(data)
+        else:
+            self._ended = True
+
+    def next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
+        """The next event, or NEED_DATA. Raises ProtocolError only for fatal errors."""
+        self._check_usable()
+        try:
+            return self._next_event()
+        except ProtocolError as exc:
+            self._fail(exc)
+
+    def _next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
+        view = self._reader.next_frame()
+        if view is None:
+            if self._fds and not self._reader.buffered:
+                raise ProtocolError(
+                    ErrorCode.BAD_DESCRIPTORS,
+                    f"{len(self._fds)} descriptor(s) arrived that no reply declares",
+                )
+            if not self._ended:
+                return NEED_DATA
+            if self._reader.buffered:
+                raise ProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
+            return ConnectionClosed()
+        with view:
+            try:
+                body = decode_body(view)
+            except ProtocolError as exc:
+                if self.role is Role.CLIENT:
+                    raise
+                return self._reject(0, exc.code, exc.message)
+        if self.role is Role.CLIENT:
+            return self._reply_event(body)
+        return self._request_event(body)
+
+    def _request_event(self, body: object) -> Request | BadRequest:
+        request_id = peek_id(body)
+        if not request_id:
+            return self._reject(0, ErrorCode.BAD_MESSAGE, f"no request id in 1..{U32}")
+        if request_id in self._in_flight or request_id in self._unanswered:
+            return self._reject(request_id, ErrorCode.DUPLICATE_ID, "request id is in flight")
+        if len(self._in_flight) >= self.limits.max_in_flight:
+            return self._reject(
+                request_id,
+                ErrorCode.TOO_MANY_IN_FLIGHT,
+                f"{len(self._in_flight)} requests in flight, the limit",
+            )
+        try:
+            request = decode_request(body, self.limits)
+        except ProtocolError as exc:
+            return self._reject(request_id, exc.code, exc.message)
+        if isinstance(request, Hello) and self._hello_received:
+            return self._reject(request_id, ErrorCode.BAD_MESSAGE, "hello was already received")
+        if not isinstance(request, Hello) and not self._hello_received:
+            return self._reject(request_id, ErrorCode.HANDSHAKE_REQUIRED, "hello must come first")
+        self._hello_received |= isinstance(request, Hello)
+        self._in_flight[request_id] = request.op
+        return request
+
+    def _reject(self, request_id: int, code: ErrorCode, message: str) -> BadRequest:
+        # A server answers each BadRequest before asking for the next event, so this bound
+        # is only reached by a server that ignores them: fatal, as buffering must stay bounded.
+        if len(self._unanswered) >= self.limits.max_in_flight:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_IN_FLIGHT,
+                f"{len(self._unanswered)} bad requests left unanswered",
+            )
+        self._unanswered.append(request_id)
+        return BadRequest(request_id, code, message)
+
+    def _reply_event(self, body: object) -> Reply:
+        if not isinstance(body, Mapping):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
+        op, reply_id = body.get("op"), peek_id(body)
+        if op == ErrorReply.op:
+            error = ErrorReply.from_wire(body, self.limits)
+            if error.id and self._in_flight.pop(error.id, None) is None:
+                raise ProtocolError(
+                    ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
+                )
+            return error
+        expected = self._in_flight.get(reply_id)
+        if expected is None:
+            raise ProtocolError(ErrorCode.UNEXPECTED_REPLY, "reply to an id not in flight")
+        if op != expected:
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
+            )
+        reply = OPS[expected].reply.from_wire(body, self.limits)
+        wanted = reply.descriptor_count()
+        if wanted > len(self._fds):
+            raise ProtocolError(
+                ErrorCode.BAD_DESCRIPTORS,
+                f"{op} reply declares {wanted} descriptor(s), {len(self._fds)} arrived",
+            )
+        del self._in_flight[reply_id]
+        if wanted:
+            reply = reply.with_fds(tuple(self._fds.popleft() for _ in range(wanted)))
+        if isinstance(reply, HelloReply):
+            self._hello_received = True
+            self.limits = reply.limits
+            self._reader.max_frame_bytes = reply.limits.max_frame_bytes
+        return reply
+
+    # --- failure ---
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise ProtocolError(
+                self._error.code, f"connection unusable after: {self._error.message}"
+            )
+
+    def _fail(self, exc: ProtocolError) -> NoReturn:
+        self._error = exc
+        raise exc

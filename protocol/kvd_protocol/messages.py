@@ -1,0 +1,505 @@
+"""The messages of protocol version 1: one frozen dataclass per request and per reply.
+
+A message's wire map is {"op": <op>, "id": <id>, <its fields>}; every field is always present
+(an absent value is nil), and a field's checker lives beside its declaration. OPS pairs each
+request class with its reply class: the one table of operations. See PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, Self, TypeAlias
+
+from . import schema
+from .errors import ErrorCode, ProtocolError
+from .identity import Identity
+from .limits import Limits
+from .tokens import TOKEN_BYTES
+
+PROTOCOL_VERSION: Final = 1
+U32: Final = (1 << 32) - 1
+U64: Final = (1 << 64) - 1
+MAX_FEATURES: Final = 256
+SKIP_REASONS: Final = ("duplicate", "covered")
+TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
+
+# A field checker: (decoded value, field name, limits) -> the field's Python value.
+# It raises schema.SchemaError (a bad message) or ProtocolError (a specific code, e.g. TOO_LARGE).
+Check = Callable[[object, str, Limits], Any]
+
+
+def wire(check: Check) -> dict[str, Check]:
+    """The metadata of a dataclass field that is on the wire, checked by check when decoded."""
+    return {"check": check}
+
+
+# --- field checkers ---------------------------------------------------------------------------
+
+
+def _uint(lo: int = 0, hi: int = U64) -> Check:
+    return lambda value, what, limits: schema.integer(value, what, lo, hi)
+
+
+def _name(value: object, what: str, limits: Limits) -> str:
+    return schema.text(value, what, limits.max_name_bytes)
+
+
+def _prose(value: object, what: str, limits: Limits) -> str:
+    """Free text (error messages, reasons): bounded only by the frame."""
+    return schema.text(value, what, limits.max_frame_bytes)
+
+
+def _seconds(value: object, what: str, limits: Limits) -> float:
+    return schema.number(value, what, 0.0, sys.float_info.max)
+
+
+def _bool(value: object, what: str, limits: Limits) -> bool:
+    return schema.boolean(value, what)
+
+
+def _optional(check: Check) -> Check:
+    return lambda value, what, limits: None if value is None else check(value, what, limits)
+
+
+def _choice(choices: tuple[str, ...]) -> Check:
+    def check(value: object, what: str, limits: Limits) -> str:
+        if value not in choices:
+            raise schema.SchemaError(f"{what}: expected one of {list(choices)}, got {value!r}")
+        return str(value)
+
+    return check
+
+
+def _tokens(value: object, what: str, limits: Limits) -> bytes:
+    max_bytes = limits.max_tokens * TOKEN_BYTES
+    if isinstance(value, bytes) and len(value) > max_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{what}: {len(value) // TOKEN_BYTES} tokens, over the limit of {limits.max_tokens}",
+        )
+    return schema.binary(value, what, max_bytes, TOKEN_BYTES)
+
+
+def _identity(value: object, what: str, limits: Limits) -> Identity:
+    return Identity.from_wire(value, limits)
+
+
+def _limits(value: object, what: str, limits: Limits) -> Limits:
+    names = {f.name for f in dataclasses.fields(Limits)}
+    raw = schema.fields(value, what, names)
+    return Limits(**{name: schema.integer(raw[name], f"{what}.{name}", 1, U32) for name in names})
+
+
+def _features(value: object, what: str, limits: Limits) -> tuple[str, ...]:
+    items = schema.sequence(value, what, MAX_FEATURES)
+    return tuple(_name(item, what, limits) for item in items)
+
+
+_ERROR_CODES = frozenset(code.value for code in ErrorCode)
+
+
+def _error_code(value: object, what: str, limits: Limits) -> ErrorCode:
+    if not isinstance(value, str) or value not in _ERROR_CODES:
+        raise schema.SchemaError(f"{what}: not an error code: {value!r}")
+    return ErrorCode(value)
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _status(value: object, what: str, limits: Limits) -> dict[str, Any]:
+    """Free-form, but maps with string keys holding plain msgpack values (no ext types)."""
+    if not isinstance(value, dict):
+        raise schema.SchemaError(f"{what}: expected a map, got {type(value).__name__}")
+    stack: list[object] = [value]
+    while stack:  # iterative: nesting may be deeper than Python's recursion limit
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(isinstance(key, str) for key in item):
+                raise schema.SchemaError(f"{what}: map keys must be strings")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, _PLAIN):
+            raise schema.SchemaError(f"{what}: {type(item).__name__} is not allowed")
+    return value
+
+
+def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
+    return EntrySummary.from_map(value, what, limits)
+
+
+def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ...]:
+    items = schema.sequence(value, what, limits.max_frame_bytes)
+    return tuple(_entry(item, what, limits) for item in items)
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, Record):
+        return value.to_map()
+    if isinstance(value, Identity | Limits):
+        return value.to_wire()
+    if isinstance(value, tuple):
+        return [_encode(item) for item in value]
+    return value
+
+
+_WireFields: TypeAlias = tuple[tuple[tuple[str, Check], ...], frozenset[str]]
+_wire_fields_cache: dict[type[Record], _WireFields] = {}
+
+
+def _wire_fields(cls: type[Record]) -> _WireFields:
+    """The (name, checker) pairs of cls's wire fields, and every key its map must hold."""
+    found = _wire_fields_cache.get(cls)
+    if found is None:
+        checked = tuple(
+            (f.name, f.metadata["check"]) for f in dataclasses.fields(cls) if "check" in f.metadata
+        )
+        found = checked, frozenset(name for name, _ in checked) | cls.envelope
+        _wire_fields_cache[cls] = found
+    return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """A msgpack map with exactly the fields declared with wire()."""
+
+    envelope: ClassVar[frozenset[str]] = frozenset()  # keys checked by a subclass, not here
+
+    @classmethod
+    def from_map(cls, obj: object, what: str, limits: Limits) -> Self:
+        """Strictly decode; raises schema.SchemaError or ProtocolError."""
+        checked, keys = _wire_fields(cls)
+        raw = schema.fields(obj, what, keys)
+        record = cls(**{name: check(raw[name], name, limits) for name, check in checked})
+        record.check_consistency()
+        return record
+
+    def to_map(self) -> dict[str, object]:
+        checked, _ = _wire_fields(type(self))
+        return {name: _encode(getattr(self, name)) for name, _ in checked}
+
+    def check_consistency(self) -> None:
+        """Rules across fields; raises schema.SchemaError."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntrySummary(Record):
+    """What the daemon tells about one stored entry (lookup and list replies)."""
+
+    id: str = field(metadata=wire(_name))
+    identity: str = field(metadata=wire(_name))  # Identity.digest()
+    tokens: int = field(metadata=wire(_uint()))
+    bytes: int = field(metadata=wire(_uint()))
+    trimmable: bool = field(metadata=wire(_bool))
+    created: float = field(metadata=wire(_seconds))  # seconds since the epoch
+    durable: bool = field(metadata=wire(_bool))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message(Record):
+    """One frame's body: {"op": op, "id": id, ...fields}."""
+
+    op: ClassVar[str]
+    envelope: ClassVar[frozenset[str]] = frozenset({"op"})
+    id: int = field(metadata=wire(_uint(1, U32)))
+
+    @classmethod
+    def from_wire(cls, obj: object, limits: Limits) -> Self:
+        """Strictly decode a body of this class's op; raises ProtocolError."""
+        if not isinstance(obj, Mapping) or obj.get("op") != cls.op:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a {cls.op!r} message")
+        try:
+            return cls.from_map(obj, cls.op, limits)
+        except schema.SchemaError as exc:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{cls.op}: {exc}") from None
+
+    def to_wire(self) -> dict[str, object]:
+        return {"op": self.op, **self.to_map()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request(Message):
+    """Client to server. Requests never carry descriptors."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reply(Message):
+    """Server to client, answering the request with the same id and op."""
+
+    def descriptor_count(self) -> int:
+        """How many descriptors travel with this reply, as its own fields declare."""
+        return 0
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors this reply object holds (not part of its msgpack body)."""
+        return ()
+
+    def with_fds(self, fds: tuple[int, ...]) -> Self:
+        """This reply holding fds (descriptor_count() of them)."""
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OneDescriptorReply(Reply):
+    fd: int | None = None  # travels beside the frame (SCM_RIGHTS), never in the body
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        return () if self.fd is None else (self.fd,)
+
+    def with_fds(self, fds: tuple[int, ...]) -> Self:
+        return dataclasses.replace(self, fd=fds[0] if fds else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorReply(Reply):
+    """The answer to a request that failed; id 0 when the request's id could not be read."""
+
+    op: ClassVar[str] = "error"
+    id: int = field(metadata=wire(_uint(0, U32)))
+    code: ErrorCode = field(metadata=wire(_error_code))
+    message: str = field(metadata=wire(_prose))
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Request):
+    op: ClassVar[str] = "hello"
+    protocol: int = field(metadata=wire(_uint(0, U32)))
+    client: str = field(metadata=wire(_name))
+    pid: int = field(metadata=wire(_uint(1, U32)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelloReply(Reply):
+    op: ClassVar[str] = "hello"
+    protocol: int = field(metadata=wire(_uint(0, U32)))
+    server: str = field(metadata=wire(_name))  # the daemon's version
+    limits: Limits = field(metadata=wire(_limits))
+    features: tuple[str, ...] = field(metadata=wire(_features))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PingReply(Reply):
+    op: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutBegin(Request):
+    op: ClassVar[str] = "put_begin"
+    identity: Identity = field(metadata=wire(_identity))
+    tokens: bytes = field(metadata=wire(_tokens))
+    size: int = field(metadata=wire(_uint(1)))  # the entry file's exact size in bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutBeginReply(_OneDescriptorReply):
+    """skip None: fd is the pre-sized staging file to write; else the entry is already held."""
+
+    op: ClassVar[str] = "put_begin"
+    put: int = field(metadata=wire(_uint()))
+    skip: str | None = field(metadata=wire(_optional(_choice(SKIP_REASONS))))
+
+    def descriptor_count(self) -> int:
+        return 1 if self.skip is None else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutCommit(Request):
+    op: ClassVar[str] = "put_commit"
+    put: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutCommitReply(Reply):
+    op: ClassVar[str] = "put_commit"
+    ticket: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutAbort(Request):
+    op: ClassVar[str] = "put_abort"
+    put: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutAbortReply(Reply):
+    op: ClassVar[str] = "put_abort"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ticket(Request):
+    op: ClassVar[str] = "ticket"
+    ticket: int = field(metadata=wire(_uint()))
+    # None: answer at once
+    timeout: float | None = field(metadata=wire(_optional(_seconds)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TicketReply(Reply):
+    op: ClassVar[str] = "ticket"
+    ticket: int = field(metadata=wire(_uint()))
+    state: str = field(metadata=wire(_choice(TICKET_STATES)))
+    reason: str | None = field(metadata=wire(_optional(_prose)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lookup(Request):
+    op: ClassVar[str] = "lookup"
+    identity: Identity = field(metadata=wire(_identity))
+    tokens: bytes = field(metadata=wire(_tokens))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupReply(_OneDescriptorReply):
+    """A hit holds the entry, a lease to release, and fd: the entry file, read-only."""
+
+    op: ClassVar[str] = "lookup"
+    matched: int = field(metadata=wire(_uint(0, U32)))
+    entry: EntrySummary | None = field(metadata=wire(_optional(_entry)))
+    lease: int | None = field(metadata=wire(_optional(_uint())))
+
+    def descriptor_count(self) -> int:
+        return 1 if self.entry is not None else 0
+
+    def check_consistency(self) -> None:
+        if (self.entry is None) != (self.lease is None):
+            raise schema.SchemaError("lookup: entry and lease must be both set or both nil")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release(Request):
+    op: ClassVar[str] = "release"
+    lease: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseReply(Reply):
+    op: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flush(Request):
+    op: ClassVar[str] = "flush"
+    # None: wait as long as it takes
+    timeout: float | None = field(metadata=wire(_optional(_seconds)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlushReply(Reply):
+    op: ClassVar[str] = "flush"
+    durable: bool = field(metadata=wire(_bool))
+    pending: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(Request):
+    op: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusReply(Reply):
+    op: ClassVar[str] = "status"
+    status: dict[str, Any] = field(metadata=wire(_status))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListEntries(Request):
+    op: ClassVar[str] = "list"
+    # an identity digest, or None for all identities
+    identity: str | None = field(metadata=wire(_optional(_name)))
+    limit: int = field(metadata=wire(_uint(1, U32)))
+    # an entry id: the page starts after it (None: from the start)
+    after: str | None = field(metadata=wire(_optional(_name)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListEntriesReply(Reply):
+    op: ClassVar[str] = "list"
+    entries: tuple[EntrySummary, ...] = field(metadata=wire(_entries))
+    more: bool = field(metadata=wire(_bool))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evict(Request):
+    """Exactly one selector: an entry id, an identity digest, or all=True."""
+
+    op: ClassVar[str] = "evict"
+    entry: str | None = field(metadata=wire(_optional(_name)))
+    identity: str | None = field(metadata=wire(_optional(_name)))
+    all: bool = field(metadata=wire(_bool))
+
+    def check_consistency(self) -> None:
+        if (self.entry is not None) + (self.identity is not None) + self.all != 1:
+            raise schema.SchemaError("evict: set exactly one of entry, identity, all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictReply(Reply):
+    op: ClassVar[str] = "evict"
+    evicted: int = field(metadata=wire(_uint()))
+    bytes: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True)
+class Op:
+    request: type[Request]
+    reply: type[Reply]
+
+
+OPS: Final[Mapping[str, Op]] = MappingProxyType(
+    {
+        op.request.op: op
+        for op in (
+            Op(Hello, HelloReply),
+            Op(Ping, PingReply),
+            Op(PutBegin, PutBeginReply),
+            Op(PutCommit, PutCommitReply),
+            Op(PutAbort, PutAbortReply),
+            Op(Ticket, TicketReply),
+            Op(Lookup, LookupReply),
+            Op(Release, ReleaseReply),
+            Op(Flush, FlushReply),
+            Op(Status, StatusReply),
+            Op(ListEntries, ListEntriesReply),
+            Op(Evict, EvictReply),
+        )
+    }
+)
+
+
+def peek_id(obj: object) -> int:
+    """The request id of a decoded body, or 0 when it has none that could be answered."""
+    if isinstance(obj, Mapping):
+        value = obj.get("id")
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= U32:
+            return value
+    return 0
+
+
+def decode_request(obj: object, limits: Limits) -> Request:
+    """The request a decoded body holds; raises ProtocolError (UNKNOWN_OP, BAD_MESSAGE,
+    TOO_LARGE)."""
+    op = obj.get("op") if isinstance(obj, Mapping) else None
+    if not isinstance(op, str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a map with a string 'op'")
+    spec = OPS.get(op)
+    if spec is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r}")
+    return spec.request.from_wire(obj, limits)

@@ -1,0 +1,254 @@
+"""Messages: wire maps, strict decoding of each field, the op table, descriptor counts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+import pytest
+from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.framing import decode_body
+from kvd_protocol.limits import DEFAULT_LIMITS, Limits
+from kvd_protocol.messages import (
+    OPS,
+    ErrorReply,
+    Evict,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    Message,
+    PutBegin,
+    PutBeginReply,
+    Reply,
+    StatusReply,
+    decode_request,
+    peek_id,
+)
+from kvd_protocol.tokens import pack_tokens
+from wire_samples import ENTRY, HELLO, HELLO_REPLY, IDENTITY, exchanges
+
+MESSAGES: list[Message] = [HELLO, HELLO_REPLY] + [m for pair in exchanges() for m in pair]
+
+
+def _ids(messages: list[Message]) -> list[str]:
+    return [f"{type(m).__name__}-{m.id}" for m in messages]
+
+
+def _decode(cls: type[Message], wire: object, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode as the receiving side does: through msgpack, then the class."""
+    return cls.from_wire(decode_body(msgpack.packb(wire)), limits)
+
+
+def _without_fds(message: Message) -> Message:
+    return message.with_fds(()) if isinstance(message, Reply) else message
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=_ids(MESSAGES))
+def test_every_message_round_trips_through_its_wire_map(message: Message) -> None:
+    assert _decode(type(message), message.to_wire()) == _without_fds(message)
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=_ids(MESSAGES))
+def test_wire_map_is_the_envelope_plus_fields_and_never_a_descriptor(message: Message) -> None:
+    wire = message.to_wire()
+    assert wire["op"] == message.op
+    assert wire["id"] == message.id
+    assert "fd" not in wire
+
+
+def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
+    assert set(OPS) == {
+        "hello",
+        "ping",
+        "put_begin",
+        "put_commit",
+        "put_abort",
+        "ticket",
+        "lookup",
+        "release",
+        "flush",
+        "status",
+        "list",
+        "evict",
+    }
+    for name, op in OPS.items():
+        assert op.request.op == op.reply.op == name
+
+
+def _wrong_values(good: object) -> list[object]:
+    """Values of a type the field does not accept (nil is left out: optional fields take it)."""
+    wrong: list[object] = [[[]]]
+    if isinstance(good, bool):
+        wrong += [1, "true"]
+    elif isinstance(good, int):
+        wrong += ["1", True, 1.0, -1]
+    elif isinstance(good, float):
+        wrong += ["1.0", True, -1.0]
+    elif isinstance(good, str):
+        wrong += [1, b"text"]
+    elif isinstance(good, bytes):
+        wrong += ["text", 4]
+    elif isinstance(good, dict):
+        wrong += [7, "map"]
+    return wrong
+
+
+_FIELD_CASES = [
+    (message, key, bad)
+    for message in MESSAGES
+    for key, good in message.to_wire().items()
+    if key != "op"
+    for bad in _wrong_values(good)
+]
+
+
+@pytest.mark.parametrize(
+    ("message", "key", "bad"),
+    _FIELD_CASES,
+    ids=[f"{type(m).__name__}-{m.id}.{k}={b!r}" for m, k, b in _FIELD_CASES],
+)
+def test_a_wrong_type_in_any_field_is_a_bad_message(message: Message, key: str, bad: Any) -> None:
+    wire = {**message.to_wire(), key: bad}
+    with pytest.raises(ProtocolError) as caught:
+        _decode(type(message), wire)
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=_ids(MESSAGES))
+def test_an_extra_field_is_a_bad_message(message: Message) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        _decode(type(message), {**message.to_wire(), "extra": 1})
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=_ids(MESSAGES))
+def test_a_missing_field_is_a_bad_message(message: Message) -> None:
+    for key in message.to_wire():
+        wire = message.to_wire()
+        del wire[key]
+        with pytest.raises(ProtocolError) as caught:
+            _decode(type(message), wire)
+        assert caught.value.code is ErrorCode.BAD_MESSAGE, key
+
+
+def test_nested_maps_are_checked_strictly() -> None:
+    identity = {**IDENTITY.to_wire(), "extra": "x"}
+    with pytest.raises(ProtocolError, match="identity"):
+        _decode(
+            Lookup, {**Lookup(id=1, identity=IDENTITY, tokens=b"").to_wire(), "identity": identity}
+        )
+    entry = ENTRY.to_map()
+    del entry["durable"]
+    reply = LookupReply(id=1, matched=1, entry=ENTRY, lease=1).to_wire()
+    with pytest.raises(ProtocolError, match="durable"):
+        _decode(LookupReply, {**reply, "entry": entry})
+    limits = {**DEFAULT_LIMITS.to_wire(), "max_frame_bytes": 0}
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        _decode(HelloReply, {**HELLO_REPLY.to_wire(), "limits": limits})
+
+
+def test_a_body_of_another_op_is_refused() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        _decode(Lookup, {**Lookup(id=1, identity=IDENTITY, tokens=b"").to_wire(), "op": "ping"})
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_tokens_over_the_limit_are_too_large_and_ragged_tokens_a_bad_message() -> None:
+    limits = Limits(max_tokens=8)
+    at_limit = PutBegin(id=1, identity=IDENTITY, tokens=pack_tokens(range(8)), size=1)
+    assert _decode(PutBegin, at_limit.to_wire(), limits) == at_limit
+    over = replace(at_limit, tokens=pack_tokens(range(9)))
+    with pytest.raises(ProtocolError) as caught:
+        _decode(PutBegin, over.to_wire(), limits)
+    assert caught.value.code is ErrorCode.TOO_LARGE
+    ragged = replace(at_limit, tokens=b"\x01\x02\x03")
+    with pytest.raises(ProtocolError) as caught:
+        _decode(PutBegin, ragged.to_wire(), limits)
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize(
+    ("entry", "identity", "all_"),
+    [
+        (None, None, False),
+        ("e", "d", False),
+        ("e", None, True),
+        (None, "d", True),
+        ("e", "d", True),
+    ],
+)
+def test_evict_needs_exactly_one_selector(
+    entry: str | None, identity: str | None, all_: bool
+) -> None:
+    wire = Evict(id=1, entry=entry, identity=identity, all=all_).to_wire()
+    with pytest.raises(ProtocolError, match="exactly one"):
+        _decode(Evict, wire)
+
+
+def test_lookup_reply_has_a_lease_exactly_when_it_has_an_entry() -> None:
+    for entry, lease in ((ENTRY, None), (None, 3)):
+        wire = LookupReply(id=1, matched=0, entry=entry, lease=lease).to_wire()
+        with pytest.raises(ProtocolError, match="lease"):
+            _decode(LookupReply, wire)
+
+
+def test_error_reply_accepts_id_zero_and_only_known_codes() -> None:
+    notice = ErrorReply(id=0, code=ErrorCode.BAD_FRAME, message="length 0")
+    assert _decode(ErrorReply, notice.to_wire()) == notice
+    with pytest.raises(ProtocolError, match="error code"):
+        _decode(ErrorReply, {**notice.to_wire(), "code": "no_such_code"})
+
+
+def test_status_is_free_form_but_not_ext_types() -> None:
+    reply = StatusReply(id=1, status={"a": {"b": [1, 2.5, None, b"x", "y", True]}})
+    assert _decode(StatusReply, reply.to_wire()) == reply
+    with pytest.raises(ProtocolError, match="Timestamp"):
+        _decode(StatusReply, {**reply.to_wire(), "status": {"t": [msgpack.Timestamp(1)]}})
+    with pytest.raises(ProtocolError, match="keys must be strings"):
+        _decode(StatusReply, {**reply.to_wire(), "status": {"t": [{b"k": 1}]}})
+
+
+def test_descriptor_count_follows_the_reply_fields() -> None:
+    assert PutBeginReply(id=1, put=1, skip=None).descriptor_count() == 1
+    assert PutBeginReply(id=1, put=1, skip="covered").descriptor_count() == 0
+    assert LookupReply(id=1, matched=1, entry=ENTRY, lease=1).descriptor_count() == 1
+    assert LookupReply(id=1, matched=0, entry=None, lease=None).descriptor_count() == 0
+    assert HELLO_REPLY.descriptor_count() == 0
+    assert PutBeginReply(id=1, put=1, skip=None).with_fds((5,)).fds == (5,)
+
+
+def test_decode_request_dispatches_on_op() -> None:
+    assert decode_request(HELLO.to_wire(), DEFAULT_LIMITS) == HELLO
+    with pytest.raises(ProtocolError) as caught:
+        decode_request({"op": "launch", "id": 1}, DEFAULT_LIMITS)
+    assert caught.value.code is ErrorCode.UNKNOWN_OP
+    for body in ({"id": 1}, {"op": 5, "id": 1}, [1, 2], None):
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(body, DEFAULT_LIMITS)
+        assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_a_reply_op_is_not_a_request() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        decode_request(
+            ErrorReply(id=1, code=ErrorCode.INTERNAL, message="").to_wire(), DEFAULT_LIMITS
+        )
+    assert caught.value.code is ErrorCode.UNKNOWN_OP
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"id": 7}, 7),
+        ({"id": (1 << 32) - 1}, (1 << 32) - 1),
+        ({"id": 0}, 0),
+        ({"id": 1 << 32}, 0),
+        ({"id": True}, 0),
+        ({"id": "7"}, 0),
+        ({}, 0),
+        ([7], 0),
+    ],
+)
+def test_peek_id_reads_only_an_answerable_id(body: object, expected: int) -> None:
+    assert peek_id(body) == expected

@@ -1,0 +1,188 @@
+"""Valid messages of every op, and helpers that drive a client and a server Connection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvd_protocol.connection import NEED_DATA, Connection, Event, Role
+from kvd_protocol.errors import ErrorCode
+from kvd_protocol.identity import Identity
+from kvd_protocol.limits import DEFAULT_LIMITS, Limits
+from kvd_protocol.messages import (
+    PROTOCOL_VERSION,
+    EntrySummary,
+    ErrorReply,
+    Evict,
+    EvictReply,
+    Flush,
+    FlushReply,
+    Hello,
+    HelloReply,
+    ListEntries,
+    ListEntriesReply,
+    Lookup,
+    LookupReply,
+    Ping,
+    PingReply,
+    PutAbort,
+    PutAbortReply,
+    PutBegin,
+    PutBeginReply,
+    PutCommit,
+    PutCommitReply,
+    Release,
+    ReleaseReply,
+    Reply,
+    Request,
+    Status,
+    StatusReply,
+    Ticket,
+    TicketReply,
+)
+from kvd_protocol.tokens import pack_tokens
+
+IDENTITY = Identity(
+    model_id="mlx-community/Qwen3-8B-4bit",
+    config_fingerprint="cfg-1",
+    tokenizer_hash="tok-1",
+    codec_id="kvd-codecs/1",
+    runtime="mlx-0.29/cpu",
+    namespace="tenant-a",
+)
+DIGEST = IDENTITY.digest()
+TOKENS = pack_tokens(range(1000, 1064))
+ENTRY = EntrySummary(
+    id="e-0001",
+    identity=DIGEST,
+    tokens=64,
+    bytes=1 << 20,
+    trimmable=True,
+    created=1.7e9,
+    durable=False,
+)
+
+HELLO = Hello(id=1, protocol=PROTOCOL_VERSION, client="test-engine", pid=4242)
+HELLO_REPLY = HelloReply(
+    id=1, protocol=PROTOCOL_VERSION, server="0.1.0", limits=DEFAULT_LIMITS, features=("put",)
+)
+
+
+def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
+    """One (request, reply) pair per op and reply variant, ids counting from first_id;
+    replies that carry a descriptor hold a made-up one (100 + their id)."""
+    pairs: list[tuple[Request, Reply]] = [
+        (Ping(id=0), PingReply(id=0)),
+        (
+            PutBegin(id=0, identity=IDENTITY, tokens=TOKENS, size=3 << 20),
+            PutBeginReply(id=0, put=7, skip=None),
+        ),
+        (
+            PutBegin(id=0, identity=IDENTITY, tokens=TOKENS, size=1),
+            PutBeginReply(id=0, put=8, skip="duplicate"),
+        ),
+        (
+            PutBegin(id=0, identity=IDENTITY, tokens=b"", size=1),
+            PutBeginReply(id=0, put=9, skip="covered"),
+        ),
+        (PutCommit(id=0, put=7), PutCommitReply(id=0, ticket=70)),
+        (PutAbort(id=0, put=8), PutAbortReply(id=0)),
+        (
+            Ticket(id=0, ticket=70, timeout=None),
+            TicketReply(id=0, ticket=70, state="pending", reason=None),
+        ),
+        (
+            Ticket(id=0, ticket=70, timeout=2.5),
+            TicketReply(id=0, ticket=70, state="dropped", reason="queue over its cap"),
+        ),
+        (
+            Lookup(id=0, identity=IDENTITY, tokens=TOKENS),
+            LookupReply(id=0, matched=63, entry=ENTRY, lease=5),
+        ),
+        (
+            Lookup(id=0, identity=IDENTITY, tokens=TOKENS[:4]),
+            LookupReply(id=0, matched=0, entry=None, lease=None),
+        ),
+        (Release(id=0, lease=5), ReleaseReply(id=0)),
+        (Flush(id=0, timeout=None), FlushReply(id=0, durable=True, pending=0)),
+        (Flush(id=0, timeout=0.0), FlushReply(id=0, durable=False, pending=3)),
+        (
+            Status(id=0),
+            StatusReply(id=0, status={"entries": 3, "tiers": [{"bytes": 1.5, "name": b"x"}]}),
+        ),
+        (
+            ListEntries(id=0, identity=None, limit=10, after=None),
+            ListEntriesReply(id=0, entries=(ENTRY, ENTRY), more=True),
+        ),
+        (
+            ListEntries(id=0, identity=DIGEST, limit=1, after="e-0000"),
+            ListEntriesReply(id=0, entries=(), more=False),
+        ),
+        (
+            Evict(id=0, entry="e-0001", identity=None, all=False),
+            EvictReply(id=0, evicted=1, bytes=9),
+        ),
+        (Evict(id=0, entry=None, identity=DIGEST, all=False), EvictReply(id=0, evicted=0, bytes=0)),
+        (Evict(id=0, entry=None, identity=None, all=True), EvictReply(id=0, evicted=2, bytes=4)),
+        (
+            Ping(id=0),
+            ErrorReply(id=0, code=ErrorCode.SHUTTING_DOWN, message="bye"),
+        ),
+    ]
+    numbered = []
+    for offset, (request, reply) in enumerate(pairs):
+        rid = first_id + offset
+        answer = replace(reply, id=rid)
+        if answer.descriptor_count():
+            answer = answer.with_fds((100 + rid,))
+        numbered.append((replace(request, id=rid), answer))
+    return numbered
+
+
+def drain(connection: Connection) -> list[Event]:
+    """Every event the connection can produce from what it holds."""
+    events = []
+    while (event := connection.next_event()) is not NEED_DATA:
+        events.append(event)
+    return events
+
+
+def chunked(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def connected_pair(limits: Limits = DEFAULT_LIMITS) -> tuple[Connection, Connection]:
+    """A client and a server past the handshake."""
+    client, server = Connection(Role.CLIENT, limits), Connection(Role.SERVER, limits)
+    server.receive_data(client.send(HELLO))
+    assert drain(server) == [HELLO]
+    client.receive_data(server.send(HELLO_REPLY))
+    assert drain(client) == [HELLO_REPLY]
+    return client, server
+
+
+def feed(
+    connection: Connection,
+    frames: Sequence[tuple[bytes, Sequence[int]]],
+    chunk_sizes: Sequence[int],
+) -> list[Event]:
+    """Feed (frame, descriptors) pairs as one stream cut in chunks of the given sizes (cycling),
+    draining events after each chunk. Each frame's descriptors arrive with the chunk holding the
+    frame's first byte, as SCM_RIGHTS data does on a stream socket."""
+    stream = b"".join(frame for frame, _ in frames)
+    fds_at: dict[int, list[int]] = {}
+    start = 0
+    for frame, fds in frames:
+        fds_at.setdefault(start, []).extend(fds)
+        start += len(frame)
+    events: list[Event] = []
+    position = 0
+    index = 0
+    while position < len(stream):
+        end = position + chunk_sizes[index % len(chunk_sizes)]
+        fds = [fd for at, group in fds_at.items() if position <= at < end for fd in group]
+        connection.receive_data(stream[position:end], fds)
+        events.extend(drain(connection))
+        position = end
+        index += 1
+    return events
