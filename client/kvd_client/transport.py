@@ -1,8 +1,13 @@
-"""Blocking Unix-socket I/O with descriptor passing: the only socket code of the sync client."""
+"""Unix-socket I/O with descriptor passing: the only socket code of both clients.
+
+Every read goes through recvmsg with room for descriptors, never a plain recv: a recv would
+silently drop the descriptors a reply carries.
+"""
 
 from __future__ import annotations
 
 import array
+import asyncio
 import os
 import socket
 from collections.abc import Sequence
@@ -11,8 +16,31 @@ RECV_BYTES = 1 << 16
 MAX_FDS_PER_READ = 8  # replies carry at most one descriptor; room for several per read
 
 
-class TransportClosed(ConnectionError):
+class TransportClosed(ConnectionError):  # noqa: N818 - reads as the state it reports
     """The daemon closed the connection, or it broke."""
+
+
+def receive_from(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One recvmsg: some bytes and the descriptors that came with them (never a dropped one).
+    On a non-blocking socket with nothing to read, raises BlockingIOError."""
+    fds = array.array("i")
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(
+            RECV_BYTES, socket.CMSG_SPACE(MAX_FDS_PER_READ * fds.itemsize)
+        )
+    except ConnectionResetError as exc:
+        raise TransportClosed(str(exc)) from exc
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    received = list(fds)
+    if flags & socket.MSG_CTRUNC:
+        for fd in received:
+            os.close(fd)
+        raise TransportClosed("descriptors were truncated by the kernel")
+    if not data and not received:
+        raise TransportClosed("the daemon closed the connection")
+    return data, received
 
 
 class BlockingTransport:
@@ -45,25 +73,56 @@ class BlockingTransport:
             raise TransportClosed(str(exc)) from exc
 
     def receive(self) -> tuple[bytes, list[int]]:
-        """One read: some bytes and the descriptors that came with them (never a dropped one)."""
-        fds = array.array("i")
+        return receive_from(self._sock)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class AsyncTransport:
+    """The same on a non-blocking socket, for the running asyncio loop. Clients send no
+    descriptors, so sending is plain; receiving waits for readability, then recvmsg."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    async def connect(cls, path: str) -> AsyncTransport:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            data, ancdata, flags, _ = self._sock.recvmsg(
-                RECV_BYTES, socket.CMSG_SPACE(MAX_FDS_PER_READ * fds.itemsize)
-            )
-        except ConnectionResetError as exc:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._sock, data)
+        except (BrokenPipeError, ConnectionResetError) as exc:
             raise TransportClosed(str(exc)) from exc
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        received = list(fds)
-        if flags & socket.MSG_CTRUNC:
-            for fd in received:
-                os.close(fd)
-            raise TransportClosed("descriptors were truncated by the kernel")
-        if not data and not received:
-            raise TransportClosed("the daemon closed the connection")
-        return data, received
+
+    async def receive(self) -> tuple[bytes, list[int]]:
+        while True:
+            try:
+                return receive_from(self._sock)
+            except BlockingIOError:
+                await self._readable()
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self._sock.fileno(), wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self._sock.fileno())
 
     def close(self) -> None:
         self._sock.close()

@@ -1,18 +1,69 @@
-"""kvd_protocol: kvd's wire protocol and entry-file format, pure and sans-I/O."""
+"""kvd_protocol: kvd's wire protocol and entry-file format, pure and sans-I/O.
 
+PROTOCOL.md and FORMAT.md beside this package are the specifications this code implements.
+"""
+
+from kvd_protocol.connection import (
+    NEED_DATA,
+    BadRequest,
+    Connection,
+    ConnectionClosed,
+    Event,
+    Role,
+)
+from kvd_protocol.entry import (
+    ALIGNMENT,
+    PREFIX_BYTES,
+    Checkpoint,
+    EntryHeader,
+    EntryPlan,
+    Layer,
+    LayerSpec,
+    Slot,
+    TensorSpec,
+    plan_entry,
+)
+from kvd_protocol.entry_reader import parse_head, parse_header, parse_prefix, verify_slot
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
+from kvd_protocol.messages import OPS, PROTOCOL_VERSION, EntrySummary, ErrorReply, Reply, Request
 from kvd_protocol.tokens import pack_tokens, unpack_tokens
 
 __all__ = [
+    "ALIGNMENT",
     "DEFAULT_LIMITS",
+    "NEED_DATA",
+    "OPS",
+    "PREFIX_BYTES",
+    "PROTOCOL_VERSION",
+    "BadRequest",
+    "Checkpoint",
+    "Connection",
+    "ConnectionClosed",
     "EntryFormatError",
+    "EntryHeader",
+    "EntryPlan",
+    "EntrySummary",
     "ErrorCode",
+    "ErrorReply",
+    "Event",
     "Identity",
+    "Layer",
+    "LayerSpec",
     "Limits",
     "ProtocolError",
+    "Reply",
+    "Request",
+    "Role",
     "Rule",
+    "Slot",
+    "TensorSpec",
     "pack_tokens",
+    "parse_head",
+    "parse_header",
+    "parse_prefix",
+    "plan_entry",
     "unpack_tokens",
+    "verify_slot",
 ]

@@ -1,4 +1,4 @@
-"""Token ids as packed little-endian uint32 bytes: the one representation on the wire and on disk."""
+"""Token ids as packed little-endian uint32 bytes: one representation, on the wire and on disk."""
 
 from __future__ import annotations
 

@@ -34,12 +34,6 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
-def run_python(script: str, **kwargs: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        [sys.executable, "-c", textwrap.dedent(script)], text=True, **kwargs
-    )
-
-
 # ---- peer credentials ----------------------------------------------------------------------
 
 
@@ -57,17 +51,19 @@ def test_connected_peer_is_the_other_process(short_dir: Path) -> None:
         listener.bind(str(path))
         listener.listen()
         listener.settimeout(30)
-        client = run_python(
-            f"""
+        script = f"""
             import socket, sys
             from kvd.peercred import peer_credentials
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect({str(path)!r})
             print(peer_credentials(sock).pid, flush=True)
             sys.stdin.read()
-            """,
+            """
+        client = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            text=True,
         )
         conn, _ = listener.accept()
         with conn:

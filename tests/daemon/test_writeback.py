@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.writeback import Outcome, Overflow, WriteItem, WritebackQueue
+from kvd.writeback import Outcome, Overflow, WritebackQueue, WriteItem
 
 
 def item(ticket: int, nbytes: int = 10) -> WriteItem[str]:
@@ -303,9 +303,8 @@ def test_byte_accounting_is_exact(
             done = queue.in_flight
             queue.done(done, Outcome.STORED if kind == "stored" else Outcome.FAILED)
             del pending[done.ticket]
-        elif kind == "cancel":
-            if queue.cancel(value) is not None:
-                del pending[value]
+        elif kind == "cancel" and queue.cancel(value) is not None:
+            del pending[value]
         assert queue.pending_bytes == sum(pending.values())
         assert queue.pending_count == len(pending)
         left = queue.stored + queue.failed + queue.dropped + queue.cancelled

@@ -1,0 +1,274 @@
+"""The async client: the blocking client's API with await, on plain asyncio.
+
+It drives the same calls (calls.py) as Client; tensor copies run in a worker thread so the
+event loop keeps serving. Exchanges on one AsyncClient take turns (one request in flight at a
+time): tasks that must not wait behind a long ticket wait or flush use a client of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
+from kvd_protocol.errors import ProtocolError
+from kvd_protocol.identity import Identity
+from kvd_protocol.messages import EntrySummary, Reply
+
+from . import calls
+from .calls import (
+    Backoff,
+    Call,
+    ClientStats,
+    DaemonUnavailable,
+    Evicted,
+    Exchange,
+    LookupHit,
+    PutOutcome,
+    TicketState,
+)
+from .entry_io import TensorData
+from .transport import AsyncTransport
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """A connection to the kvd daemon, re-made as needed. Make one with
+    `await AsyncClient.connect()`."""
+
+    def __init__(self, session: calls.Session) -> None:
+        self._session = session
+        self._transport: AsyncTransport | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str | None = None,
+        timeout: float = 5.0,
+        name: str | None = None,
+        *,
+        require: bool = False,
+        backoff: Backoff = calls.DEFAULT_BACKOFF,
+    ) -> AsyncClient:
+        """As Client.connect."""
+        session = calls.Session(
+            socket_path or calls.default_socket_path(),
+            timeout,
+            name or calls.default_client_name(),
+            backoff,
+        )
+        client = cls(session)
+        try:
+            async with client._lock:
+                await client._connect(force=True)
+        except DaemonUnavailable:
+            if require:
+                raise
+        return client
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._session.stats
+
+    @property
+    def socket_path(self) -> str:
+        return self._session.socket_path
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._drop()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- operations (see Client) ---
+
+    async def ping(self) -> float:
+        return await self._run(calls.ping(self._session))
+
+    async def status(self) -> dict[str, object]:
+        return await self._run(calls.status(self._session))
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        return await self._run(calls.flush(self._session, timeout))
+
+    async def list_entries(
+        self,
+        identity: Identity | str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> list[EntrySummary]:
+        return await self._run(calls.list_entries(self._session, identity, after, limit))
+
+    async def evict(
+        self,
+        entry: str | None = None,
+        identity: Identity | str | None = None,
+        all: bool = False,  # the protocol's name for it
+    ) -> Evicted:
+        return await self._run(calls.evict(self._session, entry, identity, all))
+
+    async def put_entry(
+        self,
+        identity: Identity,
+        tokens: bytes | Sequence[int],
+        layers: Sequence[LayerSpec],
+        tensors: Sequence[TensorData],
+        *,
+        min_reuse: int = 0,
+        checkpoint: Checkpoint | None = None,
+        meta: Mapping[str, MetaValue] | None = None,
+    ) -> AsyncTicket:
+        call = calls.put_entry(
+            self._session,
+            identity,
+            tokens,
+            layers,
+            tensors,
+            created=time.time(),
+            min_reuse=min_reuse,
+            checkpoint=checkpoint,
+            meta=meta,
+        )
+        return AsyncTicket(self, await self._run(call))
+
+    async def lookup(
+        self, identity: Identity, tokens: bytes | Sequence[int]
+    ) -> AsyncLookupResult | None:
+        hit = await self._run(calls.lookup(self._session, identity, tokens))
+        return None if hit is None else AsyncLookupResult(self, hit)
+
+    # --- driving calls ---
+
+    async def _run(self, call: Call[T]) -> T:
+        result: object = None
+        error: Exception | None = None
+        try:
+            while True:
+                try:
+                    step = call.send(result) if error is None else call.throw(error)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                result, error = None, None
+                try:
+                    if isinstance(step, Exchange):
+                        result = await self._exchange(step)
+                    else:
+                        result = await asyncio.to_thread(step.work)
+                except Exception as exc:
+                    error = exc
+        finally:
+            call.close()
+
+    async def _exchange(self, step: Exchange) -> Reply:
+        async with self._lock:
+            connected_now = False
+            if step.epoch is None:
+                if self._transport is None:
+                    await self._connect()
+                    connected_now = True
+            elif step.epoch != self._session.epoch or self._transport is None:
+                raise DaemonUnavailable("the connection this request belongs to was lost")
+            try:
+                return await self._request(step)
+            except DaemonUnavailable as exc:
+                if connected_now or not calls.may_retry(step, exc):
+                    raise
+            await self._connect()
+            return await self._request(step)
+
+    async def _request(self, step: Exchange) -> Reply:
+        frame = self._session.send(step.request)
+        try:
+            return await self._round_trip(frame, self._session.deadline(step.wait))
+        except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
+            self._drop()
+            raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
+        except BaseException:
+            self._drop()  # cancelled halfway through an exchange: the stream is out of step
+            raise
+
+    async def _connect(self, *, force: bool = False) -> None:
+        session = self._session
+        now = time.monotonic()
+        hello = session.begin_connect(now, force=force)
+        try:
+            async with asyncio.timeout(session.timeout):
+                self._transport = await AsyncTransport.connect(session.socket_path)
+            session.connected(await self._round_trip(hello, session.timeout))
+        except (OSError, ProtocolError, DaemonUnavailable) as exc:
+            self._drop()
+            session.connect_failed(now)
+            raise DaemonUnavailable(f"cannot connect to {session.socket_path}: {exc}") from exc
+        except BaseException:
+            self._drop()
+            raise
+
+    async def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
+        assert self._transport is not None
+        transport, session = self._transport, self._session
+        started = time.monotonic()
+        async with asyncio.timeout(timeout):
+            await transport.send(frame)
+            while (reply := session.next_reply()) is None:
+                session.receive(*await transport.receive())
+        session.last_round_trip = time.monotonic() - started
+        return reply
+
+    def _drop(self) -> None:
+        for fd in self._session.drop():
+            os.close(fd)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+
+class AsyncTicket(calls.TicketBase):
+    """As Ticket, with an awaitable wait()."""
+
+    def __init__(self, client: AsyncClient, outcome: PutOutcome) -> None:
+        super().__init__(outcome)
+        self._client = client
+
+    async def wait(self, timeout: float | None = None) -> TicketState:
+        call = calls.wait_ticket(self._client._session, self, timeout)
+        self._state = await self._client._run(call)
+        return self._state
+
+
+class AsyncLookupResult(calls.LookupResultBase):
+    """As LookupResult, with an awaitable release() and `async with`."""
+
+    def __init__(self, client: AsyncClient, hit: LookupHit) -> None:
+        super().__init__(hit)
+        self._client = client
+
+    async def release(self) -> None:
+        hit = self._unmap()
+        if hit is not None:
+            call = calls.release_lease(self._client._session, hit.lease, hit.epoch)
+            await self._client._run(call)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.release()

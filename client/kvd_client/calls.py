@@ -1,0 +1,546 @@
+"""What the blocking and the async client share: every operation, written once.
+
+An operation is a generator (a Call) that yields the steps it needs, an Exchange (send a
+request, get its reply) or Blocking file work, and is sent back each step's result, or has
+the step's exception thrown into it. Client drives calls with blocking sockets, AsyncClient
+with asyncio; neither holds any logic of its own beyond moving bytes. Session is the protocol
+state both keep across connections: ids, the current Connection, reconnect backoff, counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path, PurePosixPath
+from typing import Final, TypeAlias, TypeVar
+
+from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
+from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, plan_entry
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+from kvd_protocol.identity import Identity
+from kvd_protocol.limits import DEFAULT_LIMITS, Limits
+from kvd_protocol.messages import (
+    PROTOCOL_VERSION,
+    U32,
+    EntrySummary,
+    ErrorReply,
+    Evict,
+    EvictReply,
+    Flush,
+    FlushReply,
+    Hello,
+    HelloReply,
+    ListEntries,
+    ListEntriesReply,
+    Lookup,
+    LookupReply,
+    Ping,
+    PingReply,
+    PutAbort,
+    PutAbortReply,
+    PutBegin,
+    PutBeginReply,
+    PutCommit,
+    PutCommitReply,
+    Release,
+    ReleaseReply,
+    Reply,
+    Request,
+    Status,
+    StatusReply,
+    TicketReply,
+)
+from kvd_protocol.messages import Ticket as TicketRequest
+from kvd_protocol.paths import default_paths
+from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
+
+from . import entry_io
+from .entry_io import TensorData
+from .transport import TransportClosed
+
+log = logging.getLogger("kvd_client")
+
+T = TypeVar("T")
+R = TypeVar("R", bound=Reply)
+
+LIST_PAGE: Final = 1000  # entries asked for per list request
+TICKET_POLL_SECONDS: Final = 60.0  # Ticket.wait(None) asks again this often until settled
+UNAVAILABLE: Final = "unavailable"
+
+
+class DaemonUnavailable(ConnectionError):  # noqa: N818 - the documented name
+    """The daemon cannot be reached: not running, not answering in time, or the connection
+    broke. Put and lookup never raise it; operator calls (ping, status, flush...) do."""
+
+
+class DaemonError(Exception):
+    """The daemon refused a request with an error reply (or the request breaks its limits)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --- steps --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Send request and return its reply (an ErrorReply included).
+
+    wait: how long the daemon may take on purpose (a flush or ticket timeout), on top of the
+    client's timeout; None when it may take as long as it likes. epoch: the connection the
+    request belongs to (a put, lease or ticket lives on one); None means the current one,
+    connecting first if there is none."""
+
+    request: Request
+    wait: float | None = 0.0
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """File work that may take long (copying tensors): an async client runs it in a thread."""
+
+    work: Callable[[], object]
+
+
+Step: TypeAlias = Exchange | Blocking
+Call: TypeAlias = Generator[Step, object, T]
+
+
+def expect(reply: object, kind: type[R]) -> R:
+    """reply as kind; an error reply raises DaemonError (DaemonUnavailable when shutting down)."""
+    if isinstance(reply, kind):
+        return reply
+    if isinstance(reply, ErrorReply):
+        if reply.code is ErrorCode.SHUTTING_DOWN:
+            raise DaemonUnavailable(f"the daemon is shutting down: {reply.message}")
+        raise DaemonError(reply.code, reply.message)
+    raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
+
+
+def may_retry(step: Exchange, failure: DaemonUnavailable) -> bool:
+    """Whether a failed exchange is worth one more try on a new connection: the first request
+    of a call, on a connection that had broken since the last call (a restarted daemon).
+    Never after a timeout: a slow daemon would cost the engine twice the wait."""
+    return step.epoch is None and isinstance(failure.__cause__, TransportClosed)
+
+
+# --- session --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between connect attempts while the daemon is down: doubling from initial up to
+    maximum, so that a dead daemon costs a call a clock read, not a connect per call."""
+
+    initial: float = 0.05
+    maximum: float = 1.0
+
+
+DEFAULT_BACKOFF: Final = Backoff()
+
+
+@dataclass
+class ClientStats:
+    connect_attempts: int = 0
+    reconnects: int = 0  # successful connections after the first
+    unavailable_puts: int = 0  # puts answered "unavailable": the daemon was down or slow
+    failed_lookups: int = 0  # lookups turned into misses by an unavailable or refusing daemon
+    rejected_entries: int = 0  # looked-up files that failed validation or did not match
+
+
+def default_socket_path() -> str:
+    """KVD_SOCKET if set, else the platform default (kvd_protocol.paths)."""
+    configured = os.environ.get("KVD_SOCKET")
+    if configured:
+        return configured
+    home = PurePosixPath(Path.home())
+    return str(default_paths(sys.platform, home, os.environ, os.getuid()).socket)
+
+
+def default_client_name() -> str:
+    return (Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "") or "python"
+
+
+class Session:
+    """One client's protocol state across connections, free of I/O: the drivers move bytes."""
+
+    def __init__(self, socket_path: str, timeout: float, name: str, backoff: Backoff) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.name = name
+        self.backoff = backoff
+        self.stats = ClientStats()
+        self.limits: Limits = DEFAULT_LIMITS  # the daemon's, once a hello was answered
+        self.server: HelloReply | None = None
+        self.connection: Connection | None = None
+        self.epoch = 0  # counts connections made
+        self.last_round_trip = 0.0  # seconds, measured by the driver
+        self._last_id = 0
+        self._delay = 0.0
+        self._retry_at = float("-inf")
+
+    def next_id(self) -> int:
+        self._last_id = self._last_id % U32 + 1
+        return self._last_id
+
+    def deadline(self, wait: float | None) -> float | None:
+        """Seconds an exchange may take before the daemon counts as slow."""
+        return None if wait is None else self.timeout + wait
+
+    # --- connecting ---
+
+    def begin_connect(self, now: float, *, force: bool = False) -> bytes:
+        """Count a connect attempt and return the hello frame to send once connected; raises
+        DaemonUnavailable while backing off after a failed attempt (unless force)."""
+        if not force and now < self._retry_at:
+            raise DaemonUnavailable(f"the daemon at {self.socket_path} is down; retrying later")
+        self.stats.connect_attempts += 1
+        self.connection = Connection(Role.CLIENT)
+        hello = Hello(
+            id=self.next_id(), protocol=PROTOCOL_VERSION, client=self.name, pid=os.getpid()
+        )
+        return self.connection.send(hello)
+
+    def connected(self, reply: Reply) -> None:
+        """The hello reply arrived: adopt the daemon's limits, or raise DaemonUnavailable."""
+        if isinstance(reply, ErrorReply):
+            raise DaemonUnavailable(f"the daemon refused hello: {reply.code}: {reply.message}")
+        assert isinstance(reply, HelloReply)  # the Connection matched it to the hello
+        self.server = reply
+        self.limits = reply.limits
+        self.epoch += 1
+        if self.epoch > 1:
+            self.stats.reconnects += 1
+        self._delay, self._retry_at = 0.0, float("-inf")
+
+    def connect_failed(self, now: float) -> None:
+        self._delay = min(self.backoff.maximum, self._delay * 2 or self.backoff.initial)
+        self._retry_at = now + self._delay
+
+    def drop(self) -> list[int]:
+        """Forget the connection; returns the received descriptors no reply claimed, to close."""
+        connection, self.connection = self.connection, None
+        return connection.take_descriptors() if connection is not None else []
+
+    # --- exchanging ---
+
+    def send(self, request: Request) -> bytes:
+        assert self.connection is not None
+        try:
+            return self.connection.send(request)
+        except ProtocolError as exc:  # e.g. a frame over the limits: nothing was sent
+            raise DaemonError(exc.code, exc.message) from None
+
+    def receive(self, data: bytes, fds: Sequence[int]) -> None:
+        assert self.connection is not None
+        self.connection.receive_data(data, fds)
+
+    def next_reply(self) -> Reply | None:
+        """The reply now complete, or None to receive more; raises ProtocolError when the
+        connection is unusable (the driver then drops it)."""
+        assert self.connection is not None
+        event = self.connection.next_event()
+        if event is NEED_DATA:
+            return None
+        if isinstance(event, ConnectionClosed):
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon closed the connection")
+        if isinstance(event, ErrorReply) and event.id == 0:
+            # Only one request is ever in flight, and it now awaits a reply that will not come.
+            raise ProtocolError(event.code, f"the daemon could not read a request: {event.message}")
+        assert isinstance(event, Reply)  # a client Connection yields nothing else
+        return event
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TicketState:
+    """stored, dropped or failed (settled by the daemon), pending, or unavailable (the daemon
+    could not be asked, so the outcome is unknown)."""
+
+    state: str
+    reason: str | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.state != "pending"
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    ticket: int | None  # None when the daemon never issued one
+    state: TicketState
+    epoch: int
+
+
+class TicketBase:
+    """What a put returns: the daemon's ticket for the entry and its last known state."""
+
+    def __init__(self, outcome: PutOutcome) -> None:
+        self._outcome = outcome
+        self._state = outcome.state
+
+    @property
+    def id(self) -> int | None:
+        return self._outcome.ticket
+
+    @property
+    def epoch(self) -> int:
+        return self._outcome.epoch
+
+    @property
+    def state(self) -> TicketState:
+        return self._state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {self._state.state}>"
+
+
+@dataclass(frozen=True)
+class LookupHit:
+    matched: int
+    summary: EntrySummary
+    lease: int
+    epoch: int
+    entry: entry_io.MappedEntry
+
+
+class LookupResultBase:
+    """A usable entry: its header read from the file, and a read-only view per tensor.
+    Release it (or use it as a context manager) to unmap the file and end the lease."""
+
+    def __init__(self, hit: LookupHit) -> None:
+        self._hit = hit
+        self._released = False
+
+    @property
+    def matched(self) -> int:
+        """Tokens of the prompt this entry covers."""
+        return self._hit.matched
+
+    @property
+    def summary(self) -> EntrySummary:
+        return self._hit.summary
+
+    @property
+    def header(self) -> EntryHeader:
+        return self._hit.entry.header
+
+    @property
+    def tensors(self) -> tuple[memoryview, ...]:
+        return self._hit.entry.tensors
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def verify(self) -> None:
+        """Check every tensor's bytes against its checksum; raises EntryFormatError."""
+        self._hit.entry.verify()
+
+    def _unmap(self) -> LookupHit | None:
+        """Unmap once; the hit whose lease to release, or None if already released."""
+        if self._released:
+            return None
+        self._released = True
+        self._hit.entry.close()
+        return self._hit
+
+
+@dataclass(frozen=True)
+class Evicted:
+    entries: int
+    bytes: int
+
+
+# --- calls ------------------------------------------------------------------------------------
+
+
+def ping(session: Session) -> Call[float]:
+    expect((yield Exchange(Ping(id=session.next_id()))), PingReply)
+    return session.last_round_trip
+
+
+def status(session: Session) -> Call[dict[str, object]]:
+    reply = expect((yield Exchange(Status(id=session.next_id()))), StatusReply)
+    return dict(reply.status)
+
+
+def flush(session: Session, timeout: float | None) -> Call[bool]:
+    request = Flush(id=session.next_id(), timeout=timeout)
+    return expect((yield Exchange(request, wait=timeout)), FlushReply).durable
+
+
+def list_entries(
+    session: Session, identity: Identity | str | None, after: str | None, limit: int | None
+) -> Call[list[EntrySummary]]:
+    digest = identity.digest() if isinstance(identity, Identity) else identity
+    entries: list[EntrySummary] = []
+    epoch: int | None = None
+    while limit is None or len(entries) < limit:
+        page = LIST_PAGE if limit is None else min(LIST_PAGE, limit - len(entries))
+        request = ListEntries(id=session.next_id(), identity=digest, limit=page, after=after)
+        reply = expect((yield Exchange(request, epoch=epoch)), ListEntriesReply)
+        epoch = session.epoch
+        entries.extend(reply.entries)
+        if not reply.more or not reply.entries:
+            break
+        after = reply.entries[-1].id
+    return entries
+
+
+def evict(
+    session: Session, entry: str | None, identity: Identity | str | None, everything: bool
+) -> Call[Evicted]:
+    digest = identity.digest() if isinstance(identity, Identity) else identity
+    if (entry is not None) + (digest is not None) + everything != 1:
+        raise ValueError("evict: give exactly one of entry, identity, all")
+    request = Evict(id=session.next_id(), entry=entry, identity=digest, all=everything)
+    reply = expect((yield Exchange(request)), EvictReply)
+    return Evicted(reply.evicted, reply.bytes)
+
+
+def put_entry(
+    session: Session,
+    identity: Identity,
+    tokens: bytes | Sequence[int],
+    layers: Sequence[LayerSpec],
+    tensors: Sequence[TensorData],
+    *,
+    created: float,
+    min_reuse: int,
+    checkpoint: Checkpoint | None,
+    meta: Mapping[str, MetaValue] | None,
+) -> Call[PutOutcome]:
+    """Plan, begin, write into the staging descriptor, commit. Caller mistakes (a layout the
+    planner rejects, a tensor that does not fit its slot) raise before the daemon is asked."""
+    packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    plan = plan_entry(
+        identity,
+        packed,
+        layers,
+        created=created,
+        min_reuse=min_reuse,
+        checkpoint=checkpoint,
+        meta=meta,
+        limits=session.limits,
+    )
+    views = entry_io.tensor_views(plan, tensors)
+    request = PutBegin(id=session.next_id(), identity=identity, tokens=packed, size=plan.file_size)
+    try:
+        begin = expect((yield Exchange(request)), PutBeginReply)
+    except DaemonUnavailable as exc:
+        session.stats.unavailable_puts += 1
+        return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), session.epoch)
+    except DaemonError as exc:
+        return PutOutcome(None, TicketState("failed", str(exc)), session.epoch)
+    epoch = session.epoch
+    if begin.skip is not None:
+        return PutOutcome(None, TicketState("stored", begin.skip), epoch)
+    assert begin.fd is not None  # the Connection delivers the descriptor a begin declares
+    try:
+        try:
+            yield Blocking(partial(entry_io.write_entry, begin.fd, plan, views))
+        finally:
+            os.close(begin.fd)
+        commit = PutCommit(id=session.next_id(), put=begin.put)
+        ticket = expect((yield Exchange(commit, epoch=epoch)), PutCommitReply).ticket
+    except Exception as exc:
+        yield from _abort(session, begin.put, epoch)
+        if isinstance(exc, DaemonUnavailable):
+            session.stats.unavailable_puts += 1
+            return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), epoch)
+        if isinstance(exc, DaemonError | OSError):
+            return PutOutcome(None, TicketState("failed", str(exc)), epoch)
+        raise
+    return PutOutcome(ticket, TicketState("pending"), epoch)
+
+
+def _abort(session: Session, put: int, epoch: int) -> Call[None]:
+    """Tell the daemon to discard a put; it may be gone already, which is as good."""
+    try:
+        request = PutAbort(id=session.next_id(), put=put)
+        expect((yield Exchange(request, epoch=epoch)), PutAbortReply)
+    except (DaemonUnavailable, DaemonError) as exc:
+        log.debug("put_abort of put %d not confirmed: %s", put, exc)
+
+
+def wait_ticket(session: Session, ticket: TicketBase, timeout: float | None) -> Call[TicketState]:
+    """The ticket's state once settled or after timeout seconds (None: until settled)."""
+    state = ticket.state
+    while not state.settled and ticket.id is not None:
+        wait = TICKET_POLL_SECONDS if timeout is None else timeout
+        request = TicketRequest(
+            id=session.next_id(), ticket=ticket.id, timeout=wait if wait > 0 else None
+        )
+        try:
+            reply = expect((yield Exchange(request, wait=wait, epoch=ticket.epoch)), TicketReply)
+            state = TicketState(reply.state, reply.reason)
+        except (DaemonUnavailable, DaemonError) as exc:
+            state = TicketState(UNAVAILABLE, str(exc))
+        if timeout is not None:
+            break
+    return state
+
+
+def lookup(
+    session: Session, identity: Identity, tokens: bytes | Sequence[int]
+) -> Call[LookupHit | None]:
+    """The longest usable cached prefix of tokens, mapped, or None (a miss). Nothing here
+    raises into the engine: an unreachable daemon or an unusable file is a miss, counted."""
+    packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    request = Lookup(id=session.next_id(), identity=identity, tokens=packed)
+    try:
+        reply = expect((yield Exchange(request)), LookupReply)
+    except (DaemonUnavailable, DaemonError) as exc:
+        session.stats.failed_lookups += 1
+        log.info("lookup missed: %s", exc)
+        return None
+    if reply.entry is None or reply.lease is None or reply.fd is None:
+        return None
+    epoch = session.epoch
+    try:
+        entry = entry_io.map_entry(reply.fd, reply.entry.id, session.limits)
+    except (EntryFormatError, OSError, ValueError) as exc:
+        problem: str | None = f"unreadable: {exc}"
+    else:
+        problem = mismatch(entry.header, identity, packed, reply.matched)
+        if problem is not None:
+            entry.close()
+    finally:
+        os.close(reply.fd)
+    if problem is not None:
+        session.stats.rejected_entries += 1
+        log.warning("lookup: entry %s rejected, %s", reply.entry.id, problem)
+        yield from release_lease(session, reply.lease, epoch)
+        return None
+    return LookupHit(reply.matched, reply.entry, reply.lease, epoch, entry)
+
+
+def mismatch(header: EntryHeader, identity: Identity, tokens: bytes, matched: int) -> str | None:
+    """Why an entry the daemon offered does not answer what was asked, or None if it does."""
+    if header.identity != identity:
+        return "its identity differs from the one asked for"
+    if matched > header.token_count or matched * TOKEN_BYTES > len(tokens):
+        return f"a match of {matched} tokens is longer than the entry or the prompt"
+    if header.tokens[: matched * TOKEN_BYTES] != tokens[: matched * TOKEN_BYTES]:
+        return f"its first {matched} tokens differ from the prompt's"
+    return None
+
+
+def release_lease(session: Session, lease: int, epoch: int) -> Call[None]:
+    """End a lease; a lease of a lost connection ended with it."""
+    try:
+        request = Release(id=session.next_id(), lease=lease)
+        expect((yield Exchange(request, epoch=epoch)), ReleaseReply)
+    except (DaemonUnavailable, DaemonError) as exc:
+        log.debug("release of lease %d not confirmed: %s", lease, exc)

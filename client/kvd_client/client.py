@@ -1,0 +1,272 @@
+"""The blocking client: drives the calls of calls.py over a blocking Unix socket.
+
+Put and lookup never raise into the engine when the daemon is absent, slow or restarting;
+see calls.py for what each operation does. Thread-safe: one exchange at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
+from kvd_protocol.errors import ProtocolError
+from kvd_protocol.identity import Identity
+from kvd_protocol.messages import EntrySummary, Reply
+
+from . import calls
+from .calls import (
+    Backoff,
+    Call,
+    ClientStats,
+    DaemonUnavailable,
+    Evicted,
+    Exchange,
+    LookupHit,
+    PutOutcome,
+    TicketState,
+)
+from .entry_io import TensorData
+from .transport import BlockingTransport
+
+T = TypeVar("T")
+
+
+class Client:
+    """A connection to the kvd daemon, re-made as needed. Make one with Client.connect()."""
+
+    def __init__(self, session: calls.Session) -> None:
+        self._session = session
+        self._transport: BlockingTransport | None = None
+        self._lock = threading.RLock()
+
+    @classmethod
+    def connect(
+        cls,
+        socket_path: str | None = None,
+        timeout: float = 5.0,
+        name: str | None = None,
+        *,
+        require: bool = False,
+        backoff: Backoff = calls.DEFAULT_BACKOFF,
+    ) -> Client:
+        """Connect and say hello. A daemon that is down gives a client that is not connected
+        (and retries on later calls), unless require: then DaemonUnavailable is raised."""
+        session = calls.Session(
+            socket_path or calls.default_socket_path(),
+            timeout,
+            name or calls.default_client_name(),
+            backoff,
+        )
+        client = cls(session)
+        try:
+            with client._lock:
+                client._connect(force=True)
+        except DaemonUnavailable:
+            if require:
+                raise
+        return client
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._session.stats
+
+    @property
+    def socket_path(self) -> str:
+        return self._session.socket_path
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- operations ---
+
+    def ping(self) -> float:
+        """The round trip of a ping, in seconds; raises DaemonUnavailable."""
+        return self._run(calls.ping(self._session))
+
+    def status(self) -> dict[str, object]:
+        return self._run(calls.status(self._session))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything accepted so far is durable (at most timeout seconds);
+        whether it is."""
+        return self._run(calls.flush(self._session, timeout))
+
+    def list_entries(
+        self,
+        identity: Identity | str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> list[EntrySummary]:
+        """Stored entries, of one identity (or its digest) or all, after an entry id."""
+        return self._run(calls.list_entries(self._session, identity, after, limit))
+
+    def evict(
+        self,
+        entry: str | None = None,
+        identity: Identity | str | None = None,
+        all: bool = False,  # the protocol's name for it
+    ) -> Evicted:
+        return self._run(calls.evict(self._session, entry, identity, all))
+
+    def put_entry(
+        self,
+        identity: Identity,
+        tokens: bytes | Sequence[int],
+        layers: Sequence[LayerSpec],
+        tensors: Sequence[TensorData],
+        *,
+        min_reuse: int = 0,
+        checkpoint: Checkpoint | None = None,
+        meta: Mapping[str, MetaValue] | None = None,
+    ) -> Ticket:
+        """Hand an entry to the daemon: one copy of each tensor into the staging file."""
+        call = calls.put_entry(
+            self._session,
+            identity,
+            tokens,
+            layers,
+            tensors,
+            created=time.time(),
+            min_reuse=min_reuse,
+            checkpoint=checkpoint,
+            meta=meta,
+        )
+        return Ticket(self, self._run(call))
+
+    def lookup(self, identity: Identity, tokens: bytes | Sequence[int]) -> LookupResult | None:
+        """The longest usable cached prefix of tokens, or None."""
+        hit = self._run(calls.lookup(self._session, identity, tokens))
+        return None if hit is None else LookupResult(self, hit)
+
+    # --- driving calls ---
+
+    def _run(self, call: Call[T]) -> T:
+        result: object = None
+        error: Exception | None = None
+        try:
+            while True:
+                try:
+                    step = call.send(result) if error is None else call.throw(error)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                result, error = None, None
+                try:
+                    result = self._exchange(step) if isinstance(step, Exchange) else step.work()
+                except Exception as exc:
+                    error = exc
+        finally:
+            call.close()
+
+    def _exchange(self, step: Exchange) -> Reply:
+        with self._lock:
+            connected_now = False
+            if step.epoch is None:
+                if self._transport is None:
+                    self._connect()
+                    connected_now = True
+            elif step.epoch != self._session.epoch or self._transport is None:
+                raise DaemonUnavailable("the connection this request belongs to was lost")
+            try:
+                return self._request(step)
+            except DaemonUnavailable as exc:
+                if connected_now or not calls.may_retry(step, exc):
+                    raise
+            self._connect()
+            return self._request(step)
+
+    def _request(self, step: Exchange) -> Reply:
+        frame = self._session.send(step.request)
+        try:
+            return self._round_trip(frame, self._session.deadline(step.wait))
+        except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
+            self._drop()
+            raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
+
+    def _connect(self, *, force: bool = False) -> None:
+        session = self._session
+        now = time.monotonic()
+        hello = session.begin_connect(now, force=force)
+        try:
+            self._transport = BlockingTransport.connect(session.socket_path, session.timeout)
+            session.connected(self._round_trip(hello, session.timeout))
+        except (OSError, ProtocolError, DaemonUnavailable) as exc:
+            self._drop()
+            session.connect_failed(now)
+            raise DaemonUnavailable(f"cannot connect to {session.socket_path}: {exc}") from exc
+
+    def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
+        assert self._transport is not None
+        transport, session = self._transport, self._session
+        started = time.monotonic()
+        transport.settimeout(timeout)
+        transport.send(frame)
+        while (reply := session.next_reply()) is None:
+            if timeout is not None:
+                left = started + timeout - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no reply in time")
+                transport.settimeout(left)
+            session.receive(*transport.receive())
+        session.last_round_trip = time.monotonic() - started
+        return reply
+
+    def _drop(self) -> None:
+        for fd in self._session.drop():
+            os.close(fd)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+
+class Ticket(calls.TicketBase):
+    """The daemon's word on a put: wait() until it is stored, dropped or failed."""
+
+    def __init__(self, client: Client, outcome: PutOutcome) -> None:
+        super().__init__(outcome)
+        self._client = client
+
+    def wait(self, timeout: float | None = None) -> TicketState:
+        """The state once settled, or after timeout seconds (None: until settled)."""
+        self._state = self._client._run(calls.wait_ticket(self._client._session, self, timeout))
+        return self._state
+
+
+class LookupResult(calls.LookupResultBase):
+    """A looked-up entry, mapped read-only. release() it, or use it in a with block."""
+
+    def __init__(self, client: Client, hit: LookupHit) -> None:
+        super().__init__(hit)
+        self._client = client
+
+    def release(self) -> None:
+        """Unmap the file, close it, and end the lease (once)."""
+        hit = self._unmap()
+        if hit is not None:
+            self._client._run(calls.release_lease(self._client._session, hit.lease, hit.epoch))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()

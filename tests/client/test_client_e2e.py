@@ -1,0 +1,217 @@
+"""Both clients against a real `kvd serve` subprocess: put, lookup, tickets, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvd_client.async_client import AsyncClient
+from kvd_client.calls import DaemonUnavailable, TicketState
+from kvd_client.client import Client
+from kvd_protocol.entry import LayerSpec, TensorSpec
+from kvd_protocol.identity import Identity
+from kvd_protocol.tokens import pack_tokens, unpack_tokens
+
+try:
+    importlib.import_module("kvd.server")
+except ImportError:
+    pytest.skip("daemon not available", allow_module_level=True)
+
+START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
+STOP_SECONDS = 30.0
+SETTLE_SECONDS = 30.0  # bound on waiting for a ticket to settle
+
+IDENTITY = Identity(
+    model_id="test/model",
+    config_fingerprint="cfg",
+    tokenizer_hash="tok",
+    codec_id="codecs/1",
+    runtime="mlx/cpu",
+)
+OTHER_IDENTITY = Identity(
+    model_id="test/other-model",
+    config_fingerprint="cfg",
+    tokenizer_hash="tok",
+    codec_id="codecs/1",
+    runtime="mlx/cpu",
+)
+PROMPT = list(range(1000, 1128))
+
+
+class Daemon:
+    """A `kvd serve` subprocess on a temp tier and socket."""
+
+    def __init__(self, tier: Path, socket_path: str, log: Path) -> None:
+        self.tier, self.socket_path, self.log = tier, socket_path, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "kvd", "serve", "--dir", str(self.tier)]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [*command, "--socket", self.socket_path],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"kvd serve exited with {self.process.returncode}:\n{self.logs()}")
+            try:
+                with Client.connect(self.socket_path, timeout=1.0, require=True) as client:
+                    client.ping()
+                    return
+            except DaemonUnavailable:
+                time.sleep(0.05)
+        pytest.fail(f"kvd serve did not answer ping within {START_SECONDS} s:\n{self.logs()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                pytest.fail(f"kvd serve ignored SIGTERM for {STOP_SECONDS} s:\n{self.logs()}")
+        self.process = None
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    # The socket lives in a short /tmp folder: the pytest temp path can outgrow sun_path.
+    socket_dir = tempfile.mkdtemp(prefix="kvd-")
+    running = Daemon(tmp_path / "tier", os.path.join(socket_dir, "kvd.sock"), tmp_path / "log")
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _entry(tokens: int, seed: int) -> tuple[list[LayerSpec], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    tensors = [
+        rng.standard_normal((1, 2, tokens, 8)).astype(np.float16) for _ in range(4)
+    ]  # two layers, keys and values
+    spec = TensorSpec("float16", (1, 2, tokens, 8))
+    layers = [LayerSpec("kv", (spec, spec), trimmable=True, meta={"offset": tokens})] * 2
+    return layers, tensors
+
+
+def _put_stored(client: Client, tokens: list[int], seed: int) -> list[np.ndarray]:
+    layers, tensors = _entry(len(tokens), seed)
+    ticket = client.put_entry(IDENTITY, tokens, layers, tensors)
+    assert ticket.state.state == "pending"
+    assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
+    return tensors
+
+
+def test_put_then_lookup_returns_the_same_bytes(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        tensors = _put_stored(client, PROMPT, seed=1)
+        result = client.lookup(IDENTITY, [*PROMPT, 7, 8, 9])
+        assert result is not None
+        with result:
+            assert result.matched == len(PROMPT)
+            assert result.header.identity == IDENTITY
+            assert unpack_tokens(result.header.tokens) == PROMPT
+            assert [bytes(view) for view in result.tensors] == [t.tobytes() for t in tensors]
+            assert all(view.readonly for view in result.tensors)
+            result.verify()
+        assert result.released
+        assert client.flush(SETTLE_SECONDS)
+        assert client.stats.rejected_entries == 0
+
+
+def test_a_duplicate_put_is_settled_at_once(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _put_stored(client, PROMPT, seed=1)
+        layers, tensors = _entry(len(PROMPT), seed=1)
+        ticket = client.put_entry(IDENTITY, PROMPT, layers, tensors)
+        assert ticket.state == TicketState("stored", "duplicate")
+
+
+def test_lookup_misses_other_identities_and_unrelated_prompts(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _put_stored(client, PROMPT, seed=1)
+        assert client.lookup(OTHER_IDENTITY, [*PROMPT, 1]) is None
+        assert client.lookup(IDENTITY, [5, 6, 7, 8]) is None
+        assert client.stats.failed_lookups == 0
+
+
+def test_operator_calls(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        assert client.ping() >= 0.0
+        assert isinstance(client.status(), dict)
+        _put_stored(client, PROMPT, seed=1)
+        assert client.flush(SETTLE_SECONDS)
+        listed = client.list_entries(IDENTITY)
+        assert [entry.tokens for entry in listed] == [len(PROMPT)]
+        evicted = client.evict(all=True)
+        assert evicted.entries == 1
+        assert client.list_entries() == []
+        assert client.lookup(IDENTITY, [*PROMPT, 1]) is None
+
+
+def test_client_survives_a_daemon_restart(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _put_stored(client, PROMPT, seed=1)
+        assert client.flush(SETTLE_SECONDS)
+        daemon.stop()
+
+        layers, tensors = _entry(16, seed=2)
+        assert client.put_entry(IDENTITY, PROMPT[:16], layers, tensors).state.state == (
+            "unavailable"
+        )
+        assert client.lookup(IDENTITY, [*PROMPT, 1]) is None
+        with pytest.raises(DaemonUnavailable):
+            client.ping()
+        assert client.stats.unavailable_puts == 1
+        assert client.stats.failed_lookups == 1
+
+        daemon.start()
+        deadline = time.monotonic() + START_SECONDS  # the backoff may delay the first retry
+        result = client.lookup(IDENTITY, [*PROMPT, 1])
+        while result is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            result = client.lookup(IDENTITY, [*PROMPT, 1])
+        assert result is not None, "the flushed entry did not survive the restart"
+        with result:
+            assert result.matched == len(PROMPT)
+            result.verify()
+        assert client.connected
+        assert client.stats.reconnects >= 1
+
+
+def test_async_client_put_and_lookup(daemon: Daemon) -> None:
+    async def scenario() -> None:
+        async with await AsyncClient.connect(daemon.socket_path, require=True) as client:
+            layers, tensors = _entry(len(PROMPT), seed=3)
+            ticket = await client.put_entry(IDENTITY, pack_tokens(PROMPT), layers, tensors)
+            assert await ticket.wait(SETTLE_SECONDS) == TicketState("stored")
+            result = await client.lookup(IDENTITY, [*PROMPT, 1])
+            assert result is not None
+            async with result:
+                assert result.matched == len(PROMPT)
+                assert [bytes(view) for view in result.tensors] == [t.tobytes() for t in tensors]
+            assert await client.flush(SETTLE_SECONDS)
+            pings = await asyncio.gather(*(client.ping() for _ in range(8)))
+            assert len(pings) == 8
+
+    asyncio.run(scenario())
