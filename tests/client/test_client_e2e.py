@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from daemon_process import START_SECONDS, Daemon
 from kvd_client.async_client import AsyncClient
 from kvd_client.calls import DaemonUnavailable, TicketState
 from kvd_client.client import Client
@@ -23,13 +15,6 @@ from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens, unpack_tokens
 
-try:
-    importlib.import_module("kvd.server")
-except ImportError:
-    pytest.skip("daemon not available", allow_module_level=True)
-
-START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
-STOP_SECONDS = 30.0
 SETTLE_SECONDS = 30.0  # bound on waiting for a ticket to settle
 
 IDENTITY = Identity(
@@ -47,61 +32,6 @@ OTHER_IDENTITY = Identity(
     runtime="mlx/cpu",
 )
 PROMPT = list(range(1000, 1128))
-
-
-class Daemon:
-    """A `kvd serve` subprocess on a temp tier and socket."""
-
-    def __init__(self, tier: Path, socket_path: str, log: Path) -> None:
-        self.tier, self.socket_path, self.log = tier, socket_path, log
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        command = [sys.executable, "-m", "kvd", "serve", "--dir", str(self.tier)]
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [*command, "--socket", self.socket_path],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"kvd serve exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                with Client.connect(self.socket_path, timeout=1.0, require=True) as client:
-                    client.ping()
-                    return
-            except DaemonUnavailable:
-                time.sleep(0.05)
-        pytest.fail(f"kvd serve did not answer ping within {START_SECONDS} s:\n{self.logs()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                pytest.fail(f"kvd serve ignored SIGTERM for {STOP_SECONDS} s:\n{self.logs()}")
-        self.process = None
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    # The socket lives in a short /tmp folder: the pytest temp path can outgrow sun_path.
-    socket_dir = tempfile.mkdtemp(prefix="kvd-")
-    running = Daemon(tmp_path / "tier", os.path.join(socket_dir, "kvd.sock"), tmp_path / "log")
-    running.start()
-    try:
-        yield running
-    finally:
-        running.stop()
-        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def _entry(tokens: int, seed: int) -> tuple[list[LayerSpec], list[np.ndarray]]:
