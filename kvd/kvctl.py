@@ -1,0 +1,203 @@
+"""`kvctl`: the daemon's command line. `kvctl status` first of all.
+
+It speaks the same protocol as the engines (kvd_protocol's Connection over the socket) and
+finds the socket the way the daemon does: --socket, KVD_SOCKET, the config file, the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+from kvd_protocol import messages as m
+from kvd_protocol.connection import NEED_DATA, Connection, Role
+from kvd_protocol.errors import ProtocolError
+
+from kvd.config import ConfigError, load_config
+
+RECEIVE_BYTES = 1 << 16
+
+
+class DaemonUnavailableError(Exception):
+    """The daemon does not answer on the socket."""
+
+
+class Control:
+    """One blocking connection to the daemon, one request at a time."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnavailableError(
+                f"no kvd answers on {path}: {exc.strerror or exc}"
+            ) from None
+        self._conn = Connection(Role.CLIENT)
+        self._ids = itertools.count(1)
+        self.call(m.Hello, protocol=m.PROTOCOL_VERSION, client="kvctl", pid=os.getpid())
+
+    def call(self, request: type[m.Request], **fields: Any) -> m.Reply:
+        self._sock.sendall(self._conn.send(request(id=next(self._ids), **fields)))
+        while True:
+            event = self._conn.next_event()
+            if event is not NEED_DATA:
+                break
+            try:
+                data = self._sock.recv(RECEIVE_BYTES)
+            except TimeoutError:
+                raise DaemonUnavailableError("the daemon did not answer in time") from None
+            self._conn.receive_data(data)
+        if isinstance(event, m.ErrorReply):
+            raise ProtocolError(event.code, event.message)
+        assert isinstance(event, m.Reply)
+        return event
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The human table of `kvctl status`."""
+    wb = status["writeback"]
+    daemon = status["daemon"]
+    lookups = status["hits"] + status["misses"]
+    hit_rate = f"{100 * status['hits'] / lookups:.1f}%" if lookups else "-"
+    rows = [
+        ("daemon", f"pid {daemon['pid']}, kvd {daemon['version']}, up {daemon['uptime_s']:.0f} s"),
+        ("memory", _size(daemon["rss_bytes"])),
+        ("tier", daemon.get("dir", "")),
+        ("entries", f"{status['entries']} in {len(status['identities'])} identities"),
+        ("bytes", f"{_size(status['bytes'])} of {_size(status['max_bytes'])} cap"),
+        (
+            "disk free",
+            f"{_size(status['disk_free_bytes'])} (floor {_size(status['min_free_bytes'])})",
+        ),
+        ("lookups", f"{status['hits']} hits, {status['misses']} misses ({hit_rate})"),
+        ("evictions", str(status["evictions"])),
+        ("quarantined", str(status["quarantined"])),
+        (
+            "write-behind",
+            f"{wb['pending_count']} pending ({_size(wb['pending_bytes'])} of "
+            f"{_size(wb['max_bytes'])}, {wb['policy']}); {wb['stored']} stored, "
+            f"{wb['dropped']} dropped, {wb['failed']} failed",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    if status["identities"]:
+        lines += ["", f"{'identity':<32}  {'entries':>8}  {'bytes':>10}"]
+        lines += [
+            f"{i['identity']:<32}  {i['entries']:>8}  {_size(i['bytes']):>10}"
+            for i in status["identities"]
+        ]
+    if status["clients"]:
+        lines += ["", f"{'client pid':>10}  name"]
+        lines += [f"{c['pid']:>10}  {c['name']}" for c in status["clients"]]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvctl", description="Inspect and manage a kvd daemon.")
+    parser.add_argument("--socket", help="the daemon's socket (default: as kvd finds it)")
+    parser.add_argument("--config", metavar="FILE", help="kvd's TOML configuration file")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="the tier, the queue, the clients")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    commands.add_parser("ping", help="check that the daemon answers")
+    flush = commands.add_parser("flush", help="wait until every accepted put is durable")
+    flush.add_argument("--wait", type=float, default=None, help="give up after this many seconds")
+    listing = commands.add_parser("list", help="list entries")
+    listing.add_argument("--identity", help="only this identity digest")
+    listing.add_argument("--json", action="store_true")
+    evict = commands.add_parser("evict", help="delete entries now")
+    target = evict.add_mutually_exclusive_group(required=True)
+    target.add_argument("--entry", help="one entry id")
+    target.add_argument("--identity", help="every entry of one identity digest")
+    target.add_argument("--all", action="store_true", help="every entry")
+    return parser
+
+
+def _run(args: argparse.Namespace, control: Control) -> int:
+    if args.command == "status":
+        reply = control.call(m.Status)
+        assert isinstance(reply, m.StatusReply)
+        print(json.dumps(reply.status, indent=2) if args.json else format_status(reply.status))
+    elif args.command == "ping":
+        control.call(m.Ping)
+        print("kvd is up")
+    elif args.command == "flush":
+        reply = control.call(m.Flush, timeout=args.wait)
+        assert isinstance(reply, m.FlushReply)
+        print("durable" if reply.durable else f"not durable: {reply.pending} still pending")
+        return 0 if reply.durable else 1
+    elif args.command == "list":
+        entries: list[m.EntrySummary] = []
+        after = None
+        while True:
+            page = control.call(m.ListEntries, identity=args.identity, limit=1000, after=after)
+            assert isinstance(page, m.ListEntriesReply)
+            entries += page.entries
+            if not page.more or not page.entries:
+                break
+            after = page.entries[-1].id
+        if args.json:
+            print(json.dumps([e.to_map() for e in entries], indent=2))
+        else:
+            for e in entries:
+                state = "durable" if e.durable else "pending"
+                trim = "trimmable" if e.trimmable else "exact"
+                print(
+                    f"{e.id}  {e.identity}  {e.tokens:>8} tokens  {_size(e.bytes):>10}  "
+                    f"{trim}  {state}"
+                )
+    elif args.command == "evict":
+        reply = control.call(m.Evict, entry=args.entry, identity=args.identity, all=args.all)
+        assert isinstance(reply, m.EvictReply)
+        print(f"evicted {reply.evicted} entries, {_size(reply.bytes)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        socket_path = str(load_config(args, os.environ).socket)
+    except ConfigError as exc:
+        print(f"kvctl: configuration error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        control = Control(socket_path, args.timeout)
+    except DaemonUnavailableError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return 3
+    try:
+        return _run(args, control)
+    except ProtocolError as exc:
+        print(f"kvctl: the daemon refused: {exc}", file=sys.stderr)
+        return 1
+    except DaemonUnavailableError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        control.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
