@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd_protocol.entry import EntryHeader
 from kvd_protocol.tokens import token_count
 
 
@@ -36,3 +37,19 @@ class EntryRecord:
     @property
     def token_count(self) -> int:
         return token_count(self.tokens)
+
+
+def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> EntryRecord:
+    """The record of a durable entry file, from its validated header."""
+    return EntryRecord(
+        id=entry_id,
+        identity=header.identity.digest(),
+        tokens=header.tokens,
+        nbytes=header.file_size,
+        trimmable=header.trimmable,
+        min_reuse=header.min_reuse,
+        created=header.created,
+        last_used=last_used,
+        durable=True,
+        checkpoint_key=header.checkpoint.key if header.checkpoint else None,
+    )

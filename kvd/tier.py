@@ -124,7 +124,7 @@ class Tier:
         self._lock_fd = self.dirs.lock()
         result = await anyio.to_thread.run_sync(recovery.scan, self.dirs, self.limits)
         for path, reason in result.invalid:
-            await self._quarantine(path, reason)
+            await self.quarantine_file(path, reason)
         for found in sorted(result.entries, key=lambda f: f.mtime):  # oldest first: LRU order
             header = found.header
             record = EntryRecord(
@@ -141,7 +141,7 @@ class Tier:
             )
             index = self.indexes.get(record.identity)
             if record.checkpoint_key is None and index and index.exact(record.tokens):
-                await self._quarantine(found.path, "a duplicate of another entry")
+                await self.quarantine_file(found.path, "a duplicate of another entry")
                 continue
             self.add_record(record, found.path)
         log.info(
@@ -287,7 +287,7 @@ class Tier:
             header = await anyio.to_thread.run_sync(entry_files.read_header, put.path, self.limits)
             _check_matches_put(header, put)
         except EntryFormatError as exc:
-            await self._quarantine(put.path, str(exc))
+            await self.quarantine_file(put.path, str(exc))
             raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from None
         ticket = next(self._ids)
         digest = put.identity.digest()
@@ -328,7 +328,11 @@ class Tier:
         self._pulse_work()
         return ticket
 
-    async def _quarantine(self, path: Path, reason: str) -> None:
+    def tick(self) -> int:
+        """The next value of the logical clock that orders uses (larger: more recent)."""
+        return next(self._clock)
+
+    async def quarantine_file(self, path: Path, reason: str) -> None:
         log.warning("quarantined", file=path.name, reason=reason)
         self.counters.quarantined += 1
         try:
@@ -362,7 +366,7 @@ class Tier:
             if record.id in self.records:
                 self.files[record.id] = self.dirs.quarantine / staging.name
                 self.drop_record(record)  # nothing left to unlink: quarantine moves it
-            await self._quarantine(staging, str(exc))
+            await self.quarantine_file(staging, str(exc))
             self._settle(item.ticket, "failed", str(exc))
         except OSError as exc:
             self.queue.done(item, Outcome.FAILED)

@@ -19,7 +19,7 @@ from watchfiles import Change, awatch
 
 from kvd import entry_files
 from kvd.logs import get_logger
-from kvd.recovery import record_from_header
+from kvd.records import record_from_header
 from kvd.tier import Tier
 from kvd.tier_dir import ENTRY_SUFFIX
 
