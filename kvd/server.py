@@ -28,6 +28,7 @@ from kvd.sd_notify import Notifier, watchdog_interval
 from kvd.session import Peer, Session, raw_socket
 from kvd.status import status_report
 from kvd.tier import Tier
+from kvd.watcher import reconcile_periodically, watch_entries
 
 log = get_logger("kvd.server")
 
@@ -88,6 +89,8 @@ class Server:
                 tasks.start_soon(self.tier.run_writer)
                 tasks.start_soon(self._serve, listener, tasks)
                 tasks.start_soon(self._watchdog, notifier)
+                tasks.start_soon(watch_entries, self.tier)
+                tasks.start_soon(reconcile_periodically, self.tier)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.records)} entries")
                 await self._wait_for_signal(listener, notifier)

@@ -46,7 +46,7 @@ async def reconcile_periodically(tier: Tier, every: float = RECONCILE_SECONDS) -
 
 
 def _listing(tier: Tier) -> set[Path]:
-    found = set()
+    found: set[Path] = set()
     for folder in os.scandir(tier.dirs.entries):
         if folder.is_dir(follow_symlinks=False):
             found.update(
