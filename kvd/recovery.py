@@ -3,35 +3,31 @@
 Staging leftovers (puts that never committed, or a writer cut off by a crash) are reaped;
 every entry file is validated (header and layout) and indexed; a file that fails, or that sits
 in another identity's folder, is quarantined. The result is a tier whose accounting equals
-the directory.
+the directory. The index snapshot (snapshot.py) spares the header reads of unchanged files.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.limits import Limits
 
 from kvd.entry_files import read_header
+from kvd.records import EntryRecord, record_from_header
+from kvd.snapshot import load_snapshot
 from kvd.tier_dir import ENTRY_SUFFIX, TierDir
-
-
-@dataclass(frozen=True)
-class Found:
-    path: Path
-    header: EntryHeader
-    mtime: float
 
 
 @dataclass
 class ScanResult:
-    entries: list[Found]
+    entries: list[tuple[Path, EntryRecord]]  # least recently used first
     invalid: list[tuple[Path, str]]
     reaped: int
+    from_snapshot: int  # entries taken from the snapshot rather than read
 
 
 def reap_staging(dirs: TierDir) -> int:
@@ -44,9 +40,14 @@ def reap_staging(dirs: TierDir) -> int:
 
 
 def scan(dirs: TierDir, limits: Limits) -> ScanResult:
-    """Reap staging, then read and validate every entry header (blocking: run in a thread)."""
+    """Reap staging, then index every entry file (blocking: run in a thread).
+
+    A file the snapshot knows with the same size and mtime is taken from it; any other file's
+    header is read and validated (see snapshot.py for why that is safe).
+    """
     reaped = reap_staging(dirs)
-    found: list[Found] = []
+    known = load_snapshot(dirs.snapshot)
+    found: list[tuple[float, int, Path, EntryRecord]] = []
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
         if not folder.is_dir(follow_symlinks=False):
@@ -57,6 +58,11 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 invalid.append((path, "not an entry file"))
                 continue
+            info = entry.stat(follow_symlinks=False)
+            row = known.get((folder.name, path.stem))
+            if row and row.mtime_ns == info.st_mtime_ns and row.record.nbytes == info.st_size:
+                found.append((row.record.last_used, info.st_mtime_ns, path, row.record))
+                continue
             try:
                 header = read_header(path, limits)
             except EntryFormatError as exc:
@@ -65,5 +71,9 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
             if header.identity.digest() != folder.name:
                 invalid.append((path, "its identity does not match its folder"))
                 continue
-            found.append(Found(path, header, entry.stat().st_mtime))
-    return ScanResult(found, invalid, reaped)
+            # Unknown to the snapshot: written after it, so more recent than all it knows.
+            record = record_from_header(path.stem, header, last_used=0)
+            found.append((math.inf, info.st_mtime_ns, path, record))
+    found.sort(key=lambda item: item[:2])
+    from_snapshot = sum(1 for item in found if item[0] != math.inf)
+    return ScanResult([(path, r) for *_, path, r in found], invalid, reaped, from_snapshot)

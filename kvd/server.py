@@ -32,6 +32,8 @@ from kvd.watcher import reconcile_periodically, watch_entries
 
 log = get_logger("kvd.server")
 
+SNAPSHOT_SECONDS = 60.0  # a crash costs at most this much of header reads at the next start
+
 
 class Server:
     def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -91,6 +93,7 @@ class Server:
                 tasks.start_soon(self._watchdog, notifier)
                 tasks.start_soon(watch_entries, self.tier)
                 tasks.start_soon(reconcile_periodically, self.tier)
+                tasks.start_soon(self.tier.snapshot_periodically, SNAPSHOT_SECONDS)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.records)} entries")
                 await self._wait_for_signal(listener, notifier)
@@ -128,6 +131,7 @@ class Server:
                     shutdown.start_soon(self._exit_on_second_signal, signals)
                     durable, pending = await self.tier.flush(self.config.shutdown_deadline)
                     log.info("flushed", durable=durable, pending=pending)
+                    await self.tier.save_snapshot()
                     shutdown.cancel_scope.cancel()
                 return
 

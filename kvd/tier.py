@@ -14,6 +14,7 @@ duplicate), failed (bad data, disk full), or abandoned (the putter went away bef
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import os
 import time
@@ -29,7 +30,7 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 from kvd_protocol.messages import EntrySummary
 
-from kvd import entry_files, recovery
+from kvd import entry_files, recovery, snapshot
 from kvd.config import Config, WritebackPolicy
 from kvd.durability import disk_free
 from kvd.eviction import LruPolicy, bytes_over
@@ -117,6 +118,8 @@ class Tier:
         self._work = anyio.Event()  # pulsed when the writer has something to do
         self.started = time.time()
         self._lock_fd = -1
+        self.version = 0  # bumped by every change to the set of entries
+        self.snapshot_version = -1
 
     async def open(self) -> None:
         """Take the directory, reap, validate and index what is on disk (see recovery)."""
@@ -125,25 +128,14 @@ class Tier:
         result = await anyio.to_thread.run_sync(recovery.scan, self.dirs, self.limits)
         for path, reason in result.invalid:
             await self.quarantine_file(path, reason)
-        for found in sorted(result.entries, key=lambda f: f.mtime):  # oldest first: LRU order
-            header = found.header
-            record = EntryRecord(
-                id=found.path.stem,
-                identity=header.identity.digest(),
-                tokens=header.tokens,
-                nbytes=header.file_size,
-                trimmable=header.trimmable,
-                min_reuse=header.min_reuse,
-                created=header.created,
-                last_used=next(self._clock),
-                durable=True,
-                checkpoint_key=header.checkpoint.key if header.checkpoint else None,
-            )
+        for path, record in result.entries:  # least recently used first
+            record.last_used = self.tick()
             index = self.indexes.get(record.identity)
             if record.checkpoint_key is None and index and index.exact(record.tokens):
-                await self.quarantine_file(found.path, "a duplicate of another entry")
+                await self.quarantine_file(path, "a duplicate of another entry")
                 continue
-            self.add_record(record, found.path)
+            self.add_record(record, path)
+        gc.freeze()  # the index is long-lived: spare the collector from walking it again
         log.info(
             "tier_opened",
             dir=str(self.dirs.root),
@@ -151,8 +143,26 @@ class Tier:
             bytes=self.total_bytes,
             reaped=result.reaped,
             quarantined=len(result.invalid),
+            from_snapshot=result.from_snapshot,
         )
         self.evict_to_cap()
+
+    async def save_snapshot(self) -> None:
+        """Write the index snapshot of the durable entries (start-up reads it)."""
+        rows = [(self.files[r.id], r) for r in self.records.values() if r.durable]
+        count = await anyio.to_thread.run_sync(snapshot.save_snapshot, self.dirs.snapshot, rows)
+        self.snapshot_version = self.version
+        log.info("snapshot_saved", entries=count)
+
+    async def snapshot_periodically(self, every: float) -> None:
+        """Keep the snapshot close to the index, so a crash costs few header reads."""
+        while True:
+            await anyio.sleep(every)
+            if self.version != self.snapshot_version:
+                try:
+                    await self.save_snapshot()
+                except OSError as exc:
+                    log.warning("snapshot_failed", error=str(exc))
 
     def close(self) -> None:
         os.close(self._lock_fd)
@@ -182,6 +192,7 @@ class Tier:
         """Index an entry whose file is at path (a staging file while it is pending)."""
         self.records[record.id] = record
         self.files[record.id] = path
+        self.version += 1
         self.total_bytes += record.nbytes
         if record.checkpoint_key is None:
             self._index(record.identity).add(record)
@@ -193,6 +204,7 @@ class Tier:
         """Take an entry out of the tier; its file goes now, or when its last lease ends."""
         if self.records.pop(record.id, None) is None:
             return
+        self.version += 1
         if record.checkpoint_key is None:
             index = self.indexes[record.identity]
             index.remove(record)
@@ -389,6 +401,7 @@ class Tier:
             return
         self.files[record.id] = final
         record.durable = True
+        self.version += 1
         if record.id in self.doomed:
             return
         self._supersede(record, ticket)
