@@ -384,6 +384,52 @@ class LookupReply(_OneDescriptorReply):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FindCheckpoint(Request):
+    """A generation checkpoint: the newest entry stored under key whose tokens extend prompt.
+
+    Checkpoints live apart from prompt lookups, so a half-finished answer never seeds
+    another prompt; they are found only by their key.
+    """
+
+    op: ClassVar[str] = "find_checkpoint"
+    identity: Identity = field(metadata=wire(_identity))
+    key: str = field(metadata=wire(_name))
+    prompt: bytes = field(metadata=wire(_tokens))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FindCheckpointReply(_OneDescriptorReply):
+    """As a lookup reply; matched is the checkpoint's whole token count (no trim)."""
+
+    op: ClassVar[str] = "find_checkpoint"
+    matched: int = field(metadata=wire(_uint(0, U32)))
+    entry: EntrySummary | None = field(metadata=wire(_optional(_entry)))
+    lease: int | None = field(metadata=wire(_optional(_uint())))
+
+    def descriptor_count(self) -> int:
+        return 1 if self.entry is not None else 0
+
+    def check_consistency(self) -> None:
+        if (self.entry is None) != (self.lease is None):
+            raise schema.SchemaError("find_checkpoint: entry and lease must be both set or nil")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForgetCheckpoint(Request):
+    """The generation finished: its checkpoints under key can go."""
+
+    op: ClassVar[str] = "forget_checkpoint"
+    identity: Identity = field(metadata=wire(_identity))
+    key: str = field(metadata=wire(_name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForgetCheckpointReply(Reply):
+    op: ClassVar[str] = "forget_checkpoint"
+    removed: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Release(Request):
     op: ClassVar[str] = "release"
     lease: int = field(metadata=wire(_uint()))
@@ -474,6 +520,8 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
             Op(PutAbort, PutAbortReply),
             Op(Ticket, TicketReply),
             Op(Lookup, LookupReply),
+            Op(FindCheckpoint, FindCheckpointReply),
+            Op(ForgetCheckpoint, ForgetCheckpointReply),
             Op(Release, ReleaseReply),
             Op(Flush, FlushReply),
             Op(Status, StatusReply),

@@ -66,6 +66,8 @@ def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
         "put_abort",
         "ticket",
         "lookup",
+        "find_checkpoint",
+        "forget_checkpoint",
         "release",
         "flush",
         "status",

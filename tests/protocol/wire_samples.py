@@ -15,8 +15,12 @@ from kvd_protocol.messages import (
     ErrorReply,
     Evict,
     EvictReply,
+    FindCheckpoint,
+    FindCheckpointReply,
     Flush,
     FlushReply,
+    ForgetCheckpoint,
+    ForgetCheckpointReply,
     Hello,
     HelloReply,
     ListEntries,
@@ -102,6 +106,18 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         (
             Lookup(id=0, identity=IDENTITY, tokens=TOKENS[:4]),
             LookupReply(id=0, matched=0, entry=None, lease=None),
+        ),
+        (
+            FindCheckpoint(id=0, identity=IDENTITY, key="gen-1", prompt=TOKENS[:8]),
+            FindCheckpointReply(id=0, matched=64, entry=ENTRY, lease=6),
+        ),
+        (
+            FindCheckpoint(id=0, identity=IDENTITY, key="gen-2", prompt=TOKENS),
+            FindCheckpointReply(id=0, matched=0, entry=None, lease=None),
+        ),
+        (
+            ForgetCheckpoint(id=0, identity=IDENTITY, key="gen-1"),
+            ForgetCheckpointReply(id=0, removed=2),
         ),
         (Release(id=0, lease=5), ReleaseReply(id=0)),
         (Flush(id=0, timeout=None), FlushReply(id=0, durable=True, pending=0)),
