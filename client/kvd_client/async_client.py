@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
@@ -33,6 +33,10 @@ from .calls import (
 )
 from .entry_io import TensorData
 from .transport import AsyncTransport
+
+if TYPE_CHECKING:
+    from .identity import Identity as EngineIdentity
+    from .prompt_cache import Restored
 
 T = TypeVar("T")
 
@@ -153,6 +157,27 @@ class AsyncClient:
     ) -> AsyncLookupResult | None:
         hit = await self._run(calls.lookup(self._session, identity, tokens))
         return None if hit is None else AsyncLookupResult(self, hit)
+
+    async def put(
+        self,
+        identity: EngineIdentity,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        meta: Mapping[str, MetaValue] | None = None,
+    ) -> AsyncTicket:
+        """As Client.put."""
+        from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
+
+        return await prompt_cache.put_async(self, identity, tokens, cache, meta=meta)
+
+    async def get(
+        self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
+    ) -> Restored | None:
+        """As Client.get."""
+        from . import prompt_cache  # noqa: PLC0415
+
+        return await prompt_cache.get_async(self, identity, tokens, model=model)
 
     # --- driving calls ---
 

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
@@ -32,6 +32,10 @@ from .calls import (
 )
 from .entry_io import TensorData
 from .transport import BlockingTransport
+
+if TYPE_CHECKING:
+    from .identity import Identity as EngineIdentity
+    from .prompt_cache import Restored
 
 T = TypeVar("T")
 
@@ -156,6 +160,27 @@ class Client:
         """The longest usable cached prefix of tokens, or None."""
         hit = self._run(calls.lookup(self._session, identity, tokens))
         return None if hit is None else LookupResult(self, hit)
+
+    def put(
+        self,
+        identity: EngineIdentity,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        meta: Mapping[str, MetaValue] | None = None,
+    ) -> Ticket:
+        """Snapshot a list of mlx-lm caches as they are and put them (prompt_cache.py)."""
+        from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
+
+        return prompt_cache.put(self, identity, tokens, cache, meta=meta)
+
+    def get(
+        self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
+    ) -> Restored | None:
+        """The mlx-lm caches of the longest usable prefix of tokens, or None (prompt_cache.py)."""
+        from . import prompt_cache  # noqa: PLC0415
+
+        return prompt_cache.get(self, identity, tokens, model=model)
 
     # --- driving calls ---
 

@@ -1,0 +1,204 @@
+"""Put and get of mlx-lm prompt caches (a list of cache objects, one per layer) through the
+daemon: snapshot by the codec table, restore from a looked-up entry, trim to the match.
+
+encode() and decode() are the whole of it; put/get (blocking) and put_async/get_async only
+move their results to and from the daemon. A get never raises and never returns a half-built
+cache: anything wrong with an entry is a miss, counted by reason in stats(client).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import mlx.core as mx
+import mlx_lm
+from kvd_protocol.entry import EntryHeader, LayerSpec, MetaValue, TensorSpec
+from mlx_lm.models.cache import make_prompt_cache
+
+from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
+from .identity import Identity
+from .restore import TensorSource, dtype_name
+
+if TYPE_CHECKING:
+    from .async_client import AsyncClient, AsyncTicket
+    from .calls import LookupResultBase
+    from .client import Client, Ticket
+
+log = logging.getLogger("kvd_client")
+
+MLX_LM_META: Final = "mlx_lm"  # entry meta key: the mlx-lm version that made the caches
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Caches rebuilt from an entry, covering the first `matched` tokens of the prompt."""
+
+    cache: list[Any]
+    matched: int
+
+
+@dataclass
+class RestoreStats:
+    restored: int = 0
+    misses: Counter[str] = field(default_factory=Counter)  # by reason: "no entry", "codec"...
+
+
+_STATS: weakref.WeakKeyDictionary[object, RestoreStats] = weakref.WeakKeyDictionary()
+
+
+def stats(client: object) -> RestoreStats:
+    """The restore counters of a Client or AsyncClient."""
+    return _STATS.setdefault(client, RestoreStats())
+
+
+# --- put -------------------------------------------------------------------------------------
+
+
+def encode(
+    cache: Sequence[Any], token_count: int, meta: Mapping[str, MetaValue] | None = None
+) -> tuple[list[LayerSpec], list[mx.array], dict[str, MetaValue]]:
+    """The layers, tensors and entry meta of a put; raises CodecError for a cache without a
+    codec, or one holding a different number of tokens than the entry's."""
+    layers: list[LayerSpec] = []
+    tensors: list[mx.array] = []
+    for i, layer in enumerate(cache):
+        codec = codec_for(layer)
+        state, arrays = codec.snapshot(layer)
+        offset = state.get("offset")
+        if isinstance(offset, int) and offset != token_count:
+            raise CodecError(f"layer {i} holds {offset} tokens, the entry has {token_count}")
+        specs = tuple(TensorSpec(dtype_name(a.dtype), tuple(a.shape)) for a in arrays)
+        layers.append(LayerSpec(codec.kind, specs, codec.trimmable(state), state))
+        # The buffer protocol of a bfloat16 array has a format memoryview cannot cast.
+        tensors.extend(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays)
+    mx.eval(tensors)
+    return layers, tensors, {**(meta or {}), MLX_LM_META: mlx_lm.__version__}
+
+
+def put(
+    client: Client,
+    identity: Identity,
+    tokens: Sequence[int],
+    cache: Sequence[Any],
+    *,
+    meta: Mapping[str, MetaValue] | None = None,
+) -> Ticket:
+    layers, tensors, entry_meta = encode(cache, len(tokens), meta)
+    return client.put_entry(identity.to_protocol(), tokens, layers, tensors, meta=entry_meta)
+
+
+async def put_async(
+    client: AsyncClient,
+    identity: Identity,
+    tokens: Sequence[int],
+    cache: Sequence[Any],
+    *,
+    meta: Mapping[str, MetaValue] | None = None,
+) -> AsyncTicket:
+    layers, tensors, entry_meta = encode(cache, len(tokens), meta)
+    return await client.put_entry(identity.to_protocol(), tokens, layers, tensors, meta=entry_meta)
+
+
+# --- get -------------------------------------------------------------------------------------
+
+
+class Miss(Exception):  # noqa: N818 - an outcome, not a failure of the caller
+    """Why an entry cannot be restored; reason is the counter's key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def decode(
+    header: EntryHeader, tensors: Sequence[memoryview], matched: int, model: Any = None
+) -> list[Any]:
+    """The caches of an entry, trimmed to matched tokens and evaluated (so no array still
+    reads the views); raises Miss. With model, the entry is checked against the caches the
+    model makes before anything is allocated."""
+    if header.identity.codec_id != CODEC_ID:
+        raise Miss("codec", f"entry written by codecs {header.identity.codec_id!r}")
+    try:
+        codecs = [codec_named(layer.kind) for layer in header.layers]
+    except CodecError as exc:
+        raise Miss("unknown kind", str(exc)) from None
+    if model is not None:
+        _check_model(header, codecs, make_prompt_cache(model))
+    excess = header.token_count - matched
+    if excess and not header.trimmable:
+        raise Miss("untrimmable", f"{header.token_count} tokens stored, {matched} matched")
+    sources = iter(
+        TensorSource(view, slot.dtype, slot.shape)
+        for slot, view in zip(header.slots, tensors, strict=True)
+    )
+    try:
+        caches = [
+            codec.load(layer.meta, [next(sources) for _ in layer.slots])
+            for codec, layer in zip(codecs, header.layers, strict=True)
+        ]
+        for cache in caches:
+            if excess and cache.trim(excess) != excess:
+                raise CodecError(f"a {type(cache).__name__} could not drop {excess} tokens")
+        mx.eval([cache.state for cache in caches])
+    except Exception as exc:  # anything a stored entry can provoke is a miss, never a crash
+        raise Miss("load failed", f"{type(exc).__name__}: {exc}") from exc
+    return caches
+
+
+def _check_model(header: EntryHeader, codecs: Sequence[Codec], templates: list[Any]) -> None:
+    if len(templates) != len(header.layers):
+        raise Miss(
+            "model", f"the model has {len(templates)} layers, the entry {len(header.layers)}"
+        )
+    for i, (codec, layer, template) in enumerate(
+        zip(codecs, header.layers, templates, strict=True)
+    ):
+        try:
+            problem = codec.check(layer.meta, template)
+        except CodecError as exc:
+            problem = str(exc)
+        if problem is not None:
+            raise Miss("model", f"layer {i}: {problem}")
+
+
+def _restore(client: object, result: LookupResultBase, model: Any) -> Restored | None:
+    counters = stats(client)
+    try:
+        caches = decode(result.header, result.tensors, result.matched, model)
+    except Miss as miss:
+        counters.misses[miss.reason] += 1
+        log.warning("restore of entry %s missed: %s", result.summary.id, miss)
+        return None
+    counters.restored += 1
+    return Restored(caches, result.matched)
+
+
+def get(
+    client: Client, identity: Identity, tokens: Sequence[int], *, model: Any = None
+) -> Restored | None:
+    result = client.lookup(identity.to_protocol(), tokens)
+    if result is None:
+        stats(client).misses["no entry"] += 1
+        return None
+    try:
+        return _restore(client, result, model)
+    finally:
+        result.release()
+
+
+async def get_async(
+    client: AsyncClient, identity: Identity, tokens: Sequence[int], *, model: Any = None
+) -> Restored | None:
+    result = await client.lookup(identity.to_protocol(), tokens)
+    if result is None:
+        stats(client).misses["no entry"] += 1
+        return None
+    try:
+        return _restore(client, result, model)
+    finally:
+        await result.release()

@@ -1,0 +1,122 @@
+"""Tiny random-weight mlx-lm models, built locally in float32 (nothing is downloaded), and
+greedy decoding helpers for comparing a restored cache with an uninterrupted run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models import lfm2, llama, mamba2
+from mlx_lm.models.cache import make_prompt_cache
+
+VOCAB = 256
+
+
+def _ready(model: Any, seed: int) -> Any:
+    mx.random.seed(seed)  # parameters are drawn at construction: seed first
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_llama(layers: int = 2, *, sliding_window: int | None = None, seed: int = 0) -> Any:
+    """llama, hidden 64; with sliding_window, every other layer is a sliding one
+    (RotatingKVCache), the others full attention (KVCache)."""
+    layer_types = None
+    if sliding_window is not None:
+        layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # the smallest that MLX quantizes (group size 32)
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,  # random tied embeddings make greedy repeat one token
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    return _ready(llama.Model(args), seed)
+
+
+def tiny_lfm2(seed: int = 0) -> Any:
+    """lfm2 hybrid: convolution layers (ArraysCache) around one attention layer (KVCache)."""
+    mx.random.seed(seed)
+    args = lfm2.ModelArgs(
+        model_type="lfm2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=128,
+        layer_types=["conv", "full_attention", "conv"],
+    )
+    return _ready(lfm2.Model(args), seed)
+
+
+def tiny_mamba2(seed: int = 0) -> Any:
+    """mamba2: every layer an ArraysCache (convolution and recurrent state)."""
+    mx.random.seed(seed)
+    args = mamba2.ModelArgs(
+        model_type="mamba2",
+        num_heads=4,
+        head_dim=16,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        state_size=16,
+        num_hidden_layers=2,
+        layer_norm_epsilon=1e-5,
+        conv_kernel=4,
+        n_groups=1,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=True,
+        time_step_limit=(0.0, float("inf")),
+        time_step_rank=4,
+    )
+    return _ready(mamba2.Model(args), seed)
+
+
+def prompt(length: int, seed: int = 1) -> list[int]:
+    return [int(t) for t in mx.random.randint(0, VOCAB, (length,), key=mx.random.key(seed))]
+
+
+def prefill(model: Any, tokens: Sequence[int], cache: list[Any] | None = None) -> list[Any]:
+    """The cache after running tokens through the model (one chunk)."""
+    cache = make_prompt_cache(model) if cache is None else cache
+    model(mx.array([list(tokens)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def greedy(
+    model: Any, cache: list[Any], last: Sequence[int], steps: int
+) -> tuple[list[int], mx.array]:
+    """Feed last (the prompt's tokens not in cache), then decode steps tokens greedily:
+    the tokens and the logits of every step."""
+    logits = model(mx.array([list(last)]), cache=cache)[:, -1, :]
+    tokens: list[int] = []
+    all_logits = [logits]
+    for _ in range(steps):
+        token = cast(int, mx.argmax(logits).item())  # one sequence: an index into the vocabulary
+        tokens.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        all_logits.append(logits)
+    return tokens, mx.concatenate(all_logits)
