@@ -158,6 +158,17 @@ class AsyncClient:
         hit = await self._run(calls.lookup(self._session, identity, tokens))
         return None if hit is None else AsyncLookupResult(self, hit)
 
+    async def find_checkpoint(
+        self, identity: Identity, key: str, prompt: bytes | Sequence[int]
+    ) -> AsyncLookupResult | None:
+        """The newest generation checkpoint under key whose tokens extend prompt, or None."""
+        hit = await self._run(calls.find_checkpoint(self._session, identity, key, prompt))
+        return None if hit is None else AsyncLookupResult(self, hit)
+
+    async def forget_checkpoint(self, identity: Identity, key: str) -> int:
+        """Drop the checkpoints of a finished generation; how many went."""
+        return await self._run(calls.forget_checkpoint(self._session, identity, key))
+
     async def put(
         self,
         identity: EngineIdentity,

@@ -30,8 +30,12 @@ from kvd_protocol.messages import (
     ErrorReply,
     Evict,
     EvictReply,
+    FindCheckpoint,
+    FindCheckpointReply,
     Flush,
     FlushReply,
+    ForgetCheckpoint,
+    ForgetCheckpointReply,
     Hello,
     HelloReply,
     ListEntries,
@@ -499,11 +503,43 @@ def lookup(
     raises into the engine: an unreachable daemon or an unusable file is a miss, counted."""
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     request = Lookup(id=session.next_id(), identity=identity, tokens=packed)
+    return (yield from _found(session, request, LookupReply, identity, packed, checkpoint_key=None))
+
+
+def find_checkpoint(
+    session: Session, identity: Identity, key: str, prompt: bytes | Sequence[int]
+) -> Call[LookupHit | None]:
+    """The newest generation checkpoint stored under key that extends prompt, or None."""
+    packed = prompt if isinstance(prompt, bytes) else pack_tokens(prompt)
+    request = FindCheckpoint(id=session.next_id(), identity=identity, key=key, prompt=packed)
+    return (
+        yield from _found(
+            session, request, FindCheckpointReply, identity, packed, checkpoint_key=key
+        )
+    )
+
+
+def forget_checkpoint(session: Session, identity: Identity, key: str) -> Call[int]:
+    """Drop the checkpoints of a finished generation; how many went."""
+    request = ForgetCheckpoint(id=session.next_id(), identity=identity, key=key)
+    return expect((yield Exchange(request)), ForgetCheckpointReply).removed
+
+
+def _found(
+    session: Session,
+    request: Request,
+    kind: type[LookupReply] | type[FindCheckpointReply],
+    identity: Identity,
+    packed: bytes,
+    *,
+    checkpoint_key: str | None,
+) -> Call[LookupHit | None]:
+    """Map the entry a lookup or checkpoint reply offers, after checking it answers the ask."""
     try:
-        reply = expect((yield Exchange(request)), LookupReply)
+        reply = expect((yield Exchange(request)), kind)
     except (DaemonUnavailable, DaemonError) as exc:
         session.stats.failed_lookups += 1
-        log.info("lookup missed: %s", exc)
+        log.info("%s missed: %s", request.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
         return None
@@ -513,14 +549,17 @@ def lookup(
     except (EntryFormatError, OSError, ValueError) as exc:
         problem: str | None = f"unreadable: {exc}"
     else:
-        problem = mismatch(entry.header, identity, packed, reply.matched)
+        problem = mismatch(entry.header, identity, packed, min(reply.matched, len(packed) // 4))
+        found_key = entry.header.checkpoint.key if entry.header.checkpoint else None
+        if problem is None and found_key != checkpoint_key:
+            problem = f"its checkpoint key is {found_key!r}, not {checkpoint_key!r}"
         if problem is not None:
             entry.close()
     finally:
         os.close(reply.fd)
     if problem is not None:
         session.stats.rejected_entries += 1
-        log.warning("lookup: entry %s rejected, %s", reply.entry.id, problem)
+        log.warning("%s: entry %s rejected, %s", request.op, reply.entry.id, problem)
         yield from release_lease(session, reply.lease, epoch)
         return None
     return LookupHit(reply.matched, reply.entry, reply.lease, epoch, entry)

@@ -161,6 +161,17 @@ class Client:
         hit = self._run(calls.lookup(self._session, identity, tokens))
         return None if hit is None else LookupResult(self, hit)
 
+    def find_checkpoint(
+        self, identity: Identity, key: str, prompt: bytes | Sequence[int]
+    ) -> LookupResult | None:
+        """The newest generation checkpoint under key whose tokens extend prompt, or None."""
+        hit = self._run(calls.find_checkpoint(self._session, identity, key, prompt))
+        return None if hit is None else LookupResult(self, hit)
+
+    def forget_checkpoint(self, identity: Identity, key: str) -> int:
+        """Drop the checkpoints of a finished generation; how many went."""
+        return self._run(calls.forget_checkpoint(self._session, identity, key))
+
     def put(
         self,
         identity: EngineIdentity,
