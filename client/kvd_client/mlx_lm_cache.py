@@ -1,0 +1,293 @@
+"""mlx-lm with the cold tier: a stock engine restores the longest cached prefix of each prompt
+from kvd and hands its caches back after prefill and generation.
+
+    tier = ColdTier(Client.connect(), model, tokenizer)       # model, tokenizer = mlx_lm.load(...)
+    for response in tier.stream_generate(prompt, max_tokens=256):   # was mlx_lm.stream_generate
+        print(response.text, end="")
+
+What is stored when (the places mlx-lm's server snapshots its in-memory cache):
+- after generation, prompt + generated tokens: the next turn of a conversation extends them;
+- at the prompt boundary, all of the prompt but its last token, when the model's caches may
+  become untrimmable (rotating windows that wrap, chunked attention, recurrent state): the
+  entry stored after generation could then not serve this prompt again. The daemon caps a
+  match at the prompt's length - 1, so that snapshot serves both a repeat of the prompt and
+  any extension. Caches that always trim need none: the longer entry serves by trimming.
+
+Puts never block the engine on the daemon: the caches are snapshotted on the caller's thread
+(contiguous arrays of the live tokens, the only MLX work) and one background thread writes the
+snapshot into the daemon's staging file. No copy beyond the snapshot is needed while decoding
+goes on: mlx-lm writes into cache buffers in place (KVCache.update_and_fetch, a wrapped
+RotatingKVCache), but MLX only does so when nothing else references the buffer, and the
+pending put holds a reference to every array it reads until they are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import mlx.core as mx
+import mlx_lm
+from kvd_protocol.entry import LayerSpec, MetaValue
+from mlx_lm.models import cache as _mlx_lm_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import prompt_cache
+from .codecs import CodecError
+from .identity import Identity
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import GenerationResponse
+
+    from .client import Client, Ticket
+
+log = logging.getLogger("kvd_client")
+
+mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
+
+# Cache classes that can be trimmed to any shorter prefix however long they grow.
+_ALWAYS_TRIMMABLE: Final = (mlc.KVCache, mlc.QuantizedKVCache)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class ColdTierStats:
+    restored: int = 0  # prompts that started from a restored prefix
+    fresh: int = 0  # prompts that started from an empty cache
+    lookups_unavailable: int = 0  # of those, lookups the daemon did not answer (down, slow)
+    restored_tokens: int = 0  # prompt tokens restored instead of computed
+    computed_tokens: int = 0  # prompt tokens left to compute after restoring
+    stored: int = 0  # snapshots the daemon accepted
+    unavailable: int = 0  # snapshots not handed over: the daemon was down or slow
+    failed: int = 0  # snapshots refused by the codecs or the daemon
+    superseded: int = 0  # snapshots replaced by a newer one before they were sent
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    tokens: list[int]
+    layers: list[LayerSpec]
+    views: list[memoryview]  # each holds its array: MLX will not write into it meanwhile
+    meta: dict[str, MetaValue]
+
+
+class ColdTier:
+    """The cold tier of one model in one engine. Thread use: call prepare, store and the
+    generate helpers from the thread that runs the model; puts happen on a thread of its own."""
+
+    def __init__(
+        self,
+        client: Client,
+        model: Any,
+        tokenizer: Any,
+        *,
+        identity: Identity | None = None,
+        namespace: str = "",
+        backlog: int = 2,
+    ) -> None:
+        """tokenizer: what mlx_lm.load returned. identity: by default Identity.for_model.
+        backlog: snapshots that may wait while one is being sent; beyond it the oldest waiting
+        one is dropped (each holds a copy of the caches' live tokens)."""
+        if backlog < 1:
+            raise ValueError(f"backlog must be at least 1, not {backlog}")
+        self.client = client
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity or Identity.for_model(model, tokenizer, namespace)
+        self.stats = ColdTierStats()
+        self._wire = self.identity.to_protocol()
+        self._backlog = backlog
+        self._waiting: deque[tuple[Future[Ticket], _Snapshot]] = deque()
+        self._busy = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._sender = threading.Thread(target=self._send_forever, name="kvd-put", daemon=True)
+        self._sender.start()
+
+    # --- the two calls an engine needs ---
+
+    def prepare(self, tokens: Sequence[int]) -> tuple[list[Any], list[int]]:
+        """A cache for a prompt and the tokens still to run through the model: the longest
+        cached prefix restored, or a fresh cache; at least one token is always left (the
+        logits of the last one are the first token's). Never raises for the daemon's sake."""
+        if not tokens:
+            raise ValueError("an empty prompt has no token to compute logits from")
+        failed_lookups = self.client.stats.failed_lookups
+        restored = self.client.get(self.identity, tokens, model=self.model)
+        if restored is None:
+            self.stats.fresh += 1
+            self.stats.lookups_unavailable += self.client.stats.failed_lookups > failed_lookups
+            cache, matched = make_prompt_cache(self.model), 0
+        else:
+            self.stats.restored += 1
+            cache, matched = restored.cache, restored.matched
+        self.stats.restored_tokens += matched
+        self.stats.computed_tokens += len(tokens) - matched
+        return cache, list(tokens[matched:])
+
+    def store(self, tokens: Sequence[int], cache: Sequence[Any]) -> Future[Ticket]:
+        """Hand the caches (holding exactly tokens) to the daemon: snapshot now, send in the
+        background. The future gives the daemon's ticket; it is cancelled if a newer snapshot
+        replaced it before it was sent. Never raises for the daemon's sake, nor for a cache
+        the codecs refuse (the future then holds the CodecError)."""
+        future: Future[Ticket] = Future()
+        try:
+            snapshot = self._snapshot(tokens, cache)
+        except CodecError as exc:
+            self.stats.failed += 1
+            log.warning("cold tier: caches of %d tokens not stored: %s", len(tokens), exc)
+            future.set_exception(exc)
+            return future
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("store() on a closed ColdTier")
+            if len(self._waiting) == self._backlog:
+                dropped, _ = self._waiting.popleft()
+                dropped.cancel()
+                self.stats.superseded += 1
+            self._waiting.append((future, snapshot))
+            self._changed.notify_all()
+        return future
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every snapshot stored so far was sent (the daemon serves it from then
+        on); whether that happened within timeout seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._waiting and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is waiting (at most timeout seconds), then stop the sending thread.
+        The client stays open: it is the caller's."""
+        self.drain(timeout)
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._sender.join(timeout)
+
+    def __enter__(self) -> ColdTier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- mlx-lm's generate functions, with the cold tier ---
+
+    def stream_generate(
+        self,
+        prompt: str | Sequence[int] | mx.array,
+        max_tokens: int = 256,
+        *,
+        prompt_progress_callback: ProgressCallback | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationResponse]:
+        """mlx_lm.stream_generate(model, tokenizer, prompt, ...) with the cold tier: the
+        prompt's cached prefix is restored, what remains is computed, and the caches are
+        stored at the prompt boundary (when needed) and after generation, also when the
+        caller stops early. The progress callback counts the whole prompt, restored part
+        included. Speculative decoding (draft_model) is not supported."""
+        if "draft_model" in kwargs or "prompt_cache" in kwargs:
+            raise TypeError("stream_generate with the cold tier takes no draft_model or cache")
+        tokens = self._tokens(prompt)
+        cache, remaining = self.prepare(tokens)
+        matched = len(tokens) - len(remaining)
+        boundary = len(tokens) - 1
+        stores_boundary = not all(_always_trimmable(layer) for layer in cache)
+
+        def progress(done: int, total: int) -> None:
+            # Called after each prefill chunk is evaluated; done == total - 1 is the last one.
+            if stores_boundary and 0 < done == total - 1:
+                self.store(tokens[:boundary], cache)
+            if prompt_progress_callback is not None:
+                prompt_progress_callback(matched + done, matched + total)
+
+        responses = mlx_lm.stream_generate(
+            self.model,
+            self.tokenizer,
+            mx.array(remaining),
+            max_tokens,
+            prompt_cache=cache,
+            prompt_progress_callback=progress,
+            **kwargs,
+        )
+        # Every token a response carries has been run through the model: the caches
+        # hold the prompt and all of them.
+        generated: list[int] = []
+        try:
+            for response in responses:
+                generated.append(response.token)
+                yield response
+        except GeneratorExit:
+            responses.close()
+            self.store([*tokens, *generated], cache)
+            raise
+        self.store([*tokens, *generated], cache)
+
+    def generate(self, prompt: str | Sequence[int] | mx.array, **kwargs: Any) -> str:
+        """mlx_lm.generate(model, tokenizer, prompt, ...) with the cold tier: the text."""
+        return "".join(response.text for response in self.stream_generate(prompt, **kwargs))
+
+    # --- internals ---
+
+    def _tokens(self, prompt: str | Sequence[int] | mx.array) -> list[int]:
+        if isinstance(prompt, str):
+            # As mlx_lm.stream_generate encodes a text prompt.
+            bos = getattr(self.tokenizer, "bos_token", None)
+            special = bos is None or not prompt.startswith(bos)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=special))
+        if isinstance(prompt, mx.array):
+            return [int(t) for t in cast(list[int], prompt.tolist())]
+        return [int(t) for t in prompt]
+
+    def _snapshot(self, tokens: Sequence[int], cache: Sequence[Any]) -> _Snapshot:
+        layers, tensors, meta = prompt_cache.encode(cache, len(tokens))
+        # MLX arrays export the buffer protocol; their type stubs do not declare it.
+        views = [memoryview(cast(Any, tensor)) for tensor in tensors]
+        return _Snapshot(list(tokens), layers, views, meta)
+
+    def _send_forever(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting or self._closed)
+                if not self._waiting:
+                    return
+                future, snapshot = self._waiting.popleft()
+                self._busy = future.set_running_or_notify_cancel()  # False: the caller cancelled
+            if self._busy:
+                self._send(future, snapshot)
+            del future, snapshot  # the arrays go now, not when the next snapshot comes
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+
+    def _send(self, future: Future[Ticket], snapshot: _Snapshot) -> None:
+        try:
+            ticket = self.client.put_entry(
+                self._wire, snapshot.tokens, snapshot.layers, snapshot.views, meta=snapshot.meta
+            )
+        except Exception as exc:  # a put must never end the thread that sends them all
+            self.stats.failed += 1
+            log.warning("cold tier: put of %d tokens failed: %s", len(snapshot.tokens), exc)
+            future.set_exception(exc)
+        else:
+            self._count(ticket.state.state)
+            future.set_result(ticket)
+
+    def _count(self, state: str) -> None:
+        if state in ("pending", "stored"):
+            self.stats.stored += 1
+        elif state == "unavailable":
+            self.stats.unavailable += 1
+        else:
+            self.stats.failed += 1
+
+
+def _always_trimmable(layer: Any) -> bool:
+    if type(layer) is mlc.CacheList:
+        return all(_always_trimmable(child) for child in layer.caches)
+    return type(layer) in _ALWAYS_TRIMMABLE
