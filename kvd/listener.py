@@ -1,8 +1,9 @@
 """The daemon's listening socket: inherited from launchd or systemd, or bound by kvd itself.
 
 Binding never steals a live daemon's socket: an existing path is probed first, and only a
-stale one (connection refused) is replaced. The socket's folder is private to the owner, which
-is the access control that holds on every platform; peer credentials are checked on top.
+stale one (connection refused) is replaced. The socket's folder is private to the owner (or
+to the owner and the socket group), which is the access control that holds on every platform;
+peer credentials are checked on top.
 """
 
 from __future__ import annotations
@@ -29,19 +30,27 @@ def inherited_socket() -> socket.socket | None:
     return sockets[0] if sockets else None
 
 
-def prepare_socket_folder(folder: Path) -> None:
-    """Create the socket's folder 0700, or check that an existing one is ours and private."""
+def prepare_socket_folder(folder: Path, group: int | None = None) -> None:
+    """Create the socket's folder, or check that an existing one is ours; then make it 0700,
+    or 0750 owned by group so that the group's members can reach the socket."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise PermissionError(f"{folder} is not a folder owned by uid {os.getuid()}")
-    if info.st_mode & 0o077:
-        os.chmod(folder, 0o700)
+    mode = 0o700 if group is None else 0o750
+    if group is not None and info.st_gid != group:
+        os.chown(folder, -1, group)
+    if stat.S_IMODE(info.st_mode) != mode:
+        os.chmod(folder, mode)
 
 
-def bind_socket(path: Path) -> socket.socket:
-    """Bind and listen at path, replacing a stale socket file but never a live one."""
-    prepare_socket_folder(path.parent)
+def bind_socket(path: Path, group: int | None = None) -> socket.socket:
+    """Bind and listen at path, replacing a stale socket file but never a live one.
+
+    The socket is for the owner only, or for the owner and group (peer credentials are checked
+    on top, by the server).
+    """
+    prepare_socket_folder(path.parent, group)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -58,6 +67,9 @@ def bind_socket(path: Path) -> socket.socket:
     old_umask = os.umask(0o177)  # srw------- from the start: no window before a chmod
     try:
         sock.bind(str(path))
+        if group is not None:
+            os.chown(path, -1, group)
+            os.chmod(path, 0o660)
     except BaseException:
         sock.close()
         raise

@@ -189,7 +189,13 @@ class PrefixIndex:
         Where it does not get in, some better entry with no larger min_reuse is in that subtree,
         and so in every subtree above: the frontiers above cannot change.
         """
+        key = rank(record)
         for node in reversed(path):
+            best = node.frontier[0] if node.frontier else None
+            if best is not None and best is not record:
+                # The common case, O(1): a better entry that reuses at least as short a prefix.
+                if rank(best) < key and best.min_reuse <= record.min_reuse:
+                    return
             frontier = _sweep([*(r for r in node.frontier if r is not record), record])
             if record not in frontier:
                 return

@@ -83,7 +83,7 @@ class Server:
         sock = inherited_socket()
         owns_socket = sock is None
         if sock is None:
-            sock = bind_socket(self.config.socket)
+            sock = bind_socket(self.config.socket, self._allowed_gid)
         listener = await SocketListener.from_socket(sock)
         notifier = Notifier.from_environ()
         try:

@@ -120,15 +120,16 @@ class Session:
         log.info("connection_error", session=self.peer.session, error=str(exc))
         frame = m.ErrorReply(id=0, code=exc.code, message=exc.message).to_wire()
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await self.stream.send(encode_frame(frame, self.tier.limits.max_frame_bytes))
+            async with self._send_lock:  # never inside another task's reply
+                await self.stream.send(encode_frame(frame, self.tier.limits.max_frame_bytes))
 
     async def _answer(self, request: m.Request) -> None:
         try:
             reply = await self._handlers[request.op](request)
         except ProtocolError as exc:
             reply = m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
-        except OSError as exc:
-            log.error("request_failed", op=request.op, error=str(exc))
+        except Exception as exc:  # a daemon bug or a failed file operation: this request only
+            log.exception("request_failed", op=request.op)
             reply = m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))
         await self._send(reply)
 

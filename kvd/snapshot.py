@@ -80,12 +80,12 @@ def load_snapshot(path: Path) -> dict[tuple[str, str], SnapshotRow]:
     except FileNotFoundError:
         return {}
     head = len(MAGIC) + CHECKSUM_BYTES
-    body = data[head:]
+    body = memoryview(data)[head:]
     if data[: len(MAGIC)] != MAGIC or data[len(MAGIC) : head] != checksum(body):
         log.warning("snapshot_ignored", path=str(path), reason="bad magic or checksum")
         return {}
     try:
-        decoded = msgpack.unpackb(body, raw=False)
+        decoded = msgpack.unpackb(body, raw=False, use_list=False)
         if decoded.get("version") != VERSION:
             log.warning("snapshot_ignored", path=str(path), reason="another version")
             return {}
@@ -95,7 +95,7 @@ def load_snapshot(path: Path) -> dict[tuple[str, str], SnapshotRow]:
         return {}
 
 
-def _row(row: list[object]) -> SnapshotRow:
+def _row(row: tuple[object, ...]) -> SnapshotRow:
     identity, entry_id, nbytes, mtime_ns, tokens, trimmable, min_reuse, created, last_used, key = (
         row
     )

@@ -35,7 +35,10 @@ def _is_entry_file(change: Change, path: str) -> bool:
 async def watch_entries(tier: Tier) -> None:
     """React to changes under the entries folder until cancelled."""
     root = Path(os.path.realpath(tier.dirs.entries))  # FSEvents reports resolved paths
-    async for changes in awatch(root, watch_filter=_is_entry_file, recursive=True):
+    # rust_timeout bounds how long the watch thread takes to notice a cancel (at shutdown).
+    async for changes in awatch(
+        root, watch_filter=_is_entry_file, recursive=True, rust_timeout=200
+    ):
         await reconcile(tier, {Path(path) for _, path in changes})
 
 

@@ -174,9 +174,9 @@ class WritebackQueue(Generic[P]):
     def cancel(self, ticket: int, successor: int | None = None) -> WriteItem[P] | None:
         """Take out a queued item whose entry was superseded; None if it is not queued.
 
-        The item in flight cannot be taken back: its write is under way. Its tokens are kept
-        by the superseding entry, so barriers do not count the item as lost; if that entry is
-        still pending, pass its ticket as successor and barriers wait for it instead.
+        The item in flight cannot be taken back: its write is under way. The superseding entry
+        keeps the cancelled item's tokens, so barriers do not count the item as lost; if that
+        entry is still pending, pass its ticket as successor, and barriers wait for it instead.
         """
         item = self._queued.pop(ticket, None)
         if item is None:
