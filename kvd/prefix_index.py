@@ -192,10 +192,14 @@ class PrefixIndex:
         key = rank(record)
         for node in reversed(path):
             best = node.frontier[0] if node.frontier else None
-            if best is not None and best is not record:
-                # The common case, O(1): a better entry that reuses at least as short a prefix.
-                if rank(best) < key and best.min_reuse <= record.min_reuse:
-                    return
+            # The common case, O(1): a better entry that reuses at least as short a prefix.
+            if (
+                best is not None
+                and best is not record
+                and rank(best) < key
+                and best.min_reuse <= record.min_reuse
+            ):
+                return
             frontier = _sweep([*(r for r in node.frontier if r is not record), record])
             if record not in frontier:
                 return

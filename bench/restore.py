@@ -1,0 +1,260 @@
+"""Restore bandwidth of a realistic prompt cache: kvd_client's get against memcpy, mx.load and
+mlx-lm's load_prompt_cache of the same tensors, hot (page cache) and cold (dropped caches).
+
+The cache is 32 mlx-lm KVCache layers, keys and values float16 of shape (1, 8, tokens, 128)
+as in an 8-KV-head, 128-dim model: 4,096 tokens = 512 MiB by default, --full for 16,384
+tokens = 2 GiB. It is put once into a real `kvd serve`; then, per rep:
+
+- get: Client.get of a prompt one token longer than the entry (lookup, map, decode, release),
+  timed around the call as an engine sees it;
+- decode alone: prompt_cache.decode of an entry looked up once beforehand (the views mapped);
+- anchors, same bytes, same run: memcpy (np.copyto into a preallocated buffer), readinto of
+  the entry file into a preallocated buffer (raw sequential read), mx.load of a safetensors
+  file of the 64 tensors + mx.eval, and load_prompt_cache of the cache saved by
+  save_prompt_cache (+ mx.eval of every state).
+
+Hot: the files are read once before the reps, so every rep reads from the page cache. Cold
+(root only; --no-cold skips it): `sync; echo 1 > /proc/sys/vm/drop_caches` before each rep.
+A restore allocates fresh MLX memory each time, as an engine does; MLX's buffer cache keeps
+its default limit. The median of --repeat reps after one untimed warm-up is printed (cold:
+no warm-up), GB/s as 10^9 bytes of tensor data per second.
+
+    .venv/bin/python bench/restore.py [--full] [--repeat 5] [--cold-repeat 3] [--no-cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from _daemon import running_daemon
+from kvd_client import prompt_cache
+from kvd_client.client import Client
+from kvd_client.identity import Identity
+from mlx_lm.models import cache as _mlx_lm_cache
+
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
+TOKENS, FULL_TOKENS = 4096, 16384
+IDENTITY = Identity("bench/restore", "cfg", "tok")
+mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
+DAEMON_FLAGS = ("--writeback-max-bytes", "8G")  # the default 2 GiB cap is below a full entry
+GOAL_MX_LOAD = 1.0  # get at least as fast as mx.load
+GOAL_MEMCPY = 0.6  # get at least this fraction of memcpy's rate
+
+
+def realistic_cache(tokens: int, seed: int = 0) -> list[Any]:
+    """32 KVCache layers filled as a prefill fills them (update_and_fetch), float16."""
+    mx.random.seed(seed)
+    shape = (1, KV_HEADS, tokens, HEAD_DIM)
+    cache = []
+    for _ in range(LAYERS):
+        layer = mlc.KVCache()
+        keys = mx.random.normal(shape).astype(mx.float16)
+        values = mx.random.normal(shape).astype(mx.float16)
+        layer.update_and_fetch(keys, values)
+        mx.eval(layer.state)
+        cache.append(layer)
+    return cache
+
+
+def cache_arrays(cache: list[Any]) -> list[mx.array]:
+    return [array for layer in cache for array in layer.state[:2]]
+
+
+def cache_bytes(cache: list[Any]) -> int:
+    return sum(array.nbytes for array in cache_arrays(cache))
+
+
+def prompt(tokens: int) -> list[int]:
+    return list(range(1, tokens + 1))
+
+
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def can_drop_page_cache() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    result = run()
+    elapsed = time.perf_counter() - start
+    del result
+    gc.collect()  # the restored arrays go before the next rep, not during it
+    return elapsed
+
+
+def median_seconds(
+    run: Callable[[], object], repeat: int, before: Callable[[], None] | None = None
+) -> float:
+    """The median of repeat timed runs; before (untimed) precedes each; one untimed warm-up
+    run first unless before is given (it drops the page cache: a warm-up would be wasted)."""
+    if before is None:
+        timed(run)
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        times.append(timed(run))
+    return statistics.median(times)
+
+
+def read_into(path: Path, target: memoryview) -> None:
+    with path.open("rb", buffering=0) as f:
+        view = target
+        while view:
+            n = f.readinto(view)
+            if not n:
+                raise EOFError(f"{path} is shorter than {len(target)} bytes")
+            view = view[n:]
+
+
+class Restores:
+    """Every timed restore path over one cache and its files in folder."""
+
+    def __init__(self, client: Client, cache: list[Any], tokens: int, folder: Path) -> None:
+        self.client, self.tokens = client, tokens
+        self.nbytes = cache_bytes(cache)
+        self.safetensors = folder / "cache.safetensors"
+        mx.save_safetensors(
+            str(self.safetensors), {str(i): a for i, a in enumerate(cache_arrays(cache))}
+        )
+        self.mlx_lm_file = folder / "cache-mlx-lm.safetensors"
+        mlc.save_prompt_cache(str(self.mlx_lm_file), cache)
+        self.source = np.concatenate([np.array(a).reshape(-1) for a in cache_arrays(cache)])
+        self.target = np.empty_like(self.source)
+        np.copyto(self.target, self.source)  # the target's pages exist before any timed copy
+        ticket = client.put(IDENTITY, prompt(tokens), cache)
+        if ticket.wait(600.0).state != "stored":
+            raise RuntimeError(f"the put was not stored: {ticket.state}")
+        self.entry_file = max(
+            (p for p in (folder / "tier").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+        )
+        self.entry_buffer = memoryview(bytearray(self.entry_file.stat().st_size))
+
+    def get(self) -> object:
+        restored = self.client.get(IDENTITY, prompt(self.tokens + 1))
+        if restored is None or restored.matched != self.tokens:
+            raise RuntimeError(f"the get missed: {prompt_cache.stats(self.client)}")
+        return restored
+
+    def decode_seconds(self, repeat: int) -> float:
+        result = self.client.lookup(IDENTITY.to_protocol(), prompt(self.tokens + 1))
+        if result is None:
+            raise RuntimeError("the lookup missed")
+        with result:
+            header, views, matched = result.header, result.tensors, result.matched
+            return median_seconds(lambda: prompt_cache.decode(header, views, matched), repeat)
+
+    def memcpy(self) -> None:
+        np.copyto(self.target, self.source)
+
+    def raw_read(self) -> None:
+        read_into(self.entry_file, self.entry_buffer)
+
+    def mx_load(self) -> object:
+        arrays = mx.load(str(self.safetensors))
+        mx.eval(arrays)
+        return arrays
+
+    def mlx_lm_load(self) -> object:
+        cache = mlc.load_prompt_cache(str(self.mlx_lm_file))
+        mx.eval([layer.state for layer in cache])
+        return cache
+
+    def warm(self) -> None:
+        for path in (self.entry_file, self.safetensors, self.mlx_lm_file):
+            with path.open("rb", buffering=0) as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help=f"{FULL_TOKENS} tokens (2 GiB)")
+    parser.add_argument("--tokens", type=int, default=None, help=f"default {TOKENS}")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--cold-repeat", type=int, default=3)
+    parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument("--dir", default=None, help="where the tier goes (default: a temp dir)")
+    args = parser.parse_args()
+    tokens = args.tokens or (FULL_TOKENS if args.full else TOKENS)
+    cold = not args.no_cold and can_drop_page_cache()
+
+    rows: list[tuple[str, str, float]] = []  # (temperature, path, seconds)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
+        running_daemon(Path(work) / "tier", DAEMON_FLAGS) as daemon,
+        Client.connect(daemon.socket_path, timeout=120.0, require=True) as client,
+    ):
+        cache = realistic_cache(tokens)
+        bench = Restores(client, cache, tokens, Path(work))
+        del cache
+        gc.collect()
+        bench.warm()
+        hot = [
+            ("memcpy (anchor)", bench.memcpy),
+            ("raw read of the entry file (anchor)", bench.raw_read),
+            ("mx.load safetensors + eval (anchor)", bench.mx_load),
+            ("mlx-lm load_prompt_cache (anchor)", bench.mlx_lm_load),
+            ("kvd get (lookup + decode + release)", bench.get),
+        ]
+        for name, run in hot:
+            rows.append(("hot", name, median_seconds(run, args.repeat)))
+        rows.append(("hot", "decode alone (entry looked up)", bench.decode_seconds(args.repeat)))
+        if cold:
+            for name, run in hot[1:]:
+                seconds = median_seconds(run, args.cold_repeat, before=drop_page_cache)
+                rows.append(("cold", name, seconds))
+        nbytes = bench.nbytes
+
+    print(
+        f"{LAYERS} layers × (keys, values) float16 (1, {KV_HEADS}, {tokens:,}, {HEAD_DIM}) = "
+        f"{nbytes / (1 << 20):,.0f} MiB; median of {args.repeat} hot reps"
+        + (f", {args.cold_repeat} cold reps" if cold else "; cold not run (needs root)")
+        + ".\n"
+    )
+    print(
+        "| page cache | path | ms | GB/s | × memcpy | × mx.load | × load_prompt_cache "
+        "| × raw read | goals |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    anchors = {(t, name): s for t, name, s in rows}
+    memcpy = anchors[("hot", "memcpy (anchor)")]
+    for temperature, name, seconds in rows:
+
+        def ratio(anchor: str, temperature: str = temperature, seconds: float = seconds) -> str:
+            base = anchors.get((temperature, anchor))
+            return "–" if base is None else f"{base / seconds:.2f}"
+
+        goals = ""
+        if name.startswith("kvd get") or name.startswith("decode"):
+            mx_load = anchors[(temperature, "mx.load safetensors + eval (anchor)")]
+            verdicts = [f"≥ mx.load: {'met' if seconds <= mx_load / GOAL_MX_LOAD else 'not met'}"]
+            if temperature == "hot":
+                met = seconds <= memcpy / GOAL_MEMCPY
+                verdicts.append(f"≥ {GOAL_MEMCPY}× memcpy: {'met' if met else 'not met'}")
+            goals = "; ".join(verdicts)
+        print(
+            f"| {temperature} | {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} "
+            f"| {memcpy / seconds:.2f} | {ratio('mx.load safetensors + eval (anchor)')} "
+            f"| {ratio('mlx-lm load_prompt_cache (anchor)')} "
+            f"| {ratio('raw read of the entry file (anchor)')} | {goals} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
