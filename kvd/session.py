@@ -32,7 +32,20 @@ RECEIVE_BYTES = 1 << 16
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
 FEATURES = ("put", "lookup", "leases", "flush", "evict", "list")
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
-INLINE = frozenset({"hello", "ping", "lookup", "release", "status", "list", "evict", "put_abort"})
+INLINE = frozenset(
+    {
+        "hello",
+        "ping",
+        "lookup",
+        "find_checkpoint",
+        "forget_checkpoint",
+        "release",
+        "status",
+        "list",
+        "evict",
+        "put_abort",
+    }
+)
 
 
 @dataclass
@@ -66,6 +79,8 @@ class Session:
             "put_abort": self._put_abort,
             "ticket": self._ticket,
             "lookup": self._lookup,
+            "find_checkpoint": self._find_checkpoint,
+            "forget_checkpoint": self._forget_checkpoint,
             "release": self._release,
             "flush": self._flush,
             "status": self._status,
@@ -201,6 +216,25 @@ class Session:
             lease=lease,
             fd=fd,
         )
+
+    async def _find_checkpoint(self, request: m.FindCheckpoint) -> m.FindCheckpointReply:
+        found = self.tier.find_checkpoint(
+            self.peer.session, request.identity, request.key, request.prompt
+        )
+        if found is None:
+            return m.FindCheckpointReply(id=request.id, matched=0, entry=None, lease=None)
+        record, lease, fd = found
+        return m.FindCheckpointReply(
+            id=request.id,
+            matched=record.token_count,
+            entry=self.tier.summary(record),
+            lease=lease,
+            fd=fd,
+        )
+
+    async def _forget_checkpoint(self, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
+        removed = self.tier.forget_checkpoint(request.identity, request.key)
+        return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
     async def _release(self, request: m.Release) -> m.ReleaseReply:
         self.tier.release(self.peer.session, request.lease)

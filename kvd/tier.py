@@ -100,7 +100,8 @@ class Tier:
         self.records: dict[str, EntryRecord] = {}
         self.files: dict[str, Path] = {}  # entry id -> its file (staging until durable)
         self.indexes: dict[str, PrefixIndex] = {}  # identity digest -> its prompt index
-        self.checkpoints: dict[tuple[str, str], EntryRecord] = {}  # (identity, key) -> newest
+        # Generation checkpoints by (identity, key), oldest first: apart from prompt lookups.
+        self.checkpoints: dict[tuple[str, str], list[EntryRecord]] = {}
         self.doomed: dict[str, EntryRecord] = {}  # removed from the index, still leased
         self.eviction = LruPolicy()
         self.queue: WritebackQueue[Queued] = WritebackQueue(
@@ -201,7 +202,7 @@ class Tier:
         if record.checkpoint_key is None:
             self._index(record.identity).add(record)
         else:
-            self.checkpoints[(record.identity, record.checkpoint_key)] = record
+            self.checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(record)
         self.eviction.add(record)
 
     def drop_record(self, record: EntryRecord) -> None:
@@ -214,8 +215,11 @@ class Tier:
             index.remove(record)
             if not len(index):
                 del self.indexes[record.identity]
-        elif self.checkpoints.get((record.identity, record.checkpoint_key)) is record:
-            del self.checkpoints[(record.identity, record.checkpoint_key)]
+        else:
+            key = (record.identity, record.checkpoint_key)
+            self.checkpoints[key].remove(record)
+            if not self.checkpoints[key]:
+                del self.checkpoints[key]
         self.eviction.remove(record)
         if record.leases:
             self.doomed[record.id] = record
@@ -430,9 +434,16 @@ class Tier:
         """A new trimmable entry serves every prefix of itself: its ancestors can go.
 
         Untrimmable entries supersede nothing (an SSM snapshot cannot serve a shorter
-        prompt), and a checkpoint replaces only the older checkpoints of its key.
+        prompt). A checkpoint replaces the older checkpoints of its key, now that it is
+        durable: a crash before this point leaves the previous one.
         """
-        if record.checkpoint_key is not None or not record.trimmable:
+        if record.checkpoint_key is not None:
+            older = self.checkpoints[(record.identity, record.checkpoint_key)]
+            for previous in [r for r in older if r is not record and r.durable]:
+                self.counters.superseded += 1
+                self.drop_record(previous)
+            return
+        if not record.trimmable:
             return
         for ancestor in self.indexes[record.identity].ancestors(record.tokens):
             if ancestor.token_count < record.min_reuse:
@@ -496,13 +507,40 @@ class Tier:
             return None
         record = match.record
         self.counters.hits += 1
-        stamp = next(self._clock)
-        self.indexes[record.identity].touch(record, stamp)
+        self.indexes[record.identity].touch(record, self.tick())
+        return match, self._lease(owner, record), fd
+
+    def _lease(self, owner: int, record: EntryRecord) -> int:
+        """A use: the entry becomes the most recent, and stays on disk until released."""
         self.eviction.touch(record)
         record.leases += 1
         lease = next(self._ids)
         self.leases[lease] = Lease(record, owner)
-        return match, lease, fd
+        return lease
+
+    def find_checkpoint(
+        self, owner: int, identity: Identity, key: str, prompt: bytes
+    ) -> tuple[EntryRecord, int, int] | None:
+        """The newest checkpoint under key whose tokens extend prompt, opened and leased."""
+        candidates = self.checkpoints.get((identity.digest(), key), [])
+        for record in reversed(candidates):
+            if len(record.tokens) > len(prompt) and record.tokens.startswith(prompt):
+                fd = self._open(record)
+                if fd is not None:
+                    self.counters.hits += 1
+                    return record, self._lease(owner, record), fd
+        self.counters.misses += 1
+        return None
+
+    def forget_checkpoint(self, identity: Identity, key: str) -> int:
+        """The generation finished: drop its checkpoints, pending ones included."""
+        records = list(self.checkpoints.get((identity.digest(), key), []))
+        for record in records:
+            ticket = self.pending_tickets.pop(record.id, None)
+            if ticket is not None and self.queue.cancel(ticket) is not None:
+                self._settle(ticket, "dropped", "checkpoint forgotten")
+            self.drop_record(record)  # one in flight is deleted once its write ends
+        return len(records)
 
     def _open(self, record: EntryRecord) -> int | None:
         """Open an entry read-only; a file gone behind our back takes its entry with it."""
