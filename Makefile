@@ -1,7 +1,9 @@
 # The two commands of the README: `make run` starts the daemon, `make test` runs every check.
 # Both create .venv and install the three packages (editable) on first use.
 
-PYTHON ?= $(shell command -v python3.13 || command -v python3.12 || command -v python3.11 || echo python3)
+# The first Python >= 3.11 that really runs (a pyenv shim may exist for a missing version).
+PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -119,13 +119,18 @@ class MappedEntry:
             self._mapping.close()
 
 
+# Map every page up front, in one call: the restore reads all of them, and taking a fault per
+# 4 KiB page costs more than the copy itself (Linux; elsewhere the pages fault in as read).
+_PREFAULT = getattr(mmap, "MAP_POPULATE", 0)
+
+
 def map_entry(fd: int, name: str, limits: Limits = DEFAULT_LIMITS) -> MappedEntry:
     """Map fd (an entry file, opened read-only) and validate its head; raises
     EntryFormatError. The mapping holds its own reference to the file: fd may be closed."""
     size = os.fstat(fd).st_size
     if size == 0:
         raise EntryFormatError(name, Rule.TRUNCATED, "the file is empty")
-    mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _PREFAULT, prot=mmap.PROT_READ)
     base = memoryview(mapping)
     try:
         header = parse_head(name, base, size, limits)
