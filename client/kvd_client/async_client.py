@@ -176,11 +176,14 @@ class AsyncClient:
         cache: Sequence[Any],
         *,
         meta: Mapping[str, MetaValue] | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> AsyncTicket:
         """As Client.put."""
         from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
 
-        return await prompt_cache.put_async(self, identity, tokens, cache, meta=meta)
+        return await prompt_cache.put_async(
+            self, identity, tokens, cache, meta=meta, checkpoint=checkpoint
+        )
 
     async def get(
         self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
@@ -189,6 +192,14 @@ class AsyncClient:
         from . import prompt_cache  # noqa: PLC0415
 
         return await prompt_cache.get_async(self, identity, tokens, model=model)
+
+    async def get_checkpoint(
+        self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None
+    ) -> Restored | None:
+        """As Client.get_checkpoint."""
+        from . import prompt_cache  # noqa: PLC0415
+
+        return await prompt_cache.get_checkpoint_async(self, identity, key, prompt, model=model)
 
     # --- driving calls ---
 

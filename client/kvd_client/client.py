@@ -179,11 +179,12 @@ class Client:
         cache: Sequence[Any],
         *,
         meta: Mapping[str, MetaValue] | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> Ticket:
         """Snapshot a list of mlx-lm caches as they are and put them (prompt_cache.py)."""
         from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
 
-        return prompt_cache.put(self, identity, tokens, cache, meta=meta)
+        return prompt_cache.put(self, identity, tokens, cache, meta=meta, checkpoint=checkpoint)
 
     def get(
         self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
@@ -192,6 +193,15 @@ class Client:
         from . import prompt_cache  # noqa: PLC0415
 
         return prompt_cache.get(self, identity, tokens, model=model)
+
+    def get_checkpoint(
+        self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None
+    ) -> Restored | None:
+        """The caches of the newest generation checkpoint under key that extends prompt,
+        with Restored.checkpoint saying where the generation stands; or None."""
+        from . import prompt_cache  # noqa: PLC0415
+
+        return prompt_cache.get_checkpoint(self, identity, key, prompt, model=model)
 
     # --- driving calls ---
 

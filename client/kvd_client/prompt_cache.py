@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import mlx.core as mx
 import mlx_lm
-from kvd_protocol.entry import EntryHeader, LayerSpec, MetaValue, TensorSpec
+from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
 from mlx_lm.models.cache import make_prompt_cache
 
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
@@ -36,10 +36,15 @@ MLX_LM_META: Final = "mlx_lm"  # entry meta key: the mlx-lm version that made th
 
 @dataclass(frozen=True)
 class Restored:
-    """Caches rebuilt from an entry, covering the first `matched` tokens of the prompt."""
+    """Caches rebuilt from an entry, covering the first `matched` tokens of the prompt.
+
+    checkpoint: set when the entry is a generation checkpoint (get_checkpoint): where the
+    interrupted generation stands, its pending token and seed.
+    """
 
     cache: list[Any]
     matched: int
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass
@@ -87,9 +92,12 @@ def put(
     cache: Sequence[Any],
     *,
     meta: Mapping[str, MetaValue] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> Ticket:
     layers, tensors, entry_meta = encode(cache, len(tokens), meta)
-    return client.put_entry(identity.to_protocol(), tokens, layers, tensors, meta=entry_meta)
+    return client.put_entry(
+        identity.to_protocol(), tokens, layers, tensors, meta=entry_meta, checkpoint=checkpoint
+    )
 
 
 async def put_async(
@@ -99,9 +107,12 @@ async def put_async(
     cache: Sequence[Any],
     *,
     meta: Mapping[str, MetaValue] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> AsyncTicket:
     layers, tensors, entry_meta = encode(cache, len(tokens), meta)
-    return await client.put_entry(identity.to_protocol(), tokens, layers, tensors, meta=entry_meta)
+    return await client.put_entry(
+        identity.to_protocol(), tokens, layers, tensors, meta=entry_meta, checkpoint=checkpoint
+    )
 
 
 # --- get -------------------------------------------------------------------------------------
@@ -175,7 +186,7 @@ def _restore(client: object, result: LookupResultBase, model: Any) -> Restored |
         log.warning("restore of entry %s missed: %s", result.summary.id, miss)
         return None
     counters.restored += 1
-    return Restored(caches, result.matched)
+    return Restored(caches, result.matched, result.header.checkpoint)
 
 
 def get(
@@ -195,6 +206,33 @@ async def get_async(
     client: AsyncClient, identity: Identity, tokens: Sequence[int], *, model: Any = None
 ) -> Restored | None:
     result = await client.lookup(identity.to_protocol(), tokens)
+    if result is None:
+        stats(client).misses["no entry"] += 1
+        return None
+    try:
+        return _restore(client, result, model)
+    finally:
+        await result.release()
+
+
+def get_checkpoint(
+    client: Client, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
+) -> Restored | None:
+    """The newest generation checkpoint under key that extends prompt, restored whole."""
+    result = client.find_checkpoint(identity.to_protocol(), key, prompt)
+    if result is None:
+        stats(client).misses["no entry"] += 1
+        return None
+    try:
+        return _restore(client, result, model)
+    finally:
+        result.release()
+
+
+async def get_checkpoint_async(
+    client: AsyncClient, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
+) -> Restored | None:
+    result = await client.find_checkpoint(identity.to_protocol(), key, prompt)
     if result is None:
         stats(client).misses["no entry"] += 1
         return None
