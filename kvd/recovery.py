@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 from kvd_protocol.errors import EntryFormatError
@@ -59,8 +60,13 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
                 invalid.append((path, "not an entry file"))
                 continue
             info = entry.stat(follow_symlinks=False)
-            row = known.get((folder.name, path.stem))
-            if row and row.mtime_ns == info.st_mtime_ns and row.record.nbytes == info.st_size:
+            row = known.get(entry.name[: -len(ENTRY_SUFFIX)])
+            if (
+                row
+                and row.mtime_ns == info.st_mtime_ns
+                and row.record.nbytes == info.st_size
+                and row.record.identity == folder.name
+            ):
                 found.append((row.record.last_used, info.st_mtime_ns, path, row.record))
                 continue
             try:
@@ -74,6 +80,6 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
             # Unknown to the snapshot: written after it, so more recent than all it knows.
             record = record_from_header(path.stem, header, last_used=0)
             found.append((math.inf, info.st_mtime_ns, path, record))
-    found.sort(key=lambda item: item[:2])
+    found.sort(key=itemgetter(0, 1))
     from_snapshot = sum(1 for item in found if item[0] != math.inf)
     return ScanResult([(path, r) for *_, path, r in found], invalid, reaped, from_snapshot)

@@ -73,8 +73,9 @@ def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> in
     return len(rows)
 
 
-def load_snapshot(path: Path) -> dict[tuple[str, str], SnapshotRow]:
-    """The snapshot's rows by (identity, entry id); empty when missing, corrupt or foreign."""
+def load_snapshot(path: Path) -> dict[str, SnapshotRow]:
+    """The snapshot's rows by entry id (ids are 128 random bits: unique across identities);
+    empty when missing, corrupt or foreign."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -89,7 +90,7 @@ def load_snapshot(path: Path) -> dict[tuple[str, str], SnapshotRow]:
         if decoded.get("version") != VERSION:
             log.warning("snapshot_ignored", path=str(path), reason="another version")
             return {}
-        return {(row[0], row[1]): _row(row) for row in decoded["rows"]}
+        return {row[1]: _row(row) for row in decoded["rows"]}
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         log.warning("snapshot_ignored", path=str(path), reason=f"malformed: {exc}")
         return {}
