@@ -37,6 +37,12 @@ def prepare_socket_folder(folder: Path, group: int | None = None) -> None:
     info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise PermissionError(f"{folder} is not a folder owned by uid {os.getuid()}")
+    if info.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+        # A shared folder such as /tmp: tightening it would lock everyone else out of it.
+        raise PermissionError(
+            f"{folder} is shared with other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"put the socket in a folder of its own, such as {folder / f'kvd-{os.getuid()}'}"
+        )
     mode = 0o700 if group is None else 0o750
     if group is not None and info.st_gid != group:
         os.chown(folder, -1, group)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,16 @@ class TierDir:
         return self.staging / f"{name}{STAGING_SUFFIX}"
 
     def create(self) -> None:
-        """Create the folders, private to the owner (entries may hold anyone's prompts)."""
+        """Create the folders, private to the owner (entries may hold anyone's prompts).
+
+        A shared folder (sticky or world-writable, such as /tmp) is refused as the tier's
+        root rather than made private: that would lock everyone else out of it.
+        """
+        if self.root.is_dir() and self.root.stat().st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+            raise PermissionError(
+                f"{self.root} is shared with other users; the tier needs a folder of its own, "
+                f"such as {self.root / 'kvd'}"
+            )
         for path in (self.root, self.staging, self.entries, self.quarantine):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path, 0o700)
