@@ -528,7 +528,7 @@ def forget_checkpoint(session: Session, identity: Identity, key: str) -> Call[in
 def _found(
     session: Session,
     request: Request,
-    kind: type[LookupReply] | type[FindCheckpointReply],
+    kind: type[LookupReply],
     identity: Identity,
     packed: bytes,
     *,

@@ -25,9 +25,9 @@ from .identity import Identity
 from .restore import TensorSource, dtype_name
 
 if TYPE_CHECKING:
-    from .async_client import AsyncClient, AsyncTicket
+    from .async_client import AsyncClient, AsyncLookupResult, AsyncTicket
     from .calls import LookupResultBase
-    from .client import Client, Ticket
+    from .client import Client, LookupResult, Ticket
 
 log = logging.getLogger("kvd_client")
 
@@ -192,27 +192,14 @@ def _restore(client: object, result: LookupResultBase, model: Any) -> Restored |
 def get(
     client: Client, identity: Identity, tokens: Sequence[int], *, model: Any = None
 ) -> Restored | None:
-    result = client.lookup(identity.to_protocol(), tokens)
-    if result is None:
-        stats(client).misses["no entry"] += 1
-        return None
-    try:
-        return _restore(client, result, model)
-    finally:
-        result.release()
+    return _restore_and_release(client, client.lookup(identity.to_protocol(), tokens), model)
 
 
 async def get_async(
     client: AsyncClient, identity: Identity, tokens: Sequence[int], *, model: Any = None
 ) -> Restored | None:
     result = await client.lookup(identity.to_protocol(), tokens)
-    if result is None:
-        stats(client).misses["no entry"] += 1
-        return None
-    try:
-        return _restore(client, result, model)
-    finally:
-        await result.release()
+    return await _restore_and_release_async(client, result, model)
 
 
 def get_checkpoint(
@@ -220,6 +207,19 @@ def get_checkpoint(
 ) -> Restored | None:
     """The newest generation checkpoint under key that extends prompt, restored whole."""
     result = client.find_checkpoint(identity.to_protocol(), key, prompt)
+    return _restore_and_release(client, result, model)
+
+
+async def get_checkpoint_async(
+    client: AsyncClient, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
+) -> Restored | None:
+    result = await client.find_checkpoint(identity.to_protocol(), key, prompt)
+    return await _restore_and_release_async(client, result, model)
+
+
+def _restore_and_release(
+    client: Client, result: LookupResult | None, model: Any
+) -> Restored | None:
     if result is None:
         stats(client).misses["no entry"] += 1
         return None
@@ -229,10 +229,9 @@ def get_checkpoint(
         result.release()
 
 
-async def get_checkpoint_async(
-    client: AsyncClient, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
+async def _restore_and_release_async(
+    client: AsyncClient, result: AsyncLookupResult | None, model: Any
 ) -> Restored | None:
-    result = await client.find_checkpoint(identity.to_protocol(), key, prompt)
     if result is None:
         stats(client).misses["no entry"] += 1
         return None

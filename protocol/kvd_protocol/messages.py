@@ -380,7 +380,7 @@ class LookupReply(_OneDescriptorReply):
 
     def check_consistency(self) -> None:
         if (self.entry is None) != (self.lease is None):
-            raise schema.SchemaError("lookup: entry and lease must be both set or both nil")
+            raise schema.SchemaError(f"{self.op}: entry and lease must be both set or both nil")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,20 +398,10 @@ class FindCheckpoint(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FindCheckpointReply(_OneDescriptorReply):
+class FindCheckpointReply(LookupReply):
     """As a lookup reply; matched is the checkpoint's whole token count (no trim)."""
 
     op: ClassVar[str] = "find_checkpoint"
-    matched: int = field(metadata=wire(_uint(0, U32)))
-    entry: EntrySummary | None = field(metadata=wire(_optional(_entry)))
-    lease: int | None = field(metadata=wire(_optional(_uint())))
-
-    def descriptor_count(self) -> int:
-        return 1 if self.entry is not None else 0
-
-    def check_consistency(self) -> None:
-        if (self.entry is None) != (self.lease is None):
-            raise schema.SchemaError("find_checkpoint: entry and lease must be both set or nil")
 
 
 @dataclass(frozen=True, kw_only=True)
