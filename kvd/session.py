@@ -69,7 +69,8 @@ class Session:
         self.peer = peer
         self.status = status
         self.conn = Connection(Role.SERVER, tier.limits)
-        self._send_lock = anyio.Lock()
+        # Uncontended (the usual case: one reply at a time) it takes no trip round the loop.
+        self._send_lock = anyio.Lock(fast_acquire=True)
         # One handler per op; each takes its request and returns its reply.
         self._handlers: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
             "hello": self._hello,
