@@ -21,7 +21,7 @@ from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, Connectio
 from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.framing import encode_frame
 
-from kvd import __version__
+from kvd import __version__, socket_io
 from kvd.logs import get_logger
 from kvd.peercred import PeerCredentials
 from kvd.tier import Tier
@@ -66,6 +66,7 @@ class Session:
     ) -> None:
         self.tier = tier
         self.stream = stream
+        self.sock = raw_socket(stream)  # read and written directly: see socket_io
         self.peer = peer
         self.status = status
         self.conn = Connection(Role.SERVER, tier.limits)
@@ -100,10 +101,10 @@ class Session:
     async def _receive_loop(self, tasks: TaskGroup) -> None:
         while True:
             try:
-                data, fds = await self.stream.receive_fds(RECEIVE_BYTES, RECEIVE_FDS)  # type: ignore[attr-defined]
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                data, fds = await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
+            except socket_io.PeerGone:
                 return
-            except RuntimeError as exc:  # ancillary data other than descriptors
+            except socket_io.BadAncillary as exc:
                 await self._fatal(ProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
                 return
             try:
@@ -135,9 +136,11 @@ class Session:
         """A framing error: say why, then close (the stream cannot be resynchronised)."""
         log.info("connection_error", session=self.peer.session, error=str(exc))
         frame = m.ErrorReply(id=0, code=exc.code, message=exc.message).to_wire()
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        with contextlib.suppress(socket_io.PeerGone):
             async with self._send_lock:  # never inside another task's reply
-                await self.stream.send(encode_frame(frame, self.tier.limits.max_frame_bytes))
+                await socket_io.send(
+                    self.sock, encode_frame(frame, self.tier.limits.max_frame_bytes)
+                )
 
     async def _answer(self, request: m.Request) -> None:
         try:
@@ -153,12 +156,8 @@ class Session:
         fds = reply.fds
         try:
             async with self._send_lock:
-                frame = self.conn.send(reply)
-                if fds:
-                    await self.stream.send_fds(frame, fds)  # type: ignore[attr-defined]
-                else:
-                    await self.stream.send(frame)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ProtocolError) as exc:
+                await socket_io.send(self.sock, self.conn.send(reply), fds)
+        except (socket_io.PeerGone, ProtocolError) as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:
             for fd in fds:
