@@ -48,42 +48,59 @@ async def reconcile_periodically(tier: Tier, every: float = RECONCILE_SECONDS) -
         await reconcile(tier, None)
 
 
-def _listing(tier: Tier) -> set[Path]:
-    found: set[Path] = set()
-    for folder in os.scandir(tier.dirs.entries):
+def _entry_id(root: Path, path: Path) -> str | None:
+    """The entry id of root/<identity>/<id>.kve; None for any other path."""
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return None
+    if len(parts) != 2 or not parts[1].endswith(ENTRY_SUFFIX):
+        return None
+    return parts[1][: -len(ENTRY_SUFFIX)]
+
+
+def _listing(root: Path) -> dict[str, Path]:
+    """Every entry file under root by entry id (blocking: run in a thread)."""
+    found: dict[str, Path] = {}
+    for folder in os.scandir(root):
         if folder.is_dir(follow_symlinks=False):
-            found.update(
-                Path(os.path.realpath(entry.path))
-                for entry in os.scandir(folder.path)
-                if entry.name.endswith(ENTRY_SUFFIX)
-            )
+            for entry in os.scandir(folder.path):
+                if entry.name.endswith(ENTRY_SUFFIX):
+                    found[entry.name[: -len(ENTRY_SUFFIX)]] = Path(entry.path)
     return found
 
 
 async def reconcile(tier: Tier, paths: Iterable[Path] | None) -> None:
-    """Make the index agree with the given paths (None: the whole entries folder)."""
-    durable = {
-        Path(os.path.realpath(tier.files[r.id])): r for r in tier.live_records() if r.durable
-    }
+    """Make the index agree with the given paths (None: the whole entries folder).
+
+    Entries are matched by id (their file name), so a batch of events costs its own size,
+    not the size of the tier.
+    """
+    root = Path(os.path.realpath(tier.dirs.entries))
     if paths is None:
-        on_disk = await anyio.to_thread.run_sync(_listing, tier)
-        candidates = on_disk | set(durable)
+        on_disk = await anyio.to_thread.run_sync(_listing, root)
+        durable = {r.id for r in tier.live_records() if r.durable}
+        candidates = {**on_disk, **{i: tier.files[i] for i in durable - on_disk.keys()}}
     else:
-        candidates = {Path(os.path.realpath(p)) for p in paths}
-        on_disk = {p for p in candidates if p.exists()}
-    for path in candidates:
-        record = durable.get(path)
-        if record is not None and path not in on_disk:
+        candidates = {}
+        for path in paths:
+            entry_id = _entry_id(root, Path(os.path.realpath(path)))
+            if entry_id is not None:
+                candidates[entry_id] = path
+        on_disk = {i: p for i, p in candidates.items() if p.exists()}
+    for entry_id, path in candidates.items():
+        if entry_id in tier.doomed:
+            continue  # removed from the index, its file kept until its last lease ends
+        record = tier.records.get(entry_id)
+        if record is not None and record.durable and entry_id not in on_disk:
             log.warning("entry_removed_outside", entry=record.id)
             tier.drop_record(record)
-        elif record is None and path in on_disk and path.stem not in tier.records:
+        elif record is None and entry_id in on_disk:
             await _adopt(tier, path)
     tier.evict_to_cap()
 
 
 async def _adopt(tier: Tier, path: Path) -> None:
-    if path.parent.parent != Path(os.path.realpath(tier.dirs.entries)):
-        return
     try:
         header = await anyio.to_thread.run_sync(entry_files.read_header, path, tier.limits)
         if header.identity.digest() != path.parent.name:

@@ -1,0 +1,64 @@
+"""The full reconcile against a real tier directory: files gone or added behind the daemon's
+back, and the files of entries that are only waiting for their last lease."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+from entry_samples import IDENTITY, write
+from kvd_protocol import LayerSpec, TensorSpec, plan_entry
+from kvd_protocol.limits import DEFAULT_LIMITS
+from kvd_protocol.tokens import pack_tokens
+
+from kvd.config import Config
+from kvd.tier import Tier
+from kvd.tier_dir import TierDir, new_entry_id
+from kvd.watcher import reconcile
+
+
+def put_file(dirs: TierDir, first: int) -> Path:
+    """A valid entry file of its own tokens, dropped straight into the tier."""
+    spec = TensorSpec("float16", (1, 2, 16, 8))
+    layer = LayerSpec("kv", (spec, spec), trimmable=False)
+    plan = plan_entry(IDENTITY, pack_tokens([first, *range(15)]), [layer], created=1.0, min_reuse=0)
+    blob, _ = write(plan)
+    path = dirs.entry_path(IDENTITY.digest(), new_entry_id())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(blob)
+    return path
+
+
+def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path) -> None:
+    config = Config(dir=tmp_path / "tier", socket=tmp_path / "kvd.sock", min_free=0)
+    dirs = TierDir(config.dir)
+    dirs.create()
+    kept, leased, removed = (put_file(dirs, first) for first in (1, 2, 3))
+
+    async def scenario() -> None:
+        tier = Tier(config, DEFAULT_LIMITS)
+        await tier.open()
+        try:
+            assert set(tier.records) == {kept.stem, leased.stem, removed.stem}
+            # A reader holds `leased` while it is evicted: its file stays, out of the index.
+            found = tier.lookup(1, IDENTITY, pack_tokens([2, *range(15), 99]))
+            assert found is not None
+            match, _, fd = found
+            os.close(fd)
+            assert match.record.id == leased.stem
+            assert tier.evict(leased.stem, None, everything=False) == (1, match.record.nbytes)
+            assert leased.exists()
+            assert leased.stem in tier.doomed
+
+            removed.unlink()
+            added = put_file(dirs, 4)
+            await reconcile(tier, None)
+
+            assert set(tier.records) == {kept.stem, added.stem}  # leased not re-adopted
+            assert leased.exists()
+            assert tier.total_bytes == sum(p.stat().st_size for p in (kept, added, leased))
+        finally:
+            tier.close()
+
+    anyio.run(scenario)
