@@ -417,10 +417,9 @@ class Tier:
 
     def _stored(self, record: EntryRecord, final: Path, ticket: int) -> None:
         if record.id not in self.records and record.id not in self.doomed:
-            # Dropped while its write was under way (evicted, purged): the file goes too.
+            # Dropped while its write was under way (superseded, forgotten): its bytes left
+            # the count then, but the rename may have beaten that unlink of the staging file.
             entry_files.unlink_quietly(final)
-            self.total_bytes -= record.nbytes
-            self.files.pop(record.id, None)
             return
         self.files[record.id] = final
         record.durable = True

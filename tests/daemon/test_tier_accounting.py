@@ -1,5 +1,5 @@
-"""The full reconcile against a real tier directory: files gone or added behind the daemon's
-back, and the files of entries that are only waiting for their last lease."""
+"""The tier's accounting against a real directory: files gone or added behind the daemon's
+back, files of entries waiting for their last lease, entries dropped mid-write."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from kvd_protocol import LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.limits import DEFAULT_LIMITS
 from kvd_protocol.tokens import pack_tokens
 
+from kvd import entry_files
 from kvd.config import Config
 from kvd.tier import Tier
 from kvd.tier_dir import TierDir, new_entry_id
 from kvd.watcher import reconcile
+from kvd.writeback import Outcome
 
 
 def put_file(dirs: TierDir, first: int) -> Path:
@@ -58,6 +60,47 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
             assert set(tier.records) == {kept.stem, added.stem}  # leased not re-adopted
             assert leased.exists()
             assert tier.total_bytes == sum(p.stat().st_size for p in (kept, added, leased))
+        finally:
+            tier.close()
+
+    anyio.run(scenario)
+
+
+def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path: Path) -> None:
+    """The writer renames the staging file into place; meanwhile the entry is dropped (a
+    stored descendant superseded it). Its bytes leave the count once, and no file is left."""
+    config = Config(dir=tmp_path / "tier", socket=tmp_path / "kvd.sock", min_free=0)
+    spec = TensorSpec("float16", (1, 2, 16, 8))
+    plan = plan_entry(
+        IDENTITY,
+        pack_tokens(range(16)),
+        [LayerSpec("kv", (spec, spec), trimmable=True)],
+        created=1.0,
+        min_reuse=0,
+    )
+    blob, _ = write(plan)
+
+    async def scenario() -> None:
+        tier = Tier(config, DEFAULT_LIMITS)
+        await tier.open()
+        try:
+            put, _, fd = await tier.begin_put(1, IDENTITY, pack_tokens(range(16)), plan.file_size)
+            assert put is not None
+            assert fd is not None
+            os.pwrite(fd, blob, 0)
+            os.close(fd)
+            await tier.commit_put(put)
+            item = tier.queue.next()  # the writer takes it...
+            assert item is not None
+            record = item.payload.record
+            final = tier.dirs.entry_path(record.identity, record.id)
+            entry_files.persist(item.payload.staging, final)  # ...and renames it into place
+            tier.drop_record(record)  # superseded meanwhile
+            assert tier.total_bytes == 0
+            tier.queue.done(item, Outcome.STORED)
+            tier._stored(record, final, item.ticket)  # the writer's continuation
+            assert tier.total_bytes == 0
+            assert not final.exists()
         finally:
             tier.close()
 
