@@ -25,7 +25,7 @@ from kvd.tier_dir import ENTRY_SUFFIX, TierDir
 
 @dataclass
 class ScanResult:
-    entries: list[tuple[Path, EntryRecord]]  # least recently used first
+    entries: list[EntryRecord]  # least recently used first; each file in its place
     invalid: list[tuple[Path, str]]
     reaped: int
     from_snapshot: int  # entries taken from the snapshot rather than read
@@ -48,16 +48,15 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
     """
     reaped = reap_staging(dirs)
     known = load_snapshot(dirs.snapshot)
-    found: list[tuple[float, int, Path, EntryRecord]] = []
+    found: list[tuple[float, int, EntryRecord]] = []
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
         if not folder.is_dir(follow_symlinks=False):
             invalid.append((Path(folder.path), "not an identity folder"))
             continue
         for entry in os.scandir(folder.path):
-            path = Path(entry.path)
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
-                invalid.append((path, "not an entry file"))
+                invalid.append((Path(entry.path), "not an entry file"))
                 continue
             info = entry.stat(follow_symlinks=False)
             row = known.get(entry.name[: -len(ENTRY_SUFFIX)])
@@ -67,8 +66,9 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
                 and row.record.nbytes == info.st_size
                 and row.record.identity == folder.name
             ):
-                found.append((row.record.last_used, info.st_mtime_ns, path, row.record))
+                found.append((row.record.last_used, info.st_mtime_ns, row.record))
                 continue
+            path = Path(entry.path)
             try:
                 header = read_header(path, limits)
             except EntryFormatError as exc:
@@ -79,7 +79,7 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
                 continue
             # Unknown to the snapshot: written after it, so more recent than all it knows.
             record = record_from_header(path.stem, header, last_used=0)
-            found.append((math.inf, info.st_mtime_ns, path, record))
+            found.append((math.inf, info.st_mtime_ns, record))
     found.sort(key=itemgetter(0, 1))
     from_snapshot = sum(1 for item in found if item[0] != math.inf)
-    return ScanResult([(path, r) for *_, path, r in found], invalid, reaped, from_snapshot)
+    return ScanResult([record for *_, record in found], invalid, reaped, from_snapshot)

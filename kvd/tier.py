@@ -98,7 +98,8 @@ class Tier:
         self.limits = limits
         self.dirs = TierDir(config.dir)
         self.records: dict[str, EntryRecord] = {}
-        self.files: dict[str, Path] = {}  # entry id -> its file (staging until durable)
+        # Entries whose file is not at its place under entries/ (pending ones: in staging).
+        self.staged: dict[str, Path] = {}
         self.indexes: dict[str, PrefixIndex] = {}  # identity digest -> its prompt index
         # Generation checkpoints by (identity, key), oldest first: apart from prompt lookups.
         self.checkpoints: dict[tuple[str, str], list[EntryRecord]] = {}
@@ -132,13 +133,13 @@ class Tier:
         result = await anyio.to_thread.run_sync(recovery.scan, self.dirs, self.limits)
         for path, reason in result.invalid:
             await self.quarantine_file(path, reason)
-        for path, record in result.entries:  # least recently used first
+        for record in result.entries:  # least recently used first
             record.last_used = self.tick()
             index = self.indexes.get(record.identity)
             if record.checkpoint_key is None and index and index.exact(record.tokens):
-                await self.quarantine_file(path, "a duplicate of another entry")
+                await self.quarantine_file(self.path_of(record), "a duplicate of another entry")
                 continue
-            self.add_record(record, path)
+            self.add_record(record)
         gc.freeze()  # the index is long-lived: spare the collector from walking it again
         gc.enable()
         log.info(
@@ -154,7 +155,7 @@ class Tier:
 
     async def save_snapshot(self) -> None:
         """Write the index snapshot of the durable entries (start-up reads it)."""
-        rows = [(self.files[r.id], r) for r in self.records.values() if r.durable]
+        rows = [(self.path_of(r), r) for r in self.records.values() if r.durable]
         count = await anyio.to_thread.run_sync(snapshot.save_snapshot, self.dirs.snapshot, rows)
         self.snapshot_version = self.version
         log.info("snapshot_saved", entries=count)
@@ -193,10 +194,16 @@ class Tier:
 
     # --- adding and removing entries -----------------------------------------------------
 
-    def add_record(self, record: EntryRecord, path: Path) -> None:
-        """Index an entry whose file is at path (a staging file while it is pending)."""
+    def path_of(self, record: EntryRecord) -> Path:
+        """Where the entry's file is: its place under entries/, unless it is still staged."""
+        staged = self.staged.get(record.id)
+        return staged if staged is not None else self.dirs.entry_path(record.identity, record.id)
+
+    def add_record(self, record: EntryRecord, staged: Path | None = None) -> None:
+        """Index an entry whose file is at its place, or at staged while it is pending."""
         self.records[record.id] = record
-        self.files[record.id] = path
+        if staged is not None:
+            self.staged[record.id] = staged
         self.version += 1
         self.total_bytes += record.nbytes
         if record.checkpoint_key is None:
@@ -227,7 +234,8 @@ class Tier:
             self._delete_file(record)
 
     def _delete_file(self, record: EntryRecord) -> None:
-        path = self.files.pop(record.id)
+        path = self.path_of(record)
+        self.staged.pop(record.id, None)
         try:
             entry_files.unlink_quietly(path)
         except OSError as exc:  # the bytes are no longer ours to count either way
@@ -354,7 +362,7 @@ class Tier:
                 entry_files.unlink_quietly(put.path)
         self.tickets[ticket] = TicketState("pending")
         self.pending_tickets[record.id] = ticket
-        self.add_record(record, put.path)
+        self.add_record(record, staged=put.path)
         for dropped in admission.dropped:
             del self.pending_tickets[dropped.payload.record.id]
             self.drop_record(dropped.payload.record)
@@ -399,7 +407,7 @@ class Tier:
         except EntryFormatError as exc:
             self.queue.done(item, Outcome.FAILED)
             if record.id in self.records:
-                self.files[record.id] = self.dirs.quarantine / staging.name
+                self.staged[record.id] = self.dirs.quarantine / staging.name
                 self.drop_record(record)  # nothing left to unlink: quarantine moves it
             await self.quarantine_file(staging, str(exc))
             self._settle(item.ticket, "failed", str(exc))
@@ -421,7 +429,7 @@ class Tier:
             # the count then, but the rename may have beaten that unlink of the staging file.
             entry_files.unlink_quietly(final)
             return
-        self.files[record.id] = final
+        self.staged.pop(record.id, None)  # in its place now
         record.durable = True
         self.version += 1
         if record.id in self.doomed:
@@ -543,7 +551,7 @@ class Tier:
 
     def _open(self, record: EntryRecord) -> int | None:
         """Open an entry read-only; a file gone behind our back takes its entry with it."""
-        candidates = [self.files[record.id]]
+        candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
             candidates.append(self.dirs.entry_path(record.identity, record.id))
         for path in candidates:
@@ -552,7 +560,7 @@ class Tier:
             except FileNotFoundError:
                 continue
         log.warning("entry_file_missing", entry=record.id)
-        self.files[record.id] = candidates[-1]
+        self.staged.pop(record.id, None)
         self.drop_record(record)
         return None
 

@@ -80,7 +80,8 @@ async def reconcile(tier: Tier, paths: Iterable[Path] | None) -> None:
     if paths is None:
         on_disk = await anyio.to_thread.run_sync(_listing, root)
         durable = {r.id for r in tier.live_records() if r.durable}
-        candidates = {**on_disk, **{i: tier.files[i] for i in durable - on_disk.keys()}}
+        gone = durable - on_disk.keys()
+        candidates = {**on_disk, **{i: tier.path_of(tier.records[i]) for i in gone}}
     else:
         candidates = {}
         for path in paths:
@@ -111,5 +112,5 @@ async def _adopt(tier: Tier, path: Path) -> None:
     record = record_from_header(path.stem, header, last_used=tier.tick())
     if path.stem in tier.records:  # adopted meanwhile (a second event for the same file)
         return
-    tier.add_record(record, path)
+    tier.add_record(record)
     log.info("entry_adopted", entry=record.id, identity=record.identity)
