@@ -15,6 +15,8 @@ created, last_used, checkpoint_key], ...]}.
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +79,28 @@ def load_snapshot(path: Path) -> dict[str, SnapshotRow]:
     """The snapshot's rows by entry id (ids are 128 random bits: unique across identities);
     empty when missing, corrupt or foreign."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size <= len(MAGIC) + CHECKSUM_BYTES:
+                log.warning("snapshot_ignored", path=str(path), reason="too short")
+                return {}
+            # Decoded straight from the page cache: no copy of hundreds of MiB first.
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    return _decode(path, view)
+                finally:
+                    view.release()
     except FileNotFoundError:
         return {}
+
+
+def _decode(path: Path, data: memoryview) -> dict[str, SnapshotRow]:
     head = len(MAGIC) + CHECKSUM_BYTES
-    body = memoryview(data)[head:]
-    if data[: len(MAGIC)] != MAGIC or data[len(MAGIC) : head] != checksum(body):
-        log.warning("snapshot_ignored", path=str(path), reason="bad magic or checksum")
-        return {}
+    body = data[head:]
     try:
+        if data[: len(MAGIC)] != MAGIC or data[len(MAGIC) : head] != checksum(body):
+            log.warning("snapshot_ignored", path=str(path), reason="bad magic or checksum")
+            return {}
         decoded = msgpack.unpackb(body, raw=False, use_list=False)
         if decoded.get("version") != VERSION:
             log.warning("snapshot_ignored", path=str(path), reason="another version")
@@ -94,6 +109,8 @@ def load_snapshot(path: Path) -> dict[str, SnapshotRow]:
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         log.warning("snapshot_ignored", path=str(path), reason=f"malformed: {exc}")
         return {}
+    finally:
+        body.release()
 
 
 def _row(row: tuple[object, ...]) -> SnapshotRow:

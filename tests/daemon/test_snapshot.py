@@ -92,3 +92,10 @@ def test_a_well_checksummed_but_wrong_body_is_ignored(tmp_path: Path, body: obje
     snapshot = tmp_path / "index.snapshot"
     snapshot.write_bytes(MAGIC + checksum(packed) + packed)
     assert load_snapshot(snapshot) == {}
+
+
+@pytest.mark.parametrize("length", [0, 5, 16])
+def test_a_short_file_is_ignored(tmp_path: Path, length: int) -> None:
+    snapshot = tmp_path / "index.snapshot"
+    snapshot.write_bytes(MAGIC[:length] + bytes(max(0, length - len(MAGIC))))
+    assert load_snapshot(snapshot) == {}
