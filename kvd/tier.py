@@ -135,11 +135,10 @@ class Tier:
             await self.quarantine_file(path, reason)
         for record in result.entries:  # least recently used first
             record.last_used = self.tick()
-            index = self.indexes.get(record.identity)
-            if record.checkpoint_key is None and index and index.exact(record.tokens):
+            try:
+                self.add_record(record)
+            except ValueError:  # the same tokens as an entry already indexed
                 await self.quarantine_file(self.path_of(record), "a duplicate of another entry")
-                continue
-            self.add_record(record)
         gc.freeze()  # the index is long-lived: spare the collector from walking it again
         gc.enable()
         log.info(
@@ -200,16 +199,19 @@ class Tier:
         return staged if staged is not None else self.dirs.entry_path(record.identity, record.id)
 
     def add_record(self, record: EntryRecord, staged: Path | None = None) -> None:
-        """Index an entry whose file is at its place, or at staged while it is pending."""
+        """Index an entry whose file is at its place, or at staged while it is pending.
+
+        ValueError, with nothing changed, for the same tokens as an entry already indexed.
+        """
+        if record.checkpoint_key is None:
+            self._index(record.identity).add(record)  # first: the one step that may refuse
+        else:
+            self.checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(record)
         self.records[record.id] = record
         if staged is not None:
             self.staged[record.id] = staged
         self.version += 1
         self.total_bytes += record.nbytes
-        if record.checkpoint_key is None:
-            self._index(record.identity).add(record)
-        else:
-            self.checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(record)
         self.eviction.add(record)
 
     def drop_record(self, record: EntryRecord) -> None:
