@@ -105,3 +105,25 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             tier.close()
 
     anyio.run(scenario)
+
+
+def test_a_duplicate_file_found_at_start_is_quarantined(tmp_path: Path) -> None:
+    config = Config(dir=tmp_path / "tier", socket=tmp_path / "kvd.sock", min_free=0)
+    dirs = TierDir(config.dir)
+    dirs.create()
+    first, second = put_file(dirs, 7), put_file(dirs, 7)  # same identity, same tokens
+
+    async def scenario() -> None:
+        tier = Tier(config, DEFAULT_LIMITS)
+        await tier.open()
+        try:
+            assert len(tier.records) == 1
+            (kept,) = tier.records
+            assert kept in (first.stem, second.stem)
+            assert tier.total_bytes == tier.path_of(tier.records[kept]).stat().st_size
+            assert tier.counters.quarantined == 1
+            assert len(list(dirs.quarantine.iterdir())) == 1
+        finally:
+            tier.close()
+
+    anyio.run(scenario)
