@@ -59,30 +59,38 @@ def tensor_views(plan: EntryPlan, tensors: Sequence[TensorData]) -> list[memoryv
 
 
 def write_entry(fd: int, plan: EntryPlan, views: Sequence[memoryview]) -> None:
-    """Write the entry into fd (read-write, sized to plan.file_size) through a shared mapping:
-    each tensor to its slot, checksummed while copied, then the head at offset 0.
+    """Write the entry into fd (read-write, sized to plan.file_size): each tensor to its slot,
+    checksummed while copied, then the head at offset 0.
 
-    The descriptor stays open; the caller closes it."""
+    With pwrite, not through a mapping: the kernel copies into the page cache at about twice
+    the speed of faulting in a fresh mapping page by page (256 MiB: 1.7x memcpy against 3.1x),
+    releases the GIL while it does, and a full disk is an OSError rather than a SIGBUS. The
+    descriptor stays open; the caller closes it."""
     size = os.fstat(fd).st_size
     if size != plan.file_size:
-        # Writing a mapping past the end of a file kills the process (SIGBUS): check first.
         raise ValueError(f"staging file is {size} bytes, the entry needs {plan.file_size}")
-    with mmap.mmap(fd, plan.file_size, access=mmap.ACCESS_WRITE) as target:
-        checksums = [
-            _copy_checksummed(target, slot.start, view)
-            for slot, view in zip(plan.slots, views, strict=True)
-        ]
-        head = plan.head(checksums)
-        target[: len(head)] = head
+    checksums = [
+        _write_checksummed(fd, slot.start, view)
+        for slot, view in zip(plan.slots, views, strict=True)
+    ]
+    _write_all(fd, memoryview(plan.head(checksums)), 0)
 
 
-def _copy_checksummed(target: mmap.mmap, start: int, view: memoryview) -> bytes:
+def _write_checksummed(fd: int, start: int, view: memoryview) -> bytes:
     hasher = new_checksum()
     for pos in range(0, view.nbytes, CHUNK_BYTES):
         piece = view[pos : pos + CHUNK_BYTES]
-        target[start + pos : start + pos + piece.nbytes] = piece
-        hasher.update(piece)
+        _write_all(fd, piece, start + pos)
+        hasher.update(piece)  # while the chunk is still in the CPU's cache
     return hasher.digest()
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        if not written:
+            raise OSError(f"no progress writing the staging file at offset {offset}")
+        data, offset = data[written:], offset + written
 
 
 @dataclass(eq=False)
