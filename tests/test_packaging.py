@@ -104,3 +104,17 @@ def test_protocol_package_imports_no_io_modules() -> None:
                 seen.setdefault(top, set()).add(path.name)
     impure = {name: files for name, files in seen.items() if name not in PURE_IMPORTS}
     assert not impure, f"kvd_protocol imports I/O or unexpected modules: {impure}"
+
+
+def test_the_raw_client_imports_without_mlx_and_the_cache_layer_on_demand() -> None:
+    script = (
+        "import sys, kvd_client\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]\n"
+        "from kvd_client import Identity, ColdTier, Restored, register_codec, CodecError\n"
+        "assert Identity.__module__ == 'kvd_client.identity'\n"
+        "assert 'mlx' in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
