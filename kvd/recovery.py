@@ -44,30 +44,34 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
     """Reap staging, then index every entry file (blocking: run in a thread).
 
     A file the snapshot knows with the same size and mtime is taken from it; any other file's
-    header is read and validated (see snapshot.py for why that is safe).
+    header is read and validated (see snapshot.py for why that is safe). In an identity folder
+    unchanged since the snapshot was written (no entry added, removed or renamed: its own
+    mtime is older), the snapshot's rows need no stat at all: entry files are never modified
+    in place.
     """
     reaped = reap_staging(dirs)
     known = load_snapshot(dirs.snapshot)
+    written = dirs.snapshot.stat().st_mtime_ns if known else None
     found: list[tuple[float, int, EntryRecord]] = []
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
         if not folder.is_dir(follow_symlinks=False):
             invalid.append((Path(folder.path), "not an identity folder"))
             continue
+        unchanged = written is not None and folder.stat().st_mtime_ns < written
         for entry in os.scandir(folder.path):
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 invalid.append((Path(entry.path), "not an entry file"))
                 continue
-            info = entry.stat(follow_symlinks=False)
             row = known.get(entry.name[: -len(ENTRY_SUFFIX)])
-            if (
-                row
-                and row.mtime_ns == info.st_mtime_ns
-                and row.record.nbytes == info.st_size
-                and row.record.identity == folder.name
-            ):
-                found.append((row.record.last_used, info.st_mtime_ns, row.record))
-                continue
+            if row is not None and row.record.identity == folder.name:
+                if unchanged:
+                    found.append((row.record.last_used, row.mtime_ns, row.record))
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                if row.mtime_ns == info.st_mtime_ns and row.record.nbytes == info.st_size:
+                    found.append((row.record.last_used, info.st_mtime_ns, row.record))
+                    continue
             path = Path(entry.path)
             try:
                 header = read_header(path, limits)
@@ -78,8 +82,8 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
                 invalid.append((path, "its identity does not match its folder"))
                 continue
             # Unknown to the snapshot: written after it, so more recent than all it knows.
-            record = record_from_header(path.stem, header, last_used=0)
-            found.append((math.inf, info.st_mtime_ns, record))
+            record = record_from_header(entry.name[: -len(ENTRY_SUFFIX)], header, last_used=0)
+            found.append((math.inf, entry.stat(follow_symlinks=False).st_mtime_ns, record))
     found.sort(key=itemgetter(0, 1))
     from_snapshot = sum(1 for item in found if item[0] != math.inf)
     return ScanResult([record for *_, record in found], invalid, reaped, from_snapshot)
