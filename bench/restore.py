@@ -190,7 +190,16 @@ def main() -> None:
     parser.add_argument("--cold-repeat", type=int, default=3)
     parser.add_argument("--no-cold", action="store_true")
     parser.add_argument("--dir", default=None, help="where the tier goes (default: a temp dir)")
+    parser.add_argument(
+        "--mlx-cache-limit",
+        type=int,
+        default=None,
+        help="bytes MLX may keep of freed buffers for reuse (mx.set_cache_limit), as an engine "
+        "would set it; default: MLX's own",
+    )
     args = parser.parse_args()
+    if args.mlx_cache_limit is not None:
+        mx.set_cache_limit(args.mlx_cache_limit)
     tokens = args.tokens or (FULL_TOKENS if args.full else TOKENS)
     cold = not args.no_cold and can_drop_page_cache()
 
