@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_lm_cache
 
-from .restore import TensorSource
+from .restore import TensorSource, with_room_all
 
 mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 
@@ -118,7 +118,7 @@ class KVCodec:
         cache = mlc.KVCache()
         _count(sources, 0 if offset == 0 else 2)
         if sources:
-            keys, values = _load(lambda: [s.with_room(offset) for s in sources], self.kind)
+            keys, values = _load(lambda: with_room_all(sources, offset), self.kind)
             cache.state = (keys, values, offset)
         return cache
 
@@ -148,7 +148,7 @@ class QuantizedKVCodec:
         cache = mlc.QuantizedKVCache(_int(meta, "group_size", 1), _int(meta, "bits", 1))
         _count(sources, 0 if offset == 0 else 6)
         if sources:
-            parts = _load(lambda: [s.with_room(offset) for s in sources], self.kind)
+            parts = _load(lambda: with_room_all(sources, offset), self.kind)
             cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
             cache.offset = offset
         return cache
@@ -236,7 +236,7 @@ class ChunkedKVCodec:
             raise CodecError(f"start_position {start} is past offset {offset}")
         _count(sources, 0, 2)
         if sources:
-            keys, values = _load(lambda: [s.with_room(offset - start) for s in sources], self.kind)
+            keys, values = _load(lambda: with_room_all(sources, offset - start), self.kind)
             cache.keys, cache.values = keys, values
         cache.offset, cache.start_position = offset, start
         return cache

@@ -16,7 +16,11 @@ a process runs at about 1.8 GB/s whatever the method: fresh destinations fault p
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final
 
@@ -77,6 +81,9 @@ class TensorSource:
         """The tensor (length along axis) in a fresh buffer with capacity for the next tokens,
         ceil((length + 1) / STEP) * STEP, zero beyond: mlx-lm then appends in place
         instead of copying the whole cache on the first decode step."""
+        return with_room_all([self], length, axis)[0]
+
+    def _grown(self, length: int, axis: int) -> mx.array:
         if len(self.shape) <= axis or self.shape[axis] != length:
             raise ValueError(f"tensor of shape {list(self.shape)} holds no {length} along {axis}")
         capacity = -(-(length + 1) // STEP) * STEP
@@ -89,11 +96,33 @@ class TensorSource:
             return mx.concatenate([array, mx.zeros(pad, array.dtype)], axis=axis)
         shape = list(self.shape)
         shape[axis] = capacity
-        grown = mx.zeros(shape, getattr(mx, self.dtype))
-        mx.eval(grown)  # materialised: from here on its buffer is plain memory we may fill
+        return mx.zeros(shape, getattr(mx, self.dtype))
+
+    def _fill(self, grown: mx.array, length: int, axis: int) -> None:
+        """Copy the view into the first length places of an evaluated grown buffer."""
         buffer = memoryview(grown)  # type: ignore[arg-type]  # mx.array has the buffer protocol
-        target = _host_view(buffer, self.dtype, tuple(shape))
+        target = _host_view(buffer, self.dtype, tuple(grown.shape))
         target[(slice(None),) * axis + (slice(0, length),)] = _host_view(
             self.view, self.dtype, self.shape
         )
-        return grown
+
+
+def with_room_all(sources: Sequence[TensorSource], length: int, axis: int = 2) -> list[mx.array]:
+    """TensorSource.with_room of several tensors (a layer's keys and values): allocated and
+    evaluated together by MLX on this thread, then, on the CPU build, filled in parallel
+    (numpy releases the GIL while it copies)."""
+    grown = [source._grown(length, axis) for source in sources]
+    mx.eval(grown)  # materialised: from here on their buffers are plain memory we may fill
+    if not ADOPTS:
+        fills = [
+            _copiers().submit(source._fill, array, length, axis)
+            for source, array in zip(sources, grown, strict=True)
+        ]
+        for fill in fills:
+            fill.result()
+    return grown
+
+
+@functools.cache
+def _copiers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvd-restore")
