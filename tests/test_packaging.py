@@ -46,6 +46,14 @@ def test_protocol_depends_on_msgpack_and_the_checksum_only() -> None:
     assert _requirement_names("kvd-protocol") == {"msgpack", "xxhash"}
 
 
+def run_fresh_python(script: str) -> None:
+    """Run script in a new interpreter (a clean sys.modules); it fails by exiting non-zero."""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_importing_every_daemon_module_never_imports_mlx() -> None:
     # __main__ runs the daemon when imported; everything it imports is imported by kvd.cli.
     modules = [
@@ -60,10 +68,7 @@ def test_importing_every_daemon_module_never_imports_mlx() -> None:
         "print(loaded)\n"
         "sys.exit(1 if loaded else 0)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_fresh_python(script)
 
 
 # The protocol package is sans-I/O: it may import only these (no socket, os, io, time, ...).
@@ -114,7 +119,4 @@ def test_the_raw_client_imports_without_mlx_and_the_cache_layer_on_demand() -> N
         "assert Identity.__module__ == 'kvd_client.identity'\n"
         "assert 'mlx' in sys.modules\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_fresh_python(script)
