@@ -164,7 +164,7 @@ def main() -> None:
     rows = []
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
-        running_daemon(Path(work) / "tier") as daemon,
+        running_daemon(Path(work)) as daemon,
         Client.connect(daemon.socket_path, timeout=60.0, require=True) as client,
     ):
         for mib in sizes:

@@ -101,7 +101,7 @@ def main() -> None:
 
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
-        running_daemon(Path(work) / "tier", DAEMON_FLAGS) as daemon,
+        running_daemon(Path(work), DAEMON_FLAGS) as daemon,
         Client.connect(daemon.socket_path, timeout=120.0, require=True) as client,
     ):
         cache = realistic_cache(tokens)

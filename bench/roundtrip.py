@@ -249,7 +249,7 @@ def main() -> None:
     try:
         with (
             tempfile.TemporaryDirectory(prefix="kvd-bench-") as work,
-            running_daemon(Path(work) / "tier") as daemon,
+            running_daemon(Path(work)) as daemon,
             socket_folder() as folder,
             redis_server(folder) as redis,
         ):

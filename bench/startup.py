@@ -53,6 +53,7 @@ from kvd.entry_files import read_header, verify_data
 from kvd.tier_dir import ENTRY_SUFFIX, TierDir
 
 IDENTITIES = 4
+FULL_SCAN_SECONDS = 600.0  # a full header scan of 100k entries takes minutes
 LAYERS = 32
 SHAPE = (1, 8, 128)  # (batch, KV heads, head dim); tokens go in as the third dimension
 DAEMON_FLAGS = ("--max-bytes", "1P", "--min-free", "0")  # sparse files: sizes, not disk
@@ -135,7 +136,7 @@ class Starter:
         elif not self.tier.snapshot.exists():
             raise RuntimeError("no index snapshot to start from")
         daemon = Daemon(self.tier.root, self.socket_path, self.log, DAEMON_FLAGS)
-        seconds = daemon.start()
+        seconds = daemon.start(timeout=FULL_SCAN_SECONDS)
         try:
             with Client.connect(self.socket_path, require=True) as client:
                 status = client.status()

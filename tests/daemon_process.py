@@ -1,4 +1,5 @@
-"""A real `kvd serve` subprocess on a temporary tier and socket, for end-to-end tests."""
+"""A real `kvd serve` subprocess on a tier and socket of its own: the end-to-end tests' and
+the benchmarks' one way to run the daemon (bench/_daemon.py puts this folder on the path)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 from kvd_client.calls import DaemonUnavailable
 from kvd_client.client import Client
 
 START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0
+POLL_SECONDS = 0.002  # between connect attempts while starting: the error on a start time
+
+
+class DaemonProcessError(RuntimeError):
+    """The daemon exited, did not answer, or ignored SIGTERM; the message holds its log."""
 
 
 class Daemon:
@@ -29,26 +34,30 @@ class Daemon:
         self.flags = list(flags)
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self, env: dict[str, str] | None = None, timeout: float = START_SECONDS) -> float:
+        """Spawn the daemon and wait for its first ping answer; the seconds that took."""
         command = [sys.executable, "-m", "kvd", "serve", "--dir", str(self.tier)]
+        command += ["--socket", self.socket_path, "--log-format", "json", *self.flags]
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [*command, "--socket", self.socket_path, "--log-format", "json", *self.flags],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while time.perf_counter() - started < timeout:
             if self.process.poll() is not None:
-                pytest.fail(f"kvd serve exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                with Client.connect(self.socket_path, timeout=1.0, require=True) as client:
-                    client.ping()
-                    return
-            except DaemonUnavailable:
-                time.sleep(0.05)
-        pytest.fail(f"kvd serve did not answer ping within {START_SECONDS} s:\n{self.logs()}")
+                raise DaemonProcessError(
+                    f"kvd serve exited with {self.process.returncode}:\n{self.logs()}"
+                )
+            if os.path.exists(self.socket_path):  # cheaper than a failing connect
+                try:
+                    with Client.connect(self.socket_path, timeout=5.0, require=True) as client:
+                        client.ping()
+                        return time.perf_counter() - started
+                except DaemonUnavailable:
+                    pass
+            time.sleep(POLL_SECONDS)
+        self.kill()
+        raise DaemonProcessError(
+            f"kvd serve did not answer ping within {timeout} s:\n{self.logs()}"
+        )
 
     @property
     def pid(self) -> int:
@@ -56,18 +65,19 @@ class Daemon:
         return self.process.pid
 
     def stop(self) -> int:
-        """SIGTERM and wait; the exit code (0 for a clean stop)."""
-        code = 0
-        if self.process is not None and self.process.poll() is None:
+        """SIGTERM (the daemon flushes, then exits) and wait; the exit code (0: clean)."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                code = self.process.wait(STOP_SECONDS)
+                self.process.wait(STOP_SECONDS)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                pytest.fail(f"kvd serve ignored SIGTERM for {STOP_SECONDS} s:\n{self.logs()}")
-        elif self.process is not None:
-            code = self.process.returncode
+                self.kill()
+                raise DaemonProcessError(
+                    f"kvd serve ignored SIGTERM for {STOP_SECONDS} s:\n{self.logs()}"
+                ) from None
+        code = self.process.returncode
         self.process = None
         return code
 
@@ -83,15 +93,23 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, flags: Sequence[str] = ()) -> Iterator[Daemon]:
-    # The socket lives in a short /tmp folder: the pytest temp path can outgrow sun_path.
-    socket_dir = tempfile.mkdtemp(prefix="kvd-")
-    daemon = Daemon(
-        tmp_path / "tier", os.path.join(socket_dir, "kvd.sock"), tmp_path / "log", flags
-    )
-    daemon.start()
+def socket_folder() -> Iterator[str]:
+    """A short private folder in /tmp for a Unix socket (sun_path holds about 100 bytes; a
+    pytest or benchmark temp path can outgrow it)."""
+    folder = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
     try:
-        yield daemon
+        yield folder
     finally:
-        daemon.stop()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def running_daemon(folder: Path, flags: Sequence[str] = ()) -> Iterator[Daemon]:
+    """A started daemon with its tier and log in folder; stopped after."""
+    with socket_folder() as sockets:
+        daemon = Daemon(folder / "tier", os.path.join(sockets, "kvd.sock"), folder / "log", flags)
+        daemon.start()
+        try:
+            yield daemon
+        finally:
+            daemon.stop()
