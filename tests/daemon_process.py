@@ -1,8 +1,17 @@
 """A real `kvd serve` subprocess on a tier and socket of its own: the end-to-end tests' and
-the benchmarks' one way to run the daemon (bench/_daemon.py puts this folder on the path)."""
+the benchmarks' one way to run the daemon (bench/_daemon.py puts this folder on the path).
+
+The daemon runs in an environment of its own (no inherited `KVD_*` variable, HOME and the XDG
+folders inside the test's folder, so no configuration file from the real HOME), and is held
+to a clean run: check() fails when it exited non-zero by itself or logged an error-level event
+that the test did not declare with expect_errors (a test that provokes a failure on purpose
+names the events it provokes). running_daemon checks on a clean exit; tests/conftest.py checks
+every daemon a test started.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -10,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,27 +29,68 @@ from kvd_client.client import Client
 START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0
 POLL_SECONDS = 0.002  # between connect attempts while starting: the error on a start time
+ERROR_LEVELS = frozenset({"error", "critical"})
+# What the daemon inherits from the test's environment; everything else is left behind.
+INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
+
+started: list[Daemon] = []  # every daemon made since the last clear (tests/conftest.py)
 
 
 class DaemonProcessError(RuntimeError):
-    """The daemon exited, did not answer, or ignored SIGTERM; the message holds its log."""
+    """The daemon exited, did not answer, ignored SIGTERM or logged an unexpected error; the
+    message holds its log."""
+
+
+def isolated_environment(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The daemon's environment: a few basics of ours, a HOME and XDG folders of its own."""
+    env = {key: os.environ[key] for key in INHERITED if key in os.environ}
+    env |= {
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_RUNTIME_DIR": str(home / "run"),
+    }
+    return env | dict(extra or {})
 
 
 class Daemon:
     """A `kvd serve` subprocess; start() waits until it answers ping."""
 
-    def __init__(self, tier: Path, socket_path: str, log: Path, flags: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tier: Path,
+        socket_path: str,
+        log: Path,
+        flags: Sequence[str] = (),
+        expected_errors: Iterable[str] = (),
+    ) -> None:
         self.tier, self.socket_path, self.log = tier, socket_path, log
         self.flags = list(flags)
+        self.home = log.parent / "daemon-home"
+        self.expected_errors = set(expected_errors)
+        self.bad_exits: list[int] = []  # exit codes of runs that ended badly by themselves
+        self.checked = False
         self.process: subprocess.Popen[bytes] | None = None
+        started.append(self)
 
-    def start(self, env: dict[str, str] | None = None, timeout: float = START_SECONDS) -> float:
-        """Spawn the daemon and wait for its first ping answer; the seconds that took."""
+    def expect_errors(self, *events: str) -> None:
+        """Declare error-level events this test provokes on purpose (by event name)."""
+        self.expected_errors.update(events)
+
+    def start(self, env: Mapping[str, str] | None = None, timeout: float = START_SECONDS) -> float:
+        """Spawn the daemon and wait for its first ping answer; the seconds that took.
+
+        env: variables set on top of the isolated environment (NOTIFY_SOCKET, say).
+        """
         command = [sys.executable, "-m", "kvd", "serve", "--dir", str(self.tier)]
         command += ["--socket", self.socket_path, "--log-format", "json", *self.flags]
+        self.home.mkdir(parents=True, exist_ok=True)
+        environment = isolated_environment(self.home, env)
         with self.log.open("ab") as log:
             started = time.perf_counter()
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=environment
+            )
         while time.perf_counter() - started < timeout:
             if self.process.poll() is not None:
                 raise DaemonProcessError(
@@ -65,7 +115,10 @@ class Daemon:
         return self.process.pid
 
     def stop(self) -> int:
-        """SIGTERM (the daemon flushes, then exits) and wait; the exit code (0: clean)."""
+        """SIGTERM (the daemon flushes, then exits) and wait; the exit code (0: clean).
+
+        A daemon that had already exited non-zero by itself counts as a bad exit for check().
+        """
         if self.process is None:
             return 0
         if self.process.poll() is None:
@@ -78,18 +131,59 @@ class Daemon:
                     f"kvd serve ignored SIGTERM for {STOP_SECONDS} s:\n{self.logs()}"
                 ) from None
         code = self.process.returncode
+        if code != 0:
+            self.bad_exits.append(code)
         self.process = None
         return code
 
     def kill(self) -> None:
-        """SIGKILL: the crash case."""
+        """SIGKILL: the crash case (not a bad exit: the test asked for it)."""
         if self.process is not None:
             self.process.kill()
             self.process.wait()
             self.process = None
 
     def logs(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def unexpected_errors(self) -> list[str]:
+        """Log lines at error level whose event was not declared, and lines that are not
+        structured events at all (a traceback Python printed, say)."""
+        found = []
+        for line in self.logs().splitlines():
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict) or (
+                event.get("level") in ERROR_LEVELS
+                and event.get("event") not in self.expected_errors
+            ):
+                found.append(line)
+        return found
+
+    def check(self) -> None:
+        """Raise DaemonProcessError if the daemon exited badly or logged an unexpected error."""
+        self.checked = True
+        problems = [f"exited with {code}" for code in self.bad_exits]
+        unexpected = self.unexpected_errors()
+        if unexpected:
+            problems.append("logged what the test did not expect:\n" + "\n".join(unexpected))
+        if problems:
+            raise DaemonProcessError(f"kvd serve {'; '.join(problems)}\nlog:\n{self.logs()}")
+
+
+def check_started() -> None:
+    """Stop and check every daemon made since the last call, then forget them."""
+    daemons = list(started)
+    started.clear()
+    for daemon in daemons:
+        daemon.stop()
+    for daemon in daemons:
+        if not daemon.checked:
+            daemon.check()
 
 
 @contextmanager
@@ -104,12 +198,17 @@ def socket_folder() -> Iterator[str]:
 
 
 @contextmanager
-def running_daemon(folder: Path, flags: Sequence[str] = ()) -> Iterator[Daemon]:
-    """A started daemon with its tier and log in folder; stopped after."""
+def running_daemon(
+    folder: Path, flags: Sequence[str] = (), expected_errors: Iterable[str] = ()
+) -> Iterator[Daemon]:
+    """A started daemon with its tier and log in folder; stopped, then checked (when the
+    body succeeded: a failing body's own error comes first)."""
     with socket_folder() as sockets:
-        daemon = Daemon(folder / "tier", os.path.join(sockets, "kvd.sock"), folder / "log", flags)
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(folder / "tier", socket_path, folder / "log", flags, expected_errors)
         daemon.start()
         try:
             yield daemon
         finally:
             daemon.stop()
+    daemon.check()

@@ -62,7 +62,7 @@ def test_the_daemon_tells_systemd_ready_and_stopping(
     socket_dir = tempfile.mkdtemp(prefix="kvd-")
     daemon = Daemon(tmp_path / "tier", os.path.join(socket_dir, "kvd.sock"), tmp_path / "log")
     try:
-        daemon.start(env={**os.environ, "NOTIFY_SOCKET": path})
+        daemon.start(env={"NOTIFY_SOCKET": path})
         ready = sock.recv(4096).decode()
         assert "READY=1" in ready.splitlines()
         assert daemon.stop() == 0
