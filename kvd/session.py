@@ -30,7 +30,7 @@ log = get_logger("kvd.session")
 
 RECEIVE_BYTES = 1 << 16
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
-FEATURES = ("put", "lookup", "leases", "flush", "evict", "list")
+FEATURES = ("put", "lookup", "leases", "flush", "evict", "list", "lookup_min_tokens")
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
 INLINE = frozenset(
     {
@@ -205,7 +205,9 @@ class Session:
         )
 
     async def _lookup(self, request: m.Lookup) -> m.LookupReply:
-        found = self.tier.lookup(self.peer.session, request.identity, request.tokens)
+        found = self.tier.lookup(
+            self.peer.session, request.identity, request.tokens, request.min_tokens
+        )
         if found is None:
             return m.LookupReply(id=request.id, matched=0, entry=None, lease=None)
         match, lease, fd = found

@@ -503,21 +503,22 @@ class Tier:
     # --- lookup and leases ----------------------------------------------------------------
 
     def lookup(
-        self, owner: int, identity: Identity, tokens: bytes
+        self, owner: int, identity: Identity, tokens: bytes, min_tokens: int = 0
     ) -> tuple[Match, int, int] | None:
-        """The best usable entry, its read-only descriptor and a lease; None on a miss."""
+        """The best usable entry, its read-only descriptor and a lease; None on a miss, also
+        when the best match is shorter than min_tokens."""
         digest = identity.digest()
         while (index := self.indexes.get(digest)) and (match := index.best_match(tokens)):
+            if match.matched < min_tokens:
+                break
             fd = self._open(match.record)
             if fd is not None:
-                break
-        else:
-            self.counters.misses += 1
-            return None
-        record = match.record
-        self.counters.hits += 1
-        self.indexes[record.identity].touch(record, self.tick())
-        return match, self._lease(owner, record), fd
+                record = match.record
+                self.counters.hits += 1
+                index.touch(record, self.tick())
+                return match, self._lease(owner, record), fd
+        self.counters.misses += 1
+        return None
 
     def _lease(self, owner: int, record: EntryRecord) -> int:
         """A use: the entry becomes the most recent, and stays on disk until released."""

@@ -153,9 +153,9 @@ class AsyncClient:
         return AsyncTicket(self, await self._run(call))
 
     async def lookup(
-        self, identity: Identity, tokens: bytes | Sequence[int]
+        self, identity: Identity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
     ) -> AsyncLookupResult | None:
-        hit = await self._run(calls.lookup(self._session, identity, tokens))
+        hit = await self._run(calls.lookup(self._session, identity, tokens, min_tokens))
         return None if hit is None else AsyncLookupResult(self, hit)
 
     async def find_checkpoint(
@@ -186,12 +186,19 @@ class AsyncClient:
         )
 
     async def get(
-        self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
+        self,
+        identity: EngineIdentity,
+        tokens: Sequence[int],
+        *,
+        model: Any = None,
+        min_tokens: int = 0,
     ) -> Restored | None:
         """As Client.get."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return await prompt_cache.get_async(self, identity, tokens, model=model)
+        return await prompt_cache.get_async(
+            self, identity, tokens, model=model, min_tokens=min_tokens
+        )
 
     async def get_checkpoint(
         self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None

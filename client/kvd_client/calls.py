@@ -195,6 +195,10 @@ class Session:
         self._last_id = self._last_id % U32 + 1
         return self._last_id
 
+    def offers(self, feature: str) -> bool:
+        """Whether the daemon last connected to announced feature in its hello."""
+        return self.server is not None and feature in self.server.features
+
     def deadline(self, wait: float | None) -> float | None:
         """Seconds an exchange may take before the daemon counts as slow."""
         return None if wait is None else self.timeout + wait
@@ -497,13 +501,18 @@ def wait_ticket(session: Session, ticket: TicketBase, timeout: float | None) -> 
 
 
 def lookup(
-    session: Session, identity: Identity, tokens: bytes | Sequence[int]
+    session: Session, identity: Identity, tokens: bytes | Sequence[int], min_tokens: int = 0
 ) -> Call[LookupHit | None]:
-    """The longest usable cached prefix of tokens, mapped, or None (a miss). Nothing here
-    raises into the engine: an unreachable daemon or an unusable file is a miss, counted."""
+    """The longest usable cached prefix of tokens, mapped, or None (a miss), also when it is
+    shorter than min_tokens (what the engine already holds). Nothing here raises into the
+    engine: an unreachable daemon or an unusable file is a miss, counted."""
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    request = Lookup(id=session.next_id(), identity=identity, tokens=packed)
-    return (yield from _found(session, request, LookupReply, identity, packed, checkpoint_key=None))
+    asked = min_tokens if session.offers("lookup_min_tokens") else 0  # else checked here
+    request = Lookup(id=session.next_id(), identity=identity, tokens=packed, min_tokens=asked)
+    found = _found(
+        session, request, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
+    )
+    return (yield from found)
 
 
 def find_checkpoint(
@@ -533,6 +542,7 @@ def _found(
     packed: bytes,
     *,
     checkpoint_key: str | None,
+    min_tokens: int = 0,
 ) -> Call[LookupHit | None]:
     """Map the entry a lookup or checkpoint reply offers, after checking it answers the ask."""
     try:
@@ -544,6 +554,10 @@ def _found(
     if reply.entry is None or reply.lease is None or reply.fd is None:
         return None
     epoch = session.epoch
+    if reply.matched < min_tokens:  # a daemon without the feature: not worth mapping
+        os.close(reply.fd)
+        yield from release_lease(session, reply.lease, epoch)
+        return None
     try:
         entry = entry_io.map_entry(reply.fd, reply.entry.id, session.limits)
     except (EntryFormatError, OSError, ValueError) as exc:

@@ -156,9 +156,11 @@ class Client:
         )
         return Ticket(self, self._run(call))
 
-    def lookup(self, identity: Identity, tokens: bytes | Sequence[int]) -> LookupResult | None:
-        """The longest usable cached prefix of tokens, or None."""
-        hit = self._run(calls.lookup(self._session, identity, tokens))
+    def lookup(
+        self, identity: Identity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
+    ) -> LookupResult | None:
+        """The longest usable cached prefix of tokens, or None (also below min_tokens)."""
+        hit = self._run(calls.lookup(self._session, identity, tokens, min_tokens))
         return None if hit is None else LookupResult(self, hit)
 
     def find_checkpoint(
@@ -187,12 +189,18 @@ class Client:
         return prompt_cache.put(self, identity, tokens, cache, meta=meta, checkpoint=checkpoint)
 
     def get(
-        self, identity: EngineIdentity, tokens: Sequence[int], *, model: Any = None
+        self,
+        identity: EngineIdentity,
+        tokens: Sequence[int],
+        *,
+        model: Any = None,
+        min_tokens: int = 0,
     ) -> Restored | None:
-        """The mlx-lm caches of the longest usable prefix of tokens, or None (prompt_cache.py)."""
+        """The mlx-lm caches of the longest usable prefix of tokens, or None, also when it is
+        shorter than min_tokens (prompt_cache.py)."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return prompt_cache.get(self, identity, tokens, model=model)
+        return prompt_cache.get(self, identity, tokens, model=model, min_tokens=min_tokens)
 
     def get_checkpoint(
         self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None

@@ -190,15 +190,26 @@ def _restore(client: object, result: LookupResultBase, model: Any) -> Restored |
 
 
 def get(
-    client: Client, identity: Identity, tokens: Sequence[int], *, model: Any = None
+    client: Client,
+    identity: Identity,
+    tokens: Sequence[int],
+    *,
+    model: Any = None,
+    min_tokens: int = 0,
 ) -> Restored | None:
-    return _restore_and_release(client, client.lookup(identity.to_protocol(), tokens), model)
+    result = client.lookup(identity.to_protocol(), tokens, min_tokens=min_tokens)
+    return _restore_and_release(client, result, model)
 
 
 async def get_async(
-    client: AsyncClient, identity: Identity, tokens: Sequence[int], *, model: Any = None
+    client: AsyncClient,
+    identity: Identity,
+    tokens: Sequence[int],
+    *,
+    model: Any = None,
+    min_tokens: int = 0,
 ) -> Restored | None:
-    result = await client.lookup(identity.to_protocol(), tokens)
+    result = await client.lookup(identity.to_protocol(), tokens, min_tokens=min_tokens)
     return await _restore_and_release_async(client, result, model)
 
 

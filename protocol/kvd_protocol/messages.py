@@ -151,18 +151,21 @@ def _encode(value: object) -> object:
     return value
 
 
-_WireFields: TypeAlias = tuple[tuple[tuple[str, Check], ...], frozenset[str]]
+_WireFields: TypeAlias = tuple[tuple[tuple[str, Check], ...], frozenset[str], Mapping[str, object]]
 _wire_fields_cache: dict[type[Record], _WireFields] = {}
 
 
 def _wire_fields(cls: type[Record]) -> _WireFields:
-    """The (name, checker) pairs of cls's wire fields, and every key its map must hold."""
+    """The (name, checker) pairs of cls's wire fields, every key its map must hold, and the
+    keys it may leave out: fields with a default, added within a protocol version (a peer that
+    predates one neither sends nor expects it)."""
     found = _wire_fields_cache.get(cls)
     if found is None:
-        checked = tuple(
-            (f.name, f.metadata["check"]) for f in dataclasses.fields(cls) if "check" in f.metadata
-        )
-        found = checked, frozenset(name for name, _ in checked) | cls.envelope
+        wired = [f for f in dataclasses.fields(cls) if "check" in f.metadata]
+        checked = tuple((f.name, f.metadata["check"]) for f in wired)
+        optional = {f.name: f.default for f in wired if f.default is not dataclasses.MISSING}
+        required = frozenset(f.name for f in wired if f.name not in optional) | cls.envelope
+        found = checked, required, optional
         _wire_fields_cache[cls] = found
     return found
 
@@ -176,15 +179,22 @@ class Record:
     @classmethod
     def from_map(cls, obj: object, what: str, limits: Limits) -> Self:
         """Strictly decode; raises schema.SchemaError or ProtocolError."""
-        checked, keys = _wire_fields(cls)
-        raw = schema.fields(obj, what, keys)
-        record = cls(**{name: check(raw[name], name, limits) for name, check in checked})
+        checked, required, optional = _wire_fields(cls)
+        raw = schema.fields(obj, what, required, optional.keys())
+        record = cls(
+            **{name: check(raw[name], name, limits) for name, check in checked if name in raw}
+        )
         record.check_consistency()
         return record
 
     def to_map(self) -> dict[str, object]:
-        checked, _ = _wire_fields(type(self))
-        return {name: _encode(getattr(self, name)) for name, _ in checked}
+        checked, _, optional = _wire_fields(type(self))
+        values = ((name, getattr(self, name)) for name, _ in checked)
+        return {
+            name: _encode(value)
+            for name, value in values
+            if name not in optional or value != optional[name]
+        }
 
     def check_consistency(self) -> None:
         """Rules across fields; raises schema.SchemaError."""
@@ -361,9 +371,13 @@ class TicketReply(Reply):
 
 @dataclass(frozen=True, kw_only=True)
 class Lookup(Request):
+    """min_tokens: a match shorter than this is a miss (the engine holds as much in memory);
+    a daemon announces it with the "lookup_min_tokens" feature."""
+
     op: ClassVar[str] = "lookup"
     identity: Identity = field(metadata=wire(_identity))
     tokens: bytes = field(metadata=wire(_tokens))
+    min_tokens: int = field(default=0, metadata=wire(_uint(0, U32)))
 
 
 @dataclass(frozen=True, kw_only=True)

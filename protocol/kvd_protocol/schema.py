@@ -6,7 +6,7 @@ entry reader to EntryFormatError, so callers only ever see their documented erro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 
@@ -17,8 +17,8 @@ class SchemaError(ValueError):
 def fields(
     obj: object,
     what: str,
-    required: frozenset[str] | set[str],
-    optional: frozenset[str] | set[str] = frozenset(),
+    required: Set[str],
+    optional: Set[str] = frozenset(),
 ) -> dict[str, Any]:
     """A map with string keys: every required key present, no key outside required|optional."""
     if not isinstance(obj, Mapping):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 from daemon_e2e import (
@@ -154,3 +155,35 @@ def test_concurrent_client_processes_get_their_own_bytes(daemon: Daemon) -> None
         assert len(client.list_entries(IDENTITY)) == 24
         assert len(client.list_entries(OTHER_IDENTITY)) == 24
         assert report(client)["entries"] == 48
+
+
+def test_a_lookup_with_min_tokens_misses_when_the_best_match_is_shorter(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        put_stored(client, IDENTITY, BASE[:32], seed=1)
+        before = report(client)
+        assert client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=33) is None
+        after = report(client)
+        assert (after["misses"], after["hits"]) == (before["misses"] + 1, before["hits"])
+        found = client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=32)
+        assert found is not None
+        with found:
+            assert found.matched == 32
+
+
+def test_min_tokens_is_applied_by_the_client_when_the_daemon_does_not_offer_it(
+    daemon: Daemon,
+) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        put_stored(client, IDENTITY, BASE[:32], seed=1)
+        server = client._session.server
+        assert server is not None
+        # As a daemon that predates the feature: it answers the best match whatever its length.
+        old = [f for f in server.features if f != "lookup_min_tokens"]
+        client._session.server = replace(server, features=tuple(old))
+        assert client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=33) is None
+        assert (
+            report(client)["leased_entries"] == 0
+        )  # the unmapped answer: released
+        found = client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=32)
+        assert found is not None
+        found.release()
