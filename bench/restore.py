@@ -148,7 +148,7 @@ class Restores:
     def get(self) -> object:
         restored = self.client.get(IDENTITY, prompt(self.tokens + 1))
         if restored is None or restored.matched != self.tokens:
-            raise RuntimeError(f"the get missed: {prompt_cache.stats(self.client)}")
+            raise RuntimeError(f"the get missed: {self.client.stats}")
         return restored
 
     def decode_seconds(self, repeat: int) -> float:

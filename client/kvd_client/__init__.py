@@ -1,12 +1,15 @@
 """kvd_client: the engine library of kvd.
 
 The raw client (Client, AsyncClient: put_entry, lookup, ...) needs neither mlx nor mlx-lm at
-import. The cache layer (Identity, Restored, register_codec, ColdTier) imports them when first
+import; it names entries by WireIdentity (the protocol's: codec set and runtime included).
+The cache layer (Identity, Restored, register_codec, ColdTier) imports them when first
 named, so `import kvd_client` stays cheap for tools that only talk to the daemon.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from kvd_protocol.identity import Identity as WireIdentity
 
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
 from kvd_client.calls import (
@@ -63,5 +66,6 @@ __all__ = [
     "TensorLayoutError",
     "Ticket",
     "TicketState",
+    "WireIdentity",
     "register_codec",
 ]

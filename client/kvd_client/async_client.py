@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
-from kvd_protocol.identity import Identity
+from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import EntrySummary, Reply
 
 from . import calls
@@ -35,7 +35,7 @@ from .entry_io import TensorData
 from .transport import AsyncTransport
 
 if TYPE_CHECKING:
-    from .identity import Identity as EngineIdentity
+    from .identity import Identity
     from .prompt_cache import Restored
 
 T = TypeVar("T")
@@ -45,8 +45,8 @@ class AsyncClient:
     """A connection to the kvd daemon, re-made as needed. Make one with
     `await AsyncClient.connect()`."""
 
-    def __init__(self, session: calls.Session) -> None:
-        self._session = session
+    def __init__(self, link: calls.Link) -> None:
+        self._link = link
         self._transport: AsyncTransport | None = None
         self._lock = asyncio.Lock()
 
@@ -61,13 +61,13 @@ class AsyncClient:
         backoff: Backoff = calls.DEFAULT_BACKOFF,
     ) -> AsyncClient:
         """As Client.connect."""
-        session = calls.Session(
+        link = calls.Link(
             socket_path or calls.default_socket_path(),
             timeout,
             name or calls.default_client_name(),
             backoff,
         )
-        client = cls(session)
+        client = cls(link)
         try:
             async with client._lock:
                 await client._connect(force=True)
@@ -82,11 +82,11 @@ class AsyncClient:
 
     @property
     def stats(self) -> ClientStats:
-        return self._session.stats
+        return self._link.stats
 
     @property
     def socket_path(self) -> str:
-        return self._session.socket_path
+        return self._link.socket_path
 
     async def close(self) -> None:
         async with self._lock:
@@ -103,34 +103,34 @@ class AsyncClient:
     # --- operations (see Client) ---
 
     async def ping(self) -> float:
-        return await self._run(calls.ping(self._session))
+        return await self._run(calls.ping(self._link))
 
     async def status(self) -> dict[str, object]:
-        return await self._run(calls.status(self._session))
+        return await self._run(calls.status(self._link))
 
     async def flush(self, timeout: float | None = None) -> bool:
-        return await self._run(calls.flush(self._session, timeout))
+        return await self._run(calls.flush(self._link, timeout))
 
     async def list_entries(
         self,
-        identity: Identity | str | None = None,
+        identity: WireIdentity | str | None = None,
         *,
         after: str | None = None,
         limit: int | None = None,
     ) -> list[EntrySummary]:
-        return await self._run(calls.list_entries(self._session, identity, after, limit))
+        return await self._run(calls.list_entries(self._link, identity, after, limit))
 
     async def evict(
         self,
         entry: str | None = None,
-        identity: Identity | str | None = None,
+        identity: WireIdentity | str | None = None,
         all: bool = False,  # the protocol's name for it
     ) -> Evicted:
-        return await self._run(calls.evict(self._session, entry, identity, all))
+        return await self._run(calls.evict(self._link, entry, identity, all))
 
     async def put_entry(
         self,
-        identity: Identity,
+        identity: WireIdentity,
         tokens: bytes | Sequence[int],
         layers: Sequence[LayerSpec],
         tensors: Sequence[TensorData],
@@ -140,7 +140,7 @@ class AsyncClient:
         meta: Mapping[str, MetaValue] | None = None,
     ) -> AsyncTicket:
         call = calls.put_entry(
-            self._session,
+            self._link,
             identity,
             tokens,
             layers,
@@ -153,25 +153,25 @@ class AsyncClient:
         return AsyncTicket(self, await self._run(call))
 
     async def lookup(
-        self, identity: Identity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
+        self, identity: WireIdentity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
     ) -> AsyncLookupResult | None:
-        hit = await self._run(calls.lookup(self._session, identity, tokens, min_tokens))
+        hit = await self._run(calls.lookup(self._link, identity, tokens, min_tokens))
         return None if hit is None else AsyncLookupResult(self, hit)
 
     async def find_checkpoint(
-        self, identity: Identity, key: str, prompt: bytes | Sequence[int]
+        self, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
     ) -> AsyncLookupResult | None:
         """The newest generation checkpoint under key whose tokens extend prompt, or None."""
-        hit = await self._run(calls.find_checkpoint(self._session, identity, key, prompt))
+        hit = await self._run(calls.find_checkpoint(self._link, identity, key, prompt))
         return None if hit is None else AsyncLookupResult(self, hit)
 
-    async def forget_checkpoint(self, identity: Identity, key: str) -> int:
+    async def forget_checkpoint(self, identity: WireIdentity, key: str) -> int:
         """Drop the checkpoints of a finished generation; how many went."""
-        return await self._run(calls.forget_checkpoint(self._session, identity, key))
+        return await self._run(calls.forget_checkpoint(self._link, identity, key))
 
     async def put(
         self,
-        identity: EngineIdentity,
+        identity: Identity,
         tokens: Sequence[int],
         cache: Sequence[Any],
         *,
@@ -181,13 +181,20 @@ class AsyncClient:
         """As Client.put."""
         from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
 
-        return await prompt_cache.put_async(
-            self, identity, tokens, cache, meta=meta, checkpoint=checkpoint
+        call = prompt_cache.put(
+            self._link,
+            identity,
+            tokens,
+            cache,
+            created=time.time(),
+            meta=meta,
+            checkpoint=checkpoint,
         )
+        return AsyncTicket(self, await self._run(call))
 
     async def get(
         self,
-        identity: EngineIdentity,
+        identity: Identity,
         tokens: Sequence[int],
         *,
         model: Any = None,
@@ -196,17 +203,18 @@ class AsyncClient:
         """As Client.get."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return await prompt_cache.get_async(
-            self, identity, tokens, model=model, min_tokens=min_tokens
+        return await self._run(
+            prompt_cache.get(self._link, identity, tokens, model=model, min_tokens=min_tokens)
         )
 
     async def get_checkpoint(
-        self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None
+        self, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
     ) -> Restored | None:
         """As Client.get_checkpoint."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return await prompt_cache.get_checkpoint_async(self, identity, key, prompt, model=model)
+        call = prompt_cache.get_checkpoint(self._link, identity, key, prompt, model=model)
+        return await self._run(call)
 
     # --- driving calls ---
 
@@ -237,7 +245,7 @@ class AsyncClient:
                 if self._transport is None:
                     await self._connect()
                     connected_now = True
-            elif step.epoch != self._session.epoch or self._transport is None:
+            elif step.epoch != self._link.epoch or self._transport is None:
                 raise DaemonUnavailable("the connection this request belongs to was lost")
             try:
                 return await self._request(step)
@@ -248,9 +256,9 @@ class AsyncClient:
             return await self._request(step)
 
     async def _request(self, step: Exchange) -> Reply:
-        frame = self._session.send(step.request)
+        frame = self._link.send(step.request)
         try:
-            return await self._round_trip(frame, self._session.deadline(step.wait))
+            return await self._round_trip(frame, self._link.deadline(step.wait))
         except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
             self._drop()
             raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
@@ -259,34 +267,34 @@ class AsyncClient:
             raise
 
     async def _connect(self, *, force: bool = False) -> None:
-        session = self._session
+        link = self._link
         now = time.monotonic()
-        hello = session.begin_connect(now, force=force)
+        hello = link.begin_connect(now, force=force)
         try:
-            async with asyncio.timeout(session.timeout):
-                self._transport = await AsyncTransport.connect(session.socket_path)
-            session.connected(await self._round_trip(hello, session.timeout))
+            async with asyncio.timeout(link.timeout):
+                self._transport = await AsyncTransport.connect(link.socket_path)
+            link.connected(await self._round_trip(hello, link.timeout))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
-            session.connect_failed(now)
-            raise DaemonUnavailable(f"cannot connect to {session.socket_path}: {exc}") from exc
+            link.connect_failed(now)
+            raise DaemonUnavailable(f"cannot connect to {link.socket_path}: {exc}") from exc
         except BaseException:
             self._drop()
             raise
 
     async def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
         assert self._transport is not None
-        transport, session = self._transport, self._session
+        transport, link = self._transport, self._link
         started = time.monotonic()
         async with asyncio.timeout(timeout):
             await transport.send(frame)
-            while (reply := session.next_reply()) is None:
-                session.receive(*await transport.receive())
-        session.last_round_trip = time.monotonic() - started
+            while (reply := link.next_reply()) is None:
+                link.receive(*await transport.receive())
+        link.last_round_trip = time.monotonic() - started
         return reply
 
     def _drop(self) -> None:
-        for fd in self._session.drop():
+        for fd in self._link.drop():
             os.close(fd)
         if self._transport is not None:
             self._transport.close()
@@ -301,7 +309,7 @@ class AsyncTicket(calls.TicketBase):
         self._client = client
 
     async def wait(self, timeout: float | None = None) -> TicketState:
-        call = calls.wait_ticket(self._client._session, self, timeout)
+        call = calls.wait_ticket(self._client._link, self, timeout)
         self._state = await self._client._run(call)
         return self._state
 
@@ -316,7 +324,7 @@ class AsyncLookupResult(calls.LookupResultBase):
     async def release(self) -> None:
         hit = self._unmap()
         if hit is not None:
-            call = calls.release_lease(self._client._session, hit.lease, hit.epoch)
+            call = calls.release_lease(self._client._link, hit.lease, hit.epoch)
             await self._client._run(call)
 
     async def __aenter__(self) -> Self:

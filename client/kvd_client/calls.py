@@ -3,7 +3,7 @@
 An operation is a generator (a Call) that yields the steps it needs, an Exchange (send a
 request, get its reply) or Blocking file work, and is sent back each step's result, or has
 the step's exception thrown into it. Client drives calls with blocking sockets, AsyncClient
-with asyncio; neither holds any logic of its own beyond moving bytes. Session is the protocol
+with asyncio; neither holds any logic of its own beyond moving bytes. Link is the protocol
 state both keep across connections: ids, the current Connection, reconnect backoff, counters.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Final, TypeAlias, TypeVar
@@ -21,7 +22,7 @@ from typing import Final, TypeAlias, TypeVar
 from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, plan_entry
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
-from kvd_protocol.identity import Identity
+from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     PROTOCOL_VERSION,
@@ -136,7 +137,7 @@ def may_retry(step: Exchange, failure: DaemonUnavailable) -> bool:
     return step.epoch is None and isinstance(failure.__cause__, TransportClosed)
 
 
-# --- session --------------------------------------------------------------------------------
+# --- link --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,17 @@ DEFAULT_BACKOFF: Final = Backoff()
 
 @dataclass
 class ClientStats:
+    """One client's counters: connections, puts, lookups and the restores built on them."""
+
     connect_attempts: int = 0
     reconnects: int = 0  # successful connections after the first
     unavailable_puts: int = 0  # puts answered "unavailable": the daemon was down or slow
     failed_lookups: int = 0  # lookups turned into misses by an unavailable or refusing daemon
     rejected_entries: int = 0  # looked-up files that failed validation or did not match
+    restored: int = 0  # gets that rebuilt caches from an entry
+    # Lookups and gets that came back empty, by reason: "no entry", "unavailable", "refused",
+    # "rejected" (see rejected_entries), and the restore's own ("codec", "model"...).
+    misses: Counter[str] = field(default_factory=Counter)
 
 
 def default_socket_path() -> str:
@@ -173,7 +180,7 @@ def default_client_name() -> str:
     return (Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "") or "python"
 
 
-class Session:
+class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
     def __init__(self, socket_path: str, timeout: float, name: str, backoff: Backoff) -> None:
@@ -373,32 +380,32 @@ class Evicted:
 # --- calls ------------------------------------------------------------------------------------
 
 
-def ping(session: Session) -> Call[float]:
-    expect((yield Exchange(Ping(id=session.next_id()))), PingReply)
-    return session.last_round_trip
+def ping(link: Link) -> Call[float]:
+    expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
+    return link.last_round_trip
 
 
-def status(session: Session) -> Call[dict[str, object]]:
-    reply = expect((yield Exchange(Status(id=session.next_id()))), StatusReply)
+def status(link: Link) -> Call[dict[str, object]]:
+    reply = expect((yield Exchange(Status(id=link.next_id()))), StatusReply)
     return dict(reply.status)
 
 
-def flush(session: Session, timeout: float | None) -> Call[bool]:
-    request = Flush(id=session.next_id(), timeout=timeout)
+def flush(link: Link, timeout: float | None) -> Call[bool]:
+    request = Flush(id=link.next_id(), timeout=timeout)
     return expect((yield Exchange(request, wait=timeout)), FlushReply).durable
 
 
 def list_entries(
-    session: Session, identity: Identity | str | None, after: str | None, limit: int | None
+    link: Link, identity: WireIdentity | str | None, after: str | None, limit: int | None
 ) -> Call[list[EntrySummary]]:
-    digest = identity.digest() if isinstance(identity, Identity) else identity
+    digest = identity.digest() if isinstance(identity, WireIdentity) else identity
     entries: list[EntrySummary] = []
     epoch: int | None = None
     while limit is None or len(entries) < limit:
         page = LIST_PAGE if limit is None else min(LIST_PAGE, limit - len(entries))
-        request = ListEntries(id=session.next_id(), identity=digest, limit=page, after=after)
+        request = ListEntries(id=link.next_id(), identity=digest, limit=page, after=after)
         reply = expect((yield Exchange(request, epoch=epoch)), ListEntriesReply)
-        epoch = session.epoch
+        epoch = link.epoch
         entries.extend(reply.entries)
         if not reply.more or not reply.entries:
             break
@@ -407,19 +414,19 @@ def list_entries(
 
 
 def evict(
-    session: Session, entry: str | None, identity: Identity | str | None, everything: bool
+    link: Link, entry: str | None, identity: WireIdentity | str | None, everything: bool
 ) -> Call[Evicted]:
-    digest = identity.digest() if isinstance(identity, Identity) else identity
+    digest = identity.digest() if isinstance(identity, WireIdentity) else identity
     if (entry is not None) + (digest is not None) + everything != 1:
         raise ValueError("evict: give exactly one of entry, identity, all")
-    request = Evict(id=session.next_id(), entry=entry, identity=digest, all=everything)
+    request = Evict(id=link.next_id(), entry=entry, identity=digest, all=everything)
     reply = expect((yield Exchange(request)), EvictReply)
     return Evicted(reply.evicted, reply.bytes)
 
 
 def put_entry(
-    session: Session,
-    identity: Identity,
+    link: Link,
+    identity: WireIdentity,
     tokens: bytes | Sequence[int],
     layers: Sequence[LayerSpec],
     tensors: Sequence[TensorData],
@@ -440,18 +447,18 @@ def put_entry(
         min_reuse=min_reuse,
         checkpoint=checkpoint,
         meta=meta,
-        limits=session.limits,
+        limits=link.limits,
     )
     views = entry_io.tensor_views(plan, tensors)
-    request = PutBegin(id=session.next_id(), identity=identity, tokens=packed, size=plan.file_size)
+    request = PutBegin(id=link.next_id(), identity=identity, tokens=packed, size=plan.file_size)
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
     except DaemonUnavailable as exc:
-        session.stats.unavailable_puts += 1
-        return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), session.epoch)
+        link.stats.unavailable_puts += 1
+        return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), link.epoch)
     except DaemonError as exc:
-        return PutOutcome(None, TicketState("failed", str(exc)), session.epoch)
-    epoch = session.epoch
+        return PutOutcome(None, TicketState("failed", str(exc)), link.epoch)
+    epoch = link.epoch
     if begin.skip is not None:
         return PutOutcome(None, TicketState("stored", begin.skip), epoch)
     assert begin.fd is not None  # the Connection delivers the descriptor a begin declares
@@ -460,12 +467,12 @@ def put_entry(
             yield Blocking(partial(entry_io.write_entry, begin.fd, plan, views))
         finally:
             os.close(begin.fd)
-        commit = PutCommit(id=session.next_id(), put=begin.put)
+        commit = PutCommit(id=link.next_id(), put=begin.put)
         ticket = expect((yield Exchange(commit, epoch=epoch)), PutCommitReply).ticket
     except Exception as exc:
-        yield from _abort(session, begin.put, epoch)
+        yield from _abort(link, begin.put, epoch)
         if isinstance(exc, DaemonUnavailable):
-            session.stats.unavailable_puts += 1
+            link.stats.unavailable_puts += 1
             return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), epoch)
         if isinstance(exc, DaemonError | OSError):
             return PutOutcome(None, TicketState("failed", str(exc)), epoch)
@@ -473,22 +480,22 @@ def put_entry(
     return PutOutcome(ticket, TicketState("pending"), epoch)
 
 
-def _abort(session: Session, put: int, epoch: int) -> Call[None]:
+def _abort(link: Link, put: int, epoch: int) -> Call[None]:
     """Tell the daemon to discard a put; it may be gone already, which is as good."""
     try:
-        request = PutAbort(id=session.next_id(), put=put)
+        request = PutAbort(id=link.next_id(), put=put)
         expect((yield Exchange(request, epoch=epoch)), PutAbortReply)
     except (DaemonUnavailable, DaemonError) as exc:
         log.debug("put_abort of put %d not confirmed: %s", put, exc)
 
 
-def wait_ticket(session: Session, ticket: TicketBase, timeout: float | None) -> Call[TicketState]:
+def wait_ticket(link: Link, ticket: TicketBase, timeout: float | None) -> Call[TicketState]:
     """The ticket's state once settled or after timeout seconds (None: until settled)."""
     state = ticket.state
     while not state.settled and ticket.id is not None:
         wait = TICKET_POLL_SECONDS if timeout is None else timeout
         request = TicketRequest(
-            id=session.next_id(), ticket=ticket.id, timeout=wait if wait > 0 else None
+            id=link.next_id(), ticket=ticket.id, timeout=wait if wait > 0 else None
         )
         try:
             reply = expect((yield Exchange(request, wait=wait, epoch=ticket.epoch)), TicketReply)
@@ -501,44 +508,42 @@ def wait_ticket(session: Session, ticket: TicketBase, timeout: float | None) -> 
 
 
 def lookup(
-    session: Session, identity: Identity, tokens: bytes | Sequence[int], min_tokens: int = 0
+    link: Link, identity: WireIdentity, tokens: bytes | Sequence[int], min_tokens: int = 0
 ) -> Call[LookupHit | None]:
     """The longest usable cached prefix of tokens, mapped, or None (a miss), also when it is
     shorter than min_tokens (what the engine already holds). Nothing here raises into the
     engine: an unreachable daemon or an unusable file is a miss, counted."""
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    asked = min_tokens if session.offers("lookup_min_tokens") else 0  # else checked here
-    request = Lookup(id=session.next_id(), identity=identity, tokens=packed, min_tokens=asked)
+    asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
+    request = Lookup(id=link.next_id(), identity=identity, tokens=packed, min_tokens=asked)
     found = _found(
-        session, request, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
+        link, request, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
     )
     return (yield from found)
 
 
 def find_checkpoint(
-    session: Session, identity: Identity, key: str, prompt: bytes | Sequence[int]
+    link: Link, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
 ) -> Call[LookupHit | None]:
     """The newest generation checkpoint stored under key that extends prompt, or None."""
     packed = prompt if isinstance(prompt, bytes) else pack_tokens(prompt)
-    request = FindCheckpoint(id=session.next_id(), identity=identity, key=key, prompt=packed)
+    request = FindCheckpoint(id=link.next_id(), identity=identity, key=key, prompt=packed)
     return (
-        yield from _found(
-            session, request, FindCheckpointReply, identity, packed, checkpoint_key=key
-        )
+        yield from _found(link, request, FindCheckpointReply, identity, packed, checkpoint_key=key)
     )
 
 
-def forget_checkpoint(session: Session, identity: Identity, key: str) -> Call[int]:
+def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]:
     """Drop the checkpoints of a finished generation; how many went."""
-    request = ForgetCheckpoint(id=session.next_id(), identity=identity, key=key)
+    request = ForgetCheckpoint(id=link.next_id(), identity=identity, key=key)
     return expect((yield Exchange(request)), ForgetCheckpointReply).removed
 
 
 def _found(
-    session: Session,
+    link: Link,
     request: Request,
     kind: type[LookupReply],
-    identity: Identity,
+    identity: WireIdentity,
     packed: bytes,
     *,
     checkpoint_key: str | None,
@@ -548,18 +553,21 @@ def _found(
     try:
         reply = expect((yield Exchange(request)), kind)
     except (DaemonUnavailable, DaemonError) as exc:
-        session.stats.failed_lookups += 1
+        link.stats.failed_lookups += 1
+        link.stats.misses[UNAVAILABLE if isinstance(exc, DaemonUnavailable) else "refused"] += 1
         log.info("%s missed: %s", request.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
+        link.stats.misses["no entry"] += 1
         return None
-    epoch = session.epoch
+    epoch = link.epoch
     if reply.matched < min_tokens:  # a daemon without the feature: not worth mapping
         os.close(reply.fd)
-        yield from release_lease(session, reply.lease, epoch)
+        link.stats.misses["below min_tokens"] += 1
+        yield from release_lease(link, reply.lease, epoch)
         return None
     try:
-        entry = entry_io.map_entry(reply.fd, reply.entry.id, session.limits)
+        entry = entry_io.map_entry(reply.fd, reply.entry.id, link.limits)
     except (EntryFormatError, OSError, ValueError) as exc:
         problem: str | None = f"unreadable: {exc}"
     else:
@@ -572,14 +580,17 @@ def _found(
     finally:
         os.close(reply.fd)
     if problem is not None:
-        session.stats.rejected_entries += 1
+        link.stats.rejected_entries += 1
+        link.stats.misses["rejected"] += 1
         log.warning("%s: entry %s rejected, %s", request.op, reply.entry.id, problem)
-        yield from release_lease(session, reply.lease, epoch)
+        yield from release_lease(link, reply.lease, epoch)
         return None
     return LookupHit(reply.matched, reply.entry, reply.lease, epoch, entry)
 
 
-def mismatch(header: EntryHeader, identity: Identity, tokens: bytes, matched: int) -> str | None:
+def mismatch(
+    header: EntryHeader, identity: WireIdentity, tokens: bytes, matched: int
+) -> str | None:
     """Why an entry the daemon offered does not answer what was asked, or None if it does."""
     if header.identity != identity:
         return "its identity differs from the one asked for"
@@ -590,10 +601,10 @@ def mismatch(header: EntryHeader, identity: Identity, tokens: bytes, matched: in
     return None
 
 
-def release_lease(session: Session, lease: int, epoch: int) -> Call[None]:
+def release_lease(link: Link, lease: int, epoch: int) -> Call[None]:
     """End a lease; a lease of a lost connection ended with it."""
     try:
-        request = Release(id=session.next_id(), lease=lease)
+        request = Release(id=link.next_id(), lease=lease)
         expect((yield Exchange(request, epoch=epoch)), ReleaseReply)
     except (DaemonUnavailable, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
-from kvd_protocol.identity import Identity
+from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import EntrySummary, Reply
 
 from . import calls
@@ -34,7 +34,7 @@ from .entry_io import TensorData
 from .transport import BlockingTransport
 
 if TYPE_CHECKING:
-    from .identity import Identity as EngineIdentity
+    from .identity import Identity
     from .prompt_cache import Restored
 
 T = TypeVar("T")
@@ -43,8 +43,8 @@ T = TypeVar("T")
 class Client:
     """A connection to the kvd daemon, re-made as needed. Make one with Client.connect()."""
 
-    def __init__(self, session: calls.Session) -> None:
-        self._session = session
+    def __init__(self, link: calls.Link) -> None:
+        self._link = link
         self._transport: BlockingTransport | None = None
         self._lock = threading.RLock()
 
@@ -60,13 +60,13 @@ class Client:
     ) -> Client:
         """Connect and say hello. A daemon that is down gives a client that is not connected
         (and retries on later calls), unless require: then DaemonUnavailable is raised."""
-        session = calls.Session(
+        link = calls.Link(
             socket_path or calls.default_socket_path(),
             timeout,
             name or calls.default_client_name(),
             backoff,
         )
-        client = cls(session)
+        client = cls(link)
         try:
             with client._lock:
                 client._connect(force=True)
@@ -81,11 +81,11 @@ class Client:
 
     @property
     def stats(self) -> ClientStats:
-        return self._session.stats
+        return self._link.stats
 
     @property
     def socket_path(self) -> str:
-        return self._session.socket_path
+        return self._link.socket_path
 
     def close(self) -> None:
         with self._lock:
@@ -103,37 +103,37 @@ class Client:
 
     def ping(self) -> float:
         """The round trip of a ping, in seconds; raises DaemonUnavailable."""
-        return self._run(calls.ping(self._session))
+        return self._run(calls.ping(self._link))
 
     def status(self) -> dict[str, object]:
-        return self._run(calls.status(self._session))
+        return self._run(calls.status(self._link))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything accepted so far is durable (at most timeout seconds);
         whether it is."""
-        return self._run(calls.flush(self._session, timeout))
+        return self._run(calls.flush(self._link, timeout))
 
     def list_entries(
         self,
-        identity: Identity | str | None = None,
+        identity: WireIdentity | str | None = None,
         *,
         after: str | None = None,
         limit: int | None = None,
     ) -> list[EntrySummary]:
         """Stored entries, of one identity (or its digest) or all, after an entry id."""
-        return self._run(calls.list_entries(self._session, identity, after, limit))
+        return self._run(calls.list_entries(self._link, identity, after, limit))
 
     def evict(
         self,
         entry: str | None = None,
-        identity: Identity | str | None = None,
+        identity: WireIdentity | str | None = None,
         all: bool = False,  # the protocol's name for it
     ) -> Evicted:
-        return self._run(calls.evict(self._session, entry, identity, all))
+        return self._run(calls.evict(self._link, entry, identity, all))
 
     def put_entry(
         self,
-        identity: Identity,
+        identity: WireIdentity,
         tokens: bytes | Sequence[int],
         layers: Sequence[LayerSpec],
         tensors: Sequence[TensorData],
@@ -144,7 +144,7 @@ class Client:
     ) -> Ticket:
         """Hand an entry to the daemon: one copy of each tensor into the staging file."""
         call = calls.put_entry(
-            self._session,
+            self._link,
             identity,
             tokens,
             layers,
@@ -157,26 +157,26 @@ class Client:
         return Ticket(self, self._run(call))
 
     def lookup(
-        self, identity: Identity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
+        self, identity: WireIdentity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
     ) -> LookupResult | None:
         """The longest usable cached prefix of tokens, or None (also below min_tokens)."""
-        hit = self._run(calls.lookup(self._session, identity, tokens, min_tokens))
+        hit = self._run(calls.lookup(self._link, identity, tokens, min_tokens))
         return None if hit is None else LookupResult(self, hit)
 
     def find_checkpoint(
-        self, identity: Identity, key: str, prompt: bytes | Sequence[int]
+        self, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
     ) -> LookupResult | None:
         """The newest generation checkpoint under key whose tokens extend prompt, or None."""
-        hit = self._run(calls.find_checkpoint(self._session, identity, key, prompt))
+        hit = self._run(calls.find_checkpoint(self._link, identity, key, prompt))
         return None if hit is None else LookupResult(self, hit)
 
-    def forget_checkpoint(self, identity: Identity, key: str) -> int:
+    def forget_checkpoint(self, identity: WireIdentity, key: str) -> int:
         """Drop the checkpoints of a finished generation; how many went."""
-        return self._run(calls.forget_checkpoint(self._session, identity, key))
+        return self._run(calls.forget_checkpoint(self._link, identity, key))
 
     def put(
         self,
-        identity: EngineIdentity,
+        identity: Identity,
         tokens: Sequence[int],
         cache: Sequence[Any],
         *,
@@ -186,11 +186,20 @@ class Client:
         """Snapshot a list of mlx-lm caches as they are and put them (prompt_cache.py)."""
         from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
 
-        return prompt_cache.put(self, identity, tokens, cache, meta=meta, checkpoint=checkpoint)
+        call = prompt_cache.put(
+            self._link,
+            identity,
+            tokens,
+            cache,
+            created=time.time(),
+            meta=meta,
+            checkpoint=checkpoint,
+        )
+        return Ticket(self, self._run(call))
 
     def get(
         self,
-        identity: EngineIdentity,
+        identity: Identity,
         tokens: Sequence[int],
         *,
         model: Any = None,
@@ -200,16 +209,20 @@ class Client:
         shorter than min_tokens (prompt_cache.py)."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return prompt_cache.get(self, identity, tokens, model=model, min_tokens=min_tokens)
+        return self._run(
+            prompt_cache.get(self._link, identity, tokens, model=model, min_tokens=min_tokens)
+        )
 
     def get_checkpoint(
-        self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None
+        self, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
     ) -> Restored | None:
         """The caches of the newest generation checkpoint under key that extends prompt,
         with Restored.checkpoint saying where the generation stands; or None."""
         from . import prompt_cache  # noqa: PLC0415
 
-        return prompt_cache.get_checkpoint(self, identity, key, prompt, model=model)
+        return self._run(
+            prompt_cache.get_checkpoint(self._link, identity, key, prompt, model=model)
+        )
 
     # --- driving calls ---
 
@@ -237,7 +250,7 @@ class Client:
                 if self._transport is None:
                     self._connect()
                     connected_now = True
-            elif step.epoch != self._session.epoch or self._transport is None:
+            elif step.epoch != self._link.epoch or self._transport is None:
                 raise DaemonUnavailable("the connection this request belongs to was lost")
             try:
                 return self._request(step)
@@ -248,43 +261,43 @@ class Client:
             return self._request(step)
 
     def _request(self, step: Exchange) -> Reply:
-        frame = self._session.send(step.request)
+        frame = self._link.send(step.request)
         try:
-            return self._round_trip(frame, self._session.deadline(step.wait))
+            return self._round_trip(frame, self._link.deadline(step.wait))
         except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
             self._drop()
             raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
 
     def _connect(self, *, force: bool = False) -> None:
-        session = self._session
+        link = self._link
         now = time.monotonic()
-        hello = session.begin_connect(now, force=force)
+        hello = link.begin_connect(now, force=force)
         try:
-            self._transport = BlockingTransport.connect(session.socket_path, session.timeout)
-            session.connected(self._round_trip(hello, session.timeout))
+            self._transport = BlockingTransport.connect(link.socket_path, link.timeout)
+            link.connected(self._round_trip(hello, link.timeout))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
-            session.connect_failed(now)
-            raise DaemonUnavailable(f"cannot connect to {session.socket_path}: {exc}") from exc
+            link.connect_failed(now)
+            raise DaemonUnavailable(f"cannot connect to {link.socket_path}: {exc}") from exc
 
     def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
         assert self._transport is not None
-        transport, session = self._transport, self._session
+        transport, link = self._transport, self._link
         started = time.monotonic()
         transport.settimeout(timeout)
         transport.send(frame)
-        while (reply := session.next_reply()) is None:
+        while (reply := link.next_reply()) is None:
             if timeout is not None:
                 left = started + timeout - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("no reply in time")
                 transport.settimeout(left)
-            session.receive(*transport.receive())
-        session.last_round_trip = time.monotonic() - started
+            link.receive(*transport.receive())
+        link.last_round_trip = time.monotonic() - started
         return reply
 
     def _drop(self) -> None:
-        for fd in self._session.drop():
+        for fd in self._link.drop():
             os.close(fd)
         if self._transport is not None:
             self._transport.close()
@@ -300,7 +313,7 @@ class Ticket(calls.TicketBase):
 
     def wait(self, timeout: float | None = None) -> TicketState:
         """The state once settled, or after timeout seconds (None: until settled)."""
-        self._state = self._client._run(calls.wait_ticket(self._client._session, self, timeout))
+        self._state = self._client._run(calls.wait_ticket(self._client._link, self, timeout))
         return self._state
 
 
@@ -315,7 +328,7 @@ class LookupResult(calls.LookupResultBase):
         """Unmap the file, close it, and end the lease (once)."""
         hit = self._unmap()
         if hit is not None:
-            self._client._run(calls.release_lease(self._client._session, hit.lease, hit.epoch))
+            self._client._run(calls.release_lease(self._client._link, hit.lease, hit.epoch))
 
     def __enter__(self) -> Self:
         return self

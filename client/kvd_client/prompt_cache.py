@@ -1,33 +1,29 @@
 """Put and get of mlx-lm prompt caches (a list of cache objects, one per layer) through the
 daemon: snapshot by the codec table, restore from a looked-up entry, trim to the match.
 
-encode() and decode() are the whole of it; put/get (blocking) and put_async/get_async only
-move their results to and from the daemon. A get never raises and never returns a half-built
-cache: anything wrong with an entry is a miss, counted by reason in stats(client).
+encode() and decode() are the whole of it; put, get and get_checkpoint are calls (calls.py)
+that wrap the raw ones around them, run by Client and AsyncClient alike. A get never raises
+and never returns a half-built cache: anything wrong with an entry is a miss, counted by
+reason in the client's stats.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from dataclasses import dataclass
+from typing import Any, Final
 
 import mlx.core as mx
 import mlx_lm
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import calls
+from .calls import Call, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
 from .restore import TensorSource, dtype_name
-
-if TYPE_CHECKING:
-    from .async_client import AsyncClient, AsyncLookupResult, AsyncTicket
-    from .calls import LookupResultBase
-    from .client import Client, LookupResult, Ticket
 
 log = logging.getLogger("kvd_client")
 
@@ -45,20 +41,6 @@ class Restored:
     cache: list[Any]
     matched: int
     checkpoint: Checkpoint | None = None
-
-
-@dataclass
-class RestoreStats:
-    restored: int = 0
-    misses: Counter[str] = field(default_factory=Counter)  # by reason: "no entry", "codec"...
-
-
-_STATS: weakref.WeakKeyDictionary[object, RestoreStats] = weakref.WeakKeyDictionary()
-
-
-def stats(client: object) -> RestoreStats:
-    """The restore counters of a Client or AsyncClient."""
-    return _STATS.setdefault(client, RestoreStats())
 
 
 # --- put -------------------------------------------------------------------------------------
@@ -86,32 +68,30 @@ def encode(
 
 
 def put(
-    client: Client,
+    link: Link,
     identity: Identity,
     tokens: Sequence[int],
     cache: Sequence[Any],
     *,
-    meta: Mapping[str, MetaValue] | None = None,
-    checkpoint: Checkpoint | None = None,
-) -> Ticket:
+    created: float,
+    meta: Mapping[str, MetaValue] | None,
+    checkpoint: Checkpoint | None,
+) -> Call[PutOutcome]:
+    """Snapshot the caches as they are and put them; raises CodecError before the daemon is
+    asked for a cache without a codec."""
     layers, tensors, entry_meta = encode(cache, len(tokens), meta)
-    return client.put_entry(
-        identity.to_protocol(), tokens, layers, tensors, meta=entry_meta, checkpoint=checkpoint
-    )
-
-
-async def put_async(
-    client: AsyncClient,
-    identity: Identity,
-    tokens: Sequence[int],
-    cache: Sequence[Any],
-    *,
-    meta: Mapping[str, MetaValue] | None = None,
-    checkpoint: Checkpoint | None = None,
-) -> AsyncTicket:
-    layers, tensors, entry_meta = encode(cache, len(tokens), meta)
-    return await client.put_entry(
-        identity.to_protocol(), tokens, layers, tensors, meta=entry_meta, checkpoint=checkpoint
+    return (
+        yield from calls.put_entry(
+            link,
+            identity.to_protocol(),
+            tokens,
+            layers,
+            tensors,
+            created=created,
+            min_reuse=0,
+            checkpoint=checkpoint,
+            meta=entry_meta,
+        )
     )
 
 
@@ -177,76 +157,37 @@ def _check_model(header: EntryHeader, codecs: Sequence[Codec], templates: list[A
             raise Miss("model", f"layer {i}: {problem}")
 
 
-def _restore(client: object, result: LookupResultBase, model: Any) -> Restored | None:
-    counters = stats(client)
-    try:
-        caches = decode(result.header, result.tensors, result.matched, model)
-    except Miss as miss:
-        counters.misses[miss.reason] += 1
-        log.warning("restore of entry %s missed: %s", result.summary.id, miss)
-        return None
-    counters.restored += 1
-    return Restored(caches, result.matched, result.header.checkpoint)
-
-
 def get(
-    client: Client,
-    identity: Identity,
-    tokens: Sequence[int],
-    *,
-    model: Any = None,
-    min_tokens: int = 0,
-) -> Restored | None:
-    result = client.lookup(identity.to_protocol(), tokens, min_tokens=min_tokens)
-    return _restore_and_release(client, result, model)
-
-
-async def get_async(
-    client: AsyncClient,
-    identity: Identity,
-    tokens: Sequence[int],
-    *,
-    model: Any = None,
-    min_tokens: int = 0,
-) -> Restored | None:
-    result = await client.lookup(identity.to_protocol(), tokens, min_tokens=min_tokens)
-    return await _restore_and_release_async(client, result, model)
+    link: Link, identity: Identity, tokens: Sequence[int], *, model: Any, min_tokens: int = 0
+) -> Call[Restored | None]:
+    """The caches of the longest usable cached prefix of tokens, or None (a miss), also when
+    it is shorter than min_tokens."""
+    hit = yield from calls.lookup(link, identity.to_protocol(), tokens, min_tokens)
+    return (yield from _restore(link, hit, model))
 
 
 def get_checkpoint(
-    client: Client, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
-) -> Restored | None:
+    link: Link, identity: Identity, key: str, prompt: Sequence[int], *, model: Any
+) -> Call[Restored | None]:
     """The newest generation checkpoint under key that extends prompt, restored whole."""
-    result = client.find_checkpoint(identity.to_protocol(), key, prompt)
-    return _restore_and_release(client, result, model)
+    hit = yield from calls.find_checkpoint(link, identity.to_protocol(), key, prompt)
+    return (yield from _restore(link, hit, model))
 
 
-async def get_checkpoint_async(
-    client: AsyncClient, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
-) -> Restored | None:
-    result = await client.find_checkpoint(identity.to_protocol(), key, prompt)
-    return await _restore_and_release_async(client, result, model)
-
-
-def _restore_and_release(
-    client: Client, result: LookupResult | None, model: Any
-) -> Restored | None:
-    if result is None:
-        stats(client).misses["no entry"] += 1
+def _restore(link: Link, hit: LookupHit | None, model: Any) -> Call[Restored | None]:
+    """Decode a hit (the lookup counted a None), then unmap it and end its lease."""
+    if hit is None:
         return None
     try:
-        return _restore(client, result, model)
+        caches = decode(hit.entry.header, hit.entry.tensors, hit.matched, model)
+    except Miss as miss:
+        link.stats.misses[miss.reason] += 1
+        log.warning("restore of entry %s missed: %s", hit.summary.id, miss)
+        restored = None
+    else:
+        link.stats.restored += 1
+        restored = Restored(caches, hit.matched, hit.entry.header.checkpoint)
     finally:
-        result.release()
-
-
-async def _restore_and_release_async(
-    client: AsyncClient, result: AsyncLookupResult | None, model: Any
-) -> Restored | None:
-    if result is None:
-        stats(client).misses["no entry"] += 1
-        return None
-    try:
-        return _restore(client, result, model)
-    finally:
-        await result.release()
+        hit.entry.close()
+    yield from calls.release_lease(link, hit.lease, hit.epoch)
+    return restored

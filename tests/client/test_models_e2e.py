@@ -106,7 +106,7 @@ def test_an_entry_of_another_geometry_is_a_miss(daemon: Daemon) -> None:
         _stored(client, _identity("x"), tokens[:-1], prefill(tiny_llama(), tokens[:-1]))
         other = tiny_llama(2, sliding_window=8)  # same identity (a mistake), other caches
         assert client.get(_identity("x"), tokens, model=other) is None
-        assert prompt_cache.stats(client).misses["model"] == 1
+        assert client.stats.misses["model"] == 1
 
 
 def test_the_async_client_puts_and_gets(daemon: Daemon) -> None:

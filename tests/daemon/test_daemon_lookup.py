@@ -175,15 +175,13 @@ def test_min_tokens_is_applied_by_the_client_when_the_daemon_does_not_offer_it(
 ) -> None:
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, BASE[:32], seed=1)
-        server = client._session.server
+        server = client._link.server
         assert server is not None
         # As a daemon that predates the feature: it answers the best match whatever its length.
         old = [f for f in server.features if f != "lookup_min_tokens"]
-        client._session.server = replace(server, features=tuple(old))
+        client._link.server = replace(server, features=tuple(old))
         assert client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=33) is None
-        assert (
-            report(client)["leased_entries"] == 0
-        )  # the unmapped answer: released
+        assert report(client)["leased_entries"] == 0  # the unmapped answer: released
         found = client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=32)
         assert found is not None
         found.release()
