@@ -9,8 +9,11 @@ import subprocess
 import sys
 from importlib.metadata import requires
 from pathlib import Path
+from types import ModuleType
 
+import kvd_client
 import kvd_protocol
+import pytest
 
 import kvd
 
@@ -120,3 +123,77 @@ def test_the_raw_client_imports_without_mlx_and_the_cache_layer_on_demand() -> N
         "assert 'mlx' in sys.modules\n"
     )
     run_fresh_python(script)
+
+
+def _imports(module: str, is_package: bool, tree: ast.Module) -> set[tuple[str, str]]:
+    """What each import statement anywhere in the module names (function bodies and
+    TYPE_CHECKING blocks included), as (module, fallback): `from X import name` gives
+    (X.name, X), for name is a module or a name defined by X."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((alias.name, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.update((f"{base}.{alias.name}", base) for alias in node.names)
+    return names
+
+
+def import_graph(package: ModuleType) -> dict[str, set[str]]:
+    """Each module of package and the modules of the same package it imports."""
+    root = Path(package.__file__ or "").parent
+    sources = {
+        package.__name__: root / "__init__.py",
+        **{
+            m.name: Path(root, *m.name.split(".")[1:]).with_suffix(".py")
+            for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+            if not m.ispkg
+        },
+    }
+    graph = {}
+    for name, path in sources.items():
+        imports = _imports(name, name == package.__name__, ast.parse(path.read_text()))
+        targets = {module if module in sources else fallback for module, fallback in imports}
+        graph[name] = {m for m in targets if m in sources and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A path of imports that leads back to where it started, or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for target in sorted(graph[name]):
+            cycle = visit(target, [*path, name])
+            if cycle is not None:
+                return cycle
+        done.add(name)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_an_import_cycle_through_others() -> None:
+    graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}}
+    assert find_cycle(graph) == ["p.a", "p.b", "p.c", "p.a"]
+    assert find_cycle({"p": {"p.a"}, "p.a": {"p.b"}, "p.b": set()}) is None
+
+
+@pytest.mark.parametrize("package", [kvd, kvd_client, kvd_protocol], ids=lambda p: p.__name__)
+def test_no_module_imports_one_that_imports_it_back(package: ModuleType) -> None:
+    graph = import_graph(package)
+    assert len(graph) > 3  # the walk found the modules
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
