@@ -30,17 +30,12 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kvd.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
+from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
+
+from kvd.eviction import EVICTION_POLICIES
+from kvd.writeback import Overflow
 
 GIB = 1 << 30
-
-
-class WritebackPolicy(StrEnum):
-    """What a put does when the write-behind queue is over its byte cap."""
-
-    DROP_OLDEST = "drop-oldest"
-    BLOCK = "block"
-    REFUSE = "refuse"
 
 
 class LogFormat(StrEnum):
@@ -68,7 +63,8 @@ class Config:
     max_bytes: int = DEFAULT_MAX_BYTES  # cap on the tier's bytes, across identities
     min_free: int = DEFAULT_MIN_FREE  # free-disk floor the tier never eats into
     writeback_max_bytes: int = DEFAULT_WRITEBACK_MAX_BYTES
-    writeback_policy: WritebackPolicy = WritebackPolicy.DROP_OLDEST
+    writeback_policy: Overflow = Overflow.DROP_OLDEST
+    eviction_policy: str = "lru"  # a name in EVICTION_POLICIES
     writeback_block_timeout: float = DEFAULT_WRITEBACK_BLOCK_TIMEOUT  # for policy "block"
     shutdown_deadline: float = DEFAULT_SHUTDOWN_DEADLINE  # seconds to flush after SIGTERM
     log_format: LogFormat = LogFormat.AUTO
@@ -147,6 +143,16 @@ def _choice(kind: type[StrEnum]) -> Callable[[object], StrEnum]:
     return parse
 
 
+def _one_of(table: Mapping[str, object]) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        name = _text(value)
+        if name not in table:
+            raise ValueError(f"{value!r} is not one of: {', '.join(table)}")
+        return name
+
+    return parse
+
+
 def _group(value: object) -> str | None:
     name = _text(value)
     if not name:
@@ -171,7 +177,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "max_bytes": _positive_size,
     "min_free": parse_size,
     "writeback_max_bytes": _positive_size,
-    "writeback_policy": _choice(WritebackPolicy),
+    "writeback_policy": _choice(Overflow),
+    "eviction_policy": _one_of(EVICTION_POLICIES),
     "writeback_block_timeout": _seconds,
     "shutdown_deadline": _seconds,
     "log_format": _choice(LogFormat),
@@ -186,6 +193,7 @@ _FLAG_HELP = {
     "min_free": ("SIZE", "free space to leave on the disk"),
     "writeback_max_bytes": ("SIZE", "cap on the bytes waiting to be written"),
     "writeback_policy": ("drop-oldest|block|refuse", "what a put does over that cap"),
+    "eviction_policy": ("lru", "which entries go first when the tier is over its cap"),
     "writeback_block_timeout": ("SECONDS", "longest wait of a put under the block policy"),
     "shutdown_deadline": ("SECONDS", "time to flush pending writes after SIGTERM"),
     "log_format": ("json|console|auto", "log format (auto: console on a terminal)"),

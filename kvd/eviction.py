@@ -2,13 +2,14 @@
 
 The cap and the floor hold after every commit, across identities: the tier keeps one policy
 for all its entries, asks bytes_over() how much must go, and deletes what select_victims()
-names. LruPolicy is the default; the policy is pluggable (EvictionPolicy) so that a
-cost-aware one (prefill tokens saved per byte) can take its place.
+names. The policy is a setting, a name in EVICTION_POLICIES (the one table of them): LruPolicy
+is the default; a cost-aware one (prefill tokens saved per byte) can join the table.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kvd.records import EntryRecord
@@ -96,3 +97,7 @@ class LruPolicy:
                 victims.append(record)
                 freed += record.nbytes
         return victims
+
+
+# The eviction policies by setting value (the eviction_policy setting chooses one).
+EVICTION_POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy}

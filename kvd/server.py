@@ -95,7 +95,7 @@ class Server:
                 tasks.start_soon(reconcile_periodically, self.tier)
                 tasks.start_soon(self.tier.snapshot_periodically, SNAPSHOT_SECONDS)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
-                notifier.ready(f"serving {len(self.tier.records)} entries")
+                notifier.ready(f"serving {len(self.tier.catalog)} entries")
                 await self._wait_for_signal(listener, notifier)
                 tasks.cancel_scope.cancel()
         finally:

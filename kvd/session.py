@@ -24,7 +24,7 @@ from kvd_protocol.framing import encode_frame
 from kvd import __version__, socket_io
 from kvd.logs import get_logger
 from kvd.peercred import PeerCredentials
-from kvd.tier import Tier
+from kvd.tier import Tier, summary
 
 log = get_logger("kvd.session")
 
@@ -214,7 +214,7 @@ class Session:
         return m.LookupReply(
             id=request.id,
             matched=match.matched,
-            entry=self.tier.summary(match.record),
+            entry=summary(match.record),
             lease=lease,
             fd=fd,
         )
@@ -229,7 +229,7 @@ class Session:
         return m.FindCheckpointReply(
             id=request.id,
             matched=record.token_count,
-            entry=self.tier.summary(record),
+            entry=summary(record),
             lease=lease,
             fd=fd,
         )

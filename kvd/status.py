@@ -18,20 +18,17 @@ _process = psutil.Process()
 
 
 def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
-    per_identity: dict[str, dict[str, int]] = {}
-    for record in tier.live_records():
-        counts = per_identity.setdefault(record.identity, {"entries": 0, "bytes": 0})
-        counts["entries"] += 1
-        counts["bytes"] += record.nbytes
-    queue = tier.queue
-    counters = tier.counters
+    """O(identities + peers): every figure is a count the tier keeps up as entries change."""
+    catalog = tier.catalog
+    queue = tier.writer.queue
+    counters = catalog.counters
     try:
         free = disk_free(tier.dirs.root)
     except OSError:
         free = -1
     return {
-        "entries": len(tier.records),
-        "bytes": tier.total_bytes,
+        "entries": len(catalog),
+        "bytes": catalog.total_bytes,
         "max_bytes": tier.config.max_bytes,
         "min_free_bytes": tier.config.min_free,
         "disk_free_bytes": free,
@@ -44,7 +41,7 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "quarantined": counters.quarantined,
         "abandoned_puts": counters.abandoned,
         "bytes_written": counters.bytes_written,
-        "leased_entries": sum(1 for r in tier.live_records() if r.leases) + len(tier.doomed),
+        "leased_entries": catalog.leased,
         "writeback": {
             "pending_bytes": queue.pending_bytes,
             "pending_count": queue.pending_count,
@@ -56,7 +53,8 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "refused": queue.refused,
         },
         "identities": [
-            {"identity": digest, **counts} for digest, counts in sorted(per_identity.items())
+            {"identity": digest, "entries": counts.entries, "bytes": counts.bytes}
+            for digest, counts in catalog.identities()
         ],
         "clients": [
             {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}

@@ -76,12 +76,13 @@ async def reconcile(tier: Tier, paths: Iterable[Path] | None) -> None:
     Entries are matched by id (their file name), so a batch of events costs its own size,
     not the size of the tier.
     """
+    catalog = tier.catalog
     root = Path(os.path.realpath(tier.dirs.entries))
     if paths is None:
         on_disk = await anyio.to_thread.run_sync(_listing, root)
-        durable = {r.id for r in tier.live_records() if r.durable}
-        gone = durable - on_disk.keys()
-        candidates = {**on_disk, **{i: tier.path_of(tier.records[i]) for i in gone}}
+        durable = {r.id: r for r in catalog.durable()}
+        gone = durable.keys() - on_disk.keys()
+        candidates = {**on_disk, **{i: catalog.path_of(durable[i]) for i in gone}}
     else:
         candidates = {}
         for path in paths:
@@ -90,12 +91,12 @@ async def reconcile(tier: Tier, paths: Iterable[Path] | None) -> None:
                 candidates[entry_id] = path
         on_disk = {i: p for i, p in candidates.items() if p.exists()}
     for entry_id, path in candidates.items():
-        if entry_id in tier.doomed:
+        if catalog.is_doomed(entry_id):
             continue  # removed from the index, its file kept until its last lease ends
-        record = tier.records.get(entry_id)
+        record = catalog.records.get(entry_id)
         if record is not None and record.durable and entry_id not in on_disk:
             log.warning("entry_removed_outside", entry=record.id)
-            tier.drop_record(record)
+            catalog.drop(record)
         elif record is None and entry_id in on_disk:
             await _adopt(tier, path)
     tier.evict_to_cap()
@@ -107,10 +108,10 @@ async def _adopt(tier: Tier, path: Path) -> None:
         if header.identity.digest() != path.parent.name:
             raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
     except (EntryFormatError, OSError) as exc:
-        await tier.quarantine_file(path, str(exc))
+        await tier.quarantine.file(path, str(exc))
         return
-    record = record_from_header(path.stem, header, last_used=tier.tick())
-    if path.stem in tier.records:  # adopted meanwhile (a second event for the same file)
+    record = record_from_header(path.stem, header, last_used=tier.catalog.tick())
+    if path.stem in tier.catalog.records:  # adopted meanwhile (a second event for the same file)
         return
-    tier.add_record(record)
+    tier.catalog.add(record)
     log.info("entry_adopted", entry=record.id, identity=record.identity)

@@ -5,8 +5,8 @@ enqueued at commit (its engine gets an answer at once), the writer takes items o
 in enqueue order with next(), and reports each with done(). Every item leaves exactly once,
 with one Outcome, and its ticket can then be answered.
 
-Overflow policies, applied when an enqueue would take pending bytes (in flight included)
-over the cap:
+The overflow policies (the Overflow table), applied when an enqueue would take pending bytes
+(in flight included) over the cap:
 
 - drop-oldest (default): accept the new item, then drop the oldest queued items until under
   the cap. The item in flight and the one just enqueued are never dropped, so the cap is soft:
@@ -31,10 +31,22 @@ from typing import Generic, TypeVar
 P = TypeVar("P")
 
 
-class Overflow(enum.Enum):
-    DROP_OLDEST = "drop-oldest"
-    BLOCK = "block"
-    REFUSE = "refuse"
+class Overflow(enum.StrEnum):
+    """The table of overflow policies, by setting value: what a put does over the cap."""
+
+    waits_for_room: bool  # a putter waits (up to the block timeout) for room before it writes
+    drops_oldest: bool  # the oldest queued items make room; otherwise a put without room fails
+
+    def __new__(cls, value: str, waits_for_room: bool, drops_oldest: bool) -> Overflow:
+        policy = str.__new__(cls, value)
+        policy._value_ = value
+        policy.waits_for_room = waits_for_room
+        policy.drops_oldest = drops_oldest
+        return policy
+
+    DROP_OLDEST = "drop-oldest", False, True
+    BLOCK = "block", True, False
+    REFUSE = "refuse", False, False
 
 
 class Outcome(enum.Enum):
@@ -140,7 +152,7 @@ class WritebackQueue(Generic[P]):
             raise ValueError(f"ticket {item.ticket}: nbytes must be >= 0, not {item.nbytes}")
         if self.is_pending(item.ticket):
             raise ValueError(f"ticket {item.ticket} is already pending")
-        if self.overflow is not Overflow.DROP_OLDEST and not self.room_for(item.nbytes):
+        if not self.overflow.drops_oldest and not self.room_for(item.nbytes):
             self._refused += 1
             return Admission(accepted=False)
         self._queued[item.ticket] = item

@@ -22,7 +22,6 @@ from kvd.config import (
     Config,
     ConfigError,
     LogFormat,
-    WritebackPolicy,
     add_config_arguments,
     env_var,
     flag,
@@ -30,6 +29,7 @@ from kvd.config import (
     parse_size,
 )
 from kvd.paths import DefaultPaths, default_paths, socket_path_fits
+from kvd.writeback import Overflow
 
 MAC_HOME = PurePosixPath("/Users/firstname.lastname")
 OWN_GROUP = grp.getgrgid(os.getgid()).gr_name
@@ -121,7 +121,7 @@ def test_defaults_on_linux(environ: dict[str, str], home: Path) -> None:
         max_bytes=DEFAULT_MAX_BYTES,
         min_free=DEFAULT_MIN_FREE,
         writeback_max_bytes=DEFAULT_WRITEBACK_MAX_BYTES,
-        writeback_policy=WritebackPolicy.DROP_OLDEST,
+        writeback_policy=Overflow.DROP_OLDEST,
         writeback_block_timeout=DEFAULT_WRITEBACK_BLOCK_TIMEOUT,
         shutdown_deadline=DEFAULT_SHUTDOWN_DEADLINE,
         log_format=LogFormat.AUTO,
@@ -158,7 +158,7 @@ def test_precedence_defaults_file_environment_flags(environ: dict[str, str], hom
 def test_default_file_is_read_and_recorded(environ: dict[str, str], home: Path) -> None:
     path = write_toml(home / ".config/kvd/kvd.toml", 'writeback_policy = "block"\n')
     config = load([], environ)
-    assert config.writeback_policy is WritebackPolicy.BLOCK
+    assert config.writeback_policy is Overflow.BLOCK
     assert config.config_file == path
 
 
@@ -210,7 +210,8 @@ VALID = {
     "max_bytes": ("200G", 200 * GIB),
     "min_free": ("0", 0),
     "writeback_max_bytes": ("512M", 512 << 20),
-    "writeback_policy": ("refuse", WritebackPolicy.REFUSE),
+    "writeback_policy": ("refuse", Overflow.REFUSE),
+    "eviction_policy": ("lru", "lru"),
     "writeback_block_timeout": ("2.5", 2.5),
     "shutdown_deadline": ("30", 30.0),
     "log_format": ("console", LogFormat.CONSOLE),
@@ -323,6 +324,7 @@ BAD = [
     ("min_free", "-5G"),
     ("writeback_max_bytes", "0"),
     ("writeback_policy", "drop_oldest"),
+    ("eviction_policy", "random"),
     ("writeback_block_timeout", "0"),
     ("writeback_block_timeout", "soon"),
     ("shutdown_deadline", "-1"),

@@ -42,7 +42,7 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
         tier = Tier(config, DEFAULT_LIMITS)
         await tier.open()
         try:
-            assert set(tier.records) == {kept.stem, leased.stem, removed.stem}
+            assert set(tier.catalog.records) == {kept.stem, leased.stem, removed.stem}
             # A reader holds `leased` while it is evicted: its file stays, out of the index.
             found = tier.lookup(1, IDENTITY, pack_tokens([2, *range(15), 99]))
             assert found is not None
@@ -51,15 +51,15 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
             assert match.record.id == leased.stem
             assert tier.evict(leased.stem, None, everything=False) == (1, match.record.nbytes)
             assert leased.exists()
-            assert leased.stem in tier.doomed
+            assert tier.catalog.is_doomed(leased.stem)
 
             removed.unlink()
             added = put_file(dirs, 4)
             await reconcile(tier, None)
 
-            assert set(tier.records) == {kept.stem, added.stem}  # leased not re-adopted
+            assert set(tier.catalog.records) == {kept.stem, added.stem}  # leased not re-adopted
             assert leased.exists()
-            assert tier.total_bytes == sum(p.stat().st_size for p in (kept, added, leased))
+            assert tier.catalog.total_bytes == sum(p.stat().st_size for p in (kept, added, leased))
         finally:
             tier.close()
 
@@ -90,16 +90,15 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             os.pwrite(fd, blob, 0)
             os.close(fd)
             await tier.commit_put(put)
-            item = tier.queue.next()  # the writer takes it...
+            item = tier.writer.queue.next()  # the writer takes it...
             assert item is not None
             record = item.payload.record
             final = tier.dirs.entry_path(record.identity, record.id)
             entry_files.persist(item.payload.staging, final)  # ...and renames it into place
-            tier.drop_record(record)  # superseded meanwhile
-            assert tier.total_bytes == 0
-            tier.queue.done(item, Outcome.STORED)
-            tier._stored(record, final, item.ticket)  # the writer's continuation
-            assert tier.total_bytes == 0
+            tier.catalog.drop(record)  # superseded meanwhile
+            assert tier.catalog.total_bytes == 0
+            tier.writer.finish(item, Outcome.STORED, None)  # the writer's continuation
+            assert tier.catalog.total_bytes == 0
             assert not final.exists()
         finally:
             tier.close()
@@ -117,11 +116,14 @@ def test_a_duplicate_file_found_at_start_is_quarantined(tmp_path: Path) -> None:
         tier = Tier(config, DEFAULT_LIMITS)
         await tier.open()
         try:
-            assert len(tier.records) == 1
-            (kept,) = tier.records
+            assert len(tier.catalog.records) == 1
+            (kept,) = tier.catalog.records
             assert kept in (first.stem, second.stem)
-            assert tier.total_bytes == tier.path_of(tier.records[kept]).stat().st_size
-            assert tier.counters.quarantined == 1
+            assert (
+                tier.catalog.total_bytes
+                == tier.catalog.path_of(tier.catalog.records[kept]).stat().st_size
+            )
+            assert tier.catalog.counters.quarantined == 1
             assert len(list(dirs.quarantine.iterdir())) == 1
         finally:
             tier.close()

@@ -1,0 +1,263 @@
+"""What the tier holds: every entry's record, the indexes that find them, and their counts.
+
+The catalog is the one place an entry joins (add) and leaves (drop) the tier; every index and
+count follows in the same step, so queries (status, a list page) read them instead of walking
+the records. Prompt entries live in a PrefixIndex per identity, generation checkpoints apart,
+by (identity, key). An entry dropped while leased is kept as doomed until its last lease ends,
+its bytes still counted. Synchronous, owned by the event loop: the only file work here is
+opening an entry to serve and unlinking one that left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from kvd import entry_files
+from kvd.durability import disk_free
+from kvd.eviction import EvictionPolicy, bytes_over
+from kvd.id_order import IdOrder
+from kvd.logs import get_logger
+from kvd.prefix_index import PrefixIndex
+from kvd.records import EntryRecord
+from kvd.tier_dir import TierDir
+
+log = get_logger("kvd.catalog")
+
+
+@dataclass
+class Counters:
+    """What happened to entries since start, for status."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    superseded: int = 0
+    quarantined: int = 0
+    duplicates: int = 0
+    abandoned: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class IdentityCounts:
+    """One identity's share of the tier: its entries (not doomed ones), their bytes, their ids
+    in order."""
+
+    entries: int = 0
+    bytes: int = 0
+    ids: IdOrder = field(default_factory=IdOrder)
+
+
+class Catalog:
+    """Every entry of the tier, indexed per identity, with its counts kept as it comes and goes."""
+
+    def __init__(self, dirs: TierDir, eviction: EvictionPolicy) -> None:
+        self.dirs = dirs
+        self.eviction = eviction
+        self._records: dict[str, EntryRecord] = {}
+        # Entries whose file is not at its place under entries/ (pending ones: in staging).
+        self._staged: dict[str, Path] = {}
+        self._indexes: dict[str, PrefixIndex] = {}  # identity digest -> its prompt index
+        # Generation checkpoints by (identity, key), oldest first: apart from prompt lookups.
+        self._checkpoints: dict[tuple[str, str], list[EntryRecord]] = {}
+        self._doomed: dict[str, EntryRecord] = {}  # out of the indexes, still leased
+        self._identities: dict[str, IdentityCounts] = {}
+        self._ids = IdOrder()
+        self._clock = itertools.count(1)
+        self.total_bytes = 0  # every entry file the tier holds: pending, stored, doomed
+        self.leased = 0  # entries (doomed ones included) with at least one lease
+        self.version = 0  # bumped by every change to the set of entries or their durability
+        self.counters = Counters()
+
+    # --- read-only queries ----------------------------------------------------------------
+
+    @property
+    def records(self) -> Mapping[str, EntryRecord]:
+        """The entries the tier serves, by id (doomed ones not included)."""
+        return MappingProxyType(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def is_doomed(self, entry_id: str) -> bool:
+        """Out of the index but kept on disk until its last lease ends."""
+        return entry_id in self._doomed
+
+    def index(self, identity: str) -> PrefixIndex | None:
+        """The prompt index of identity (a digest); None when it holds no prompt entry."""
+        return self._indexes.get(identity)
+
+    def checkpoints(self, identity: str, key: str) -> Sequence[EntryRecord]:
+        """The checkpoints of one generation, oldest first."""
+        return tuple(self._checkpoints.get((identity, key), ()))
+
+    def identities(self) -> list[tuple[str, IdentityCounts]]:
+        """Each identity with entries, by digest: O(identities)."""
+        return sorted(self._identities.items())
+
+    def page(
+        self, identity: str | None, after: str | None, limit: int
+    ) -> tuple[list[EntryRecord], bool]:
+        """Up to limit entries with ids after `after`, in id order; and whether more follow."""
+        if identity is None:
+            order = self._ids
+        else:
+            counts = self._identities.get(identity)
+            if counts is None:
+                return [], False
+            order = counts.ids
+        ids = order.after(after)
+        chosen = [self._records[i] for i in itertools.islice(ids, limit)]
+        return chosen, next(ids, None) is not None
+
+    def of_identity(self, identity: str) -> list[EntryRecord]:
+        """The entries of one identity, in id order."""
+        counts = self._identities.get(identity)
+        return [] if counts is None else [self._records[i] for i in counts.ids.after(None)]
+
+    def durable(self) -> Iterator[EntryRecord]:
+        """The stored entries (not pending ones): what a snapshot holds."""
+        return (r for r in self._records.values() if r.durable)
+
+    def path_of(self, record: EntryRecord) -> Path:
+        """Where the entry's file is: its place under entries/, unless it is still staged."""
+        staged = self._staged.get(record.id)
+        return staged if staged is not None else self.dirs.entry_path(record.identity, record.id)
+
+    # --- entries joining and leaving --------------------------------------------------------
+
+    def tick(self) -> int:
+        """The next value of the logical clock that orders uses (larger: more recent)."""
+        return next(self._clock)
+
+    def add(self, record: EntryRecord, staged: Path | None = None) -> None:
+        """Index an entry whose file is at its place, or at staged while it is pending.
+
+        ValueError, with nothing changed, for the same tokens as an entry already indexed.
+        """
+        if record.checkpoint_key is None:
+            index = self._indexes.get(record.identity) or PrefixIndex()
+            index.add(record)  # first: the one step that may refuse
+            self._indexes[record.identity] = index
+        else:
+            self._checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(
+                record
+            )
+        self._records[record.id] = record
+        if staged is not None:
+            self._staged[record.id] = staged
+        counts = self._identities.get(record.identity)
+        if counts is None:
+            counts = self._identities[record.identity] = IdentityCounts()
+        counts.entries += 1
+        counts.bytes += record.nbytes
+        counts.ids.add(record.id)
+        self._ids.add(record.id)
+        self.version += 1
+        self.total_bytes += record.nbytes
+        self.eviction.add(record)
+
+    def drop(self, record: EntryRecord) -> None:
+        """Take an entry out of the tier; its file goes now, or when its last lease ends."""
+        if self._records.pop(record.id, None) is None:
+            return
+        self.version += 1
+        if record.checkpoint_key is None:
+            index = self._indexes[record.identity]
+            index.remove(record)
+            if not len(index):
+                del self._indexes[record.identity]
+        else:
+            key = (record.identity, record.checkpoint_key)
+            self._checkpoints[key].remove(record)
+            if not self._checkpoints[key]:
+                del self._checkpoints[key]
+        counts = self._identities[record.identity]
+        counts.entries -= 1
+        counts.bytes -= record.nbytes
+        counts.ids.remove(record.id)
+        if not counts.entries:
+            del self._identities[record.identity]
+        self._ids.remove(record.id)
+        self.eviction.remove(record)
+        if record.leases:
+            self._doomed[record.id] = record
+        else:
+            self._delete_file(record)
+
+    def moved(self, record: EntryRecord, path: Path) -> None:
+        """The entry's file is now at path (quarantined): drop() unlinks that, not its place."""
+        self._staged[record.id] = path
+
+    def placed(self, record: EntryRecord) -> None:
+        """The writer renamed a pending entry's file into its place: it is durable."""
+        self._staged.pop(record.id, None)
+        record.durable = True
+        self.version += 1
+
+    def _delete_file(self, record: EntryRecord) -> None:
+        path = self.path_of(record)
+        self._staged.pop(record.id, None)
+        try:
+            entry_files.unlink_quietly(path)
+        except OSError as exc:  # the bytes are no longer ours to count either way
+            log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
+        self.total_bytes -= record.nbytes
+
+    # --- serving ------------------------------------------------------------------------------
+
+    def open(self, record: EntryRecord) -> int | None:
+        """Open an entry read-only; a file gone behind our back takes its entry with it."""
+        candidates = [self.path_of(record)]
+        if not record.durable:  # the writer may have renamed it a moment ago
+            candidates.append(self.dirs.entry_path(record.identity, record.id))
+        for path in candidates:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+        log.warning("entry_file_missing", entry=record.id)
+        self._staged.pop(record.id, None)
+        self.drop(record)
+        return None
+
+    def lease_taken(self, record: EntryRecord) -> None:
+        """A reader took a lease: a use, so the entry becomes the most recent."""
+        self.eviction.touch(record)
+        record.leases += 1
+        self.leased += record.leases == 1
+
+    def lease_ended(self, record: EntryRecord) -> None:
+        """A lease ended; the last one of a doomed entry takes its file."""
+        record.leases -= 1
+        if record.leases:
+            return
+        self.leased -= 1
+        if self._doomed.pop(record.id, None) is not None:
+            self._delete_file(record)
+
+    # --- holding the cap ---------------------------------------------------------------------
+
+    def evict_to_cap(self, max_bytes: int, min_free: int) -> None:
+        """Hold the byte cap and the free-disk floor, in the eviction policy's order."""
+        try:
+            free = disk_free(self.dirs.root)
+        except OSError:
+            free = min_free  # unknown: act on the cap alone
+        over = bytes_over(self.total_bytes, max_bytes, free, min_free)
+        if over <= 0:
+            return
+        for victim in self.eviction.select_victims(over):
+            self.evicted(victim)
+
+    def evicted(self, record: EntryRecord) -> None:
+        """Drop an entry by eviction (the cap, or a request), counted as such."""
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += record.nbytes
+        self.drop(record)

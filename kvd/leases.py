@@ -1,0 +1,63 @@
+"""Leases: an entry under lease is never deleted from under its reader.
+
+A lookup hit takes a lease for the connection that asked; release ends it, and so does the end
+of the connection. Leases are indexed by their owner, so a connection that closes ends its own
+leases without a look at anyone else's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvd_protocol.errors import ErrorCode, ProtocolError
+
+from kvd.catalog import Catalog
+from kvd.records import EntryRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    record: EntryRecord
+    owner: int  # the connection that holds it
+
+
+class Leases:
+    """Every lease held, by id and by owner."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+        self._leases: dict[int, Lease] = {}
+        self._by_owner: dict[int, set[int]] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def take(self, owner: int, record: EntryRecord) -> int:
+        """A new lease on record for owner; a use of the entry."""
+        lease = next(self._ids)
+        self._leases[lease] = Lease(record, owner)
+        self._by_owner.setdefault(owner, set()).add(lease)
+        self._catalog.lease_taken(record)
+        return lease
+
+    def release(self, owner: int, lease_id: int) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no lease {lease_id} on this connection")
+        self._end(lease_id)
+
+    def release_all(self, owner: int) -> None:
+        """The owner's connection ended: every lease it holds ends."""
+        for lease_id in self._by_owner.pop(owner, set()):
+            self._end(lease_id, owner_gone=True)
+
+    def _end(self, lease_id: int, owner_gone: bool = False) -> None:
+        lease = self._leases.pop(lease_id)
+        if not owner_gone:
+            owned = self._by_owner[lease.owner]
+            owned.discard(lease_id)
+            if not owned:
+                del self._by_owner[lease.owner]
+        self._catalog.lease_ended(lease.record)

@@ -1,0 +1,35 @@
+"""Files that failed validation are moved aside for inspection, never served, and counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+
+from kvd import entry_files
+from kvd.catalog import Counters
+from kvd.logs import get_logger
+from kvd.tier_dir import TierDir
+
+log = get_logger("kvd.quarantine")
+
+
+class Quarantine:
+    """The tier's quarantine folder, capped in bytes (the oldest files go first)."""
+
+    def __init__(self, dirs: TierDir, max_bytes: int, counters: Counters) -> None:
+        self._folder = dirs.quarantine
+        self._max_bytes = max_bytes
+        self._counters = counters
+
+    async def file(self, path: Path, reason: str) -> None:
+        """Move path aside; a file that cannot be moved is deleted instead."""
+        log.warning("quarantined", file=path.name, reason=reason)
+        self._counters.quarantined += 1
+        try:
+            await anyio.to_thread.run_sync(
+                entry_files.quarantine, path, self._folder, self._max_bytes
+            )
+        except OSError as exc:
+            log.error("quarantine_failed", file=str(path), error=str(exc))
+            entry_files.unlink_quietly(path)

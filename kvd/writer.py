@@ -1,0 +1,210 @@
+"""The writer: committed entries made durable, one at a time, in commit order.
+
+A committed entry joins the write-behind queue (writeback.py) and the catalog at once, so it
+is readable before it is durable. The writer verifies its data, syncs it and renames it into
+place; then the entry supersedes its ancestors and the tier evicts down to its cap. Every
+queued entry leaves through finish(), whatever ends it (stored, failed, dropped by the overflow
+policy, cancelled by a successor or a forgotten generation): its record follows the outcome
+and its ticket gets its answer there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from kvd_protocol.entry import EntryHeader
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+
+from kvd import entry_files
+from kvd.catalog import Catalog
+from kvd.config import Config
+from kvd.logs import get_logger
+from kvd.quarantine import Quarantine
+from kvd.records import EntryRecord
+from kvd.tickets import Tickets
+from kvd.writeback import Outcome, WritebackQueue, WriteItem
+
+log = get_logger("kvd.writer")
+
+TICKET_STATE = {
+    Outcome.STORED: "stored",
+    Outcome.FAILED: "failed",
+    Outcome.DROPPED: "dropped",
+    Outcome.CANCELLED: "dropped",
+}
+
+
+@dataclass(eq=False)
+class Queued:
+    """The payload of a write-behind item: a committed entry waiting to be made durable."""
+
+    record: EntryRecord
+    header: EntryHeader
+    staging: Path
+
+
+class Writer:
+    """The write-behind queue, the task that drains it, and the waits on it (room, flush)."""
+
+    def __init__(
+        self, config: Config, catalog: Catalog, tickets: Tickets, quarantine: Quarantine
+    ) -> None:
+        self._config = config
+        self._catalog = catalog
+        self._tickets = tickets
+        self._quarantine = quarantine
+        self.policy = config.writeback_policy
+        self.queue: WritebackQueue[Queued] = WritebackQueue(config.writeback_max_bytes, self.policy)
+        self._queued: dict[str, int] = {}  # entry id -> ticket, while its item is queued
+        self._changed = anyio.Event()  # pulsed whenever the queue moves
+        self._work = anyio.Event()  # pulsed when the writer has something to do
+
+    def pulse_changed(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _pulse_work(self) -> None:
+        self._work.set()
+        self._work = anyio.Event()
+
+    # --- joining the queue ---------------------------------------------------------------
+
+    async def wait_for_room(self, size: int) -> bool:
+        """Whether the queue has room for size bytes; under a policy that waits, after
+        waiting for it up to the block timeout."""
+        if self.queue.room_for(size):
+            return True
+        if self.policy.waits_for_room:
+            with anyio.move_on_after(self._config.writeback_block_timeout):
+                while not self.queue.room_for(size):
+                    await self._changed.wait()
+                return True
+        return False
+
+    def no_room(self, size: int) -> str:
+        return (
+            f"the write-behind queue holds {self.queue.pending_bytes} of "
+            f"{self.queue.cap_bytes} bytes, no room for {size} more"
+        )
+
+    def enqueue(self, record: EntryRecord, header: EntryHeader, staging: Path) -> int:
+        """Queue a committed entry and index it (readable at once); returns its ticket.
+
+        REFUSED, with nothing changed, when the overflow policy has no room for it.
+        """
+        ticket = self._tickets.issue()
+        admission = self.queue.enqueue(
+            WriteItem(ticket, record.nbytes, Queued(record, header, staging))
+        )
+        if not admission.accepted:
+            raise ProtocolError(ErrorCode.REFUSED, self.no_room(record.nbytes))
+        self._tickets.mark_pending(ticket)
+        self._queued[record.id] = ticket
+        self._catalog.add(record, staged=staging)
+        for dropped in admission.dropped:
+            self.finish(dropped, Outcome.DROPPED, "write-behind queue overflow")
+        self.pulse_changed()
+        self._pulse_work()
+        return ticket
+
+    def withdraw(self, record: EntryRecord, reason: str, successor: int | None = None) -> None:
+        """Take a still-queued entry back (not one in flight: its write is under way).
+
+        successor: the ticket of the entry that takes its place, for flushes to wait on.
+        """
+        ticket = self._queued.get(record.id)
+        if ticket is None:
+            return
+        item = self.queue.cancel(ticket, successor)
+        if item is not None:
+            self.finish(item, Outcome.CANCELLED, reason)
+
+    # --- writing -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Make queued entries durable, one at a time, in commit order. Runs forever."""
+        while True:
+            item = self.queue.next()
+            if item is None:
+                await self._work.wait()
+                continue
+            await self._write(item)
+
+    async def _write(self, item: WriteItem[Queued]) -> None:
+        record, staging = item.payload.record, item.payload.staging
+        final = self._catalog.dirs.entry_path(record.identity, record.id)
+        try:
+            await anyio.to_thread.run_sync(entry_files.verify_data, staging, item.payload.header)
+            await anyio.to_thread.run_sync(entry_files.persist, staging, final)
+        except EntryFormatError as exc:
+            await self._quarantine.file(staging, str(exc))  # first: dropping would unlink it
+            self.finish(item, Outcome.FAILED, str(exc))
+        except OSError as exc:
+            log.error("write_failed", entry=record.id, error=str(exc))
+            self.finish(item, Outcome.FAILED, f"{exc.strerror or exc}")
+        else:
+            self.finish(item, Outcome.STORED, None)
+
+    def finish(self, item: WriteItem[Queued], outcome: Outcome, reason: str | None) -> None:
+        """The one way out of the queue: the record follows the outcome, the ticket is answered."""
+        record = item.payload.record
+        del self._queued[record.id]
+        if outcome in (Outcome.STORED, Outcome.FAILED):
+            self.queue.done(item, outcome)  # dropped and cancelled ones are out already
+        if outcome is Outcome.STORED:
+            self._catalog.counters.bytes_written += record.nbytes
+            self._stored(record, item.ticket)
+        else:
+            self._catalog.drop(record)
+        self._tickets.settle(item.ticket, TICKET_STATE[outcome], reason)
+        self.pulse_changed()
+
+    def _stored(self, record: EntryRecord, ticket: int) -> None:
+        catalog = self._catalog
+        if record.id not in catalog.records and not catalog.is_doomed(record.id):
+            # Dropped while its write was under way (superseded, forgotten): its bytes left
+            # the count then, but the rename may have beaten that unlink of the staging file.
+            entry_files.unlink_quietly(catalog.dirs.entry_path(record.identity, record.id))
+            return
+        catalog.placed(record)
+        if catalog.is_doomed(record.id):
+            return
+        self._supersede(record, ticket)
+        catalog.evict_to_cap(self._config.max_bytes, self._config.min_free)
+
+    def _supersede(self, record: EntryRecord, record_ticket: int) -> None:
+        """A new trimmable entry serves every prefix of itself: its ancestors can go.
+
+        Untrimmable entries supersede nothing (an SSM snapshot cannot serve a shorter
+        prompt). A checkpoint replaces the older checkpoints of its key, now that it is
+        durable: a crash before this point leaves the previous one.
+        """
+        catalog = self._catalog
+        if record.checkpoint_key is not None:
+            older = catalog.checkpoints(record.identity, record.checkpoint_key)
+            for previous in [r for r in older if r is not record and r.durable]:
+                catalog.counters.superseded += 1
+                catalog.drop(previous)
+            return
+        if not record.trimmable:
+            return
+        index = catalog.index(record.identity)
+        assert index is not None  # record is in it
+        for ancestor in index.ancestors(record.tokens):
+            if ancestor.token_count < record.min_reuse:
+                continue  # the new entry cannot be trimmed that far
+            catalog.counters.superseded += 1
+            self.withdraw(ancestor, "superseded", successor=record_ticket)
+            catalog.drop(ancestor)
+
+    # --- the durability barrier ------------------------------------------------------------
+
+    async def flush(self, timeout: float | None) -> tuple[bool, int]:
+        """Wait until every entry accepted so far is durable; (durable, still pending)."""
+        barrier = self.queue.barrier()
+        with anyio.move_on_after(timeout):
+            while not barrier.satisfied:
+                await self._changed.wait()
+        return barrier.durable, self.queue.pending_count
