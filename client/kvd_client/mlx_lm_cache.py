@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from mlx_lm.generate import GenerationResponse
 
     from .client import Client, Ticket
+    from .prompt_cache import Restored
 
 log = logging.getLogger("kvd_client")
 
@@ -59,10 +60,10 @@ ProgressCallback = Callable[[int, int], None]
 @dataclass
 class ColdTierStats:
     restored: int = 0  # prompts that started from a restored prefix
-    fresh: int = 0  # prompts that started from an empty cache
+    fresh: int = 0  # prompts for which the tier had no prefix (or none longer than asked)
     lookups_unavailable: int = 0  # of those, lookups the daemon did not answer (down, slow)
     restored_tokens: int = 0  # prompt tokens restored instead of computed
-    computed_tokens: int = 0  # prompt tokens left to compute after restoring
+    computed_tokens: int = 0  # prompt tokens prepare() left to compute after restoring
     stored: int = 0  # snapshots the daemon accepted
     unavailable: int = 0  # snapshots not handed over: the daemon was down or slow
     failed: int = 0  # snapshots refused by the codecs or the daemon
@@ -118,18 +119,26 @@ class ColdTier:
         logits of the last one are the first token's). Never raises for the daemon's sake."""
         if not tokens:
             raise ValueError("an empty prompt has no token to compute logits from")
+        restored = self.restore(tokens)
+        matched = 0 if restored is None else restored.matched
+        self.stats.computed_tokens += len(tokens) - matched
+        if restored is None:
+            return make_prompt_cache(self.model), list(tokens)
+        return restored.cache, list(tokens[matched:])
+
+    def restore(self, tokens: Sequence[int], *, min_tokens: int = 0) -> Restored | None:
+        """The caches of the longest cached prefix of tokens (at most all but the last), or
+        None: no entry, or none of at least min_tokens (what the engine holds already).
+        Never raises for the daemon's sake."""
         failed_lookups = self.client.stats.failed_lookups
-        restored = self.client.get(self.identity, tokens, model=self.model)
+        restored = self.client.get(self.identity, tokens, model=self.model, min_tokens=min_tokens)
         if restored is None:
             self.stats.fresh += 1
             self.stats.lookups_unavailable += self.client.stats.failed_lookups > failed_lookups
-            cache, matched = make_prompt_cache(self.model), 0
         else:
             self.stats.restored += 1
-            cache, matched = restored.cache, restored.matched
-        self.stats.restored_tokens += matched
-        self.stats.computed_tokens += len(tokens) - matched
-        return cache, list(tokens[matched:])
+            self.stats.restored_tokens += restored.matched
+        return restored
 
     def store(self, tokens: Sequence[int], cache: Sequence[Any]) -> Future[Ticket]:
         """Hand the caches (holding exactly tokens) to the daemon: snapshot now, send in the

@@ -1,0 +1,217 @@
+"""`kvd-mlx-lm-server`: stock `mlx_lm.server` with kvd as the tier under its prompt cache.
+
+    kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
+
+mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
+- a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
+  usable prefix in kvd (restored on the generation thread, which owns the MLX stream);
+- every cache the server keeps in memory (finished prompt + generation, and the system and user
+  segment boundaries the batched path cuts) is also handed to kvd: snapshotted on the generation
+  thread, sent by a thread of its own; a request never waits for the daemon. So an entry the
+  memory tier evicts is not lost, and other server processes of the same model find it;
+- the usage block's `cached_tokens` counts restored tokens too, since the server counts what the
+  cache it gets back holds.
+
+The identity is the model folder's content (model_folder.py), the KV quantisation and the
+adapter. Prompts with images (negative ids in the cache key) stay in memory only. With no
+daemon, or one that restarts, lookups miss and stores are skipped (counted in ColdTier.stats,
+reconnecting by itself): the server answers as stock mlx_lm.server does.
+
+Two names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
+run() builds the cache from it) and ModelProvider (so the tier follows the model loaded). All
+else, flags, HTTP API and batching, is mlx_lm.server's own. SIGTERM stops the server as Ctrl-C
+does, and the snapshots still waiting are sent before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final
+
+from mlx_lm import server as _server
+from mlx_lm import utils as _utils
+
+from .client import Client
+from .identity import Identity
+from .mlx_lm_cache import ColdTier, ColdTierStats
+from .model_folder import KvQuantization, folder_identity
+
+log = logging.getLogger("kvd_client")
+
+# mlx-lm's partial type hints do not cover these: treated as untyped.
+stock: Any = _server
+mlx_lm_utils: Any = _utils
+
+CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
+
+
+class ServerTier:
+    """kvd under one server process: one client, and the ColdTier of the model loaded now
+    (mlx_lm.server holds one model at a time). Used from the generation thread only."""
+
+    def __init__(self, client: Client, namespace: str = "") -> None:
+        self.client = client
+        self.namespace = namespace
+        self._key: object = None
+        self._cold: ColdTier | None = None
+
+    def model_loaded(self, key: object, model: Any, tokenizer: Any, identity: Identity) -> None:
+        self._retire()
+        self._key, self._cold = key, ColdTier(self.client, model, tokenizer, identity=identity)
+        log.info("kvd: model %s is served from %s", identity.model_id, self.client.socket_path)
+
+    def model_unusable(self, key: object, why: str) -> None:
+        self._retire()
+        self._key = key
+        log.warning("kvd: the tier is off for this model: %s", why)
+
+    def cold_tier(self, key: object) -> ColdTier | None:
+        return self._cold if key == self._key else None
+
+    def close(self) -> None:
+        self._retire()
+        self.client.close()
+
+    def _retire(self) -> None:
+        if self._cold is not None:
+            self._cold.close(CLOSE_SECONDS)
+            log.info("kvd: %s", _describe(self._cold.stats))
+        self._key, self._cold = None, None
+
+
+class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
+    """mlx_lm's in-memory LRU prompt cache, with kvd under it."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, tier: ServerTier) -> None:
+        super().__init__(max_size, max_bytes)
+        self.tier = tier
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        held = len(tokens) - len(rest)
+        cold = self.tier.cold_tier(model)
+        if cold is None or held >= len(tokens) - 1 or not _storable(tokens):
+            return cache, rest
+        restored = cold.restore(tokens, min_tokens=held + 1)
+        if restored is None:
+            return cache, rest
+        log.info("kvd: restored %d of %d prompt tokens", restored.matched, len(tokens))
+        return restored.cache, tokens[restored.matched :]
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        cold = self.tier.cold_tier(model)
+        if cold is not None and tokens and _storable(tokens):
+            cold.store(tokens, prompt_cache)  # a snapshot now: memory may evict it at once
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+
+class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
+    """mlx_lm.server's model provider, telling the tier which model is loaded."""
+
+    def __init__(self, cli_args: argparse.Namespace, *, tier: ServerTier) -> None:
+        super().__init__(cli_args)
+        self.tier = tier
+
+    def _load(
+        self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
+    ) -> None:
+        super()._load(model_path, adapter_path, draft_model_path)
+        if draft_model_path is not None:
+            self.tier.model_unusable(self.model_key, "speculative decoding is not supported")
+            return
+        try:
+            identity = self._identity(model_path, adapter_path)
+        except (OSError, ValueError) as exc:
+            self.tier.model_unusable(self.model_key, f"no identity for {model_path}: {exc}")
+            return
+        self.tier.model_loaded(self.model_key, self.model, self.tokenizer, identity)
+
+    def _identity(self, model_path: str, adapter_path: str | None) -> Identity:
+        folder = Path(model_path)
+        if not folder.exists():  # a Hugging Face repository: mlx_lm.load fetched it already
+            folder = mlx_lm_utils.hf_repo_to_path(model_path)
+        args = self.cli_args
+        return folder_identity(
+            folder,
+            chat_template=getattr(self.tokenizer, "chat_template", None),
+            kv=KvQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
+            adapter_dir=Path(adapter_path) if adapter_path else None,
+            namespace=self.tier.namespace,
+        )
+
+
+def _describe(stats: ColdTierStats) -> str:
+    return (
+        f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), {stats.fresh} "
+        f"lookups found nothing longer than memory ({stats.lookups_unavailable} with the daemon "
+        f"unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
+        f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending"
+    )
+
+
+def _storable(tokens: Sequence[int]) -> bool:
+    """Token ids kvd can key by: the server marks image patches with negative ids."""
+    return min(tokens, default=0) >= 0
+
+
+def _kvd_flags() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    kvd = parser.add_argument_group("kvd (the shared cold tier under the prompt cache)")
+    kvd.add_argument(
+        "--kvd-socket",
+        default=None,
+        help="the kvd daemon's socket (default: $KVD_SOCKET, else the platform default)",
+    )
+    kvd.add_argument(
+        "--kvd-namespace",
+        default="",
+        help="keep this server's entries apart from others of the same model (default: none)",
+    )
+    return parser
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # mlx_lm.server shuts down cleanly on it
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    flags = _kvd_flags()
+    args, rest = flags.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:
+        flags.print_help()
+        print()
+    tier = ServerTier(Client.connect(args.kvd_socket, name="kvd-mlx-lm-server"), args.kvd_namespace)
+    stock.ModelProvider = partial(TieredModelProvider, tier=tier)
+    stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    sys.argv = [sys.argv[0], *rest]
+    try:
+        stock.main()
+    finally:
+        tier.close()
+    # The server has stopped and the tier is closed. Leave without the interpreter's teardown:
+    # MLX's stream threads are still joinable then, and destroying them aborts the process
+    # (SIGABRT, which a service manager takes for a crash).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The identity of a model as `mlx_lm.load` finds it in a folder: from the files' content,
+never their path. Two folders of identical files share entries; the same architecture with
+other weights never does.
+
+- config fingerprint: config.json, the digest of every weight file, and the KV quantisation
+  the engine applies (kv_bits, group size, the token it starts at), which changes every cache;
+- tokenizer hash: the tokenizer files and the chat template in force (a template passed on the
+  command line renders other tokens for the same conversation);
+- namespace: the adapter's content, then the caller's own namespace;
+- model id: the model type and a short weights digest, a name for people that is itself content.
+
+A weight file's digest is the SHA-256 that names it in a Hugging Face cache (its symlink points
+at `blobs/<sha256>`), else an xxh3-128 of its bytes, remembered per (file, size, mtime, inode) in
+a small digest cache so that a restart does not read the weights twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import xxhash
+
+from .identity import Identity, tokenizer_hash
+
+_HUB_BLOB: Final = re.compile(r"[0-9a-f]{64}")
+_WEIGHT_PATTERN: Final = "*.safetensors"
+_ADAPTER_FILES: Final = ("adapter_config.json", "*.safetensors")
+_CHUNK: Final = 16 << 20
+
+
+@dataclass(frozen=True)
+class KvQuantization:
+    """How the engine quantises its KV cache (mlx_lm's --kv-bits and friends); bits None: never."""
+
+    bits: int | None = None
+    group_size: int = 64
+    start: int = 0
+
+    def describe(self) -> str:
+        return "none" if self.bits is None else f"{self.bits}/{self.group_size}@{self.start}"
+
+
+def folder_identity(
+    model_dir: Path,
+    *,
+    chat_template: str | None = None,
+    kv: KvQuantization = KvQuantization(),
+    adapter_dir: Path | None = None,
+    namespace: str = "",
+    digests: DigestCache | None = None,
+) -> Identity:
+    """The identity of the model in model_dir as an engine serves it."""
+    digests = digests or DigestCache.default()
+    config = (model_dir / "config.json").read_bytes()
+    weights = _files_digest(model_dir, (_WEIGHT_PATTERN,), digests)
+    fingerprint = _blake(b"\0".join([config, weights.encode(), kv.describe().encode()]))
+    template = (chat_template or "").encode()
+    tokens = _blake(tokenizer_hash(model_dir).encode() + b"\0" + template)
+    model_type = json.loads(config).get("model_type", "model")
+    return Identity(
+        model_id=f"{model_type}-{weights[:12]}",
+        config_fingerprint=fingerprint,
+        tokenizer_hash=tokens,
+        namespace=_namespace(adapter_dir, namespace, digests),
+    )
+
+
+def _namespace(adapter_dir: Path | None, namespace: str, digests: DigestCache) -> str:
+    parts = []
+    if adapter_dir is not None:
+        parts.append(f"adapter-{_files_digest(adapter_dir, _ADAPTER_FILES, digests)[:16]}")
+    if namespace:
+        parts.append(namespace)
+    return "/".join(parts)
+
+
+def _files_digest(folder: Path, patterns: tuple[str, ...], digests: DigestCache) -> str:
+    files = sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
+    if not files:
+        raise FileNotFoundError(f"no {' or '.join(patterns)} in {folder}")
+    return _blake(b"".join(f.name.encode() + b"\0" + digests.of(f).encode() for f in files))
+
+
+def _blake(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class DigestCache:
+    """File digests remembered across runs in one JSON file (best effort: a cache that cannot
+    be read or written only costs reading the file again)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._known: dict[str, str] | None = None
+
+    @classmethod
+    def default(cls) -> DigestCache:
+        return cls(_user_cache_dir() / "kvd-client" / "weight-digests.json")
+
+    def of(self, file: Path) -> str:
+        target = file.resolve()
+        if _HUB_BLOB.fullmatch(target.name):
+            return f"sha256:{target.name}"
+        info = target.stat()
+        key = f"{target}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}"
+        known = self._load()
+        if key not in known:
+            known[key] = f"xxh3-128:{_xxh3_file(target)}"
+            self._save(known)
+        return known[key]
+
+    def _load(self) -> dict[str, str]:
+        if self._known is None:
+            self._known = {}
+            if self.path is not None:
+                try:
+                    loaded = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    loaded = {}
+                if isinstance(loaded, dict):
+                    self._known = {str(k): str(v) for k, v in loaded.items()}
+        return self._known
+
+    def _save(self, known: dict[str, str]) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False) as out:
+                json.dump(known, out)
+            os.replace(out.name, self.path)
+        except OSError:
+            pass
+
+
+def _xxh3_file(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with path.open("rb", buffering=0) as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _user_cache_dir() -> Path:
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

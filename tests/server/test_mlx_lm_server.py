@@ -1,0 +1,224 @@
+"""kvd-mlx-lm-server end to end: a real kvd, real server processes on loopback ports, tiny
+model folders built here, and the openai client at temperature 0. Every answer is compared
+with stock mlx_lm.server's for the same request."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_process import Daemon
+from http_servers import Answer, HttpServer, chat, http_server
+from kvd_client.client import Client
+from model_folders import build_model_folder, words
+
+Messages = list[dict[str, str]]
+SETTLE_SECONDS = 30.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """a: a model; a_copy: the same files in another folder; b: same architecture and
+    tokenizer, other weights."""
+    root = tmp_path_factory.mktemp("models")
+    a = build_model_folder(root / "a", seed=0)
+    a_copy = root / "elsewhere" / "a"
+    shutil.copytree(a, a_copy)
+    return {"a": a, "a_copy": a_copy, "b": build_model_folder(root / "b", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def stock_a(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Stock mlx_lm.server of model a, without kvd: the answers to match."""
+    with http_server(models["a"], tmp_path_factory.mktemp("stock") / "a.log", kvd_socket=None) as s:
+        yield s
+
+
+def _kvd_status(daemon: Daemon) -> dict[str, Any]:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        return dict(client.status())
+
+
+def _wait_for_entry(daemon: Daemon, tokens: int) -> None:
+    """Until kvd holds an entry of at least tokens tokens (the server stores in the background)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    with Client.connect(daemon.socket_path, require=True) as client:
+        while time.monotonic() < deadline:
+            if any(e.tokens >= tokens for e in client.list_entries()):
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"kvd never held an entry of {tokens} tokens")
+
+
+def _same_answer(answer: Answer, expected: Answer) -> None:
+    assert answer.text == expected.text
+    if answer.tokens is not None and expected.tokens is not None:
+        assert answer.tokens == expected.tokens
+    assert answer.prompt_tokens == expected.prompt_tokens
+
+
+def _turn(seed: int, length: int) -> Messages:
+    return [{"role": "user", "content": words(length, seed)}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_restarted_server_restores_the_prompt_from_kvd_and_answers_as_stock(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path, stream: bool
+) -> None:
+    messages = _turn(seed=11, length=1500)
+    expected = chat(stock_a, messages, stream=False)
+    with http_server(models["a"], tmp_path / "first.log", kvd_socket=daemon.socket_path) as first:
+        answer = chat(first, messages, stream=False)
+        _same_answer(answer, expected)
+        assert answer.cached_tokens == 0
+        assert first.stop() == 0  # SIGTERM: what waits to be stored is sent first
+    hits = _kvd_status(daemon)["hits"]
+    with http_server(models["a"], tmp_path / "second.log", kvd_socket=daemon.socket_path) as second:
+        again = chat(second, messages, stream=stream)
+        _same_answer(again, expected)
+        # All of the prompt but the token whose logits give the first answer token.
+        assert again.cached_tokens == again.prompt_tokens - 1
+        assert second.stop() == 0
+    assert _kvd_status(daemon)["hits"] > hits
+
+
+def test_the_second_turn_sent_to_another_server_of_the_same_model_is_restored(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    """Two processes at once; the second of another folder holding the same files."""
+    turn1 = _turn(seed=21, length=800)
+    with (
+        http_server(models["a"], tmp_path / "one.log", kvd_socket=daemon.socket_path) as one,
+        http_server(models["a_copy"], tmp_path / "two.log", kvd_socket=daemon.socket_path) as two,
+    ):
+        first = chat(one, turn1, stream=False)
+        _wait_for_entry(daemon, first.prompt_tokens)
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": words(200, seed=22)},
+        ]
+        hits = _kvd_status(daemon)["hits"]
+        second = chat(two, turn2, stream=True)
+        _same_answer(second, chat(stock_a, turn2, stream=True))
+        assert second.cached_tokens >= first.prompt_tokens  # the whole first turn's prompt
+        assert _kvd_status(daemon)["hits"] == hits + 1
+
+
+def test_a_model_with_other_weights_is_never_served_the_first_models_entries(
+    daemon: Daemon, models: dict[str, Path], tmp_path: Path
+) -> None:
+    messages = _turn(seed=31, length=600)
+    with http_server(models["a"], tmp_path / "a.log", kvd_socket=daemon.socket_path) as a:
+        stored = chat(a, messages, stream=False)
+        _wait_for_entry(daemon, stored.prompt_tokens)
+    hits = _kvd_status(daemon)["hits"]
+    with (
+        http_server(models["b"], tmp_path / "stock-b.log", kvd_socket=None) as stock_b,
+        http_server(models["b"], tmp_path / "b.log", kvd_socket=daemon.socket_path) as b,
+    ):
+        answer = chat(b, messages, stream=False)
+        _same_answer(answer, chat(stock_b, messages, stream=False))
+        assert answer.cached_tokens == 0
+        _wait_for_entry(daemon, answer.prompt_tokens)
+    status = _kvd_status(daemon)
+    assert status["hits"] == hits
+    assert len(status["identities"]) == 2
+
+
+def test_requests_are_answered_correctly_while_kvd_is_killed_and_restarted(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    long_turn = _turn(seed=41, length=3000)
+    expected = chat(stock_a, long_turn, stream=False)
+    log = tmp_path / "server.log"
+    with http_server(models["a"], log, kvd_socket=daemon.socket_path) as server:
+        answers: list[Answer] = []
+        request = threading.Thread(
+            target=lambda: answers.append(chat(server, long_turn, stream=False))
+        )
+        request.start()
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while "Prompt processing progress" not in server.logs():  # the prefill is under way
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.01)
+        daemon.kill()
+        request.join(SETTLE_SECONDS)
+        assert answers, "the request in flight when kvd died was never answered"
+        _same_answer(answers[0], expected)
+
+        while_down = _turn(seed=42, length=400)
+        _same_answer(chat(server, while_down, stream=True), chat(stock_a, while_down, stream=True))
+
+        daemon.start()
+        after = _turn(seed=43, length=400)
+        answer = chat(server, after, stream=False)
+        _same_answer(answer, chat(stock_a, after, stream=False))
+        _wait_for_entry(daemon, answer.prompt_tokens)  # the server reconnected by itself
+        assert server.stop() == 0
+    with http_server(models["a"], tmp_path / "next.log", kvd_socket=daemon.socket_path) as next_:
+        restored = chat(next_, after, stream=False)
+        assert restored.cached_tokens == restored.prompt_tokens - 1
+        _same_answer(restored, answer)
+
+
+def test_an_entry_evicted_from_memory_is_restored_from_kvd(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    first, other = _turn(seed=51, length=500), _turn(seed=52, length=500)
+    log = tmp_path / "server.log"
+    with http_server(
+        models["a"], log, kvd_socket=daemon.socket_path, extra=["--prompt-cache-size", "1"]
+    ) as server:
+        stored = chat(server, first, stream=False)
+        _wait_for_entry(daemon, stored.prompt_tokens)
+        chat(server, other, stream=False)  # memory holds one cache: this one, now
+        again = chat(server, first, stream=False)
+    assert again.cached_tokens == again.prompt_tokens - 1
+    _same_answer(again, chat(stock_a, first, stream=False))
+    assert "kvd: restored" in log.read_text()
+
+
+def test_with_no_daemon_the_server_answers_as_stock(
+    models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    messages = _turn(seed=61, length=300)
+    nowhere = str(tmp_path / "no-daemon.sock")
+    with http_server(models["a"], tmp_path / "server.log", kvd_socket=nowhere) as server:
+        expected = chat(stock_a, messages, stream=False)
+        for stream in (False, True, False):
+            _same_answer(chat(server, messages, stream=stream), expected)
+        other = _turn(seed=62, length=300)
+        _same_answer(chat(server, other, stream=False), chat(stock_a, other, stream=False))
+        assert server.stop() == 0
+    # The tier's account at exit: the two lookups (the repeats hit memory) and every store
+    # were skipped for want of a daemon.
+    summary = re.search(
+        r"(\d+) lookups found nothing longer than memory \((\d+) with the daemon unavailable\); "
+        r"0 caches stored, (\d+) skipped",
+        (tmp_path / "server.log").read_text(),
+    )
+    assert summary is not None
+    looked, unavailable, skipped = map(int, summary.groups())
+    assert looked == unavailable == 2
+    assert skipped >= 4
+
+
+def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvd_client.mlx_lm_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    for flag in ("--kvd-socket", "--kvd-namespace", "--model", "--prompt-cache-size", "--port"):
+        assert flag in shown
