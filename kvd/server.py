@@ -14,9 +14,8 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketListener, SocketStream, TaskGroup
-from kvd_protocol import messages as m
+from kvd_protocol.connection import Connection, Role
 from kvd_protocol.errors import ErrorCode
-from kvd_protocol.framing import encode_frame
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 
 from kvd import __version__
@@ -54,14 +53,10 @@ class Server:
                 credentials = peer_credentials(raw_socket(stream))
                 if not self._allowed(credentials.uid, credentials.gid):
                     log.warning("peer_refused", uid=credentials.uid, pid=credentials.pid)
-                    refusal = m.ErrorReply(
-                        id=0,
-                        code=ErrorCode.PERMISSION_DENIED,
-                        message=f"uid {credentials.uid} may not use this kvd",
+                    refusal = Connection(Role.SERVER).send_final_error(
+                        ErrorCode.PERMISSION_DENIED, f"uid {credentials.uid} may not use this kvd"
                     )
-                    await stream.send(
-                        encode_frame(refusal.to_wire(), DEFAULT_LIMITS.max_frame_bytes)
-                    )
+                    await stream.send(refusal)
                     return
                 admin = credentials.uid in (os.getuid(), 0)
                 peer = Peer(session_id, credentials, admin=admin)

@@ -18,8 +18,7 @@ import anyio
 from anyio.abc import TaskGroup
 from kvd_protocol import messages as m
 from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, ConnectionClosed, Role
-from kvd_protocol.errors import ErrorCode, ProtocolError
-from kvd_protocol.framing import encode_frame
+from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 
 from kvd import __version__, socket_io
 from kvd.logs import get_logger
@@ -105,7 +104,7 @@ class Session:
             except socket_io.PeerGone:
                 return
             except socket_io.BadAncillary as exc:
-                await self._fatal(ProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
+                await self._fatal(RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
                 return
             try:
                 self.conn.receive_data(data, fds)
@@ -133,14 +132,12 @@ class Session:
                         tasks.start_soon(self._answer, event)
 
     async def _fatal(self, exc: ProtocolError) -> None:
-        """A framing error: say why, then close (the stream cannot be resynchronised)."""
+        """A fatal protocol error: say why, then close (the stream cannot be resynchronised)."""
         log.info("connection_error", session=self.peer.session, error=str(exc))
-        frame = m.ErrorReply(id=0, code=exc.code, message=exc.message).to_wire()
+        frame = self.conn.send_final_error(exc.code, exc.message)
         with contextlib.suppress(socket_io.PeerGone):
             async with self._send_lock:  # never inside another task's reply
-                await socket_io.send(
-                    self.sock, encode_frame(frame, self.tier.limits.max_frame_bytes)
-                )
+                await socket_io.send(self.sock, frame)
 
     async def _answer(self, request: m.Request) -> None:
         try:
@@ -156,12 +153,28 @@ class Session:
         fds = reply.fds
         try:
             async with self._send_lock:
-                await socket_io.send(self.sock, self.conn.send(reply), fds)
-        except (socket_io.PeerGone, ProtocolError) as exc:
+                if not self.conn.can_send:  # closing after a fatal error: nobody reads on
+                    log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
+                    return
+                frame, sent_fds = self._frame(reply)
+                await socket_io.send(self.sock, frame, sent_fds)
+        except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
+
+    def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]]:
+        """The reply's frame and descriptors. A reply the protocol refuses (a daemon bug, or
+        one over the frame limit) is logged as an error and its request gets that error."""
+        try:
+            return self.conn.send(reply), reply.fds
+        except LocalProtocolError as exc:
+            log.error("reply_refused", session=self.peer.session, op=reply.op, error=str(exc))
+            if isinstance(reply, m.ErrorReply):
+                raise
+            error = m.ErrorReply(id=reply.id, code=exc.code, message=f"no reply: {exc.message}")
+            return self.conn.send(error), ()
 
     # --- handlers: each takes its request and returns its reply --------------------------
 

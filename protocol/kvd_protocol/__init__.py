@@ -24,7 +24,14 @@ from kvd_protocol.entry import (
     plan_entry,
 )
 from kvd_protocol.entry_reader import parse_head, parse_header, parse_prefix, verify_slot
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
+from kvd_protocol.errors import (
+    EntryFormatError,
+    ErrorCode,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    Rule,
+)
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import OPS, PROTOCOL_VERSION, EntrySummary, ErrorReply, Reply, Request
@@ -52,7 +59,9 @@ __all__ = [
     "Layer",
     "LayerSpec",
     "Limits",
+    "LocalProtocolError",
     "ProtocolError",
+    "RemoteProtocolError",
     "Reply",
     "Request",
     "Role",

@@ -3,7 +3,10 @@
 In the manner of h11: the caller moves bytes (send() returns them; receive_data() takes them)
 and descriptors (a reply's `fds` go out in the same sendmsg as its frame; received ones are
 passed to receive_data()). The Connection never touches a socket and never closes a descriptor.
-See PROTOCOL.md for the rules it enforces.
+See PROTOCOL.md for the rules it enforces. Its errors come in two kinds, as in h11:
+LocalProtocolError from send() (this side's misuse; nothing was sent, and the caller must not
+swallow it), RemoteProtocolError from receive_data() and next_event() (the peer's fault; fatal,
+answered by send_final_error() before closing).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final, Literal, NoReturn, TypeAlias
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .framing import FrameReader, decode_body, encode_frame
 from .limits import DEFAULT_LIMITS, Limits
 from .messages import (
@@ -70,7 +73,9 @@ def _check_id(message: Message, lo: int) -> None:
         or isinstance(message.id, bool)
         or not lo <= message.id <= U32
     ):
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"message id {message.id!r} outside {lo}..{U32}")
+        raise LocalProtocolError(
+            ErrorCode.BAD_MESSAGE, f"message id {message.id!r} outside {lo}..{U32}"
+        )
 
 
 class Connection:
@@ -87,6 +92,7 @@ class Connection:
         self._hello_received = False  # server: hello request; client: hello reply
         self._ended = False
         self._error: ProtocolError | None = None
+        self._final_error_sent = False  # server: nothing may follow it
 
     # --- state, for callers and tests ---
 
@@ -106,6 +112,11 @@ class Connection:
         """True once a fatal ProtocolError was raised: every later call raises."""
         return self._error is not None
 
+    @property
+    def can_send(self) -> bool:
+        """False once failed or once the final error was sent: nothing more goes out."""
+        return self._error is None and not self._final_error_sent
+
     def take_descriptors(self) -> list[int]:
         """Client: every received descriptor not yet handed out in a reply, for the caller to
         close (after a ProtocolError, or when giving up on the connection). Works when failed."""
@@ -116,14 +127,16 @@ class Connection:
     # --- sending ---
 
     def send(self, message: Message) -> bytes:
-        """The frame for message, after checking it is allowed now. A ProtocolError here
+        """The frame for message, after checking it is allowed now. A LocalProtocolError here
         changes nothing: the message was not sent and the connection stays usable."""
-        self._check_usable()
+        self._check_usable(LocalProtocolError)
+        if self._final_error_sent:
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
         if self.role is Role.CLIENT:
             self._check_request(message)
         else:
             self._check_reply(message)
-        frame = encode_frame(message.to_wire(), self.limits.max_frame_bytes)
+        frame = _frame(message, self.limits)
         if self.role is Role.CLIENT:
             self._hello_sent |= isinstance(message, Hello)
             self._in_flight[message.id] = message.op
@@ -131,31 +144,45 @@ class Connection:
             self._settle(message)
         return frame
 
+    def send_final_error(self, code: ErrorCode, message: str) -> bytes:
+        """Server: the frame of a last error reply (id 0), said before closing: after a fatal
+        RemoteProtocolError, or to turn a peer away. Allowed in any state, once; every send
+        after it raises LocalProtocolError."""
+        if self.role is not Role.SERVER:
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "only a server sends a final error")
+        if self._final_error_sent:
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
+        frame = _frame(ErrorReply(id=0, code=code, message=message), self.limits)
+        self._final_error_sent = True
+        return frame
+
     def _check_request(self, message: Message) -> None:
         if not isinstance(message, Request):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a client sends requests only")
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a client sends requests only")
         _check_id(message, 1)
         if isinstance(message, Hello) and self._hello_sent:
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
         if not isinstance(message, Hello) and not self._hello_sent:
-            raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
+            raise LocalProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
         if message.id in self._in_flight:
-            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {message.id} is in flight")
+            raise LocalProtocolError(
+                ErrorCode.DUPLICATE_ID, f"request id {message.id} is in flight"
+            )
         if len(self._in_flight) >= self.limits.max_in_flight:
-            raise ProtocolError(
+            raise LocalProtocolError(
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
 
     def _check_reply(self, message: Message) -> None:
         if not isinstance(message, Reply):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
+            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
         _check_id(message, 0 if isinstance(message, ErrorReply) else 1)
         fds = message.fds
         if len(fds) != message.descriptor_count() or not all(
             isinstance(fd, int) and fd >= 0 for fd in fds
         ):
-            raise ProtocolError(
+            raise LocalProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
                 f"{message.op} reply holds {fds}, needs {message.descriptor_count()} descriptor(s)",
             )
@@ -166,7 +193,7 @@ class Connection:
                 return
         elif self._in_flight.get(message.id) == message.op:
             return
-        raise ProtocolError(
+        raise LocalProtocolError(
             ErrorCode.UNEXPECTED_REPLY,
             f"no {message.op!r} request with id {message.id} awaits a reply",
         )
@@ -186,15 +213,17 @@ class Connection:
 
         A server raises BAD_DESCRIPTORS for any descriptor and keeps none (the caller closes
         them). A client queues them first, so take_descriptors() returns them on any error."""
-        self._check_usable()
+        self._check_usable(RemoteProtocolError)
         if fds and self.role is Role.SERVER:
-            self._fail(ProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors"))
+            self._fail(
+                RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors")
+            )
         self._fds.extend(fds)
         if self._ended and (data or fds):
-            self._fail(ProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
+            self._fail(RemoteProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
         if len(self._fds) > len(self._in_flight):
             self._fail(
-                ProtocolError(
+                RemoteProtocolError(
                     ErrorCode.BAD_DESCRIPTORS,
                     f"{len(self._fds)} descriptors queued for {len(self._in_flight)} replies",
                 )
@@ -205,25 +234,29 @@ class Connection:
             self._ended = True
 
     def next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
-        """The next event, or NEED_DATA. Raises ProtocolError only for fatal errors."""
-        self._check_usable()
+        """The next event, or NEED_DATA. Raises ProtocolError only for fatal errors: a
+        RemoteProtocolError for what the peer sent; a LocalProtocolError for a server that
+        left max_in_flight bad requests unanswered."""
+        self._check_usable(RemoteProtocolError)
         try:
             return self._next_event()
-        except ProtocolError as exc:
+        except (LocalProtocolError, RemoteProtocolError) as exc:
             self._fail(exc)
+        except ProtocolError as exc:  # from decoding what the peer sent
+            self._fail(RemoteProtocolError(exc.code, exc.message))
 
     def _next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
         view = self._reader.next_frame()
         if view is None:
             if self._fds and not self._reader.buffered:
-                raise ProtocolError(
+                raise RemoteProtocolError(
                     ErrorCode.BAD_DESCRIPTORS,
                     f"{len(self._fds)} descriptor(s) arrived that no reply declares",
                 )
             if not self._ended:
                 return NEED_DATA
             if self._reader.buffered:
-                raise ProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
+                raise RemoteProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
             return ConnectionClosed()
         with view:
             try:
@@ -264,7 +297,7 @@ class Connection:
         # A server answers each BadRequest before asking for the next event, so this bound
         # is only reached by a server that ignores them: fatal, as buffering must stay bounded.
         if len(self._unanswered) >= self.limits.max_in_flight:
-            raise ProtocolError(
+            raise LocalProtocolError(
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._unanswered)} bad requests left unanswered",
             )
@@ -273,26 +306,26 @@ class Connection:
 
     def _reply_event(self, body: object) -> Reply:
         if not isinstance(body, Mapping):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
+            raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
         op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
             error = ErrorReply.from_wire(body, self.limits)
             if error.id and self._in_flight.pop(error.id, None) is None:
-                raise ProtocolError(
+                raise RemoteProtocolError(
                     ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
                 )
             return error
         expected = self._in_flight.get(reply_id)
         if expected is None:
-            raise ProtocolError(ErrorCode.UNEXPECTED_REPLY, "reply to an id not in flight")
+            raise RemoteProtocolError(ErrorCode.UNEXPECTED_REPLY, "reply to an id not in flight")
         if op != expected:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
             )
         reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
         if wanted > len(self._fds):
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
                 f"{op} reply declares {wanted} descriptor(s), {len(self._fds)} arrived",
             )
@@ -307,12 +340,17 @@ class Connection:
 
     # --- failure ---
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, kind: type[ProtocolError]) -> None:
         if self._error is not None:
-            raise ProtocolError(
-                self._error.code, f"connection unusable after: {self._error.message}"
-            )
+            raise kind(self._error.code, f"connection unusable after: {self._error.message}")
 
     def _fail(self, exc: ProtocolError) -> NoReturn:
         self._error = exc
         raise exc
+
+
+def _frame(message: Message, limits: Limits) -> bytes:
+    try:
+        return encode_frame(message.to_wire(), limits.max_frame_bytes)
+    except ProtocolError as exc:  # over the frame limit: the message is this side's
+        raise LocalProtocolError(exc.code, exc.message) from None

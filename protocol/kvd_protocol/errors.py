@@ -1,4 +1,4 @@
-"""The two error types of kvd_protocol: one for the wire, one for entry files."""
+"""The error types of kvd_protocol: one for the wire (with its two kinds), one for entry files."""
 
 from __future__ import annotations
 
@@ -29,12 +29,27 @@ class ErrorCode(StrEnum):
 
 
 class ProtocolError(Exception):
-    """The only exception the wire protocol raises, for any bad input or misuse."""
+    """A request that cannot be served, or a wire rule broken: the code says which.
+
+    The Connection raises one of its two kinds (as h11 does): LocalProtocolError for this
+    side's misuse, RemoteProtocolError for what the peer sent.
+    """
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+
+
+class LocalProtocolError(ProtocolError):
+    """This side asked the Connection for something the protocol does not allow now (a reply
+    nobody awaits, a frame over the limit, a send after the final error): a bug of the caller,
+    never to be dropped silently."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer broke the protocol; raised while receiving. Fatal: say so with a final error
+    (Connection.send_final_error) and close."""
 
 
 class Rule(StrEnum):

@@ -7,7 +7,12 @@ from dataclasses import replace
 import msgpack
 import pytest
 from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, ConnectionClosed, Role
-from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.errors import (
+    ErrorCode,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from kvd_protocol.framing import LENGTH
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
@@ -51,11 +56,12 @@ def _raises(code: ErrorCode) -> pytest.RaisesExc[ProtocolError]:
 
 def _assert_unusable(connection: Connection) -> None:
     assert connection.failed
-    with pytest.raises(ProtocolError):
+    assert not connection.can_send
+    with pytest.raises(RemoteProtocolError):
         connection.next_event()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         connection.receive_data(b"x")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LocalProtocolError):
         connection.send(Ping(id=99))
 
 
@@ -491,3 +497,76 @@ def test_events_need_data_until_a_frame_is_complete() -> None:
         assert server.next_event() is NEED_DATA
     server.receive_data(frame[-1:])
     assert server.next_event() == Ping(id=2)
+
+
+# ---- local and remote errors, and the final error ------------------------------------------
+
+
+def test_what_the_peer_sends_wrong_is_a_remote_error() -> None:
+    _, server = connected_pair()
+    server.receive_data(LENGTH.pack(0))
+    with pytest.raises(RemoteProtocolError, match=r"^bad_frame: "):
+        server.next_event()
+    client, _ = connected_pair()
+    client.receive_data(_frame({"op": "ping", "id": 77}))
+    with pytest.raises(RemoteProtocolError, match=r"^unexpected_reply: "):
+        client.next_event()
+
+
+def test_what_this_side_sends_wrong_is_a_local_error_and_changes_nothing() -> None:
+    client, server = connected_pair(replace(DEFAULT_LIMITS, max_frame_bytes=256))
+    with pytest.raises(LocalProtocolError, match=r"^unexpected_reply: "):
+        server.send(PingReply(id=5))
+    server.receive_data(client.send(Status(id=5)))
+    assert drain(server) == [Status(id=5)]
+    with pytest.raises(LocalProtocolError, match=r"^too_large: "):
+        server.send(StatusReply(id=5, status={"text": "x" * 300}))
+    client.receive_data(server.send(StatusReply(id=5, status={})))
+    assert drain(client) == [StatusReply(id=5, status={})]
+    assert not server.failed
+    assert not client.failed
+    server.receive_data(client.send(Ping(id=6)))
+    assert drain(server) == [Ping(id=6)]
+    client.receive_data(server.send(PingReply(id=6)))
+    assert drain(client) == [PingReply(id=6)]
+
+
+def test_the_final_error_is_said_even_after_a_fatal_error_and_is_the_last_word() -> None:
+    client, server = connected_pair()
+    server.receive_data(LENGTH.pack(0))
+    with pytest.raises(RemoteProtocolError) as raised:
+        server.next_event()
+    frame = server.send_final_error(raised.value.code, raised.value.message)
+    client.receive_data(frame)
+    assert drain(client) == [
+        ErrorReply(id=0, code=ErrorCode.BAD_FRAME, message=raised.value.message)
+    ]
+    with pytest.raises(LocalProtocolError):
+        server.send_final_error(ErrorCode.INTERNAL, "twice")
+
+
+def test_after_the_final_error_nothing_more_is_sent() -> None:
+    client, server = connected_pair()
+    server.receive_data(client.send(Ping(id=3)))
+    assert drain(server) == [Ping(id=3)]
+    refusal = server.send_final_error(ErrorCode.SHUTTING_DOWN, "going away")
+    assert not server.can_send
+    with pytest.raises(LocalProtocolError):
+        server.send(PingReply(id=3))
+    client.receive_data(refusal)
+    assert drain(client) == [ErrorReply(id=0, code=ErrorCode.SHUTTING_DOWN, message="going away")]
+
+
+def test_only_a_server_says_a_final_error() -> None:
+    client, _ = connected_pair()
+    with pytest.raises(LocalProtocolError):
+        client.send_final_error(ErrorCode.INTERNAL, "no")
+    assert client.can_send
+
+
+def test_a_fresh_server_connection_can_turn_a_peer_away() -> None:
+    refusal = Connection(Role.SERVER).send_final_error(ErrorCode.PERMISSION_DENIED, "not you")
+    client = Connection(Role.CLIENT)
+    client.send(HELLO)
+    client.receive_data(refusal)
+    assert drain(client) == [ErrorReply(id=0, code=ErrorCode.PERMISSION_DENIED, message="not you")]
