@@ -66,7 +66,7 @@ class EntryMaker:
     each file's head is that one with its own tokens in place and its checksum redone."""
 
     def __init__(self, tier: TierDir, identity: Identity, tokens: int) -> None:
-        self.folder = tier.identity_dir(identity.digest())
+        self.folder = tier.entries / identity.digest()
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.token_bytes = tokens * TOKEN_BYTES
         spec = TensorSpec("float16", (SHAPE[0], SHAPE[1], tokens, SHAPE[2]))
@@ -180,7 +180,7 @@ def main() -> None:
             fill(tier, makers, starter.entries, size)
             built = time.perf_counter() - started
             if starter.entries == 0:
-                check_valid(next(tier.identity_dir(identities[0].digest()).iterdir()))
+                check_valid(next((tier.entries / identities[0].digest()).iterdir()))
             starter.entries = size
             full = best_seconds(lambda: starter.start_seconds(snapshot=False), args.repeat)
             with_snapshot = None

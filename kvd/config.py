@@ -1,37 +1,33 @@
-"""The daemon's configuration: defaults, a TOML file, environment variables and flags.
+"""The daemon's settings, each declared once (a field of Config), and where they come from.
 
-Every key can come from four sources; a later one wins:
+Every setting can come from four sources; a later one wins:
 
     defaults  <  TOML file  <  environment variable KVD_<KEY>  <  flag --<key>
 
-The file is `--config FILE`, else `$KVD_CONFIG`, else the platform's default file (see
-kvd.paths); a missing default file is fine, a missing named one is an error. Its keys are the
-field names of `Config`, at the top level. Every value a source gives is checked, even one a
-later source overrides, and a bad one raises ConfigError naming the source and the key.
-
-Sizes are whole bytes, or a number with a unit: K, M, G, T, P, each a power of 1024, with
-optional "i" and "B" and in any case ("16KiB" == "16K" == "16kb" == 16384; "1GB" == 2**30).
-A fraction is allowed and rounded down to whole bytes ("1.5T"). Durations are seconds.
+A setting is a field of `Config`: its name is the file's key, its default and type are the
+field's, and its metadata (setting()) holds its parser, its flag's metavar and its help. The
+flags, the variables, the keys of the file and the README's table (settings_table()) all
+derive from those fields. The file is `--config FILE`, else `$KVD_CONFIG`, else the platform's
+default file (kvd_protocol.paths); a missing default file is fine, a missing named one is an
+error. Every value a source gives is checked, even one a later source overrides, and a bad
+one raises ConfigError naming the source and the key. Values: see config_values.
 """
 
 from __future__ import annotations
 
 import argparse
-import grp
-import math
 import os
-import re
 import sys
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from decimal import Decimal
+from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
 
+from kvd import config_values as values
 from kvd.eviction import EVICTION_POLICIES
 from kvd.writeback import Overflow
 
@@ -54,23 +50,142 @@ DEFAULT_WRITEBACK_BLOCK_TIMEOUT = 5.0
 # (systemd TimeoutStopSec=, launchd ExitTimeOut).
 DEFAULT_SHUTDOWN_DEADLINE = 15.0
 DEFAULT_QUARANTINE_MAX_BYTES = 1 * GIB
+DEFAULT_SNAPSHOT_INTERVAL = 60.0  # a crash costs at most this much of header reads at start
+DEFAULT_RECONCILE_INTERVAL = 300.0
+
+
+def setting(
+    parse: Callable[[object], Any], metavar: str, help_text: str, shown_default: str = ""
+) -> dict[str, Any]:
+    """The metadata that makes a Config field a setting; shown_default, for the README, when
+    the default is not a plain value (a per-platform path)."""
+    return {"parse": parse, "metavar": metavar, "help": help_text, "shown": shown_default}
 
 
 @dataclass(frozen=True)
 class Config:
-    dir: Path  # the tier directory
-    socket: Path
-    max_bytes: int = DEFAULT_MAX_BYTES  # cap on the tier's bytes, across identities
-    min_free: int = DEFAULT_MIN_FREE  # free-disk floor the tier never eats into
-    writeback_max_bytes: int = DEFAULT_WRITEBACK_MAX_BYTES
-    writeback_policy: Overflow = Overflow.DROP_OLDEST
-    eviction_policy: str = "lru"  # a name in EVICTION_POLICIES
-    writeback_block_timeout: float = DEFAULT_WRITEBACK_BLOCK_TIMEOUT  # for policy "block"
-    shutdown_deadline: float = DEFAULT_SHUTDOWN_DEADLINE  # seconds to flush after SIGTERM
-    log_format: LogFormat = LogFormat.AUTO
-    socket_group: str | None = None  # a group allowed to connect; None: the owner only
-    quarantine_max_bytes: int = DEFAULT_QUARANTINE_MAX_BYTES
-    config_file: Path | None = None  # the file that was read, if any (not itself a key)
+    dir: Path = field(
+        metadata=setting(
+            values.path,
+            "DIR",
+            "the tier directory",
+            "macOS `~/Library/Caches/kvd`; Linux `$XDG_CACHE_HOME/kvd`",
+        )
+    )
+    socket: Path = field(
+        metadata=setting(
+            values.path,
+            "PATH",
+            f"the Unix socket, at most {SOCKET_PATH_MAX_BYTES} bytes (the macOS limit)",
+            "macOS `~/Library/Caches/kvd/run/kvd.sock`; Linux `$XDG_RUNTIME_DIR/kvd/kvd.sock` "
+            "(else `/tmp/kvd-<uid>/kvd.sock`)",
+        )
+    )
+    max_bytes: int = field(
+        default=DEFAULT_MAX_BYTES,
+        metadata=setting(
+            values.positive_size, "SIZE", "byte cap of the whole tier, across identities"
+        ),
+    )
+    min_free: int = field(
+        default=DEFAULT_MIN_FREE,
+        metadata=setting(values.parse_size, "SIZE", "free-disk floor the tier never eats into"),
+    )
+    writeback_max_bytes: int = field(
+        default=DEFAULT_WRITEBACK_MAX_BYTES,
+        metadata=setting(values.positive_size, "SIZE", "write-behind queue cap"),
+    )
+    writeback_policy: Overflow = field(
+        default=Overflow.DROP_OLDEST,
+        metadata=setting(
+            values.choice(Overflow),
+            "|".join(Overflow),
+            "over the queue cap: drop the oldest pending entry, block the putter (up to "
+            "`writeback_block_timeout`), or refuse",
+        ),
+    )
+    writeback_block_timeout: float = field(
+        default=DEFAULT_WRITEBACK_BLOCK_TIMEOUT,
+        metadata=setting(values.duration, "SECONDS", "longest wait of a put under `block`"),
+    )
+    eviction_policy: str = field(
+        default="lru",
+        metadata=setting(
+            values.one_of(EVICTION_POLICIES),
+            "|".join(EVICTION_POLICIES),
+            "which entries go first when the tier is over its cap (lru: least recently used)",
+        ),
+    )
+    shutdown_deadline: float = field(
+        default=DEFAULT_SHUTDOWN_DEADLINE,
+        metadata=setting(values.duration, "SECONDS", "seconds to flush after SIGTERM"),
+    )
+    snapshot_interval: float = field(
+        default=DEFAULT_SNAPSHOT_INTERVAL,
+        metadata=setting(
+            values.duration, "SECONDS", "seconds between index snapshots (a start-up shortcut)"
+        ),
+    )
+    reconcile_interval: float = field(
+        default=DEFAULT_RECONCILE_INTERVAL,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "seconds between full checks of the directory against the index",
+        ),
+    )
+    socket_group: str | None = field(
+        default=None,
+        metadata=setting(
+            values.group,
+            "GROUP",
+            "a group also allowed to connect: the socket's folder becomes 0750 and the socket "
+            "0660, owned by that group (owner only otherwise)",
+            "none",
+        ),
+    )
+    quarantine_max_bytes: int = field(
+        default=DEFAULT_QUARANTINE_MAX_BYTES,
+        metadata=setting(
+            values.parse_size, "SIZE", "files that failed validation kept for inspection"
+        ),
+    )
+    log_format: LogFormat = field(
+        default=LogFormat.AUTO,
+        metadata=setting(
+            values.choice(LogFormat), "|".join(LogFormat), "JSON off a terminal, readable on one"
+        ),
+    )
+    config_file: Path | None = None  # the file that was read, if any (not itself a setting)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting, as declared by its Config field."""
+
+    name: str
+    parse: Callable[[object], Any]
+    metavar: str
+    help: str
+    default: object
+    shown: str
+
+    @property
+    def shown_default(self) -> str:
+        if self.shown:
+            return self.shown
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        if isinstance(self.default, int) and self.metavar == "SIZE":
+            return values.format_size(self.default)
+        return str(self.default)
+
+
+SETTINGS: Mapping[str, Setting] = {
+    f.name: Setting(f.name, default=None if f.default is MISSING else f.default, **f.metadata)
+    for f in fields(Config)
+    if f.metadata
+}
 
 
 class ConfigError(Exception):
@@ -83,125 +198,6 @@ class ConfigError(Exception):
         self.detail = detail
 
 
-# ---- value parsers: each takes a TOML value or a string and raises ValueError -------------
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an integer or a size string (see the module docstring); ValueError if bad."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"{value} is negative")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"expected a size (an integer or a string such as '64G'), got {value!r}")
-    match = _SIZE.fullmatch(value)
-    if match is None:
-        raise ValueError(
-            f"{value!r} is not a size: expected bytes or a number with K, M, G, T or P "
-            "(powers of 1024), such as '4096', '512M', '1.5T' or '16KiB'"
-        )
-    number, prefix, _, _ = match.groups()
-    return int(Decimal(number) * 1024 ** _POWERS[(prefix or "").lower()])
-
-
-def _positive_size(value: object) -> int:
-    size = parse_size(value)
-    if size == 0:
-        raise ValueError("must be greater than zero")
-    return size
-
-
-def _seconds(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"expected a number of seconds, got {value!r}")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{value!r} is not a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{value!r} must be a positive, finite number of seconds")
-    return seconds
-
-
-def _text(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _choice(kind: type[StrEnum]) -> Callable[[object], StrEnum]:
-    def parse(value: object) -> StrEnum:
-        try:
-            return kind(_text(value))
-        except ValueError:
-            allowed = ", ".join(member.value for member in kind)
-            raise ValueError(f"{value!r} is not one of: {allowed}") from None
-
-    return parse
-
-
-def _one_of(table: Mapping[str, object]) -> Callable[[object], str]:
-    def parse(value: object) -> str:
-        name = _text(value)
-        if name not in table:
-            raise ValueError(f"{value!r} is not one of: {', '.join(table)}")
-        return name
-
-    return parse
-
-
-def _group(value: object) -> str | None:
-    name = _text(value)
-    if not name:
-        return None  # an empty value means the owner only, as when unset
-    try:
-        grp.getgrnam(name)
-    except KeyError:
-        raise ValueError(f"no group named {name!r} on this system") from None
-    return name
-
-
-def _path(value: object) -> Path:
-    text = _text(value)
-    if not text:
-        raise ValueError("must not be empty")
-    return Path(text)
-
-
-_PARSERS: dict[str, Callable[[object], Any]] = {
-    "dir": _path,
-    "socket": _path,
-    "max_bytes": _positive_size,
-    "min_free": parse_size,
-    "writeback_max_bytes": _positive_size,
-    "writeback_policy": _choice(Overflow),
-    "eviction_policy": _one_of(EVICTION_POLICIES),
-    "writeback_block_timeout": _seconds,
-    "shutdown_deadline": _seconds,
-    "log_format": _choice(LogFormat),
-    "socket_group": _group,
-    "quarantine_max_bytes": parse_size,
-}
-_PATH_KEYS = frozenset({"dir", "socket"})
-_FLAG_HELP = {
-    "dir": ("DIR", "tier directory"),
-    "socket": ("PATH", f"Unix socket path (at most {SOCKET_PATH_MAX_BYTES} bytes)"),
-    "max_bytes": ("SIZE", "cap on the tier's bytes, e.g. 200G (K/M/G/T are powers of 1024)"),
-    "min_free": ("SIZE", "free space to leave on the disk"),
-    "writeback_max_bytes": ("SIZE", "cap on the bytes waiting to be written"),
-    "writeback_policy": ("drop-oldest|block|refuse", "what a put does over that cap"),
-    "eviction_policy": ("lru", "which entries go first when the tier is over its cap"),
-    "writeback_block_timeout": ("SECONDS", "longest wait of a put under the block policy"),
-    "shutdown_deadline": ("SECONDS", "time to flush pending writes after SIGTERM"),
-    "log_format": ("json|console|auto", "log format (auto: console on a terminal)"),
-    "socket_group": ("GROUP", "group allowed to connect (default: the owner only)"),
-    "quarantine_max_bytes": ("SIZE", "cap on the bytes of quarantined files"),
-}
-
-
 def env_var(key: str) -> str:
     return f"KVD_{key.upper()}"
 
@@ -211,11 +207,24 @@ def flag(key: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config and one flag per key. Values stay strings: load_config checks them, so a
-    bad flag gives the same ConfigError as a bad file or variable."""
+    """Add --config and one flag per setting. Values stay strings: load_config checks them,
+    so a bad flag gives the same ConfigError as a bad file or variable."""
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    for key, (metavar, help_text) in _FLAG_HELP.items():
-        parser.add_argument(flag(key), dest=key, metavar=metavar, help=help_text)
+    for key, each in SETTINGS.items():
+        parser.add_argument(flag(key), dest=key, metavar=each.metavar, help=each.help)
+
+
+def settings_table() -> str:
+    """The README's table of settings, in Markdown."""
+    rows = [
+        "| key | flag / variable | default | meaning |",
+        "|---|---|---|---|",
+        *(
+            f"| `{key}` | `{flag(key)}` / `{env_var(key)}` | {each.shown_default} | {each.help} |"
+            for key, each in SETTINGS.items()
+        ),
+    ]
+    return "\n".join(rows)
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -232,10 +241,10 @@ def _expand(path: Path, home: Path, base: Path) -> Path:
 
 def _parse(source: str, key: str, value: object, home: Path, base: Path) -> Any:
     try:
-        parsed = _PARSERS[key](value)
+        parsed = SETTINGS[key].parse(value)
     except ValueError as error:
         raise ConfigError(source, key, str(error)) from None
-    return _expand(parsed, home, base) if key in _PATH_KEYS else parsed
+    return _expand(parsed, home, base) if isinstance(parsed, Path) else parsed
 
 
 def _config_file(
@@ -286,14 +295,14 @@ def load_config(
     file_path = _expand(file_path, home, cwd)
     table = _read_file(file_path, named_by)
     for key, raw in (table or {}).items():
-        if key not in _PARSERS:
-            known = ", ".join(_PARSERS)
+        if key not in SETTINGS:
+            known = ", ".join(SETTINGS)
             raise ConfigError(f"file {file_path}", key, f"unknown key (known keys: {known})")
         take(f"file {file_path}", key, raw, file_path.parent)
-    for key in _PARSERS:
+    for key in SETTINGS:
         if environ.get(env_var(key)) is not None:
             take(f"environment variable {env_var(key)}", key, environ[env_var(key)], cwd)
-    for key in _PARSERS:
+    for key in SETTINGS:
         if getattr(args, key, None) is not None:
             take(f"flag {flag(key)}", key, getattr(args, key), cwd)
 

@@ -31,8 +31,6 @@ from kvd.watcher import reconcile_periodically, watch_entries
 
 log = get_logger("kvd.server")
 
-SNAPSHOT_SECONDS = 60.0  # a crash costs at most this much of header reads at the next start
-
 
 class Server:
     def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -87,8 +85,8 @@ class Server:
                 tasks.start_soon(self._serve, listener, tasks)
                 tasks.start_soon(self._watchdog, notifier)
                 tasks.start_soon(watch_entries, self.tier)
-                tasks.start_soon(reconcile_periodically, self.tier)
-                tasks.start_soon(self.tier.snapshot_periodically, SNAPSHOT_SECONDS)
+                tasks.start_soon(reconcile_periodically, self.tier, self.config.reconcile_interval)
+                tasks.start_soon(self.tier.snapshot_periodically, self.config.snapshot_interval)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.catalog)} entries")
                 await self._wait_for_signal(listener, notifier)

@@ -44,9 +44,6 @@ class TierDir:
     def snapshot(self) -> Path:
         return self.root / "index.snapshot"
 
-    def identity_dir(self, identity: str) -> Path:
-        return self.entries / identity
-
     def entry_path(self, identity: str, entry_id: str) -> Path:
         return self.entries / identity / f"{entry_id}{ENTRY_SUFFIX}"
 

@@ -25,8 +25,6 @@ from kvd.tier_dir import ENTRY_SUFFIX
 
 log = get_logger("kvd.watcher")
 
-RECONCILE_SECONDS = 300.0
-
 
 def _is_entry_file(change: Change, path: str) -> bool:
     return path.endswith(ENTRY_SUFFIX)
@@ -42,7 +40,7 @@ async def watch_entries(tier: Tier) -> None:
         await reconcile(tier, {Path(path) for _, path in changes})
 
 
-async def reconcile_periodically(tier: Tier, every: float = RECONCILE_SECONDS) -> None:
+async def reconcile_periodically(tier: Tier, every: float) -> None:
     while True:
         await anyio.sleep(every)
         await reconcile(tier, None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import xxhash
 
-CHECKSUM_NAME = "xxh3-64"
 CHECKSUM_BYTES = 8
 
 

@@ -261,11 +261,6 @@ def header_checksum(covered_prefix: bytes | memoryview, header: bytes | memoryvi
     return hasher.digest()
 
 
-def encode_head(header: EntryHeader) -> bytes:
-    """Prefix + header + zero padding: exactly header.data_start bytes, for offset 0."""
-    return _head(header, encode_header(header))
-
-
 def _head(header: EntryHeader, header_bytes: bytes) -> bytes:
     if header.data_start != align_up(PREFIX_BYTES + len(header_bytes)):
         raise ValueError("data start does not match the encoded header's length")

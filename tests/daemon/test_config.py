@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvd_protocol.paths import DefaultPaths, default_paths, socket_path_fits
 
 from kvd.config import (
     DEFAULT_MAX_BYTES,
@@ -26,9 +27,9 @@ from kvd.config import (
     env_var,
     flag,
     load_config,
-    parse_size,
+    settings_table,
 )
-from kvd.paths import DefaultPaths, default_paths, socket_path_fits
+from kvd.config_values import parse_size
 from kvd.writeback import Overflow
 
 MAC_HOME = PurePosixPath("/Users/firstname.lastname")
@@ -214,6 +215,8 @@ VALID = {
     "eviction_policy": ("lru", "lru"),
     "writeback_block_timeout": ("2.5", 2.5),
     "shutdown_deadline": ("30", 30.0),
+    "snapshot_interval": ("0.5", 0.5),
+    "reconcile_interval": ("600", 600.0),
     "log_format": ("console", LogFormat.CONSOLE),
     "socket_group": (OWN_GROUP, OWN_GROUP),
     "quarantine_max_bytes": ("16KiB", 16384),
@@ -330,6 +333,8 @@ BAD = [
     ("shutdown_deadline", "-1"),
     ("shutdown_deadline", "inf"),
     ("shutdown_deadline", "nan"),
+    ("snapshot_interval", "0"),
+    ("reconcile_interval", "often"),
     ("log_format", "xml"),
     ("socket_group", "kvd-no-such-group"),
     ("quarantine_max_bytes", "lots"),
@@ -404,3 +409,14 @@ def test_too_long_default_socket_names_the_default(environ: dict[str, str]) -> N
 def test_a_short_flag_socket_rescues_a_too_long_default(environ: dict[str, str]) -> None:
     environ["XDG_RUNTIME_DIR"] = "/run/" + "r" * 100
     assert load(["--socket", "/tmp/k.sock"], environ).socket == Path("/tmp/k.sock")
+
+
+def test_the_readme_table_is_the_settings_table() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    lines = readme.splitlines()
+    start = lines.index("| key | flag / variable | default | meaning |")
+    end = lines.index("", start)
+    assert "\n".join(lines[start:end]) == settings_table(), (
+        "README.md's configuration table is out of date: replace it with the output of "
+        "python -c 'from kvd.config import settings_table; print(settings_table())'"
+    )

@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
+from kvd_protocol.paths import default_paths, socket_path_fits
 
 from kvd.config import DEFAULT_SHUTDOWN_DEADLINE
-from kvd.paths import default_paths, socket_path_fits
 
 ROOT = Path(__file__).resolve().parents[2]
 SOCKET_UNIT = ROOT / "systemd/kvd.socket"

@@ -1,0 +1,109 @@
+"""The values of settings: each parser takes a TOML value or a string and raises ValueError.
+
+Sizes are whole bytes, or a number with a unit: K, M, G, T, P, each a power of 1024, with
+optional "i" and "B" and in any case ("16KiB" == "16K" == "16kb" == 16384; "1GB" == 2**30).
+A fraction is allowed and rounded down to whole bytes ("1.5T"). Durations are seconds.
+"""
+
+from __future__ import annotations
+
+import grp
+import math
+import re
+from collections.abc import Callable, Mapping
+from decimal import Decimal
+from enum import StrEnum
+from pathlib import Path
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an integer or a size string (see the module docstring); ValueError if bad."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{value} is negative")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size (an integer or a string such as '64G'), got {value!r}")
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            f"{value!r} is not a size: expected bytes or a number with K, M, G, T or P "
+            "(powers of 1024), such as '4096', '512M', '1.5T' or '16KiB'"
+        )
+    number, prefix, _, _ = match.groups()
+    return int(Decimal(number) * 1024 ** _POWERS[(prefix or "").lower()])
+
+
+def positive_size(value: object) -> int:
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError("must be greater than zero")
+    return size
+
+
+def duration(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{value!r} must be a positive, finite number of seconds")
+    return seconds
+
+
+def text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def choice(kind: type[StrEnum]) -> Callable[[object], StrEnum]:
+    def parse(value: object) -> StrEnum:
+        try:
+            return kind(text(value))
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)
+            raise ValueError(f"{value!r} is not one of: {allowed}") from None
+
+    return parse
+
+
+def one_of(table: Mapping[str, object]) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        name = text(value)
+        if name not in table:
+            raise ValueError(f"{value!r} is not one of: {', '.join(table)}")
+        return name
+
+    return parse
+
+
+def group(value: object) -> str | None:
+    name = text(value)
+    if not name:
+        return None  # an empty value means the owner only, as when unset
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        raise ValueError(f"no group named {name!r} on this system") from None
+    return name
+
+
+def path(value: object) -> Path:
+    name = text(value)
+    if not name:
+        raise ValueError("must not be empty")
+    return Path(name)
+
+
+def format_size(size: int) -> str:
+    """A size as its largest exact unit: 64G, 512M, 4096."""
+    for prefix, power in reversed(_POWERS.items()):
+        if power and size and size % 1024**power == 0:
+            return f"{size // 1024**power}{prefix.upper()}"
+    return str(size)
