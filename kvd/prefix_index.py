@@ -5,7 +5,7 @@ whole number of 4-byte tokens, keyed in their parent by their first token; a nod
 entry ends or where entries branch. Lookup walks the prompt once, so its cost grows with the
 prompt's length and not with the number of entries.
 
-The lookup rules (DESIGN.md, "Keying and lookup"), stated as code by `scan_best_match`:
+The lookup rules (docs/design.md, "Keying and lookup"), stated as code by `scan_best_match`:
 
 1. matched = min(LCP(entry, prompt), len(prompt) - 1): the engine needs at least one prompt
    token to compute logits. matched == 0 is no match.

@@ -33,6 +33,13 @@ log = get_logger("kvd.server")
 
 
 class Server:
+    """The daemon's process: the tier, the listening socket and every task of the loop.
+
+    run() opens the tier, then serves: a Session per accepted connection (after a check of
+    the peer's credentials), the writer, the watcher and the periodic reconcile and snapshot,
+    the service manager's watchdog; and on SIGTERM or SIGINT flushes and saves the snapshot.
+    """
+
     def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
         self.tier = Tier(config, limits)

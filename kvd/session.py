@@ -56,6 +56,14 @@ class Peer:
 
 
 class Session:
+    """The daemon's side of one engine's connection, from hello to hang-up.
+
+    Reads bytes and descriptors off the socket into a server Connection, hands each request
+    to its handler (inline, or as a task of its own when it may wait) and writes the replies
+    back, one at a time. When the connection ends, its leases and unfinished puts end too
+    (Tier.close_session); a fatal protocol error is said with a final error first.
+    """
+
     def __init__(
         self,
         tier: Tier,
@@ -211,7 +219,7 @@ class Session:
         self.tier.abort_put(self.tier.take_put(self.peer.session, request.put))
         return m.PutAbortReply(id=request.id)
 
-    async def _ticket(self, request: m.Ticket) -> m.TicketReply:
+    async def _ticket(self, request: m.WaitTicket) -> m.TicketReply:
         state = await self.tier.wait_ticket(request.ticket, request.timeout)
         return m.TicketReply(
             id=request.id, ticket=request.ticket, state=state.state, reason=state.reason

@@ -75,7 +75,7 @@ class Tier:
         self.dirs.create()
         self._lock_fd = self.dirs.lock()
         # Start-up builds one long-lived object graph and frees nothing: the collector would
-        # only walk it again and again (a third of the time at 100k entries).
+        # only walk it again and again (README, "Start-up", has what that cost).
         gc.disable()
         result = await anyio.to_thread.run_sync(recovery.scan, self.dirs, self.limits)
         for path, reason in result.invalid:

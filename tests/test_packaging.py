@@ -1,4 +1,4 @@
-"""The package boundaries of DESIGN.md, checked on the installed distributions and the sources."""
+"""The package boundaries of docs/design.md, checked on the installed distributions and sources."""
 
 from __future__ import annotations
 

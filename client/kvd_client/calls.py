@@ -59,7 +59,7 @@ from kvd_protocol.messages import (
     StatusReply,
     TicketReply,
 )
-from kvd_protocol.messages import Ticket as TicketRequest
+from kvd_protocol.messages import WaitTicket as TicketRequest
 from kvd_protocol.paths import default_paths
 from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 

@@ -14,7 +14,7 @@ from .limits import DEFAULT_LIMITS, Limits
 
 @dataclass(frozen=True)
 class Identity:
-    """Entries match only within one identity (DESIGN.md, "Identity").
+    """Entries match only within one identity (docs/design.md, "Identity").
 
     codec_id names the engine library's codec set and version; runtime names the mlx
     version and device kind, since different runtimes compute different KV.

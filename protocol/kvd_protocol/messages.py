@@ -354,7 +354,9 @@ class PutAbortReply(Reply):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Ticket(Request):
+class WaitTicket(Request):
+    """Op "ticket": wait for a put's ticket to settle, up to timeout."""
+
     op: ClassVar[str] = "ticket"
     ticket: int = field(metadata=wire(_uint()))
     # None: answer at once
@@ -522,7 +524,7 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
             Op(PutBegin, PutBeginReply),
             Op(PutCommit, PutCommitReply),
             Op(PutAbort, PutAbortReply),
-            Op(Ticket, TicketReply),
+            Op(WaitTicket, TicketReply),
             Op(Lookup, LookupReply),
             Op(FindCheckpoint, FindCheckpointReply),
             Op(ForgetCheckpoint, ForgetCheckpointReply),

@@ -154,7 +154,7 @@ def test_the_write_behind_cap_under_each_policy(tmp_path: Path, policy: str) -> 
         for reply in replies:
             if isinstance(reply, m.PutCommitReply):
                 answer = peer.call(
-                    m.Ticket(id=peer.next_id(), ticket=reply.ticket, timeout=SETTLE_SECONDS)
+                    m.WaitTicket(id=peer.next_id(), ticket=reply.ticket, timeout=SETTLE_SECONDS)
                 )
                 assert isinstance(answer, m.TicketReply)
                 states[answer.state] += 1
@@ -205,7 +205,7 @@ def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path
         for reply in replies:
             assert isinstance(reply, m.PutCommitReply), reply
             answer = peer.call(
-                m.Ticket(id=peer.next_id(), ticket=reply.ticket, timeout=SETTLE_SECONDS)
+                m.WaitTicket(id=peer.next_id(), ticket=reply.ticket, timeout=SETTLE_SECONDS)
             )
             assert isinstance(answer, m.TicketReply)
             answers[answer.state, answer.reason] += 1

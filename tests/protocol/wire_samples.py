@@ -41,8 +41,8 @@ from kvd_protocol.messages import (
     Request,
     Status,
     StatusReply,
-    Ticket,
     TicketReply,
+    WaitTicket,
 )
 from kvd_protocol.tokens import pack_tokens
 
@@ -92,11 +92,11 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         (PutCommit(id=0, put=7), PutCommitReply(id=0, ticket=70)),
         (PutAbort(id=0, put=8), PutAbortReply(id=0)),
         (
-            Ticket(id=0, ticket=70, timeout=None),
+            WaitTicket(id=0, ticket=70, timeout=None),
             TicketReply(id=0, ticket=70, state="pending", reason=None),
         ),
         (
-            Ticket(id=0, ticket=70, timeout=2.5),
+            WaitTicket(id=0, ticket=70, timeout=2.5),
             TicketReply(id=0, ticket=70, state="dropped", reason="queue over its cap"),
         ),
         (
