@@ -25,7 +25,6 @@ class Quarantine:
     async def file(self, path: Path, reason: str) -> None:
         """Move path aside; a file that cannot be moved is deleted instead."""
         log.warning("quarantined", file=path.name, reason=reason)
-        self._counters.quarantined += 1
         try:
             await anyio.to_thread.run_sync(
                 entry_files.quarantine, path, self._folder, self._max_bytes
@@ -33,3 +32,5 @@ class Quarantine:
         except OSError as exc:
             log.error("quarantine_failed", file=str(path), error=str(exc))
             entry_files.unlink_quietly(path)
+        finally:  # once the file is where status says (a reader of the count may look)
+            self._counters.quarantined += 1
