@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -100,10 +101,14 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         cold = self.tier.cold_tier(model)
         if cold is None or held >= len(tokens) - 1 or not _storable(tokens):
             return cache, rest
+        started = time.perf_counter()
         restored = cold.restore(tokens, min_tokens=held + 1)
         if restored is None:
             return cache, rest
-        log.info("kvd: restored %d of %d prompt tokens", restored.matched, len(tokens))
+        took = (time.perf_counter() - started) * 1000
+        log.info(
+            "kvd: restored %d of %d prompt tokens in %.1f ms", restored.matched, len(tokens), took
+        )
         return restored.cache, tokens[restored.matched :]
 
     def insert_cache(

@@ -18,7 +18,10 @@ from kvd.config import DEFAULT_SHUTDOWN_DEADLINE
 ROOT = Path(__file__).resolve().parents[2]
 SOCKET_UNIT = ROOT / "systemd/kvd.socket"
 SERVICE_UNIT = ROOT / "systemd/kvd.service"
+SERVER_UNIT = ROOT / "systemd/kvd-mlx-lm-server.service"
 PLIST = ROOT / "launchd/local.kvd.plist"
+SERVER_PLIST = ROOT / "launchd/local.kvd-mlx-lm-server.plist"
+SERVER_CLOSE_SECONDS = 10  # kvd_client.mlx_lm_server.CLOSE_SECONDS (importing it loads mlx)
 PLIST_HOME = "/Users/USERNAME"  # the placeholder the install steps replace
 
 Unit = dict[str, dict[str, list[str]]]
@@ -71,21 +74,22 @@ def verify(home: Path, runtime: Path, *units: Path) -> subprocess.CompletedProce
 
 @pytest.fixture
 def user_dirs(tmp_path: Path) -> tuple[Path, Path]:
-    """A home holding an executable where ExecStart expects kvd, and a runtime directory."""
+    """A home holding an executable where each ExecStart expects one, and a runtime directory."""
     home, runtime = tmp_path / "home", tmp_path / "run"
     runtime.mkdir(mode=0o700)
-    exec_start = read_unit(SERVICE_UNIT)["Service"]["ExecStart"][0].split()[0]
-    assert exec_start.startswith("%h/")
-    program = home / exec_start.removeprefix("%h/")
-    program.parent.mkdir(parents=True)
-    program.write_text("#!/bin/sh\n")
-    program.chmod(0o755)
+    for unit in (SERVICE_UNIT, SERVER_UNIT):
+        exec_start = read_unit(unit)["Service"]["ExecStart"][0].split()[0]
+        assert exec_start.startswith("%h/")
+        program = home / exec_start.removeprefix("%h/")
+        program.parent.mkdir(parents=True, exist_ok=True)
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
     return home, runtime
 
 
 @needs_systemd_analyze
 def test_units_verify_without_any_warning(user_dirs: tuple[Path, Path]) -> None:
-    result = verify(*user_dirs, SOCKET_UNIT, SERVICE_UNIT)
+    result = verify(*user_dirs, SOCKET_UNIT, SERVICE_UNIT, SERVER_UNIT)
     # Unknown keys and bad values are warnings with exit status 0: any output is a failure.
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
@@ -143,8 +147,8 @@ def test_units_agree_with_the_default_paths() -> None:
 # ---- launchd -------------------------------------------------------------------------------
 
 
-def load_plist() -> dict[str, object]:
-    with PLIST.open("rb") as file:
+def load_plist(path: Path = PLIST) -> dict[str, object]:
+    with path.open("rb") as file:
         plist: dict[str, object] = plistlib.load(file)
     return plist
 
@@ -178,17 +182,45 @@ def test_plist_waits_longer_than_the_shutdown_deadline() -> None:
     assert exit_timeout >= DEFAULT_SHUTDOWN_DEADLINE + 3
 
 
-def test_plist_survives_a_binary_round_trip() -> None:
-    plist = load_plist()
+@pytest.mark.parametrize("path", [PLIST, SERVER_PLIST], ids=["kvd", "server"])
+def test_plist_survives_a_binary_round_trip(path: Path) -> None:
+    plist = load_plist(path)
     assert plistlib.loads(plistlib.dumps(plist, fmt=plistlib.FMT_BINARY)) == plist
 
 
-def test_plist_paths_share_one_placeholder() -> None:
+@pytest.mark.parametrize("path", [PLIST, SERVER_PLIST], ids=["kvd", "server"])
+def test_plist_paths_share_one_placeholder(path: Path) -> None:
     """Replacing /Users/USERNAME installs it: no other absolute path is left to edit."""
-    text = PLIST.read_text()
+    text = path.read_text()
     strings = re.findall(r"<string>(/[^<]*)</string>", text)
     assert strings
     assert all(value.startswith(f"{PLIST_HOME}/") for value in strings)
+
+
+def test_server_plist_runs_the_server_and_waits_for_it_to_send_what_waits() -> None:
+    plist = load_plist(SERVER_PLIST)
+    assert plist["Label"] == SERVER_PLIST.stem == "local.kvd-mlx-lm-server"
+    arguments = plist["ProgramArguments"]
+    assert isinstance(arguments, list)
+    assert arguments[0] == f"{PLIST_HOME}/.local/share/kvd/venv/bin/kvd-mlx-lm-server"
+    assert arguments[1] == "--model"
+    assert plist["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
+    exit_timeout = plist["ExitTimeOut"]
+    assert isinstance(exit_timeout, int)
+    assert exit_timeout >= SERVER_CLOSE_SECONDS + 5
+    assert plist["StandardOutPath"] == f"{PLIST_HOME}/Library/Logs/kvd-mlx-lm-server.log"
+
+
+def test_server_unit_wants_the_socket_and_waits_for_what_waits() -> None:
+    unit = read_unit(SERVER_UNIT)
+    assert unit["Unit"]["Wants"] == ["kvd.socket"]
+    assert "Requires" not in unit["Unit"]  # without kvd the server still answers
+    service = unit["Service"]
+    assert service["ExecStart"][0].split()[:2] == [
+        "%h/.local/share/kvd/venv/bin/kvd-mlx-lm-server",
+        "--model",
+    ]
+    assert seconds(service["TimeoutStopSec"][0]) >= SERVER_CLOSE_SECONDS + 5
 
 
 def test_default_macos_socket_fits_for_a_long_home() -> None:
