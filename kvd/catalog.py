@@ -89,26 +89,27 @@ class Catalog:
         """Out of the index but kept on disk until its last lease ends."""
         return entry_id in self._doomed
 
-    def index(self, identity: str) -> PrefixIndex | None:
-        """The prompt index of identity (a digest); None when it holds no prompt entry."""
-        return self._indexes.get(identity)
+    def index(self, digest: str) -> PrefixIndex | None:
+        """The prompt index of an identity; None when it holds no prompt entry."""
+        return self._indexes.get(digest)
 
-    def checkpoints(self, identity: str, key: str) -> Sequence[EntryRecord]:
-        """The checkpoints of one generation, oldest first."""
-        return tuple(self._checkpoints.get((identity, key), ()))
+    def checkpoints(self, digest: str, key: str) -> Sequence[EntryRecord]:
+        """The checkpoints of one generation of an identity, oldest first."""
+        return tuple(self._checkpoints.get((digest, key), ()))
 
     def identities(self) -> list[tuple[str, IdentityCounts]]:
         """Each identity with entries, by digest: O(identities)."""
         return sorted(self._identities.items())
 
     def page(
-        self, identity: str | None, after: str | None, limit: int
+        self, digest: str | None, after: str | None, limit: int
     ) -> tuple[list[EntryRecord], bool]:
-        """Up to limit entries with ids after `after`, in id order; and whether more follow."""
-        if identity is None:
+        """Up to limit entries (of one identity, or all) with ids after `after`, in id order;
+        and whether more follow. Costs the page and a bisection, not the tier."""
+        if digest is None:
             order = self._ids
         else:
-            counts = self._identities.get(identity)
+            counts = self._identities.get(digest)
             if counts is None:
                 return [], False
             order = counts.ids
@@ -116,9 +117,9 @@ class Catalog:
         chosen = [self._records[i] for i in itertools.islice(ids, limit)]
         return chosen, next(ids, None) is not None
 
-    def of_identity(self, identity: str) -> list[EntryRecord]:
+    def of_identity(self, digest: str) -> list[EntryRecord]:
         """The entries of one identity, in id order."""
-        counts = self._identities.get(identity)
+        counts = self._identities.get(digest)
         return [] if counts is None else [self._records[i] for i in counts.ids.after(None)]
 
     def durable(self) -> Iterator[EntryRecord]:

@@ -28,7 +28,7 @@ class Leases:
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
         self._leases: dict[int, Lease] = {}
-        self._by_owner: dict[int, set[int]] = {}
+        self._by_owner: dict[int, dict[int, None]] = {}  # owner -> its lease ids, in order
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -38,7 +38,7 @@ class Leases:
         """A new lease on record for owner; a use of the entry."""
         lease = next(self._ids)
         self._leases[lease] = Lease(record, owner)
-        self._by_owner.setdefault(owner, set()).add(lease)
+        self._by_owner.setdefault(owner, {})[lease] = None
         self._catalog.lease_taken(record)
         return lease
 
@@ -46,18 +46,16 @@ class Leases:
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no lease {lease_id} on this connection")
+        owned = self._by_owner[owner]
+        del owned[lease_id]
+        if not owned:
+            del self._by_owner[owner]
         self._end(lease_id)
 
     def release_all(self, owner: int) -> None:
-        """The owner's connection ended: every lease it holds ends."""
-        for lease_id in self._by_owner.pop(owner, set()):
-            self._end(lease_id, owner_gone=True)
+        """The owner's connection ended: every lease it holds ends, and no other is looked at."""
+        for lease_id in self._by_owner.pop(owner, {}):
+            self._end(lease_id)
 
-    def _end(self, lease_id: int, owner_gone: bool = False) -> None:
-        lease = self._leases.pop(lease_id)
-        if not owner_gone:
-            owned = self._by_owner[lease.owner]
-            owned.discard(lease_id)
-            if not owned:
-                del self._by_owner[lease.owner]
-        self._catalog.lease_ended(lease.record)
+    def _end(self, lease_id: int) -> None:
+        self._catalog.lease_ended(self._leases.pop(lease_id).record)

@@ -204,21 +204,21 @@ class Tier:
     # --- listing and eviction by request ----------------------------------------------------------
 
     def list_entries(
-        self, identity: str | None, limit: int, after: str | None
+        self, digest: str | None, limit: int, after: str | None
     ) -> tuple[list[EntrySummary], bool]:
         """A page of entries ordered by id (stable across pages), at most limit of them."""
-        records, more = self.catalog.page(identity, after, limit)
+        records, more = self.catalog.page(digest, after, limit)
         return [summary(r) for r in records], more
 
-    def evict(self, entry: str | None, identity: str | None, everything: bool) -> tuple[int, int]:
-        """Remove entries by id, by identity or all of them; (count, bytes)."""
+    def evict(self, entry: str | None, digest: str | None, everything: bool) -> tuple[int, int]:
+        """Remove entries by id, by identity (its digest) or all of them; (count, bytes)."""
         records = self.catalog.records
         if entry is not None:
             if entry not in records:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
             victims = [records[entry]]
-        elif identity is not None:
-            victims = self.catalog.of_identity(identity)
+        elif digest is not None:
+            victims = self.catalog.of_identity(digest)
         else:
             victims = list(records.values()) if everything else []
         count = freed = 0
