@@ -211,12 +211,11 @@ class Session:
         return m.PutBeginReply(id=request.id, put=put.id if put else 0, skip=skip, fd=fd)
 
     async def _put_commit(self, request: m.PutCommit) -> m.PutCommitReply:
-        put = self.tier.take_put(self.peer.session, request.put)
-        ticket = await self.tier.commit_put(put)
+        ticket = await self.tier.commit_put(self.peer.session, request.put)
         return m.PutCommitReply(id=request.id, ticket=ticket)
 
     async def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:
-        self.tier.abort_put(self.tier.take_put(self.peer.session, request.put))
+        self.tier.abort_put(self.peer.session, request.put)
         return m.PutAbortReply(id=request.id)
 
     async def _ticket(self, request: m.WaitTicket) -> m.TicketReply:

@@ -132,14 +132,12 @@ class Tier:
     ) -> tuple[Put | None, str | None, int | None]:
         return await self.puts.begin(owner, identity, tokens, size)
 
-    def take_put(self, owner: int, put_id: int) -> Put:
-        return self.puts.take(owner, put_id)
+    async def commit_put(self, owner: int, put_id: int) -> int:
+        """The owner's put, validated and queued; returns its ticket."""
+        return await self.puts.commit(self.puts.take(owner, put_id))
 
-    def abort_put(self, put: Put) -> None:
-        self.puts.abort(put)
-
-    async def commit_put(self, put: Put) -> int:
-        return await self.puts.commit(put)
+    def abort_put(self, owner: int, put_id: int) -> None:
+        self.puts.abort(self.puts.take(owner, put_id))
 
     async def wait_ticket(self, ticket: int, timeout: float | None) -> TicketAnswer:
         return await self.tickets.wait(ticket, timeout)

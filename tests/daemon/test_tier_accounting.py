@@ -89,7 +89,7 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             assert fd is not None
             os.pwrite(fd, blob, 0)
             os.close(fd)
-            await tier.commit_put(put)
+            await tier.commit_put(1, put.id)
             item = tier.writer.queue.next()  # the writer takes it...
             assert item is not None
             record = item.payload.record
