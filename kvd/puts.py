@@ -85,7 +85,7 @@ class Puts:
             if index.covering(tokens) is not None:
                 self._catalog.counters.duplicates += 1
                 return None, "covered", None
-        if not self._writer.policy.drops_oldest and not await self._writer.wait_for_room(size):
+        if not await self._writer.make_room(size):
             # Before the engine spends time writing. Not one of the queue's refusals: nothing
             # was offered to the queue yet.
             raise ProtocolError(ErrorCode.REFUSED, self._writer.no_room(size))
@@ -133,8 +133,7 @@ class Puts:
         queued = False
         try:
             header = await self._read_header(put)
-            if self._writer.policy.waits_for_room:
-                await self._writer.wait_for_room(put.size)  # the queue refuses if it timed out
+            await self._writer.make_room(put.size)  # if there is none, the queue refuses below
             # No await from here on: the index cannot change between the check and the add.
             digest = put.identity.digest()
             key = header.checkpoint.key if header.checkpoint else None

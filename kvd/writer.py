@@ -71,10 +71,11 @@ class Writer:
 
     # --- joining the queue ---------------------------------------------------------------
 
-    async def wait_for_room(self, size: int) -> bool:
-        """Whether the queue has room for size bytes; under a policy that waits, after
-        waiting for it up to the block timeout."""
-        if self.queue.room_for(size):
+    async def make_room(self, size: int) -> bool:
+        """Whether a put of size bytes may go ahead, as the overflow policy decides:
+        drop-oldest always (older entries make way when it is queued), block once there is
+        room (waiting for it up to the block timeout), refuse only if there is room now."""
+        if self.policy.drops_oldest or self.queue.room_for(size):
             return True
         if self.policy.waits_for_room:
             with anyio.move_on_after(self._config.writeback_block_timeout):
