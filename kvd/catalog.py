@@ -11,11 +11,12 @@ opening an entry to serve and unlinking one that left.
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+
+from kvd_protocol.errors import EntryFormatError
 
 from kvd import entry_files
 from kvd.durability import disk_free
@@ -213,17 +214,23 @@ class Catalog:
 
     # --- serving ------------------------------------------------------------------------------
 
-    def open(self, record: EntryRecord) -> int | None:
-        """Open an entry read-only; a file gone behind our back takes its entry with it."""
+    def open(self, record: EntryRecord, damaged: Callable[[Path, str], None]) -> int | None:
+        """Open an entry read-only, checked against its record (entry_files.open_entry); a
+        file gone behind our back takes its entry with it, and so does one that is not what
+        the record says (truncated, replaced), after damaged(path, reason) moved it aside."""
         candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
             candidates.append(self.dirs.entry_path(record.identity, record.id))
         for path in candidates:
             try:
-                return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                return entry_files.open_entry(path, record.nbytes)
             except FileNotFoundError:
                 continue
-        log.warning("entry_file_missing", entry=record.id)
+            except EntryFormatError as exc:  # never handed out
+                damaged(path, str(exc))
+                break
+        else:
+            log.warning("entry_file_missing", entry=record.id)
         self._staged.pop(record.id, None)
         self.drop(record)
         return None

@@ -6,12 +6,15 @@ applies the results on the event loop.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 from pathlib import Path
 
 from kvd_protocol.entry import PREFIX_BYTES, EntryHeader
 from kvd_protocol.entry_reader import parse_header, parse_prefix, verify_slot
+from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
 from kvd.durability import preallocate, replace_durably, sync_directory
@@ -32,12 +35,51 @@ def create_staging(path: Path, size: int) -> int:
 def read_header(path: Path, limits: Limits) -> EntryHeader:
     """Parse and validate an entry's prefix and header against the file's real size.
 
-    Raises EntryFormatError for a bad file, OSError if it cannot be read.
+    Raises EntryFormatError for a bad file (a symbolic link included), OSError if it cannot
+    be read.
     """
-    with open(path, "rb", buffering=0) as file:
+    with open(_open_regular(path), "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         prefix = parse_prefix(path.name, file.read(PREFIX_BYTES), limits)
         return parse_header(path.name, prefix, file.read(prefix.header_length), size, limits)
+
+
+def open_entry(path: Path, nbytes: int) -> int:
+    """A read-only descriptor of an entry file that still is what the index holds: a regular
+    file of nbytes (the header's size), as fstat on the descriptor itself says. A snapshot
+    or an earlier read is never trusted over the file: it may have been truncated or replaced.
+
+    Raises EntryFormatError for a file that is not the entry, OSError if it cannot be opened.
+    """
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise EntryFormatError(
+                path.name, Rule.FILE_SIZE, f"{size} bytes on disk, {nbytes} in its header"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_regular(path: Path) -> int:
+    """Open read-only a regular file, never through a symbolic link (whatever it points to
+    is not the tier's file to read or hand out); EntryFormatError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise EntryFormatError(path.name, Rule.SCHEMA, "a symbolic link") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise EntryFormatError(path.name, Rule.SCHEMA, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def verify_data(path: Path, header: EntryHeader) -> None:
@@ -51,7 +93,13 @@ def verify_data(path: Path, header: EntryHeader) -> None:
         view = memoryview(mapped)
         try:
             for slot in header.slots:
-                verify_slot(path.name, slot, view[slot.start : slot.end])
+                part = view[slot.start : slot.end]
+                try:
+                    verify_slot(path.name, slot, part)
+                finally:
+                    # A failure's traceback still holds the slice: released by hand, or
+                    # closing the mapping raises BufferError in place of the failure.
+                    part.release()
         finally:
             view.release()
 
@@ -68,7 +116,10 @@ def quarantine(path: Path, folder: Path, max_bytes: int) -> None:
     """Move a file that failed validation aside for inspection, keeping the folder under
     max_bytes by deleting the oldest quarantined files first."""
     target = folder / path.name
-    os.replace(path, target)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return  # gone meanwhile: nothing left to keep
     files = sorted(
         (entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)),
         key=lambda entry: entry.stat().st_mtime_ns,

@@ -26,11 +26,22 @@ class Quarantine:
         """Move path aside; a file that cannot be moved is deleted instead."""
         log.warning("quarantined", file=path.name, reason=reason)
         try:
-            await anyio.to_thread.run_sync(
-                entry_files.quarantine, path, self._folder, self._max_bytes
-            )
+            await anyio.to_thread.run_sync(self._move, path)
+        finally:  # once the file is where status says (a reader of the count may look)
+            self._counters.quarantined += 1
+
+    def now(self, path: Path, reason: str) -> None:
+        """file() for a caller that cannot wait (a lookup): on the event loop itself, at the
+        cost of a rename and a listing of the small quarantine folder."""
+        log.warning("quarantined", file=path.name, reason=reason)
+        try:
+            self._move(path)
+        finally:
+            self._counters.quarantined += 1
+
+    def _move(self, path: Path) -> None:
+        try:
+            entry_files.quarantine(path, self._folder, self._max_bytes)
         except OSError as exc:
             log.error("quarantine_failed", file=str(path), error=str(exc))
             entry_files.unlink_quietly(path)
-        finally:  # once the file is where status says (a reader of the count may look)
-            self._counters.quarantined += 1

@@ -10,6 +10,9 @@ import grp
 import itertools
 import os
 import signal
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -30,6 +33,9 @@ from kvd.tier import Tier
 from kvd.watcher import reconcile_periodically, watch_entries
 
 log = get_logger("kvd.server")
+
+RESTART_SECONDS = 0.5  # the first pause before a failed background task runs again
+RESTART_MAX_SECONDS = 30.0
 
 
 class Server:
@@ -88,12 +94,9 @@ class Server:
         notifier = Notifier.from_environ()
         try:
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(self.tier.run_writer)
                 tasks.start_soon(self._serve, listener, tasks)
                 tasks.start_soon(self._watchdog, notifier)
-                tasks.start_soon(watch_entries, self.tier)
-                tasks.start_soon(reconcile_periodically, self.tier, self.config.reconcile_interval)
-                tasks.start_soon(self.tier.snapshot_periodically, self.config.snapshot_interval)
+                self._start_background(tasks)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.catalog)} entries")
                 await self._wait_for_signal(listener, notifier)
@@ -104,6 +107,18 @@ class Server:
             self.tier.close()
             notifier.close()
         log.info("stopped")
+
+    def _start_background(self, tasks: TaskGroup) -> None:
+        """The tasks that run for the daemon's life, each kept running through failures."""
+        tier, config = self.tier, self.config
+        tasks.start_soon(keep_running, "writer", tier.run_writer)
+        watcher = partial(watch_entries, tier)
+        restarted_watcher = partial(watch_entries, tier, reconcile_first=True)
+        tasks.start_soon(keep_running, "watcher", watcher, restarted_watcher)
+        reconciler = partial(reconcile_periodically, tier, config.reconcile_interval)
+        tasks.start_soon(keep_running, "reconcile", reconciler)
+        snapshotter = partial(tier.snapshot_periodically, config.snapshot_interval)
+        tasks.start_soon(keep_running, "snapshot", snapshotter)
 
     async def _serve(self, listener: SocketListener, tasks: TaskGroup) -> None:
         try:
@@ -140,6 +155,30 @@ class Server:
         async for signum in signals:
             log.warning("exiting_now", signal=signal.Signals(signum).name)
             os._exit(1)
+
+
+async def keep_running(
+    name: str,
+    task: Callable[[], Awaitable[None]],
+    restarted: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run a background task that is meant to run forever; if it fails or ends, log it and
+    start it again (as restarted, if given) after a pause that grows while it keeps failing:
+    a broken disk or a bug in one task never takes the daemon down."""
+    pause = RESTART_SECONDS
+    while True:
+        began = time.monotonic()
+        try:
+            await task()
+            log.warning("task_ended", task=name)
+        except Exception:
+            log.exception("task_failed", task=name)
+        if time.monotonic() - began > RESTART_MAX_SECONDS:
+            pause = RESTART_SECONDS  # it ran a good while: a new failure, not the same one
+        await anyio.sleep(pause)
+        pause = min(pause * 2, RESTART_MAX_SECONDS)
+        log.info("task_restarted", task=name)
+        task = restarted or task
 
 
 def _group_id(name: str | None) -> int | None:

@@ -160,7 +160,7 @@ class Tier:
         while (index := self.catalog.index(digest)) and (match := index.best_match(tokens)):
             if match.matched < min_tokens:
                 break
-            fd = self.catalog.open(match.record)
+            fd = self.catalog.open(match.record, self.quarantine.now)
             if fd is not None:
                 counters.hits += 1
                 index.touch(match.record, self.catalog.tick())
@@ -175,7 +175,7 @@ class Tier:
         counters = self.catalog.counters
         for record in reversed(self.catalog.checkpoints(identity.digest(), key)):
             if len(record.tokens) > len(prompt) and record.tokens.startswith(prompt):
-                fd = self.catalog.open(record)
+                fd = self.catalog.open(record, self.quarantine.now)
                 if fd is not None:
                     counters.hits += 1
                     return record, self.leases.take(owner, record), fd

@@ -1,10 +1,19 @@
 """Entries added or removed behind the daemon's back: noticed by watchfiles, and by a periodic
-full reconcile for what events miss (inotify overflow, files in a new folder, FSEvents drops).
+full reconcile for what events miss (inotify overflow, FSEvents drops).
 
-An entry file that disappears takes its entry out of the index (never served again); a valid
-entry file that appears in its identity's folder is adopted (a copy from another machine, a
-restore from backup); an invalid one is quarantined. Files the daemon writes or deletes itself
-are recognised by their entry id and left alone.
+Whatever appears under the entries folder is adopted, quarantined or ignored, with a log line;
+none of it stops the daemon:
+- an entry file that disappears takes its entry out of the index (never served again);
+- a valid entry file that appears in its identity's folder is adopted (a copy from another
+  machine, a restore from backup), and so are the entries of a new identity folder;
+- an invalid one, a symbolic link, a file in another identity's folder, or a copy of an
+  indexed entry under another name (a duplicate) is quarantined;
+- an indexed entry file modified in place (entries are written once) is validated again, data
+  included, and quarantined if it no longer holds what the index says;
+- anything else (a file that is not `<identity>/<id>.kve`, a folder deeper down) is ignored.
+  Files being copied in under a temporary name are left alone until renamed into place.
+Files the daemon writes or deletes itself are recognised by their entry id and left alone.
+If the entries folder itself is removed, it is made again and the index follows.
 """
 
 from __future__ import annotations
@@ -15,29 +24,36 @@ from pathlib import Path
 
 import anyio
 from kvd_protocol.errors import EntryFormatError, Rule
+from kvd_protocol.limits import Limits
 from watchfiles import Change, awatch
 
 from kvd import entry_files
 from kvd.logs import get_logger
-from kvd.records import record_from_header
+from kvd.records import EntryRecord, record_from_header
 from kvd.tier import Tier
 from kvd.tier_dir import ENTRY_SUFFIX
 
 log = get_logger("kvd.watcher")
 
 
-def _is_entry_file(change: Change, path: str) -> bool:
-    return path.endswith(ENTRY_SUFFIX)
+async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
+    """React to changes under the entries folder until cancelled.
 
-
-async def watch_entries(tier: Tier) -> None:
-    """React to changes under the entries folder until cancelled."""
-    root = Path(os.path.realpath(tier.dirs.entries))  # FSEvents reports resolved paths
-    # rust_timeout bounds how long the watch thread takes to notice a cancel (at shutdown).
-    async for changes in awatch(
-        root, watch_filter=_is_entry_file, recursive=True, rust_timeout=200
-    ):
-        await reconcile(tier, {Path(path) for _, path in changes})
+    reconcile_first: catch up with the whole folder first, as a restarted watch must (the
+    first one starts right after start-up's own scan).
+    """
+    while True:
+        await anyio.to_thread.run_sync(tier.dirs.create)
+        if reconcile_first:
+            await reconcile(tier, None)
+        root = _root(tier)  # FSEvents reports resolved paths
+        # rust_timeout bounds how long the watch thread takes to notice a cancel (at shutdown).
+        async for changes in awatch(root, recursive=True, rust_timeout=200):
+            if (Change.deleted, str(root)) in changes:
+                log.warning("entries_folder_removed", path=str(root))
+                break  # a watch of a removed folder sees nothing more: make it again
+            await reconcile(tier, changes)
+        reconcile_first = True
 
 
 async def reconcile_periodically(tier: Tier, every: float) -> None:
@@ -46,15 +62,22 @@ async def reconcile_periodically(tier: Tier, every: float) -> None:
         await reconcile(tier, None)
 
 
-def _entry_id(root: Path, path: Path) -> str | None:
-    """The entry id of root/<identity>/<id>.kve; None for any other path."""
+def _root(tier: Tier) -> Path:
+    return Path(os.path.realpath(tier.dirs.entries))
+
+
+def _place(root: Path, path: Path) -> tuple[str, ...] | None:
+    """The path's parts under root, its folders resolved but not its own name (a symbolic
+    link is judged as itself, not as what it points to); None outside root."""
+    resolved = Path(os.path.realpath(path.parent)) / path.name
     try:
-        parts = path.relative_to(root).parts
+        return resolved.relative_to(root).parts
     except ValueError:
         return None
-    if len(parts) != 2 or not parts[1].endswith(ENTRY_SUFFIX):
-        return None
-    return parts[1][: -len(ENTRY_SUFFIX)]
+
+
+def _entry_id(name: str) -> str | None:
+    return name[: -len(ENTRY_SUFFIX)] if name.endswith(ENTRY_SUFFIX) else None
 
 
 def _listing(root: Path) -> dict[str, Path]:
@@ -62,41 +85,88 @@ def _listing(root: Path) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for folder in os.scandir(root):
         if folder.is_dir(follow_symlinks=False):
-            for entry in os.scandir(folder.path):
-                if entry.name.endswith(ENTRY_SUFFIX):
-                    found[entry.name[: -len(ENTRY_SUFFIX)]] = Path(entry.path)
+            found |= _folder_listing(Path(folder.path))
     return found
 
 
-async def reconcile(tier: Tier, paths: Iterable[Path] | None) -> None:
-    """Make the index agree with the given paths (None: the whole entries folder).
+def _folder_listing(folder: Path) -> dict[str, Path]:
+    """The entry files of one identity folder by entry id (blocking: run in a thread)."""
+    found: dict[str, Path] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                entry_id = _entry_id(entry.name)
+                if entry_id is not None:
+                    found[entry_id] = Path(entry.path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # gone again, or not a folder after all
+    return found
+
+
+def _changed_entries(
+    root: Path, changes: Iterable[tuple[Change, str]]
+) -> tuple[dict[str, Path], set[str]]:
+    """Entry files named by a batch of events (those of a new identity folder included) and
+    the ids of those modified in place (blocking: run in a thread)."""
+    candidates: dict[str, Path] = {}
+    modified: set[str] = set()
+    for change, name in changes:
+        path = Path(name)
+        parts = _place(root, path)
+        if parts is None or not parts:
+            continue
+        if len(parts) == 1:
+            if change is not Change.deleted and path.is_dir() and not path.is_symlink():
+                candidates |= _folder_listing(path)  # a new identity folder, with its files
+            elif change is not Change.deleted:
+                log.info("foreign_file_ignored", path=str(path), reason="not in an identity folder")
+            continue
+        entry_id = _entry_id(parts[-1]) if len(parts) == 2 else None
+        if entry_id is None:
+            if change is not Change.deleted and os.path.lexists(path):
+                log.info("foreign_file_ignored", path=str(path), reason="not an entry file")
+            continue
+        candidates[entry_id] = path
+        if change is Change.modified:
+            modified.add(entry_id)
+    return candidates, modified
+
+
+async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) -> None:
+    """Make the index agree with the paths of a batch of events (None: the whole entries
+    folder).
 
     Entries are matched by id (their file name), so a batch of events costs its own size,
     not the size of the tier.
     """
     catalog = tier.catalog
-    root = Path(os.path.realpath(tier.dirs.entries))
-    if paths is None:
+    root = _root(tier)
+    modified: set[str] = set()
+    if changes is None:
         on_disk = await anyio.to_thread.run_sync(_listing, root)
         durable = {r.id: r for r in catalog.durable()}
         gone = durable.keys() - on_disk.keys()
         candidates = {**on_disk, **{i: catalog.path_of(durable[i]) for i in gone}}
     else:
-        candidates = {}
-        for path in paths:
-            entry_id = _entry_id(root, Path(os.path.realpath(path)))
-            if entry_id is not None:
-                candidates[entry_id] = path
-        on_disk = {i: p for i, p in candidates.items() if p.exists()}
+        candidates, modified = await anyio.to_thread.run_sync(_changed_entries, root, changes)
+        on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
     for entry_id, path in candidates.items():
         if catalog.is_doomed(entry_id):
             continue  # removed from the index, its file kept until its last lease ends
         record = catalog.records.get(entry_id)
-        if record is not None and record.durable and entry_id not in on_disk:
+        if record is None:
+            if entry_id in on_disk:
+                await _adopt(tier, path)
+        elif not record.durable:
+            continue  # the writer's own file, on its way into place
+        elif entry_id not in on_disk:
             log.warning("entry_removed_outside", entry=record.id)
             catalog.drop(record)
-        elif record is None and entry_id in on_disk:
-            await _adopt(tier, path)
+        elif path.parent.name != record.identity:
+            # The same name in another identity's folder: not where this entry lives.
+            await tier.quarantine.file(path, "a copy of an entry in another identity's folder")
+        elif entry_id in modified:
+            await _recheck(tier, record, path)
     tier.evict_to_cap()
 
 
@@ -111,5 +181,30 @@ async def _adopt(tier: Tier, path: Path) -> None:
     record = record_from_header(path.stem, header, last_used=tier.catalog.tick())
     if path.stem in tier.catalog.records:  # adopted meanwhile (a second event for the same file)
         return
-    tier.catalog.add(record)
+    try:
+        tier.catalog.add(record)
+    except ValueError:  # the same tokens as an indexed entry: a copy under another name
+        await tier.quarantine.file(path, "a duplicate of another entry")
+        return
     log.info("entry_adopted", entry=record.id, identity=record.identity)
+
+
+def _still_valid(path: Path, record: EntryRecord, limits: Limits) -> None:
+    """Raise EntryFormatError unless the file still holds the indexed entry, data included
+    (blocking: run in a thread)."""
+    header = entry_files.read_header(path, limits)
+    if header.file_size != record.nbytes or header.tokens != record.tokens:
+        raise EntryFormatError(path.name, Rule.SCHEMA, "not the entry the index holds")
+    entry_files.verify_data(path, header)
+
+
+async def _recheck(tier: Tier, record: EntryRecord, path: Path) -> None:
+    """An indexed entry's file was modified in place: keep it only if still valid."""
+    try:
+        await anyio.to_thread.run_sync(_still_valid, path, record, tier.limits)
+    except FileNotFoundError:
+        return  # removed meanwhile: its deletion event follows
+    except (EntryFormatError, OSError) as exc:
+        log.warning("entry_modified_outside", entry=record.id, reason=str(exc))
+        await tier.quarantine.file(path, str(exc))
+        tier.catalog.drop(record)  # its file is in quarantine: nothing left to unlink here

@@ -142,9 +142,10 @@ class Writer:
         except EntryFormatError as exc:
             await self._quarantine.file(staging, str(exc))  # first: dropping would unlink it
             self.finish(item, Outcome.FAILED, str(exc))
-        except OSError as exc:
-            log.error("write_failed", entry=record.id, error=str(exc))
-            self.finish(item, Outcome.FAILED, f"{exc.strerror or exc}")
+        except Exception as exc:  # a disk error, or a bug: this entry fails, the writer goes on
+            bug = not isinstance(exc, OSError)
+            log.error("write_failed", entry=record.id, error=str(exc), exc_info=bug)
+            self.finish(item, Outcome.FAILED, f"{getattr(exc, 'strerror', None) or exc}")
         else:
             self.finish(item, Outcome.STORED, None)
 
