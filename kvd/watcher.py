@@ -43,7 +43,7 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
     first one starts right after start-up's own scan).
     """
     while True:
-        await anyio.to_thread.run_sync(tier.dirs.create)
+        await anyio.to_thread.run_sync(_make_folder, tier.dirs.entries)
         if reconcile_first:
             await reconcile(tier, None)
         root = _root(tier)  # FSEvents reports resolved paths
@@ -60,6 +60,10 @@ async def reconcile_periodically(tier: Tier, every: float) -> None:
     while True:
         await anyio.sleep(every)
         await reconcile(tier, None)
+
+
+def _make_folder(path: Path) -> None:
+    path.mkdir(mode=0o700, exist_ok=True)
 
 
 def _root(tier: Tier) -> Path:

@@ -263,7 +263,7 @@ def test_tensor_bytes_spoiled_before_the_write_fail_the_ticket_and_the_writer_go
             file.write(b"\xff\xff\xff\xff")
         commit = peer.call(m.PutCommit(id=peer.next_id(), put=put))
         assert isinstance(commit, m.PutCommitReply), commit
-        state = peer.call(m.Ticket(id=peer.next_id(), ticket=commit.ticket, timeout=30.0))
+        state = peer.call(m.WaitTicket(id=peer.next_id(), ticket=commit.ticket, timeout=30.0))
         assert isinstance(state, m.TicketReply), state
         assert state.state == "failed"
         assert "data_checksum" in str(state.reason)
