@@ -1,0 +1,202 @@
+/* An LD_PRELOAD shim that makes file calls under one folder fail at random, with EIO or
+ * ENOSPC, and counts what it did.
+ *
+ * Why not libfiu's POSIX preload: it has no fault point for mkdir or posix_fallocate, cannot
+ * keep to one folder (a failed write to the log or a failed read of a Python module is not
+ * the fault under test), and keeps no count of the faults it injected.
+ *
+ * Environment: FAULT_SHIM_ROOT, the folder whose files may fail (paths under it; descriptors
+ * opened on them); FAULT_SHIM_CONTROL, a file of struct control (below) that the test maps
+ * too: it turns faults on and off and reads the counts while the process runs.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+enum op { OP_OPEN, OP_READ, OP_WRITE, OP_PREAD, OP_PWRITE, OP_FSYNC, OP_RENAME, OP_MKDIR,
+          OP_FALLOCATE, OP_COUNT };
+
+struct control {  /* no padding: 4 + 9 * 4 bytes come before the counts */
+    volatile int32_t enabled;
+    volatile int32_t per_million[OP_COUNT];  /* the chance of a fault per call, in millionths */
+    volatile int64_t calls[OP_COUNT];  /* calls that could have failed while enabled */
+    volatile int64_t injected[OP_COUNT][2];  /* faults injected: [op][0] EIO, [op][1] ENOSPC */
+};
+
+#define MAX_FDS 65536
+static unsigned char tracked[MAX_FDS];  /* descriptors opened on files under the root */
+static struct control *control;
+static char root[4096];
+static size_t root_length;
+static uint64_t state = 88172645463325252ULL;
+
+static int (*real_open)(const char *, int, ...);
+static int (*real_open64)(const char *, int, ...);
+static int (*real_openat)(int, const char *, int, ...);
+static int (*real_close)(int);
+static ssize_t (*real_read)(int, void *, size_t);
+static ssize_t (*real_write)(int, const void *, size_t);
+static ssize_t (*real_pread)(int, void *, size_t, off_t);
+static ssize_t (*real_pwrite)(int, const void *, size_t, off_t);
+static ssize_t (*real_pread64)(int, void *, size_t, off_t);
+static ssize_t (*real_pwrite64)(int, const void *, size_t, off_t);
+static int (*real_fsync)(int);
+static int (*real_fdatasync)(int);
+static int (*real_rename)(const char *, const char *);
+static int (*real_mkdir)(const char *, mode_t);
+static int (*real_posix_fallocate)(int, off_t, off_t);
+static int (*real_posix_fallocate64)(int, off_t, off_t);
+
+__attribute__((constructor)) static void start(void) {
+    real_open = dlsym(RTLD_NEXT, "open");
+    real_open64 = dlsym(RTLD_NEXT, "open64");
+    real_openat = dlsym(RTLD_NEXT, "openat");
+    real_close = dlsym(RTLD_NEXT, "close");
+    real_read = dlsym(RTLD_NEXT, "read");
+    real_write = dlsym(RTLD_NEXT, "write");
+    real_pread = dlsym(RTLD_NEXT, "pread");
+    real_pwrite = dlsym(RTLD_NEXT, "pwrite");
+    real_pread64 = dlsym(RTLD_NEXT, "pread64");
+    real_pwrite64 = dlsym(RTLD_NEXT, "pwrite64");
+    real_fsync = dlsym(RTLD_NEXT, "fsync");
+    real_fdatasync = dlsym(RTLD_NEXT, "fdatasync");
+    real_rename = dlsym(RTLD_NEXT, "rename");
+    real_mkdir = dlsym(RTLD_NEXT, "mkdir");
+    real_posix_fallocate = dlsym(RTLD_NEXT, "posix_fallocate");
+    real_posix_fallocate64 = dlsym(RTLD_NEXT, "posix_fallocate64");
+    const char *folder = getenv("FAULT_SHIM_ROOT");
+    const char *path = getenv("FAULT_SHIM_CONTROL");
+    if (!folder || !path || strlen(folder) >= sizeof root) return;
+    int fd = real_open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return;
+    void *mapped = mmap(NULL, sizeof(struct control), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    real_close(fd);
+    if (mapped == MAP_FAILED) return;
+    strcpy(root, folder);
+    root_length = strlen(root);
+    state ^= (uint64_t)getpid() << 17;
+    control = mapped;
+}
+
+static int under_root(const char *path) {
+    return control && path && strncmp(path, root, root_length) == 0 &&
+           (path[root_length] == '/' || path[root_length] == '\0');
+}
+
+static int is_tracked(int fd) { return fd >= 0 && fd < MAX_FDS && tracked[fd]; }
+
+/* Whether this call fails: sets errno to EIO or ENOSPC and counts it. */
+static int fault(enum op op) {
+    if (!control || !control->enabled) return 0;
+    __atomic_add_fetch(&control->calls[op], 1, __ATOMIC_RELAXED);
+    uint64_t x = __atomic_load_n(&state, __ATOMIC_RELAXED);  /* xorshift64: races only mix it */
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    __atomic_store_n(&state, x, __ATOMIC_RELAXED);
+    if ((int64_t)(x % 1000000) >= control->per_million[op]) return 0;
+    int which = (int)((x >> 32) & 1);
+    __atomic_add_fetch(&control->injected[op][which], 1, __ATOMIC_RELAXED);
+    errno = which ? ENOSPC : EIO;
+    return 1;
+}
+
+static int opened(int fd, const char *path) {
+    if (fd >= 0 && fd < MAX_FDS) tracked[fd] = under_root(path);
+    return fd;
+}
+
+static mode_t mode_of(int flags, va_list args) {
+    return (flags & (O_CREAT | O_TMPFILE)) ? (mode_t)va_arg(args, int) : 0;
+}
+
+int open(const char *path, int flags, ...) {
+    va_list args; va_start(args, flags); mode_t mode = mode_of(flags, args); va_end(args);
+    if (under_root(path) && fault(OP_OPEN)) return -1;
+    return opened(real_open(path, flags, mode), path);
+}
+
+int open64(const char *path, int flags, ...) {
+    va_list args; va_start(args, flags); mode_t mode = mode_of(flags, args); va_end(args);
+    if (under_root(path) && fault(OP_OPEN)) return -1;
+    return opened(real_open64(path, flags, mode), path);
+}
+
+int openat(int dirfd, const char *path, int flags, ...) {
+    va_list args; va_start(args, flags); mode_t mode = mode_of(flags, args); va_end(args);
+    if (under_root(path) && fault(OP_OPEN)) return -1;
+    return opened(real_openat(dirfd, path, flags, mode), path);
+}
+
+int close(int fd) {
+    if (fd >= 0 && fd < MAX_FDS) tracked[fd] = 0;
+    return real_close(fd);
+}
+
+ssize_t read(int fd, void *buffer, size_t count) {
+    if (is_tracked(fd) && fault(OP_READ)) return -1;
+    return real_read(fd, buffer, count);
+}
+
+ssize_t write(int fd, const void *buffer, size_t count) {
+    if (is_tracked(fd) && fault(OP_WRITE)) return -1;
+    return real_write(fd, buffer, count);
+}
+
+ssize_t pread(int fd, void *buffer, size_t count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PREAD)) return -1;
+    return real_pread(fd, buffer, count, offset);
+}
+
+ssize_t pread64(int fd, void *buffer, size_t count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PREAD)) return -1;
+    return real_pread64(fd, buffer, count, offset);
+}
+
+ssize_t pwrite(int fd, const void *buffer, size_t count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PWRITE)) return -1;
+    return real_pwrite(fd, buffer, count, offset);
+}
+
+ssize_t pwrite64(int fd, const void *buffer, size_t count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PWRITE)) return -1;
+    return real_pwrite64(fd, buffer, count, offset);
+}
+
+int fsync(int fd) {
+    if (is_tracked(fd) && fault(OP_FSYNC)) return -1;
+    return real_fsync(fd);
+}
+
+int fdatasync(int fd) {
+    if (is_tracked(fd) && fault(OP_FSYNC)) return -1;
+    return real_fdatasync(fd);
+}
+
+int rename(const char *from, const char *to) {
+    if ((under_root(from) || under_root(to)) && fault(OP_RENAME)) return -1;
+    return real_rename(from, to);
+}
+
+int mkdir(const char *path, mode_t mode) {
+    if (under_root(path) && fault(OP_MKDIR)) return -1;
+    return real_mkdir(path, mode);
+}
+
+/* posix_fallocate reports its error as its result, not in errno. */
+int posix_fallocate(int fd, off_t offset, off_t length) {
+    if (is_tracked(fd) && fault(OP_FALLOCATE)) return errno;
+    return real_posix_fallocate(fd, offset, length);
+}
+
+int posix_fallocate64(int fd, off_t offset, off_t length) {
+    if (is_tracked(fd) && fault(OP_FALLOCATE)) return errno;
+    return real_posix_fallocate64(fd, offset, length);
+}
