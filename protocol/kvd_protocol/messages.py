@@ -437,8 +437,13 @@ class ForgetCheckpointReply(Reply):
 
 @dataclass(frozen=True, kw_only=True)
 class Release(Request):
+    """damaged: why the client could not use the leased entry's file (a truncated file, a
+    checksum that differs); the daemon checks the file and quarantines it if it fails. A
+    daemon announces it with the "release_damaged" feature."""
+
     op: ClassVar[str] = "release"
     lease: int = field(metadata=wire(_uint()))
+    damaged: str | None = field(default=None, metadata=wire(_optional(_prose)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from kvd_protocol.messages import (
     Message,
     PutBegin,
     PutBeginReply,
+    Release,
     Reply,
     StatusReply,
     decode_request,
@@ -30,7 +31,7 @@ from wire_samples import ENTRY, HELLO, HELLO_REPLY, IDENTITY, exchanges
 
 MESSAGES: list[Message] = [HELLO, HELLO_REPLY] + [m for pair in exchanges() for m in pair]
 # Fields added within a protocol version: a peer that predates them neither sends nor expects them.
-OPTIONAL_FIELDS: dict[type[Message], set[str]] = {Lookup: {"min_tokens"}}
+OPTIONAL_FIELDS: dict[type[Message], set[str]] = {Lookup: {"min_tokens"}, Release: {"damaged"}}
 
 
 def _ids(messages: list[Message]) -> list[str]:

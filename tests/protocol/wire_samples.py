@@ -124,6 +124,10 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
             ForgetCheckpointReply(id=0, removed=2),
         ),
         (Release(id=0, lease=5), ReleaseReply(id=0)),
+        (
+            Release(id=0, lease=6, damaged="data_checksum: slot at 16384: bytes do not match"),
+            ReleaseReply(id=0),
+        ),
         (Flush(id=0, timeout=None), FlushReply(id=0, durable=True, pending=0)),
         (Flush(id=0, timeout=0.0), FlushReply(id=0, durable=False, pending=3)),
         (
