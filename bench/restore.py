@@ -5,9 +5,11 @@ The cache is 32 mlx-lm KVCache layers, keys and values float16 of shape (1, 8, t
 as in an 8-KV-head, 128-dim model: 4,096 tokens = 512 MiB by default, --full for 16,384
 tokens = 2 GiB. It is put once into a real `kvd serve`; then, per rep:
 
-- get: Client.get of a prompt one token longer than the entry (lookup, map, decode, release),
-  timed around the call as an engine sees it;
-- decode alone: prompt_cache.decode of an entry looked up once beforehand (the views mapped);
+- get: Client.get of a prompt one token longer than the entry (lookup, read, decode,
+  release), timed around the call as an engine sees it; every tensor checksummed as it is
+  copied (the default), and again by a client made with verify=False: the "checksums"
+  column is what verification adds to the restore (goal: at most 10%);
+- decode alone: prompt_cache.decode of an entry looked up once beforehand, both ways;
 - anchors, same bytes, same run: memcpy (np.copyto into a preallocated buffer), readinto of
   the entry file into a preallocated buffer (raw sequential read), mx.load of a safetensors
   file of the 64 tensors + mx.eval, and load_prompt_cache of the cache saved by
@@ -31,7 +33,8 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,8 @@ mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 DAEMON_FLAGS = ("--writeback-max-bytes", "8G")  # the default 2 GiB cap is below a full entry
 GOAL_MX_LOAD = 1.0  # get at least as fast as mx.load
 GOAL_MEMCPY = 0.6  # get at least this fraction of memcpy's rate
+GOAL_CHECKSUMS = 0.10  # verifying every tensor adds at most this fraction to the restore
+UNVERIFIED = ", not verified"  # the suffix of a path's twin without checksums
 
 
 def realistic_cache(tokens: int, seed: int = 0) -> list[Any]:
@@ -98,18 +103,21 @@ def timed(run: Callable[[], object]) -> float:
 
 
 def median_seconds(
-    run: Callable[[], object], repeat: int, before: Callable[[], None] | None = None
-) -> float:
-    """The median of repeat timed runs; before (untimed) precedes each; one untimed warm-up
-    run first unless before is given (it drops the page cache: a warm-up would be wasted)."""
+    runs: Sequence[Callable[[], object]], repeat: int, before: Callable[[], None] | None = None
+) -> list[float]:
+    """Per run, the median of repeat timed runs, the runs taken in turn in each rep (so that
+    a busy machine slows twins alike); before (untimed) precedes each; one untimed warm-up
+    of each first unless before is given (it drops the page cache: a warm-up is wasted)."""
     if before is None:
-        timed(run)
-    times = []
+        for run in runs:
+            timed(run)
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeat):
-        if before is not None:
-            before()
-        times.append(timed(run))
-    return statistics.median(times)
+        for run, taken in zip(runs, times, strict=True):
+            if before is not None:
+                before()
+            taken.append(timed(run))
+    return [statistics.median(taken) for taken in times]
 
 
 def read_into(path: Path, target: memoryview) -> None:
@@ -125,8 +133,10 @@ def read_into(path: Path, target: memoryview) -> None:
 class Restores:
     """Every timed restore path over one cache and its files in folder."""
 
-    def __init__(self, client: Client, cache: list[Any], tokens: int, folder: Path) -> None:
-        self.client, self.tokens = client, tokens
+    def __init__(
+        self, client: Client, unverified: Client, cache: list[Any], tokens: int, folder: Path
+    ) -> None:
+        self.client, self.unverified, self.tokens = client, unverified, tokens
         self.nbytes = cache_bytes(cache)
         self.safetensors = folder / "cache.safetensors"
         mx.save_safetensors(
@@ -145,19 +155,24 @@ class Restores:
         )
         self.entry_buffer = memoryview(bytearray(self.entry_file.stat().st_size))
 
-    def get(self) -> object:
-        restored = self.client.get(IDENTITY, prompt(self.tokens + 1))
+    def get(self, client: Client) -> object:
+        restored = client.get(IDENTITY, prompt(self.tokens + 1))
         if restored is None or restored.matched != self.tokens:
-            raise RuntimeError(f"the get missed: {self.client.stats}")
+            raise RuntimeError(f"the get missed: {client.stats}")
         return restored
 
-    def decode_seconds(self, repeat: int) -> float:
+    def decode_seconds(self, repeat: int) -> list[float]:
+        """Decode alone, verified and not, of an entry looked up once."""
         result = self.client.lookup(IDENTITY.to_protocol(), prompt(self.tokens + 1))
         if result is None:
             raise RuntimeError("the lookup missed")
         with result:
-            header, views, matched = result.header, result.tensors, result.matched
-            return median_seconds(lambda: prompt_cache.decode(header, views, matched), repeat)
+            header, matched = result.header, result.matched
+            runs = [
+                partial(prompt_cache.decode, header, result.fills(verify=verify), matched)
+                for verify in (True, False)
+            ]
+            return median_seconds(runs, repeat)
 
     def memcpy(self) -> None:
         np.copyto(self.target, self.source)
@@ -180,6 +195,44 @@ class Restores:
             with path.open("rb", buffering=0) as f:
                 while f.read(64 << 20):
                     pass
+
+
+def print_table(rows: list[tuple[str, str, float]], nbytes: int) -> None:
+    """rows: (temperature, path, seconds), with the anchors among them."""
+    print(
+        "| page cache | path | ms | GB/s | × memcpy | × mx.load | × load_prompt_cache "
+        "| × raw read | checksums | goals |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    anchors = {(t, name): s for t, name, s in rows}
+    memcpy = anchors[("hot", "memcpy (anchor)")]
+    for temperature, name, seconds in rows:
+
+        def ratio(anchor: str, temperature: str = temperature, seconds: float = seconds) -> str:
+            base = anchors.get((temperature, anchor))
+            return "–" if base is None else f"{base / seconds:.2f}"
+
+        goals, checksums = "", "–"
+        twin = anchors.get((temperature, name + UNVERIFIED))
+        if twin is not None:
+            cost = seconds / twin - 1
+            checksums = f"{cost:+.1%}"
+        if (name.startswith("kvd get") or name.startswith("decode")) and UNVERIFIED not in name:
+            mx_load = anchors[(temperature, "mx.load safetensors + eval (anchor)")]
+            verdicts = [f"≥ mx.load: {'met' if seconds <= mx_load / GOAL_MX_LOAD else 'not met'}"]
+            if temperature == "hot":
+                met = seconds <= memcpy / GOAL_MEMCPY
+                verdicts.append(f"≥ {GOAL_MEMCPY}× memcpy: {'met' if met else 'not met'}")
+            if twin is not None:
+                met = seconds / twin - 1 <= GOAL_CHECKSUMS
+                verdicts.append(f"checksums ≤ {GOAL_CHECKSUMS:.0%}: {'met' if met else 'not met'}")
+            goals = "; ".join(verdicts)
+        print(
+            f"| {temperature} | {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} "
+            f"| {memcpy / seconds:.2f} | {ratio('mx.load safetensors + eval (anchor)')} "
+            f"| {ratio('mlx-lm load_prompt_cache (anchor)')} "
+            f"| {ratio('raw read of the entry file (anchor)')} | {checksums} | {goals} |"
+        )
 
 
 def main() -> None:
@@ -208,26 +261,37 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
         running_daemon(Path(work), DAEMON_FLAGS) as daemon,
         Client.connect(daemon.socket_path, timeout=120.0, require=True) as client,
+        Client.connect(daemon.socket_path, timeout=120.0, require=True, verify=False) as plain,
     ):
         cache = realistic_cache(tokens)
-        bench = Restores(client, cache, tokens, Path(work))
+        bench = Restores(client, plain, cache, tokens, Path(work))
         del cache
         gc.collect()
         bench.warm()
-        hot = [
-            ("memcpy (anchor)", bench.memcpy),
-            ("raw read of the entry file (anchor)", bench.raw_read),
-            ("mx.load safetensors + eval (anchor)", bench.mx_load),
-            ("mlx-lm load_prompt_cache (anchor)", bench.mlx_lm_load),
-            ("kvd get (lookup + decode + release)", bench.get),
+        get = "kvd get (lookup + decode + release)"
+        groups: list[dict[str, Callable[[], object]]] = [  # a group's runs are taken in turn
+            {"memcpy (anchor)": bench.memcpy},
+            {"raw read of the entry file (anchor)": bench.raw_read},
+            {"mx.load safetensors + eval (anchor)": bench.mx_load},
+            {"mlx-lm load_prompt_cache (anchor)": bench.mlx_lm_load},
+            {get: partial(bench.get, client), get + UNVERIFIED: partial(bench.get, plain)},
         ]
-        for name, run in hot:
-            rows.append(("hot", name, median_seconds(run, args.repeat)))
-        rows.append(("hot", "decode alone (entry looked up)", bench.decode_seconds(args.repeat)))
+        for group in groups:
+            rows.extend(
+                zip(
+                    ["hot"] * len(group),
+                    group,
+                    median_seconds([*group.values()], args.repeat),
+                    strict=True,
+                )
+            )
+        decode = "decode alone (entry looked up)"
+        seconds = bench.decode_seconds(args.repeat)
+        rows.extend([("hot", decode, seconds[0]), ("hot", decode + UNVERIFIED, seconds[1])])
         if cold:
-            for name, run in hot[1:]:
-                seconds = median_seconds(run, args.cold_repeat, before=drop_page_cache)
-                rows.append(("cold", name, seconds))
+            for group in groups[1:]:
+                seconds = median_seconds([*group.values()], args.cold_repeat, drop_page_cache)
+                rows.extend(zip(["cold"] * len(group), group, seconds, strict=True))
         nbytes = bench.nbytes
 
     print(
@@ -236,33 +300,7 @@ def main() -> None:
         + (f", {args.cold_repeat} cold reps" if cold else "; cold not run (needs root)")
         + ".\n"
     )
-    print(
-        "| page cache | path | ms | GB/s | × memcpy | × mx.load | × load_prompt_cache "
-        "| × raw read | goals |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    anchors = {(t, name): s for t, name, s in rows}
-    memcpy = anchors[("hot", "memcpy (anchor)")]
-    for temperature, name, seconds in rows:
-
-        def ratio(anchor: str, temperature: str = temperature, seconds: float = seconds) -> str:
-            base = anchors.get((temperature, anchor))
-            return "–" if base is None else f"{base / seconds:.2f}"
-
-        goals = ""
-        if name.startswith("kvd get") or name.startswith("decode"):
-            mx_load = anchors[(temperature, "mx.load safetensors + eval (anchor)")]
-            verdicts = [f"≥ mx.load: {'met' if seconds <= mx_load / GOAL_MX_LOAD else 'not met'}"]
-            if temperature == "hot":
-                met = seconds <= memcpy / GOAL_MEMCPY
-                verdicts.append(f"≥ {GOAL_MEMCPY}× memcpy: {'met' if met else 'not met'}")
-            goals = "; ".join(verdicts)
-        print(
-            f"| {temperature} | {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} "
-            f"| {memcpy / seconds:.2f} | {ratio('mx.load safetensors + eval (anchor)')} "
-            f"| {ratio('mlx-lm load_prompt_cache (anchor)')} "
-            f"| {ratio('raw read of the entry file (anchor)')} | {goals} |"
-        )
+    print_table(rows, nbytes)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ class AsyncClient:
         *,
         require: bool = False,
         backoff: Backoff = calls.DEFAULT_BACKOFF,
+        verify: bool = True,
     ) -> AsyncClient:
         """As Client.connect."""
         link = calls.Link(
@@ -66,6 +67,7 @@ class AsyncClient:
             timeout,
             name or calls.default_client_name(),
             backoff,
+            verify=verify,
         )
         client = cls(link)
         try:
@@ -322,7 +324,7 @@ class AsyncLookupResult(calls.LookupResultBase):
         self._client = client
 
     async def release(self) -> None:
-        hit = self._unmap()
+        hit = self._close()
         if hit is not None:
             call = calls.release_lease(self._client._link, hit.lease, hit.epoch)
             await self._client._run(call)

@@ -160,10 +160,12 @@ class ClientStats:
     reconnects: int = 0  # successful connections after the first
     unavailable_puts: int = 0  # puts answered "unavailable": the daemon was down or slow
     failed_lookups: int = 0  # lookups turned into misses by an unavailable or refusing daemon
-    rejected_entries: int = 0  # looked-up files that failed validation or did not match
+    rejected_entries: int = 0  # looked-up files that were damaged or did not match the ask
     restored: int = 0  # gets that rebuilt caches from an entry
     # Lookups and gets that came back empty, by reason: "no entry", "unavailable", "refused",
-    # "rejected" (see rejected_entries), and the restore's own ("codec", "model"...).
+    # "below min_tokens", "mismatch", a damaged file's validation rule ("truncated",
+    # "header_checksum", "data_checksum"... see FORMAT.md), "unreadable" (an I/O error), and
+    # the restore's own ("codec", "model", "untrimmable", "load failed").
     misses: Counter[str] = field(default_factory=Counter)
 
 
@@ -183,11 +185,14 @@ def default_client_name() -> str:
 class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
-    def __init__(self, socket_path: str, timeout: float, name: str, backoff: Backoff) -> None:
+    def __init__(
+        self, socket_path: str, timeout: float, name: str, backoff: Backoff, *, verify: bool
+    ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.name = name
         self.backoff = backoff
+        self.verify = verify  # restores check every tensor against its checksum
         self.stats = ClientStats()
         self.limits: Limits = DEFAULT_LIMITS  # the daemon's, once a hello was answered
         self.server: HelloReply | None = None
@@ -326,12 +331,13 @@ class LookupHit:
     summary: EntrySummary
     lease: int
     epoch: int
-    entry: entry_io.MappedEntry
+    entry: entry_io.EntryFile
 
 
 class LookupResultBase:
-    """A usable entry: its header read from the file, and a read-only view per tensor.
-    Release it (or use it as a context manager) to unmap the file and end the lease."""
+    """A usable entry: its header read from the file, and a read-only view per tensor
+    (mapped on first use). Release it (or use it as a context manager) to close the file
+    and end the lease."""
 
     def __init__(self, hit: LookupHit) -> None:
         self._hit = hit
@@ -352,6 +358,9 @@ class LookupResultBase:
 
     @property
     def tensors(self) -> tuple[memoryview, ...]:
+        """Views of a read-only mapping of the file, made now if not yet: EntryFormatError if
+        the file shrank since the lookup. A file truncated while mapped faults (SIGBUS) when
+        read past its end; the restore (Client.get) reads by pread and never does."""
         return self._hit.entry.tensors
 
     @property
@@ -359,11 +368,17 @@ class LookupResultBase:
         return self._released
 
     def verify(self) -> None:
-        """Check every tensor's bytes against its checksum; raises EntryFormatError."""
+        """Check every tensor's bytes (read by pread) against its checksum; raises
+        EntryFormatError."""
         self._hit.entry.verify()
 
-    def _unmap(self) -> LookupHit | None:
-        """Unmap once; the hit whose lease to release, or None if already released."""
+    def fills(self, *, verify: bool = True) -> list[Callable[[Sequence[memoryview]], None]]:
+        """Per tensor, a reader of its bytes into given buffers by pread, checksummed unless
+        not verify (what prompt_cache.decode restores from)."""
+        return self._hit.entry.fills(verify=verify)
+
+    def _close(self) -> LookupHit | None:
+        """Close the file once; the hit whose lease to release, or None if already released."""
         if self._released:
             return None
         self._released = True
@@ -567,25 +582,34 @@ def _found(
         yield from release_lease(link, reply.lease, epoch)
         return None
     try:
-        entry = entry_io.map_entry(reply.fd, reply.entry.id, link.limits)
-    except (EntryFormatError, OSError, ValueError) as exc:
-        problem: str | None = f"unreadable: {exc}"
-    else:
-        problem = mismatch(entry.header, identity, packed, min(reply.matched, len(packed) // 4))
-        found_key = entry.header.checkpoint.key if entry.header.checkpoint else None
-        if problem is None and found_key != checkpoint_key:
-            problem = f"its checkpoint key is {found_key!r}, not {checkpoint_key!r}"
-        if problem is not None:
-            entry.close()
-    finally:
-        os.close(reply.fd)
+        entry = entry_io.EntryFile.open(reply.fd, reply.entry.id, link.limits)
+    except EntryFormatError as exc:
+        yield from reject(link, reply.lease, epoch, exc.rule.value, exc, damaged=True)
+        return None
+    except OSError as exc:
+        yield from reject(link, reply.lease, epoch, "unreadable", exc, damaged=False)
+        return None
+    problem = mismatch(entry.header, identity, packed, min(reply.matched, len(packed) // 4))
+    found_key = entry.header.checkpoint.key if entry.header.checkpoint else None
+    if problem is None and found_key != checkpoint_key:
+        problem = f"its checkpoint key is {found_key!r}, not {checkpoint_key!r}"
     if problem is not None:
-        link.stats.rejected_entries += 1
-        link.stats.misses["rejected"] += 1
-        log.warning("%s: entry %s rejected, %s", request.op, reply.entry.id, problem)
-        yield from release_lease(link, reply.lease, epoch)
+        entry.close()
+        detail = f"{reply.entry.id}: {problem}"
+        yield from reject(link, reply.lease, epoch, "mismatch", detail, damaged=False)
         return None
     return LookupHit(reply.matched, reply.entry, reply.lease, epoch, entry)
+
+
+def reject(
+    link: Link, lease: int, epoch: int, reason: str, detail: object, *, damaged: bool
+) -> Call[None]:
+    """Count an offered entry the client will not use, as a miss by reason, and end its
+    lease; a damaged one is reported to the daemon, which checks and quarantines it."""
+    link.stats.rejected_entries += 1
+    link.stats.misses[reason] += 1
+    log.warning("entry rejected (%s): %s", reason, detail)
+    yield from release_lease(link, lease, epoch, damaged=str(detail) if damaged else None)
 
 
 def mismatch(
@@ -601,10 +625,12 @@ def mismatch(
     return None
 
 
-def release_lease(link: Link, lease: int, epoch: int) -> Call[None]:
-    """End a lease; a lease of a lost connection ended with it."""
+def release_lease(link: Link, lease: int, epoch: int, *, damaged: str | None = None) -> Call[None]:
+    """End a lease, saying why the entry was unusable if damaged (to a daemon that listens);
+    a lease of a lost connection ended with it."""
+    report = damaged if link.offers("release_damaged") else None
     try:
-        request = Release(id=link.next_id(), lease=lease)
+        request = Release(id=link.next_id(), lease=lease, damaged=report)
         expect((yield Exchange(request, epoch=epoch)), ReleaseReply)
     except (DaemonUnavailable, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

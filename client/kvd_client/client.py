@@ -57,14 +57,18 @@ class Client:
         *,
         require: bool = False,
         backoff: Backoff = calls.DEFAULT_BACKOFF,
+        verify: bool = True,
     ) -> Client:
         """Connect and say hello. A daemon that is down gives a client that is not connected
-        (and retries on later calls), unless require: then DaemonUnavailable is raised."""
+        (and retries on later calls), unless require: then DaemonUnavailable is raised.
+        verify: get() checks every tensor against its checksum as it copies it (the default;
+        a mismatch is a miss, and the daemon is told to quarantine the entry)."""
         link = calls.Link(
             socket_path or calls.default_socket_path(),
             timeout,
             name or calls.default_client_name(),
             backoff,
+            verify=verify,
         )
         client = cls(link)
         try:
@@ -325,8 +329,8 @@ class LookupResult(calls.LookupResultBase):
         self._client = client
 
     def release(self) -> None:
-        """Unmap the file, close it, and end the lease (once)."""
-        hit = self._unmap()
+        """Close the file (and its mapping), and end the lease (once)."""
+        hit = self._close()
         if hit is not None:
             self._client._run(calls.release_lease(self._client._link, hit.lease, hit.epoch))
 

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_lm_cache
 
-from .restore import TensorSource, with_room_all
+from .restore import TensorSource, owned_all, with_room_all
 
 mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 
@@ -191,7 +191,7 @@ class RotatingKVCodec:
             if offset < cache.max_size and any(s.shape[2:3] != (offset,) for s in sources):
                 raise CodecError(f"{self.kind}: an unwrapped ring must hold {offset} tokens")
             # The ring is written in place once full: it must live in MLX-owned memory.
-            keys, values = (s.owned() for s in sources)
+            keys, values = owned_all(sources)
             cache.keys, cache.values = keys, values
         cache.offset, cache._idx = offset, idx
         return cache
@@ -269,7 +269,7 @@ class ConcatenateKVCodec:
         if sources:
             if any(len(s.shape) < 2 or s.shape[-2] != offset for s in sources):
                 raise CodecError(f"{self.kind}: tensors do not hold {offset} tokens")
-            cache.state = tuple(s.owned() for s in sources)
+            cache.state = tuple(owned_all(sources))
         return cache
 
     def trimmable(self, meta: Meta) -> bool:
@@ -300,7 +300,7 @@ class ArraysCodec:
             raise CodecError(f"meta 'present' is {present!r}, not a list of booleans")
         flags = [*present, meta.get("left_padding") is True, meta.get("lengths") is True]
         _count(sources, sum(flags))
-        arrays = iter([s.owned() for s in sources])
+        arrays = iter(owned_all(sources))
         values = [next(arrays) if flag else None for flag in flags]
         cache = mlc.ArraysCache(len(present))
         cache.state = (values[: len(present)], values[-2], values[-1])

@@ -17,13 +17,14 @@ from typing import Any, Final
 import mlx.core as mx
 import mlx_lm
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
+from kvd_protocol.errors import EntryFormatError
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import calls
 from .calls import Call, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
-from .restore import TensorSource, dtype_name
+from .restore import Fill, TensorSource, dtype_name
 
 log = logging.getLogger("kvd_client")
 
@@ -107,11 +108,12 @@ class Miss(Exception):  # noqa: N818 - an outcome, not a failure of the caller
 
 
 def decode(
-    header: EntryHeader, tensors: Sequence[memoryview], matched: int, model: Any = None
+    header: EntryHeader, fills: Sequence[Fill], matched: int, model: Any = None
 ) -> list[Any]:
-    """The caches of an entry, trimmed to matched tokens and evaluated (so no array still
-    reads the views); raises Miss. With model, the entry is checked against the caches the
-    model makes before anything is allocated."""
+    """The caches of an entry (its header, and a Fill per slot), trimmed to matched tokens
+    and evaluated; raises Miss, or EntryFormatError for tensor bytes the fills found damaged.
+    With model, the entry is checked against the caches the model makes before anything is
+    allocated."""
     if header.identity.codec_id != CODEC_ID:
         raise Miss("codec", f"entry written by codecs {header.identity.codec_id!r}")
     try:
@@ -119,13 +121,17 @@ def decode(
     except CodecError as exc:
         raise Miss("unknown kind", str(exc)) from None
     if model is not None:
-        _check_model(header, codecs, make_prompt_cache(model))
+        try:
+            templates = make_prompt_cache(model)
+        except Exception as exc:
+            raise Miss("model", f"make_prompt_cache failed: {type(exc).__name__}: {exc}") from exc
+        _check_model(header, codecs, templates)
     excess = header.token_count - matched
     if excess and not header.trimmable:
         raise Miss("untrimmable", f"{header.token_count} tokens stored, {matched} matched")
     sources = iter(
-        TensorSource(view, slot.dtype, slot.shape)
-        for slot, view in zip(header.slots, tensors, strict=True)
+        TensorSource(fill, slot.dtype, slot.shape)
+        for slot, fill in zip(header.slots, fills, strict=True)
     )
     try:
         caches = [
@@ -136,6 +142,10 @@ def decode(
             if excess and cache.trim(excess) != excess:
                 raise CodecError(f"a {type(cache).__name__} could not drop {excess} tokens")
         mx.eval([cache.state for cache in caches])
+    except EntryFormatError:
+        raise
+    except OSError as exc:
+        raise Miss("unreadable", str(exc)) from exc
     except Exception as exc:  # anything a stored entry can provoke is a miss, never a crash
         raise Miss("load failed", f"{type(exc).__name__}: {exc}") from exc
     return caches
@@ -175,19 +185,26 @@ def get_checkpoint(
 
 
 def _restore(link: Link, hit: LookupHit | None, model: Any) -> Call[Restored | None]:
-    """Decode a hit (the lookup counted a None), then unmap it and end its lease."""
+    """Decode a hit (the lookup counted a None), then close it and end its lease; a damaged
+    entry is reported to the daemon."""
     if hit is None:
         return None
+    restored = damage = None
     try:
-        caches = decode(hit.entry.header, hit.entry.tensors, hit.matched, model)
+        fills = hit.entry.fills(verify=link.verify)
+        caches = decode(hit.entry.header, fills, hit.matched, model)
+    except EntryFormatError as exc:
+        damage = exc
     except Miss as miss:
         link.stats.misses[miss.reason] += 1
         log.warning("restore of entry %s missed: %s", hit.summary.id, miss)
-        restored = None
     else:
         link.stats.restored += 1
         restored = Restored(caches, hit.matched, hit.entry.header.checkpoint)
     finally:
         hit.entry.close()
-    yield from calls.release_lease(link, hit.lease, hit.epoch)
+    if damage is not None:
+        yield from calls.reject(link, hit.lease, hit.epoch, damage.rule.value, damage, damaged=True)
+    else:
+        yield from calls.release_lease(link, hit.lease, hit.epoch)
     return restored

@@ -1,42 +1,38 @@
-"""From a looked-up entry's read-only views to MLX arrays in MLX-owned memory.
+"""From a looked-up entry's tensors to MLX arrays in MLX-owned memory: one copy each.
 
-On Apple silicon (mlx >= 0.32.1) MLX adopts 16 KiB-aligned host memory without a copy. An
-adopted array is backed by the entry's read-only mapping, and MLX writes into a buffer it
-believes it owns alone (donation, in-place slice assignment), so an adopted array never ends
-up in a cache: it is only the input of the copy that with_room() makes anyway (the KV
-kinds), and owned() copies from the view directly. On the Linux CPU build MLX cannot adopt;
-with_room() then copies once, from the mapping straight into the room-to-grow buffer (an MLX
-array's buffer is writable), which spares the first decode step a whole-cache copy.
+Each destination is allocated by MLX (zeros, evaluated), then filled through its buffer by
+the tensor's Fill: for an entry file, pread straight from the page cache, checksummed while
+the bytes are still in the CPU's cache (entry_io.EntryFile.read_slot). KV tensors get room
+to grow (with_room): the stored tokens fill the start of a buffer sized for the next ones,
+which spares the first decode step a whole-cache copy. The tensors of one layer are filled
+in parallel threads (pread and the checksum release the GIL).
 
-Measured on the Linux CPU build (64 x 8 MiB float16, allocator warm): mx.array(np.frombuffer
-(view)) copies at about 9.8 GB/s; with_room()'s one copy into a zeroed buffer with room runs
-at 5.8 GB/s, against 1.8 GB/s for copying in and concatenating with zeros. A first restore in
-a process runs at about 1.8 GB/s whatever the method: fresh destinations fault page by page.
+No array is ever backed by the file itself: a mapping faults (SIGBUS) when the file
+shrinks behind it, and MLX writes into buffers it believes it owns (donation, in-place slice
+assignment).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import math
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 import mlx.core as mx
 import numpy as np
 
 STEP: Final = 256  # mlx-lm's KV growth step: restored KV gets room up to the next multiple
 
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
-
-
 MLX_VERSION: Final = importlib.metadata.version("mlx")
-# Adoption of host memory landed in mlx 0.32.1, and only Metal implements it.
-ADOPTS: Final = mx.metal.is_available() and _version(MLX_VERSION) >= (0, 32, 1)
+
+# Fills the given writable byte views, in order, with a tensor's bytes (together exactly its
+# size); raises when the bytes cannot be had or trusted.
+Fill: TypeAlias = Callable[[Sequence[memoryview]], None]
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -44,38 +40,22 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def _host_view(view: memoryview, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    # numpy has no bfloat16: its bytes travel as uint16 and are reinterpreted in MLX.
-    host = np.uint16 if name == "bfloat16" else np.dtype(name)
-    return np.frombuffer(view, dtype=host).reshape(shape)
-
-
-def _adopt(view: memoryview, name: str, shape: tuple[int, ...]) -> mx.array:
-    array = mx.asarray(_host_view(view, name, shape), copy=False)
-    return array.view(mx.bfloat16) if name == "bfloat16" else array
-
-
-def _copy(view: memoryview, name: str, shape: tuple[int, ...]) -> mx.array:
-    array = mx.array(_host_view(view, name, shape))
-    return array.view(mx.bfloat16) if name == "bfloat16" else array
-
-
 @dataclass(frozen=True)
 class TensorSource:
-    """One stored tensor, not yet in MLX: its bytes (a read-only view), dtype and shape."""
+    """One stored tensor, not yet in MLX: how to get its bytes, its dtype and shape."""
 
-    view: memoryview
+    fill: Fill
     dtype: str
     shape: tuple[int, ...]
 
-    def _array(self) -> mx.array:
-        """Adopted where MLX can, else copied: only ever the input of a copying op."""
-        return (_adopt if ADOPTS else _copy)(self.view, self.dtype, self.shape)
+    @property
+    def nbytes(self) -> int:
+        size: int = getattr(mx, self.dtype).size
+        return math.prod(self.shape) * size
 
     def owned(self) -> mx.array:
-        """The tensor copied into MLX-owned memory. Not by an MLX op on an adopted array:
-        an elementwise op may donate its input's buffer, the mapping, as its output."""
-        return _copy(self.view, self.dtype, self.shape)
+        """The tensor, in a buffer of its own."""
+        return owned_all([self])[0]
 
     def with_room(self, length: int, axis: int = 2) -> mx.array:
         """The tensor (length along axis) in a fresh buffer with capacity for the next tokens,
@@ -83,46 +63,64 @@ class TensorSource:
         instead of copying the whole cache on the first decode step."""
         return with_room_all([self], length, axis)[0]
 
-    def _grown(self, length: int, axis: int) -> mx.array:
-        if len(self.shape) <= axis or self.shape[axis] != length:
-            raise ValueError(f"tensor of shape {list(self.shape)} holds no {length} along {axis}")
-        capacity = -(-(length + 1) // STEP) * STEP
-        if ADOPTS:
-            # One copy on the GPU; a concatenation's output is larger than any input, so it
-            # is never a donated buffer (never the mapping).
-            array = self._array()
-            pad = list(array.shape)
-            pad[axis] = capacity - length
-            return mx.concatenate([array, mx.zeros(pad, array.dtype)], axis=axis)
-        shape = list(self.shape)
-        shape[axis] = capacity
-        return mx.zeros(shape, getattr(mx, self.dtype))
+    def _runs(self, target: mx.array, length: int, axis: int) -> list[memoryview]:
+        """The byte ranges of target (shaped as the tensor but longer along axis) that the
+        tensor fills, in file order: length rows at the start of each index before axis."""
+        if not self.nbytes:
+            return []
+        outer = math.prod(self.shape[:axis])
+        row = self.nbytes // (outer * length)
+        runs = _bytes(target).reshape(outer, target.shape[axis] * row)[:, : length * row]
+        return [run.data for run in runs]
 
-    def _fill(self, grown: mx.array, length: int, axis: int) -> None:
-        """Copy the view into the first length places of an evaluated grown buffer."""
-        buffer = memoryview(grown)  # type: ignore[arg-type]  # mx.array has the buffer protocol
-        target = _host_view(buffer, self.dtype, tuple(grown.shape))
-        target[(slice(None),) * axis + (slice(0, length),)] = _host_view(
-            self.view, self.dtype, self.shape
-        )
+
+def _bytes(array: mx.array) -> np.ndarray:
+    """The bytes of an evaluated array's buffer, writable (the buffer is the array's own)."""
+    return np.frombuffer(memoryview(array), dtype=np.uint8)  # type: ignore[arg-type]
+
+
+def owned_all(sources: Sequence[TensorSource]) -> list[mx.array]:
+    """Each tensor in a buffer of its own, the buffers filled in parallel."""
+    targets = [mx.zeros(source.shape, getattr(mx, source.dtype)) for source in sources]
+    mx.eval(targets)  # materialised: from here on their buffers are plain memory we may fill
+    _fill_all(
+        [
+            (s.fill, [_bytes(t).data] if s.nbytes else [])
+            for s, t in zip(sources, targets, strict=True)
+        ]
+    )
+    return targets
 
 
 def with_room_all(sources: Sequence[TensorSource], length: int, axis: int = 2) -> list[mx.array]:
     """TensorSource.with_room of several tensors (a layer's keys and values): allocated and
-    evaluated together by MLX on this thread, then, on the CPU build, filled in parallel
-    (numpy releases the GIL while it copies)."""
-    grown = [source._grown(length, axis) for source in sources]
-    mx.eval(grown)  # materialised: from here on their buffers are plain memory we may fill
-    if not ADOPTS:
-        fills = [
-            _copiers().submit(source._fill, array, length, axis)
-            for source, array in zip(sources, grown, strict=True)
-        ]
-        for fill in fills:
-            fill.result()
-    return grown
+    evaluated together by MLX on this thread, then filled in parallel."""
+    capacity = -(-(length + 1) // STEP) * STEP
+    targets = []
+    for source in sources:
+        if len(source.shape) <= axis or source.shape[axis] != length:
+            raise ValueError(f"tensor of shape {list(source.shape)} holds no {length} along {axis}")
+        shape = list(source.shape)
+        shape[axis] = capacity
+        targets.append(mx.zeros(shape, getattr(mx, source.dtype)))
+    mx.eval(targets)
+    _fill_all([(s.fill, s._runs(t, length, axis)) for s, t in zip(sources, targets, strict=True)])
+    return targets
+
+
+def _fill_all(jobs: Sequence[tuple[Fill, list[memoryview]]]) -> None:
+    """Run each fill on its pieces, in parallel when there are several; raises the first
+    failure once all have ended (none still writes into a buffer then)."""
+    if len(jobs) == 1:
+        fill, pieces = jobs[0]
+        fill(pieces)
+        return
+    futures = [_fillers().submit(fill, pieces) for fill, pieces in jobs]
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 @functools.cache
-def _copiers() -> ThreadPoolExecutor:
+def _fillers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvd-restore")

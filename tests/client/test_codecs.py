@@ -34,8 +34,8 @@ def _filled(cache: Any, tokens: int, seed: int = 0) -> Any:
 
 
 @contextmanager
-def _entry(tmp_path: Path, caches: list[Any], tokens: int) -> Iterator[entry_io.MappedEntry]:
-    """caches encoded and written as an entry file, mapped back read-only."""
+def _entry(tmp_path: Path, caches: list[Any], tokens: int) -> Iterator[entry_io.EntryFile]:
+    """caches encoded and written as an entry file, opened back as a lookup opens it."""
     layers, tensors, meta = encode(caches, tokens)
     plan = plan_entry(
         IDENTITY, pack_tokens(range(tokens)), layers, created=0.0, min_reuse=0, meta=meta
@@ -45,21 +45,22 @@ def _entry(tmp_path: Path, caches: list[Any], tokens: int) -> Iterator[entry_io.
     try:
         os.ftruncate(fd, plan.file_size)
         entry_io.write_entry(fd, plan, entry_io.tensor_views(plan, tensors))
-        mapped = entry_io.map_entry(fd, "entry")
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    entry = entry_io.EntryFile.open(fd, "entry")  # takes the descriptor
     try:
-        yield mapped
+        yield entry
     finally:
-        mapped.close()
+        entry.close()
 
 
 def _round_trip(
     tmp_path: Path, caches: list[Any], tokens: int, matched: int | None = None
 ) -> tuple[EntryHeader, list[Any]]:
-    with _entry(tmp_path, caches, tokens) as mapped:
-        restored = decode(mapped.header, mapped.tensors, tokens if matched is None else matched)
-        return mapped.header, restored
+    with _entry(tmp_path, caches, tokens) as entry:
+        restored = decode(entry.header, entry.fills(), tokens if matched is None else matched)
+        return entry.header, restored
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
@@ -152,8 +153,8 @@ def test_arrays_cache_keeps_its_none_entries_and_is_never_trimmable(tmp_path: Pa
     assert restored.left_padding is None
     assert _same(restored.cache[0], cache[0])
     assert _same(restored.cache[2], cache[2])
-    with _entry(tmp_path, [cache], 7) as mapped, pytest.raises(Miss, match="untrimmable"):
-        decode(mapped.header, mapped.tensors, 6)
+    with _entry(tmp_path, [cache], 7) as entry, pytest.raises(Miss, match="untrimmable"):
+        decode(entry.header, entry.fills(), 6)
 
 
 def test_chunked_cache_round_trips(tmp_path: Path) -> None:
@@ -234,23 +235,23 @@ def test_a_cache_holding_other_tokens_than_the_entry_is_refused() -> None:
 
 
 def test_unknown_kinds_and_codec_sets_are_misses(tmp_path: Path) -> None:
-    with _entry(tmp_path, [_filled(mlc.KVCache(), 3)], 3) as mapped:
-        header = mapped.header
+    with _entry(tmp_path, [_filled(mlc.KVCache(), 3)], 3) as entry:
+        header = entry.header
         renamed = header.layers[0].__class__(
             "mystery", header.layers[0].meta, True, header.layers[0].slots
         )
         with pytest.raises(Miss, match="unknown kind"):
-            decode(header.__class__(**{**vars(header), "layers": (renamed,)}), mapped.tensors, 3)
+            decode(header.__class__(**{**vars(header), "layers": (renamed,)}), entry.fills(), 3)
         other = header.identity.__class__(**{**vars(header.identity), "codec_id": "x/0"})
         with pytest.raises(Miss, match="codec"):
-            decode(header.__class__(**{**vars(header), "identity": other}), mapped.tensors, 3)
+            decode(header.__class__(**{**vars(header), "identity": other}), entry.fills(), 3)
     assert header.identity.codec_id == CODEC_ID
 
 
 def test_tensors_that_do_not_fit_the_meta_are_a_miss(tmp_path: Path) -> None:
-    with _entry(tmp_path, [_filled(mlc.KVCache(), 3)], 3) as mapped:
-        layer = mapped.header.layers[0]
+    with _entry(tmp_path, [_filled(mlc.KVCache(), 3)], 3) as entry:
+        layer = entry.header.layers[0]
         lying = layer.__class__(layer.kind, {"offset": 4}, True, layer.slots)
-        header = mapped.header.__class__(**{**vars(mapped.header), "layers": (lying,)})
+        header = entry.header.__class__(**{**vars(entry.header), "layers": (lying,)})
         with pytest.raises(Miss, match="load failed"):
-            decode(header, mapped.tensors, 3)
+            decode(header, entry.fills(), 3)
