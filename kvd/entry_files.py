@@ -104,6 +104,11 @@ def verify_data(path: Path, header: EntryHeader) -> None:
             view.release()
 
 
+def verify_entry(path: Path, limits: Limits) -> None:
+    """Validate an entry file whole, head and every tensor; raises EntryFormatError."""
+    verify_data(path, read_header(path, limits))
+
+
 def persist(staging: Path, final: Path) -> None:
     """Make a validated staging file a durable entry: full sync, rename, sync the folders."""
     if not final.parent.is_dir():

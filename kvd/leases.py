@@ -42,7 +42,8 @@ class Leases:
         self._catalog.lease_taken(record)
         return lease
 
-    def release(self, owner: int, lease_id: int) -> None:
+    def release(self, owner: int, lease_id: int) -> EntryRecord:
+        """End owner's lease; the entry it was on."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no lease {lease_id} on this connection")
@@ -51,6 +52,7 @@ class Leases:
         if not owned:
             del self._by_owner[owner]
         self._end(lease_id)
+        return lease.record
 
     def release_all(self, owner: int) -> None:
         """The owner's connection ended: every lease it holds ends, and no other is looked at."""

@@ -29,7 +29,16 @@ log = get_logger("kvd.session")
 
 RECEIVE_BYTES = 1 << 16
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
-FEATURES = ("put", "lookup", "leases", "flush", "evict", "list", "lookup_min_tokens")
+FEATURES = (
+    "put",
+    "lookup",
+    "leases",
+    "flush",
+    "evict",
+    "list",
+    "lookup_min_tokens",
+    "release_damaged",
+)
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
 INLINE = frozenset(
     {
@@ -259,7 +268,7 @@ class Session:
         return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
     async def _release(self, request: m.Release) -> m.ReleaseReply:
-        self.tier.release(self.peer.session, request.lease)
+        await self.tier.release(self.peer.session, request.lease, request.damaged)
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:

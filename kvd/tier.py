@@ -18,12 +18,12 @@ import os
 import time
 
 import anyio
-from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 from kvd_protocol.messages import EntrySummary
 
-from kvd import recovery, snapshot
+from kvd import entry_files, recovery, snapshot
 from kvd.catalog import Catalog
 from kvd.config import Config
 from kvd.eviction import EVICTION_POLICIES
@@ -67,6 +67,7 @@ class Tier:
         self.started = time.time()
         self._lock_fd = -1
         self._snapshot_version = -1
+        self._checking: set[str] = set()  # entries reported damaged, being checked
 
     # --- the directory ---------------------------------------------------------------------
 
@@ -190,8 +191,31 @@ class Tier:
             self.catalog.drop(record)  # one in flight is deleted once its write ends
         return len(records)
 
-    def release(self, owner: int, lease_id: int) -> None:
-        self.leases.release(owner, lease_id)
+    async def release(self, owner: int, lease_id: int, damaged: str | None = None) -> None:
+        """End a lease. damaged: why the client could not use the entry's file; the file is
+        checked and quarantined if it fails (a client's word alone never removes an entry)."""
+        record = self.leases.release(owner, lease_id)
+        if damaged is not None and record.durable:  # a pending one is verified by the writer
+            await self._check_reported(record, damaged)
+
+    async def _check_reported(self, record: EntryRecord, damaged: str) -> None:
+        if record.id in self._checking:
+            return  # another engine reported it too: one check is enough
+        self._checking.add(record.id)
+        path = self.catalog.path_of(record)
+        try:
+            await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
+        except EntryFormatError as exc:
+            if record.id in self.catalog.records:  # not dropped while it was checked
+                await self.quarantine.file(path, str(exc))  # first: dropping would unlink it
+                self.catalog.drop(record)
+            return
+        except OSError as exc:
+            log.warning("reported_entry_unreadable", entry=record.id, error=str(exc))
+            return
+        finally:
+            self._checking.discard(record.id)
+        log.warning("reported_damage_not_found", entry=record.id, reported=damaged)
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from daemon_e2e import (
     IDENTITY,
     OTHER_IDENTITY,
     SETTLE_SECONDS,
+    RawPeer,
     entry,
     looked_up_tokens,
     put_stored,
@@ -20,6 +22,8 @@ from daemon_e2e import (
 from daemon_process import Daemon
 from kvd_client.calls import TicketState
 from kvd_client.client import Client
+from kvd_protocol import messages as m
+from kvd_protocol.tokens import pack_tokens
 
 BASE = list(range(100, 164))  # 64 tokens
 
@@ -185,3 +189,24 @@ def test_min_tokens_is_applied_by_the_client_when_the_daemon_does_not_offer_it(
         found = client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=32)
         assert found is not None
         found.release()
+
+
+def test_a_damage_report_the_file_does_not_bear_out_removes_nothing(daemon: Daemon) -> None:
+    with (
+        Client.connect(daemon.socket_path, require=True) as client,
+        RawPeer(daemon.socket_path) as peer,
+    ):
+        put_stored(client, IDENTITY, BASE, seed=1)
+        found = peer.call(m.Lookup(id=peer.next_id(), identity=IDENTITY, tokens=pack_tokens(BASE)))
+        assert isinstance(found, m.LookupReply)
+        assert found.lease is not None
+        assert found.fd is not None
+        os.close(found.fd)
+        reply = peer.call(m.Release(id=peer.next_id(), lease=found.lease, damaged="data_checksum"))
+        assert isinstance(reply, m.ReleaseReply)
+        assert len(client.list_entries()) == 1  # the file is whole: a client's word is not enough
+        assert report(client)["quarantined"] == 0
+        assert report(client)["leased_entries"] == 0
+        result = client.lookup(IDENTITY, BASE)
+        assert result is not None
+        result.release()
