@@ -19,10 +19,22 @@ from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.codecs import CODEC_ID
 from kvd_client.identity import Identity
-from tiny_models import greedy, prefill, prompt, tiny_lfm2, tiny_llama, tiny_mamba2
+from mlx_lm.models import cache as _mlx_lm_cache
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import (
+    greedy,
+    prefill,
+    prompt,
+    tiny_falcon_h1,
+    tiny_lfm2,
+    tiny_llama,
+    tiny_llama4,
+    tiny_mamba2,
+)
 
 SETTLE_SECONDS = 30.0
 STEPS = 4
+mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 
 
 MODELS = {
@@ -30,6 +42,22 @@ MODELS = {
     "sliding": lambda: tiny_llama(4, sliding_window=8),
     "lfm2": tiny_lfm2,
     "mamba2": tiny_mamba2,
+    "llama4": tiny_llama4,  # ChunkedKVCache
+    "falcon_h1": tiny_falcon_h1,  # CacheList
+}
+
+
+def _batched(template: Any) -> Any:
+    """The batch cache of one sequence that batch generation makes in place of template."""
+    if type(template) is mlc.RotatingKVCache:
+        return mlc.BatchRotatingKVCache(template.max_size, left_padding=[0])
+    return mlc.BatchKVCache(left_padding=[0])
+
+
+# Caches an engine makes itself in place of the model's own (make_prompt_cache).
+CACHES = {
+    "concatenate": lambda model: [mlc.ConcatenateKVCache() for _ in make_prompt_cache(model)],
+    "batch": lambda model: [_batched(c) for c in make_prompt_cache(model)],
 }
 
 
@@ -58,6 +86,40 @@ def test_a_restored_cache_continues_like_the_original(daemon: Daemon, name: str)
     assert restored is not None
     assert restored.matched == len(tokens) - 1
     assert [type(c) for c in restored.cache] == [type(c) for c in cache]
+    _assert_same_run(
+        greedy(model, restored.cache, tokens[-1:], STEPS), greedy(model, cache, tokens[-1:], STEPS)
+    )
+
+
+def test_a_chunked_cache_past_its_first_chunk_continues_like_the_original(daemon: Daemon) -> None:
+    model = tiny_llama4()
+    tokens = prompt(20)
+    cache = prefill(model, tokens[:12])
+    prefill(model, tokens[12:-1], cache)  # the chunked layers drop what is behind their chunk
+    assert {c.start_position for c in cache if type(c) is mlc.ChunkedKVCache} != {0}
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _stored(client, _identity("llama4"), tokens[:-1], cache)
+        restored = client.get(_identity("llama4"), tokens, model=model)
+    assert restored is not None
+    assert [c.state[2:] for c in restored.cache[:3]] == [c.state[2:] for c in cache[:3]]
+    _assert_same_run(
+        greedy(model, restored.cache, tokens[-1:], STEPS), greedy(model, cache, tokens[-1:], STEPS)
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_caches_an_engine_makes_itself_continue_like_the_original(
+    daemon: Daemon, kind: str, sliding: bool
+) -> None:
+    model = tiny_llama(4, sliding_window=8) if sliding else tiny_llama()
+    tokens = prompt(20)
+    cache = prefill(model, tokens[:-1], CACHES[kind](model))
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _stored(client, _identity(kind), tokens[:-1], cache)
+        restored = client.get(_identity(kind), tokens)  # not the model's own caches
+    assert restored is not None
+    assert restored.matched == len(tokens) - 1
     _assert_same_run(
         greedy(model, restored.cache, tokens[-1:], STEPS), greedy(model, cache, tokens[-1:], STEPS)
     )

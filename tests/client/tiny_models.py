@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models import lfm2, llama, mamba2
+from mlx_lm.models import falcon_h1, lfm2, llama, llama4, mamba2
 from mlx_lm.models.cache import make_prompt_cache
 
 VOCAB = 256
@@ -92,6 +92,56 @@ def tiny_mamba2(seed: int = 0) -> Any:
         time_step_rank=4,
     )
     return _ready(mamba2.Model(args), seed)
+
+
+def tiny_llama4(seed: int = 0) -> Any:
+    """llama4 text: three layers of chunked attention (ChunkedKVCache, chunks of 8) and one
+    of full attention (KVCache), mixture-of-experts feed-forward on every other layer."""
+    mx.random.seed(seed)
+    text = {
+        "model_type": "llama4_text",
+        "attention_bias": False,
+        "attention_chunk_size": 8,
+        "head_dim": 32,
+        "hidden_size": 64,
+        "interleave_moe_layer_step": 2,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "max_position_embeddings": 512,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "use_qk_norm": True,
+        "vocab_size": VOCAB,
+    }
+    return _ready(llama4.Model(llama4.ModelArgs(model_type="llama4", text_config=text)), seed)
+
+
+def tiny_falcon_h1(seed: int = 0) -> Any:
+    """falcon_h1 hybrid: every layer a CacheList of an ArraysCache (SSM) and a KVCache."""
+    mx.random.seed(seed)
+    args = falcon_h1.ModelArgs(
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        mamba_chunk_size=8,
+        mamba_d_conv=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=16,
+        mamba_n_heads=4,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+    model: Any = falcon_h1.Model  # its constructor has no type hints
+    return _ready(model(args), seed)
 
 
 def prompt(length: int, seed: int = 1) -> list[int]:
