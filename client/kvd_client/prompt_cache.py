@@ -24,7 +24,7 @@ from . import calls
 from .calls import Call, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
-from .restore import Fill, TensorSource, dtype_name
+from .restore import Fill, Filling, TensorSource, dtype_name
 
 log = logging.getLogger("kvd_client")
 
@@ -129,15 +129,16 @@ def decode(
     excess = header.token_count - matched
     if excess and not header.trimmable:
         raise Miss("untrimmable", f"{header.token_count} tokens stored, {matched} matched")
-    sources = iter(
-        TensorSource(fill, slot.dtype, slot.shape)
-        for slot, fill in zip(header.slots, fills, strict=True)
-    )
     try:
-        caches = [
-            codec.load(layer.meta, [next(sources) for _ in layer.slots])
-            for codec, layer in zip(codecs, header.layers, strict=True)
-        ]
+        with Filling() as filling:
+            sources = iter(
+                TensorSource(filling.deferred(fill), slot.dtype, slot.shape)
+                for slot, fill in zip(header.slots, fills, strict=True)
+            )
+            caches = [
+                codec.load(layer.meta, [next(sources) for _ in layer.slots])
+                for codec, layer in zip(codecs, header.layers, strict=True)
+            ]
         for cache in caches:
             if excess and cache.trim(excess) != excess:
                 raise CodecError(f"a {type(cache).__name__} could not drop {excess} tokens")

@@ -4,8 +4,8 @@ Each destination is allocated by MLX (zeros, evaluated), then filled through its
 the tensor's Fill: for an entry file, pread straight from the page cache, checksummed while
 the bytes are still in the CPU's cache (entry_io.EntryFile.read_slot). KV tensors get room
 to grow (with_room): the stored tokens fill the start of a buffer sized for the next ones,
-which spares the first decode step a whole-cache copy. The tensors of one layer are filled
-in parallel threads (pread and the checksum release the GIL).
+which spares the first decode step a whole-cache copy. A restore's fills run on reader
+threads (Filling) while this thread allocates the next layers' buffers.
 
 No array is ever backed by the file itself: a mapping faults (SIGBUS) when the file
 shrinks behind it, and MLX writes into buffers it believes it owns (donation, in-place slice
@@ -17,9 +17,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import math
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
@@ -80,21 +79,17 @@ def _bytes(array: mx.array) -> np.ndarray:
 
 
 def owned_all(sources: Sequence[TensorSource]) -> list[mx.array]:
-    """Each tensor in a buffer of its own, the buffers filled in parallel."""
+    """Each tensor in a buffer of its own."""
     targets = [mx.zeros(source.shape, getattr(mx, source.dtype)) for source in sources]
     mx.eval(targets)  # materialised: from here on their buffers are plain memory we may fill
-    _fill_all(
-        [
-            (s.fill, [_bytes(t).data] if s.nbytes else [])
-            for s, t in zip(sources, targets, strict=True)
-        ]
-    )
+    for source, target in zip(sources, targets, strict=True):
+        source.fill([_bytes(target).data] if source.nbytes else [])
     return targets
 
 
 def with_room_all(sources: Sequence[TensorSource], length: int, axis: int = 2) -> list[mx.array]:
-    """TensorSource.with_room of several tensors (a layer's keys and values): allocated and
-    evaluated together by MLX on this thread, then filled in parallel."""
+    """TensorSource.with_room of several tensors (a layer's keys and values), allocated and
+    evaluated together by MLX on this thread."""
     capacity = -(-(length + 1) // STEP) * STEP
     targets = []
     for source in sources:
@@ -104,23 +99,42 @@ def with_room_all(sources: Sequence[TensorSource], length: int, axis: int = 2) -
         shape[axis] = capacity
         targets.append(mx.zeros(shape, getattr(mx, source.dtype)))
     mx.eval(targets)
-    _fill_all([(s.fill, s._runs(t, length, axis)) for s, t in zip(sources, targets, strict=True)])
+    for source, target in zip(sources, targets, strict=True):
+        source.fill(source._runs(target, length, axis))
     return targets
 
 
-def _fill_all(jobs: Sequence[tuple[Fill, list[memoryview]]]) -> None:
-    """Run each fill on its pieces, in parallel when there are several; raises the first
-    failure once all have ended (none still writes into a buffer then)."""
-    if len(jobs) == 1:
-        fill, pieces = jobs[0]
-        fill(pieces)
-        return
-    futures = [_fillers().submit(fill, pieces) for fill, pieces in jobs]
-    wait(futures)
-    for future in futures:
-        future.result()
+class Filling:
+    """The fills of one restore, run by a pool of reader threads while this thread goes on
+    allocating the next buffers; leaving the block waits for every fill, then raises the
+    first failure. Nothing may read the arrays before (the buffers are still being filled),
+    and nothing is left writing into them after."""
+
+    def __init__(self) -> None:
+        self._pending: list[Future[None]] = []
+
+    def deferred(self, fill: Fill) -> Fill:
+        """fill, handed to a reader thread: returns at once."""
+
+        def submit(pieces: Sequence[memoryview]) -> None:
+            self._pending.append(_readers().submit(fill, pieces))
+
+        return submit
+
+    def __enter__(self) -> Filling:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        wait(self._pending)
+        for future in self._pending:
+            future.result()
+
+
+# Reads from the page cache wait on the kernel's copy: more threads than cores go faster
+# (four, as many as mx.load uses, read about twice as fast as one on the 2-core Linux VM).
+READERS: Final = 4
 
 
 @functools.cache
-def _fillers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="kvd-restore")
+def _readers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvd-restore")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import pytest
-from kvd_client.restore import STEP, TensorSource, dtype_name, owned_all
+from kvd_client.restore import STEP, Filling, TensorSource, dtype_name, owned_all, with_room_all
 
 
 def _fill_from(data: bytes) -> tuple[list[list[int]], object]:
@@ -63,7 +63,7 @@ def test_with_room_refuses_a_length_the_tensor_does_not_hold() -> None:
         _source(mx.zeros((1, 2, 6, 4))).with_room(7)
 
 
-def test_a_failing_fill_fails_the_restore_after_every_fill_ended() -> None:
+def test_filling_waits_for_every_fill_then_raises_the_first_failure() -> None:
     ended: list[str] = []
 
     def broken(pieces: Sequence[memoryview]) -> None:
@@ -75,10 +75,24 @@ def test_a_failing_fill_fails_the_restore_after_every_fill_ended() -> None:
             piece[:] = bytes(piece.nbytes)
         ended.append("slow")
 
-    sources = [TensorSource(broken, "float32", (4,)), TensorSource(slow, "float32", (1 << 20,))]
-    with pytest.raises(OSError, match="disk gone"):
-        owned_all(sources)
+    with pytest.raises(OSError, match="disk gone"), Filling() as filling:
+        owned_all(
+            [
+                TensorSource(filling.deferred(broken), "float32", (4,)),
+                TensorSource(filling.deferred(slow), "float32", (1 << 20,)),
+            ]
+        )
     assert sorted(ended) == ["broken", "slow"]
+
+
+def test_deferred_fills_have_filled_the_arrays_when_the_block_ends() -> None:
+    arrays = [mx.random.normal((1, 2, 300, 8), key=mx.random.key(i)) for i in range(6)]
+    with Filling() as filling:
+        sources = [_source(a) for a in arrays]
+        deferred = [TensorSource(filling.deferred(s.fill), s.dtype, s.shape) for s in sources]
+        grown = with_room_all(deferred, 300)
+    for restored, array in zip(grown, arrays, strict=True):
+        assert bool(mx.array_equal(restored[..., :300, :], array).item())
 
 
 def test_restored_arrays_are_writable_in_place() -> None:
