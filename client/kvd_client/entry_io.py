@@ -20,7 +20,7 @@ from typing import Any, Final, TypeAlias
 
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.entry import PREFIX_BYTES, EntryHeader, EntryPlan, Slot
-from kvd_protocol.entry_reader import parse_head, parse_header, parse_prefix, verify_slot
+from kvd_protocol.entry_reader import parse_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -102,27 +102,13 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 @dataclass(eq=False)
-class MappedEntry:
-    """An entry file mapped read-only, its header validated from the file itself.
+class _Mapping:
+    """A read-only mapping of a whole entry file and a view of each tensor's bytes, each on
+    a 16 KiB boundary of the page-aligned mapping."""
 
-    tensors holds, per slot in header order, a read-only view of exactly the slot's bytes;
-    each starts on a 16 KiB boundary of a page-aligned mapping, so MLX can adopt or copy it.
-    """
-
-    name: str
-    header: EntryHeader
     tensors: tuple[memoryview, ...]
     _base: memoryview
     _mapping: mmap.mmap
-
-    @property
-    def closed(self) -> bool:
-        return self._mapping.closed
-
-    def verify(self) -> None:
-        """Check every tensor against its slot checksum; raises EntryFormatError."""
-        for slot, view in zip(self.header.slots, self.tensors, strict=True):
-            verify_slot(self.name, slot, view)
 
     def close(self) -> None:
         """Release the views and unmap. Arrays the caller built on a view still hold the
@@ -135,33 +121,15 @@ class MappedEntry:
             self._mapping.close()
 
 
-# Map every page up front, in one call: the restore reads all of them, and taking a fault per
-# 4 KiB page costs more than the copy itself (Linux; elsewhere the pages fault in as read).
+# Map every page up front, in one call: a reader of the views reads all of them, and taking
+# a fault per 4 KiB page costs more than the copy itself (Linux; elsewhere pages fault in).
 _PREFAULT = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def map_entry(fd: int, name: str, limits: Limits = DEFAULT_LIMITS) -> MappedEntry:
-    """Map fd (an entry file, opened read-only) and validate its head; raises
-    EntryFormatError. The mapping holds its own reference to the file: fd may be closed."""
-    size = os.fstat(fd).st_size
-    return _mapped(fd, name, size, lambda base: parse_head(name, base, size, limits))
-
-
-def _mapped(
-    fd: int, name: str, size: int, header_of: Callable[[memoryview], EntryHeader]
-) -> MappedEntry:
-    if size == 0:
-        raise EntryFormatError(name, Rule.TRUNCATED, "the file is empty")
+def _map(fd: int, size: int, header: EntryHeader) -> _Mapping:
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _PREFAULT, prot=mmap.PROT_READ)
     base = memoryview(mapping)
-    try:
-        header = header_of(base)
-        views = tuple(base[slot.start : slot.end] for slot in header.slots)
-    except BaseException:
-        base.release()
-        mapping.close()
-        raise
-    return MappedEntry(name, header, views, base, mapping)
+    return _Mapping(tuple(base[slot.start : slot.end] for slot in header.slots), base, mapping)
 
 
 class EntryFile:
@@ -173,7 +141,7 @@ class EntryFile:
         self.header = header
         self.size = size
         self._fd = fd
-        self._mapped: MappedEntry | None = None
+        self._mapped: _Mapping | None = None
 
     @classmethod
     def open(cls, fd: int, name: str, limits: Limits = DEFAULT_LIMITS) -> EntryFile:
@@ -242,11 +210,12 @@ class EntryFile:
                 raise EntryFormatError(
                     self.name, Rule.TRUNCATED, f"{size} bytes now, {self.size} when looked up"
                 )
-            self._mapped = _mapped(self._fd, self.name, size, lambda _: self.header)
+            self._mapped = _map(self._fd, size, self.header)
         return self._mapped.tensors
 
     def close(self) -> None:
-        """Close the descriptor and the mapping, if any (see MappedEntry.close)."""
+        """Close the descriptor, and the mapping if any: arrays built on its views keep it
+        until the last of them goes."""
         if self._mapped is not None:
             self._mapped.close()
         if self._fd >= 0:

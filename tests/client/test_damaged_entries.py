@@ -1,5 +1,5 @@
-"""Entry files damaged on disk behind a real daemon: truncated, a header bit flipped, a tensor
-bit flipped. The engine never restores them, never raises, never dies (a mapping read past
+"""Entry files damaged on disk behind a real daemon: truncated, grown, a header bit flipped,
+a tensor bit flipped. The engine never restores them, never raises, never dies (a mapping read past
 the end of a shrunk file would kill it with SIGBUS), counts each miss by its reason, and the
 daemon, told of the damage, quarantines the file.
 
@@ -53,8 +53,8 @@ def _unseen(path: Path, folder: Path) -> Path:
 
 def _damage(link: Path, damage: str) -> None:
     size = link.stat().st_size
-    if damage == "truncated":
-        os.truncate(link, size // 2)
+    if damage in ("truncated", "grown"):
+        os.truncate(link, size // 2 if damage == "truncated" else size + 4096)
         return
     if damage == "header bit":
         offset = PREFIX_BYTES + 3
@@ -93,7 +93,12 @@ def _get_damaged(client: Client, model: Any, link: Path, damage: str) -> Any:
 
 @pytest.mark.parametrize(
     ("damage", "reason"),
-    [("truncated", "truncated"), ("header bit", "header_checksum"), ("data bit", "data_checksum")],
+    [
+        ("truncated", "truncated"),
+        ("grown", "file_size"),
+        ("header bit", "header_checksum"),
+        ("data bit", "data_checksum"),
+    ],
 )
 def test_a_damaged_entry_is_a_miss_by_reason_and_is_quarantined(
     daemon: Daemon, tmp_path: Path, damage: str, reason: str

@@ -95,13 +95,13 @@ def entry_file(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
 
 
 @pytest.fixture
-def mapped(entry_file: tuple[Path, list[np.ndarray]]) -> Iterator[entry_io.MappedEntry]:
+def mapped(entry_file: tuple[Path, list[np.ndarray]]) -> Iterator[entry_io.EntryFile]:
     path, _ = entry_file
     fd = os.open(path, os.O_RDONLY)
     try:
-        entry = entry_io.map_entry(fd, path.name)
+        entry = entry_io.EntryFile.open(os.dup(fd), path.name)
     finally:
-        os.close(fd)  # the mapping keeps the file
+        os.close(fd)  # the entry holds a duplicate of it
     yield entry
     entry.close()
 
@@ -190,7 +190,7 @@ def test_any_layout_round_trips_through_a_file(
     fd = _staging(path, plan.file_size)
     try:
         entry_io.write_entry(fd, plan, entry_io.tensor_views(plan, tensors))
-        entry = entry_io.map_entry(fd, path.name)
+        entry = entry_io.EntryFile.open(os.dup(fd), path.name)
     finally:
         os.close(fd)
     try:
@@ -200,11 +200,11 @@ def test_any_layout_round_trips_through_a_file(
         entry.close()
 
 
-# --- mapping --------------------------------------------------------------------------------
+# --- reading --------------------------------------------------------------------------------
 
 
 def test_mapped_views_are_exact_aligned_and_read_only(
-    mapped: entry_io.MappedEntry, entry_file: tuple[Path, list[np.ndarray]]
+    mapped: entry_io.EntryFile, entry_file: tuple[Path, list[np.ndarray]]
 ) -> None:
     _, tensors = entry_file
     assert len(mapped.tensors) == len(tensors)
@@ -227,7 +227,7 @@ def test_verify_finds_a_flipped_byte(entry_file: tuple[Path, list[np.ndarray]]) 
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        entry = entry_io.map_entry(fd, path.name)
+        entry = entry_io.EntryFile.open(os.dup(fd), path.name)
     finally:
         os.close(fd)
     try:
@@ -238,7 +238,7 @@ def test_verify_finds_a_flipped_byte(entry_file: tuple[Path, list[np.ndarray]]) 
         entry.close()
 
 
-def test_close_unmaps_and_invalidates_the_views(mapped: entry_io.MappedEntry) -> None:
+def test_close_unmaps_and_invalidates_the_views(mapped: entry_io.EntryFile) -> None:
     view = mapped.tensors[0]
     assert not mapped.closed
     mapped.close()
@@ -249,7 +249,7 @@ def test_close_unmaps_and_invalidates_the_views(mapped: entry_io.MappedEntry) ->
 
 
 def test_close_leaves_arrays_built_on_a_view_readable(
-    mapped: entry_io.MappedEntry, entry_file: tuple[Path, list[np.ndarray]]
+    mapped: entry_io.EntryFile, entry_file: tuple[Path, list[np.ndarray]]
 ) -> None:
     _, tensors = entry_file
     adopted = np.frombuffer(mapped.tensors[0], dtype=np.float16).reshape(tensors[0].shape)
@@ -269,7 +269,7 @@ def test_mapping_a_bad_file_raises_entry_format_error(
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(EntryFormatError) as caught:
-            entry_io.map_entry(fd, path.name)
+            entry_io.EntryFile.open(os.dup(fd), path.name)
     finally:
         os.close(fd)
     assert caught.value.rule is rule
