@@ -52,6 +52,10 @@ DEFAULT_SHUTDOWN_DEADLINE = 15.0
 DEFAULT_QUARANTINE_MAX_BYTES = 1 * GIB
 DEFAULT_SNAPSHOT_INTERVAL = 60.0  # a crash costs at most this much of header reads at start
 DEFAULT_RECONCILE_INTERVAL = 300.0
+DEFAULT_FRAME_TIMEOUT = 10.0
+DEFAULT_PUT_TIMEOUT = 300.0  # an engine writes a GiB in well under a second; generous
+DEFAULT_MAX_OPEN_PUTS = 16  # per connection; an engine has one or two under way
+DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one restore
 
 
 def setting(
@@ -142,6 +146,40 @@ class Config:
             "a group also allowed to connect: the socket's folder becomes 0750 and the socket "
             "0660, owned by that group (owner only otherwise)",
             "none",
+        ),
+    )
+    max_connections: int = field(
+        default=0,
+        metadata=setting(
+            values.count,
+            "N",
+            "connections served at once; one more is answered `too_many_connections` and closed "
+            "(0: sized to the open-file limit, which kvd raises to the hard limit at start)",
+            "0 (auto)",
+        ),
+    )
+    frame_timeout: float = field(
+        default=DEFAULT_FRAME_TIMEOUT,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "a connection that sends part of a frame and stalls this long is closed",
+        ),
+    )
+    max_open_puts: int = field(
+        default=DEFAULT_MAX_OPEN_PUTS,
+        metadata=setting(values.count, "N", "puts begun and not committed one connection may hold"),
+    )
+    max_leases: int = field(
+        default=DEFAULT_MAX_LEASES,
+        metadata=setting(values.count, "N", "leases one connection may hold"),
+    )
+    put_timeout: float = field(
+        default=DEFAULT_PUT_TIMEOUT,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "a put not committed this long after put_begin is aborted and its bytes returned",
         ),
     )
     quarantine_max_bytes: int = field(

@@ -56,6 +56,15 @@ def duration(value: object) -> float:
     return seconds
 
 
+def count(value: object) -> int:
+    """A whole number, zero or more (a TOML integer or a string of digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return value
+
+
 def text(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")

@@ -34,6 +34,9 @@ class Leases:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def held_by(self, owner: int) -> int:
+        return len(self._by_owner.get(owner, ()))
+
     def take(self, owner: int, record: EntryRecord) -> int:
         """A new lease on record for owner; a use of the entry."""
         lease = next(self._ids)

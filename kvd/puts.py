@@ -1,16 +1,23 @@
 """Puts: a staging file handed to an engine, then committed (or aborted, or abandoned).
 
 begin hands out a staging file, unless the tier already holds the entry (or one covering
-it) or the queue has no room; the engine writes the entry into it; commit validates the
-header against what begin declared and hands the entry to the writer. A put belongs to the
+it) or there is no room; the engine writes the entry into it; commit validates the header
+against what begin declared and hands the entry to the writer. A put belongs to the
 connection that began it: only that one may commit or abort it, and its end abandons it.
+
+A staging file is pre-sized, so a put holds its bytes from begin on. They count against the
+write-behind cap (staged and queued bytes together stay under it; drop-oldest can make room
+only by dropping queued entries, never staged ones) and against the free-disk floor (entries
+are evicted to keep it, else the put is refused with no_space). A connection holds at most
+max_open_puts of them, and one not committed within put_timeout is aborted.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -22,11 +29,16 @@ from kvd_protocol.limits import Limits
 from kvd import entry_files
 from kvd.catalog import Catalog
 from kvd.config import Config
+from kvd.durability import disk_free
+from kvd.logs import get_logger
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.tickets import Tickets
 from kvd.tier_dir import new_entry_id
 from kvd.writer import Writer
+
+log = get_logger("kvd.puts")
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 @dataclass(eq=False)
@@ -39,6 +51,7 @@ class Put:
     tokens: bytes
     size: int
     path: Path
+    began: float = field(default_factory=time.monotonic)
 
 
 class Puts:
@@ -60,9 +73,14 @@ class Puts:
         self._writer = writer
         self._tickets = tickets
         self._quarantine = quarantine
-        self._puts: dict[int, Put] = {}
+        self._puts: dict[int, Put] = {}  # in the order they began
         self._by_owner: dict[int, dict[int, None]] = {}
         self._ids = itertools.count(1)
+        self.staged_bytes = 0  # the staging files' sizes, begun and not yet committed
+        self.refused = 0  # put_begins refused for want of room under the write-behind cap
+
+    def __len__(self) -> int:
+        return len(self._puts)
 
     async def begin(
         self, owner: int, identity: Identity, tokens: bytes, size: int
@@ -85,43 +103,104 @@ class Puts:
             if index.covering(tokens) is not None:
                 self._catalog.counters.duplicates += 1
                 return None, "covered", None
-        if not await self._writer.make_room(size):
-            # Before the engine spends time writing. Not one of the queue's refusals: nothing
-            # was offered to the queue yet.
-            raise ProtocolError(ErrorCode.REFUSED, self._writer.no_room(size))
+        if len(self._by_owner.get(owner, ())) >= self._config.max_open_puts:
+            raise ProtocolError(
+                ErrorCode.OVER_LIMIT,
+                f"{self._config.max_open_puts} puts begun and not committed on this connection",
+            )
+        # Before the engine spends time writing. Not one of the queue's refusals: nothing was
+        # offered to the queue yet.
+        if not await self._writer.make_room(size, lambda: self.staged_bytes):
+            self.refused += 1
+            raise ProtocolError(ErrorCode.REFUSED, self._no_room(size))
+        self._keep_floor(size)
         put_id = next(self._ids)
         path = self._catalog.dirs.staging_path(f"{put_id}-{new_entry_id()}")
+        self.staged_bytes += size  # held from here: another begin may run while this one waits
         try:
             fd = await anyio.to_thread.run_sync(entry_files.create_staging, path, size)
         except OSError as exc:
+            self.staged_bytes -= size
+            self._writer.pulse_changed()
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ProtocolError(ErrorCode.NO_SPACE, f"no space for {size} bytes") from None
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                raise ProtocolError(
+                    ErrorCode.REFUSED, "kvd has no file descriptor free for a staging file"
+                ) from None
             raise
         put = Put(put_id, owner, identity, tokens, size, path)
         self._puts[put_id] = put
         self._by_owner.setdefault(owner, {})[put_id] = None
         return put, None, fd
 
+    def _no_room(self, size: int) -> str:
+        queue = self._writer.queue
+        return (
+            f"the write-behind queue holds {queue.pending_bytes} bytes and puts under way "
+            f"{self.staged_bytes}, of {queue.cap_bytes}: no room for {size} more"
+        )
+
+    def _keep_floor(self, size: int) -> None:
+        """Evict (in the policy's order) so that size more bytes keep the free-disk floor;
+        NO_SPACE when even that leaves too little."""
+        floor = self._config.min_free
+        if not floor:
+            return
+        self._catalog.evict_to_cap(self._config.max_bytes, floor + size)
+        try:
+            free = disk_free(self._catalog.dirs.root)
+        except OSError:
+            return  # unknown: the reservation itself will say
+        if free - size < floor:
+            raise ProtocolError(
+                ErrorCode.NO_SPACE,
+                f"{size} bytes would leave {max(0, free - size)} bytes free on the disk, under "
+                f"the floor of {floor}",
+            )
+
     def take(self, owner: int, put_id: int) -> Put:
         """The owner's put, now the caller's: to commit or to abort."""
         put = self._puts.get(put_id)
         if put is None or put.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no put {put_id} on this connection")
-        del self._puts[put_id]
-        owned = self._by_owner[owner]
-        del owned[put_id]
-        if not owned:
-            del self._by_owner[owner]
+        self._forget(put)
         return put
+
+    def _forget(self, put: Put) -> None:
+        del self._puts[put.id]
+        owned = self._by_owner[put.owner]
+        del owned[put.id]
+        if not owned:
+            del self._by_owner[put.owner]
+        self.staged_bytes -= put.size
+        self._writer.pulse_changed()  # room, for a put that waits for it
 
     def abort(self, put: Put) -> None:
         entry_files.unlink_quietly(put.path)
 
     def abandon_all(self, owner: int) -> None:
         """The owner's connection ended: its uncommitted staging files go."""
-        for put_id in self._by_owner.pop(owner, {}):
+        for put_id in list(self._by_owner.get(owner, {})):
+            put = self._puts[put_id]
+            self._forget(put)
             self._catalog.counters.abandoned += 1
-            self.abort(self._puts.pop(put_id))
+            self.abort(put)
+
+    def expire(self, now: float | None = None) -> int:
+        """Abort every put begun more than put_timeout ago; how many went."""
+        deadline = (time.monotonic() if now is None else now) - self._config.put_timeout
+        stale = []
+        for put in self._puts.values():  # oldest first
+            if put.began > deadline:
+                break
+            stale.append(put)
+        for put in stale:
+            self._forget(put)
+            self._catalog.counters.abandoned += 1
+            self.abort(put)
+            log.warning("put_expired", put=put.id, bytes=put.size, owner=put.owner)
+        return len(stale)
 
     async def commit(self, put: Put) -> int:
         """Validate the written header, index the entry and queue it; returns its ticket.

@@ -2,10 +2,16 @@
 
 SIGTERM or SIGINT: stop accepting, flush the write-behind queue within the shutdown deadline,
 close, exit 0. A second signal exits at once.
+
+Descriptors: the soft open-file limit is raised to the hard one at start, and connections are
+capped below it (max_connections; one more is told `too_many_connections` and closed). Should
+the process still run out (EMFILE, ENFILE: other files, a low hard limit), accepting pauses
+with a growing back-off, logged once, and resumes as soon as a connection is accepted again.
 """
 
 from __future__ import annotations
 
+import errno
 import grp
 import itertools
 import os
@@ -13,7 +19,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from anyio.abc import SocketListener, SocketStream, TaskGroup
@@ -23,6 +29,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 
 from kvd import __version__
 from kvd.config import Config
+from kvd.fd_limit import connections_for, raise_open_file_limit
 from kvd.listener import bind_socket, inherited_socket
 from kvd.logs import get_logger
 from kvd.peercred import peer_credentials
@@ -36,6 +43,9 @@ log = get_logger("kvd.server")
 
 RESTART_SECONDS = 0.5  # the first pause before a failed background task runs again
 RESTART_MAX_SECONDS = 30.0
+# accept() errors that mean "no descriptor or memory for one more now": wait, then retry.
+OUT_OF_DESCRIPTORS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF: Final = (0.01, 1.0)  # seconds: first pause, longest pause
 
 
 class Server:
@@ -50,6 +60,7 @@ class Server:
         self.config = config
         self.tier = Tier(config, limits)
         self.peers: dict[int, Peer] = {}
+        self.max_connections = config.max_connections
         self._sessions = itertools.count(1)
         self._allowed_gid = _group_id(config.socket_group)
 
@@ -61,6 +72,14 @@ class Server:
         session_id = next(self._sessions)
         try:
             async with stream:
+                if len(self.peers) >= self.max_connections:
+                    log.warning("connection_refused", connections=len(self.peers))
+                    refusal = Connection(Role.SERVER).send_final_error(
+                        ErrorCode.TOO_MANY_CONNECTIONS,
+                        f"kvd serves {self.max_connections} connections already; try later",
+                    )
+                    await stream.send(refusal)
+                    return
                 credentials = peer_credentials(raw_socket(stream))
                 if not self._allowed(credentials.uid, credentials.gid):
                     log.warning("peer_refused", uid=credentials.uid, pid=credentials.pid)
@@ -85,6 +104,10 @@ class Server:
         )
 
     async def run(self) -> None:
+        open_files = raise_open_file_limit()
+        if not self.max_connections:
+            self.max_connections = connections_for(open_files)
+        log.info("limits", open_files=open_files, max_connections=self.max_connections)
         await self.tier.open()
         sock = inherited_socket()
         owns_socket = sock is None
@@ -119,14 +142,29 @@ class Server:
         tasks.start_soon(keep_running, "reconcile", reconciler)
         snapshotter = partial(tier.snapshot_periodically, config.snapshot_interval)
         tasks.start_soon(keep_running, "snapshot", snapshotter)
+        tasks.start_soon(keep_running, "put_expiry", tier.expire_puts_periodically)
 
     async def _serve(self, listener: SocketListener, tasks: TaskGroup) -> None:
-        try:
-            while True:
+        pause = 0.0
+        while True:
+            try:
                 stream = await listener.accept()
-                tasks.start_soon(self.handle, stream)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:
+                if exc.errno not in OUT_OF_DESCRIPTORS:
+                    log.warning("accept_failed", error=str(exc))  # the peer gave up: next
+                    continue
+                if not pause:
+                    log.warning("accept_paused", error=str(exc), connections=len(self.peers))
+                first, longest = ACCEPT_BACKOFF
+                pause = min(longest, pause * 2 or first)
+                await anyio.sleep(pause)
+                continue
+            if pause:
+                log.info("accept_resumed", connections=len(self.peers))
+                pause = 0.0
+            tasks.start_soon(self.handle, stream)
 
     async def _watchdog(self, notifier: Notifier) -> None:
         interval = watchdog_interval()

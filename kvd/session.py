@@ -117,8 +117,16 @@ class Session:
     async def _receive_loop(self, tasks: TaskGroup) -> None:
         while True:
             try:
-                data, fds = await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
+                data, fds = await self._receive()
             except socket_io.PeerGone:
+                return
+            except TimeoutError:
+                frame_timeout = self.tier.config.frame_timeout
+                await self._fatal(
+                    RemoteProtocolError(
+                        ErrorCode.TIMEOUT, f"a frame begun and not finished in {frame_timeout:g} s"
+                    )
+                )
                 return
             except socket_io.BadAncillary as exc:
                 await self._fatal(RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
@@ -147,6 +155,15 @@ class Session:
                         await self._answer(event)
                     else:
                         tasks.start_soon(self._answer, event)
+
+    async def _receive(self) -> tuple[bytes, list[int]]:
+        """The next bytes from the peer. Between frames a connection may idle as long as it
+        likes; inside one (part of a frame buffered), the rest must come within frame_timeout:
+        TimeoutError otherwise."""
+        if not self.conn.buffered_bytes:
+            return await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
+        with anyio.fail_after(self.tier.config.frame_timeout):
+            return await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
 
     async def _fatal(self, exc: ProtocolError) -> None:
         """A fatal protocol error: say why, then close (the stream cannot be resynchronised)."""

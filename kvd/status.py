@@ -42,6 +42,8 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "abandoned_puts": counters.abandoned,
         "bytes_written": counters.bytes_written,
         "leased_entries": catalog.leased,
+        "staged_bytes": tier.puts.staged_bytes,
+        "staged_puts": len(tier.puts),
         "writeback": {
             "pending_bytes": queue.pending_bytes,
             "pending_count": queue.pending_count,
@@ -50,7 +52,8 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "stored": queue.stored,
             "dropped": queue.dropped + queue.cancelled,
             "failed": queue.failed,
-            "refused": queue.refused,
+            "refused": queue.refused,  # at commit
+            "refused_at_begin": tier.puts.refused,
         },
         "identities": [
             {"identity": digest, "entries": counts.entries, "bytes": counts.bytes}

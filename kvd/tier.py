@@ -119,6 +119,13 @@ class Tier:
                 except OSError as exc:
                     log.warning("snapshot_failed", error=str(exc))
 
+    async def expire_puts_periodically(self) -> None:
+        """Abort the puts not committed within put_timeout (their staging bytes come back)."""
+        every = min(self.config.put_timeout / 4, 5.0)
+        while True:
+            await anyio.sleep(every)
+            self.puts.expire()
+
     def close(self) -> None:
         os.close(self._lock_fd)
 
@@ -156,6 +163,7 @@ class Tier:
     ) -> tuple[Match, int, int] | None:
         """The best usable entry, its read-only descriptor and a lease; None on a miss, also
         when the best match is shorter than min_tokens."""
+        self._check_leases(owner)
         digest = identity.digest()
         counters = self.catalog.counters
         while (index := self.catalog.index(digest)) and (match := index.best_match(tokens)):
@@ -173,6 +181,7 @@ class Tier:
         self, owner: int, identity: Identity, key: str, prompt: bytes
     ) -> tuple[EntryRecord, int, int] | None:
         """The newest checkpoint under key whose tokens extend prompt, opened and leased."""
+        self._check_leases(owner)
         counters = self.catalog.counters
         for record in reversed(self.catalog.checkpoints(identity.digest(), key)):
             if len(record.tokens) > len(prompt) and record.tokens.startswith(prompt):
@@ -190,6 +199,14 @@ class Tier:
             self.writer.withdraw(record, "checkpoint forgotten")
             self.catalog.drop(record)  # one in flight is deleted once its write ends
         return len(records)
+
+    def _check_leases(self, owner: int) -> None:
+        if self.leases.held_by(owner) >= self.config.max_leases:
+            raise ProtocolError(
+                ErrorCode.OVER_LIMIT,
+                f"{self.config.max_leases} leases held on this connection: release some first",
+            )
+
 
     async def release(self, owner: int, lease_id: int, damaged: str | None = None) -> None:
         """End a lease. damaged: why the client could not use the entry's file; the file is

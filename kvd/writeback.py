@@ -10,7 +10,8 @@ The overflow policies (the Overflow table), applied when an enqueue would take p
 
 - drop-oldest (default): accept the new item, then drop the oldest queued items until under
   the cap. The item in flight and the one just enqueued are never dropped, so the cap is soft:
-  one item larger than the cap is still written rather than never.
+  one item larger than the cap is still written rather than never. shed() makes room the same
+  way for bytes about to come (a put begun, not yet committed).
 - block: the putter waits until room_for() says yes, then enqueues. There is always room in
   an empty queue, so one oversized item passes. An enqueue without room (the wait timed out)
   is refused.
@@ -166,6 +167,16 @@ class WritebackQueue(Generic[P]):
             self._leave(oldest, Outcome.DROPPED)
             dropped.append(oldest)
         return Admission(accepted=True, dropped=tuple(dropped))
+
+    def shed(self, nbytes: int) -> tuple[WriteItem[P], ...]:
+        """Drop the oldest queued items (never the one in flight) until nbytes more would fit
+        under the cap, or none is left to drop; the items dropped."""
+        dropped = []
+        while self._queued and self._pending_bytes + nbytes > self.cap_bytes:
+            _, oldest = self._queued.popitem(last=False)
+            self._leave(oldest, Outcome.DROPPED)
+            dropped.append(oldest)
+        return tuple(dropped)
 
     def next(self) -> WriteItem[P] | None:
         """The oldest queued item, now in flight; None if the queue is empty or busy."""

@@ -10,6 +10,7 @@ and its ticket gets its answer there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,16 +72,30 @@ class Writer:
 
     # --- joining the queue ---------------------------------------------------------------
 
-    async def make_room(self, size: int) -> bool:
-        """Whether a put of size bytes may go ahead, as the overflow policy decides:
-        drop-oldest always (older entries make way when it is queued), block once there is
-        room (waiting for it up to the block timeout), refuse only if there is room now."""
-        if self.policy.drops_oldest or self.queue.room_for(size):
+    async def make_room(self, size: int, staged: Callable[[], int] = lambda: 0) -> bool:
+        """Whether a put of size bytes may go ahead, as the overflow policy decides. staged():
+        the bytes of puts begun and not committed, which hold the cap from put_begin on, as
+        queued entries do. Drop-oldest: the oldest queued entries are dropped for room, and the
+        put goes ahead while the staged bytes leave room (they cannot be dropped); block: once
+        queued and staged bytes leave room (waiting for it up to the block timeout); refuse:
+        only if they leave room now. As in the queue, one put fits when nothing is held."""
+
+        def room() -> bool:
+            held = staged() + self.queue.pending_bytes
+            return not held or held + size <= self.queue.cap_bytes
+
+        if self.policy.drops_oldest:
+            for dropped in self.queue.shed(staged() + size):
+                self.finish(dropped, Outcome.DROPPED, "write-behind queue overflow")
+            # The entry in flight, if it alone is over, holds no put back (a soft cap).
+            held = staged()
+            return not held or held + size <= self.queue.cap_bytes
+        if room():
             return True
         if self.policy.waits_for_room:
             with anyio.move_on_after(self._config.writeback_block_timeout):
-                while not self.queue.room_for(size):
-                    await self._changed.wait()
+                while not room():
+                    await self._changed.wait()  # pulsed when the queue or the puts move
                 return True
         return False
 

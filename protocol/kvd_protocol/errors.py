@@ -19,6 +19,8 @@ class ErrorCode(StrEnum):
     DUPLICATE_ID = "duplicate_id"
     UNEXPECTED_REPLY = "unexpected_reply"
     NOT_FOUND = "not_found"  # unknown put, ticket, lease or entry
+    OVER_LIMIT = "over_limit"  # a per-connection bound: puts begun, leases held
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the daemon serves its cap already
     REFUSED = "refused"  # the write-behind queue is full under the refuse policy
     TIMEOUT = "timeout"
     PERMISSION_DENIED = "permission_denied"

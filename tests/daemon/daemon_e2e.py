@@ -157,23 +157,62 @@ class RawPeer:
         width: int = 8,
     ) -> int:
         """put_begin, then write the entry into the staging file; the put's id."""
-        layers, tensors = entry(len(tokens), seed, trimmable=trimmable, width=width)
-        plan = plan_for(identity, tokens, layers)
-        reply = self.call(
+        began = self.try_begin(identity, tokens, seed, trimmable=trimmable, width=width)
+        assert not isinstance(began, m.ErrorReply), began
+        return began
+
+    def try_begin(
+        self,
+        identity: Identity,
+        tokens: Sequence[int],
+        seed: int,
+        *,
+        trimmable: bool = True,
+        width: int = 8,
+    ) -> int | m.ErrorReply:
+        """As begin, or the daemon's error reply to the put_begin (nothing written then)."""
+        return self.begin_together(identity, [tokens], [seed], trimmable=trimmable, width=width)[0]
+
+    def begin_together(
+        self,
+        identity: Identity,
+        token_lists: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        *,
+        trimmable: bool = True,
+        width: int = 8,
+    ) -> list[int | m.ErrorReply]:
+        """put_begins sent in one write (the daemon may hold them all waiting at once), then
+        each entry written into its staging file: per put, its id or the error reply."""
+        planned = []
+        for tokens, seed in zip(token_lists, seeds, strict=True):
+            layers, tensors = entry(len(tokens), seed, trimmable=trimmable, width=width)
+            planned.append((plan_for(identity, tokens, layers), tensors))
+        requests = [
             m.PutBegin(
                 id=self.next_id(),
                 identity=identity,
-                tokens=pack_tokens(tokens),
+                tokens=plan.header.tokens,
                 size=plan.file_size,
             )
-        )
-        assert isinstance(reply, m.PutBeginReply), reply
-        assert reply.fd is not None
-        try:
-            write_entry(reply.fd, plan, tensor_views(plan, tensors))
-        finally:
-            os.close(reply.fd)
-        return reply.put
+            for plan, _ in planned
+        ]
+        self.send(*requests)
+        replies = {reply.id: reply for reply in (self.receive() for _ in requests)}
+        began: list[int | m.ErrorReply] = []
+        for request, (plan, tensors) in zip(requests, planned, strict=True):
+            reply = replies[request.id]
+            if isinstance(reply, m.ErrorReply):
+                began.append(reply)
+                continue
+            assert isinstance(reply, m.PutBeginReply), reply
+            assert reply.fd is not None
+            try:
+                write_entry(reply.fd, plan, tensor_views(plan, tensors))
+            finally:
+                os.close(reply.fd)
+            began.append(reply.put)
+        return began
 
 
 def plan_for(identity: Identity, tokens: Sequence[int], layers: Sequence[LayerSpec]) -> EntryPlan:

@@ -220,6 +220,11 @@ VALID = {
     "log_format": ("console", LogFormat.CONSOLE),
     "socket_group": (OWN_GROUP, OWN_GROUP),
     "quarantine_max_bytes": ("16KiB", 16384),
+    "max_connections": ("200", 200),
+    "frame_timeout": ("2.5", 2.5),
+    "max_open_puts": ("4", 4),
+    "max_leases": ("64", 64),
+    "put_timeout": ("60", 60.0),
 }
 
 

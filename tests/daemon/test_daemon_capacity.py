@@ -114,26 +114,32 @@ def test_eviction_at_the_cap_skips_a_leased_entry(tmp_path: Path) -> None:
 
 # --- the write-behind queue ------------------------------------------------------------------
 #
-# Whether the queue is full when a commit arrives depends on the writer's progress, which a
-# test cannot stop without a hook into the daemon. What the tests control: all puts are begun
-# and written first (a begun put holds no queue bytes), then every commit goes out in one write
-# on one connection, so the daemon reads them together and queues them within a few header
-# reads, while the writer needs a checksum pass and an fsync of several MiB per entry. The cap
-# holds one entry, so every commit but the first finds the queue full unless the writer was
-# faster than all of that. The accounting asserted (status against the replies and tickets
-# the clients saw) holds whatever the interleaving; the overflow itself is asserted too.
+# Whether the queue is full when a put arrives depends on the writer's progress, which a test
+# cannot stop without a hook into the daemon. What the tests control: a first entry much larger
+# than the cap (it fits, since one always does when nothing is held) keeps the writer busy with
+# its checksum pass and fsync for tens of milliseconds, while a burst of small puts (begun,
+# written and committed one by one, about a millisecond each) arrives behind it. A begun put
+# holds its bytes against the cap as a queued one does. The accounting asserted (status
+# against the replies and tickets the clients saw) holds whatever the interleaving; the
+# overflow itself is asserted too.
 
 BURST = 6
 BIG_TOKENS = 512
-BIG_WIDTH = 512  # 1 MiB per tensor, 4 MiB per entry
+BIG_WIDTH = 64  # 64 KiB per tensor, 256 KiB per entry: quick to make, as a burst should be
+HUGE_WIDTH = 8192  # 64 MiB
 
 
 def _big_entry_bytes() -> int:
-    return 16384 + 4 * BIG_TOKENS * BIG_WIDTH * 2
+    return 16384 + 4 * 2 * BIG_TOKENS * BIG_WIDTH * 2  # a header page, 4 tensors of 2 heads
 
 
 def _queue_flags(policy: str, *extra: str) -> list[str]:
-    return ["--writeback-max-bytes", str(_big_entry_bytes()), "--writeback-policy", policy, *extra]
+    cap = str(2 * _big_entry_bytes())
+    return ["--writeback-max-bytes", cap, "--writeback-policy", policy, *extra]
+
+
+def _commit(peer: RawPeer, put: int) -> m.Reply:
+    return peer.call(m.PutCommit(id=peer.next_id(), put=put))
 
 
 @pytest.mark.parametrize("policy", ["drop-oldest", "refuse", "block"])
@@ -142,12 +148,18 @@ def test_the_write_behind_cap_under_each_policy(tmp_path: Path, policy: str) -> 
         running_daemon(tmp_path, _queue_flags(policy)) as daemon,
         RawPeer(daemon.socket_path) as peer,
     ):
-        puts = []
+        huge = peer.begin(IDENTITY, _tokens(99, BIG_TOKENS), seed=99, width=HUGE_WIDTH)
+        assert status_of(peer)["staged_bytes"] > 2 * _big_entry_bytes()  # held from begin on
+        replies = [_commit(peer, huge)]
+        refused_at_begin: list[m.ErrorReply] = []
         for i in range(BURST):
-            puts.append(peer.begin(IDENTITY, _tokens(i, BIG_TOKENS), seed=i, width=BIG_WIDTH))
-        assert status_of(peer)["writeback"]["pending_bytes"] == 0  # begun puts hold no queue
-        peer.send(*(m.PutCommit(id=peer.next_id(), put=put) for put in puts))
-        replies = [peer.receive() for _ in puts]
+            began = peer.try_begin(IDENTITY, _tokens(i, BIG_TOKENS), seed=i, width=BIG_WIDTH)
+            if isinstance(began, m.ErrorReply):
+                refused_at_begin.append(began)
+            else:
+                replies.append(_commit(peer, began))
+        assert status_of(peer)["staged_bytes"] == 0
+        assert all(r.code is ErrorCode.REFUSED for r in refused_at_begin), refused_at_begin
         refused = [r for r in replies if isinstance(r, m.ErrorReply)]
         assert all(r.code is ErrorCode.REFUSED for r in refused), refused
         states = Counter[str]()
@@ -167,16 +179,17 @@ def test_the_write_behind_cap_under_each_policy(tmp_path: Path, policy: str) -> 
         assert writeback["stored"] == states["stored"]
         assert writeback["dropped"] == states["dropped"]
         assert writeback["refused"] == len(refused)
-        assert states["stored"] + states["dropped"] + len(refused) == BURST
-        if policy == "drop-oldest":
-            assert not refused
+        assert writeback["refused_at_begin"] == len(refused_at_begin)
+        assert states["stored"] + states["dropped"] + len(refused + refused_at_begin) == BURST + 1
+        if policy == "drop-oldest":  # each begin sheds the small entry queued behind the huge
+            assert not refused + refused_at_begin
             assert states["dropped"] >= 1
-        elif policy == "refuse":
-            assert len(refused) >= 1
+        elif policy == "refuse":  # the huge entry in flight leaves no room
+            assert len(refused_at_begin) >= 1
             assert states["dropped"] == 0
         else:  # block: every putter waits its turn, nothing is lost
-            assert not refused
-            assert states == Counter(stored=BURST)
+            assert not refused + refused_at_begin
+            assert states == Counter(stored=BURST + 1)
         status = status_of(peer)
         assert status["entries"] == states["stored"]
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
@@ -190,17 +203,22 @@ def status_of(peer: RawPeer) -> dict[str, Any]:
 
 
 def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path) -> None:
-    """Under the block policy two commits of the same tokens may both wait for room; the one
-    that gets in second must find the first and settle as a duplicate."""
-    tokens = [_tokens(i, BIG_TOKENS) for i in range(BURST)]
-    tokens.insert(2, tokens[1])
+    """Under the block policy two put_begins of the same tokens may both wait for room (the
+    queue full of the entries committed before them); the one committed second must find the
+    first and settle as a duplicate."""
+    fillers = [_tokens(i, BIG_TOKENS) for i in range(2)]
+    twins = [_tokens(7, BIG_TOKENS)] * 2
     with (
         running_daemon(tmp_path, _queue_flags("block")) as daemon,
         RawPeer(daemon.socket_path) as peer,
     ):
-        puts = [peer.begin(IDENTITY, t, seed=i, width=BIG_WIDTH) for i, t in enumerate(tokens)]
+        puts = [peer.begin(IDENTITY, t, seed=i, width=BIG_WIDTH) for i, t in enumerate(fillers)]
         peer.send(*(m.PutCommit(id=peer.next_id(), put=put) for put in puts))
         replies = [peer.receive() for _ in puts]
+        began = peer.begin_together(IDENTITY, twins, [7, 8], width=BIG_WIDTH)
+        assert all(isinstance(put, int) for put in began), began
+        peer.send(*(m.PutCommit(id=peer.next_id(), put=put) for put in began))  # type: ignore[arg-type]
+        replies += [peer.receive() for _ in began]
         answers = Counter[tuple[str, str | None]]()
         for reply in replies:
             assert isinstance(reply, m.PutCommitReply), reply
@@ -209,8 +227,8 @@ def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path
             )
             assert isinstance(answer, m.TicketReply)
             answers[answer.state, answer.reason] += 1
-        assert answers == Counter({("stored", None): BURST, ("stored", "duplicate"): 1})
+        assert answers == Counter({("stored", None): 3, ("stored", "duplicate"): 1})
         status = status_of(peer)
-        assert (status["entries"], status["duplicates"]) == (BURST, 1)
+        assert (status["entries"], status["duplicates"]) == (3, 1)
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
         assert staging_files(daemon.tier) == []
