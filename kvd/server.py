@@ -45,6 +45,8 @@ RESTART_SECONDS = 0.5  # the first pause before a failed background task runs ag
 RESTART_MAX_SECONDS = 30.0
 # accept() errors that mean "no descriptor or memory for one more now": wait, then retry.
 OUT_OF_DESCRIPTORS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# accept() errors that mean the listening socket itself is unusable: nothing to retry.
+LISTENER_GONE: Final = frozenset({errno.EBADF, errno.ENOTSOCK, errno.EINVAL})
 ACCEPT_BACKOFF: Final = (0.01, 1.0)  # seconds: first pause, longest pause
 
 
@@ -149,14 +151,20 @@ class Server:
         while True:
             try:
                 stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-            except OSError as exc:
-                if exc.errno not in OUT_OF_DESCRIPTORS:
-                    log.warning("accept_failed", error=str(exc))  # the peer gave up: next
+            except anyio.ClosedResourceError:
+                return  # closed by the shutdown
+            except (anyio.BrokenResourceError, OSError) as exc:
+                # anyio's Unix listener wraps every accept() error as BrokenResourceError.
+                cause = exc.__cause__ if isinstance(exc, anyio.BrokenResourceError) else exc
+                code = getattr(cause, "errno", None)
+                if code in LISTENER_GONE:
+                    log.error("listener_failed", error=str(cause))
+                    raise
+                if code not in OUT_OF_DESCRIPTORS:
+                    log.warning("accept_failed", error=str(cause))  # the peer gave up: next
                     continue
                 if not pause:
-                    log.warning("accept_paused", error=str(exc), connections=len(self.peers))
+                    log.warning("accept_paused", error=str(cause), connections=len(self.peers))
                 first, longest = ACCEPT_BACKOFF
                 pause = min(longest, pause * 2 or first)
                 await anyio.sleep(pause)

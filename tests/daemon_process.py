@@ -33,6 +33,13 @@ ERROR_LEVELS = frozenset({"error", "critical"})
 # What the daemon inherits from the test's environment; everything else is left behind.
 INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
 
+# `python -m kvd` under an open-file limit, soft and hard (preexec_fn is unsafe with threads).
+LIMITED_START = (
+    "import resource, runpy; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, ({open_files}, {open_files})); "
+    "runpy.run_module('kvd', run_name='__main__', alter_sys=True)"
+)
+
 started: list[Daemon] = []  # every daemon made since the last clear (tests/conftest.py)
 
 
@@ -63,9 +70,13 @@ class Daemon:
         log: Path,
         flags: Sequence[str] = (),
         expected_errors: Iterable[str] = (),
+        *,
+        open_files: int | None = None,
     ) -> None:
+        """open_files: the daemon's open-file limit, soft and hard (None: as inherited)."""
         self.tier, self.socket_path, self.log = tier, socket_path, log
         self.flags = list(flags)
+        self.open_files = open_files
         self.home = log.parent / "daemon-home"
         self.expected_errors = set(expected_errors)
         self.bad_exits: list[int] = []  # exit codes of runs that ended badly by themselves
@@ -82,7 +93,10 @@ class Daemon:
 
         env: variables set on top of the isolated environment (NOTIFY_SOCKET, say).
         """
-        command = [sys.executable, "-m", "kvd", "serve", "--dir", str(self.tier)]
+        command = [sys.executable, "-m", "kvd"]
+        if self.open_files:
+            command[1:] = ["-c", LIMITED_START.format(open_files=self.open_files)]
+        command += ["serve", "--dir", str(self.tier)]
         command += ["--socket", self.socket_path, "--log-format", "json", *self.flags]
         self.home.mkdir(parents=True, exist_ok=True)
         environment = isolated_environment(self.home, env)
@@ -199,13 +213,24 @@ def socket_folder() -> Iterator[str]:
 
 @contextmanager
 def running_daemon(
-    folder: Path, flags: Sequence[str] = (), expected_errors: Iterable[str] = ()
+    folder: Path,
+    flags: Sequence[str] = (),
+    expected_errors: Iterable[str] = (),
+    *,
+    open_files: int | None = None,
 ) -> Iterator[Daemon]:
     """A started daemon with its tier and log in folder; stopped, then checked (when the
     body succeeded: a failing body's own error comes first)."""
     with socket_folder() as sockets:
         socket_path = os.path.join(sockets, "kvd.sock")
-        daemon = Daemon(folder / "tier", socket_path, folder / "log", flags, expected_errors)
+        daemon = Daemon(
+            folder / "tier",
+            socket_path,
+            folder / "log",
+            flags,
+            expected_errors,
+            open_files=open_files,
+        )
         daemon.start()
         try:
             yield daemon
