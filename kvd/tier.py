@@ -207,7 +207,6 @@ class Tier:
                 f"{self.config.max_leases} leases held on this connection: release some first",
             )
 
-
     async def release(self, owner: int, lease_id: int, damaged: str | None = None) -> None:
         """End a lease. damaged: why the client could not use the entry's file; the file is
         checked and quarantined if it fails (a client's word alone never removes an entry)."""
