@@ -207,8 +207,9 @@ class EntryFile:
                 raise ValueError(f"entry {self.name} is closed")
             size = os.fstat(self._fd).st_size
             if size != self.size:
+                rule = Rule.TRUNCATED if size < self.size else Rule.FILE_SIZE
                 raise EntryFormatError(
-                    self.name, Rule.TRUNCATED, f"{size} bytes now, {self.size} when looked up"
+                    self.name, rule, f"{size} bytes now, {self.size} when looked up"
                 )
             self._mapped = _map(self._fd, size, self.header)
         return self._mapped.tensors
