@@ -1,7 +1,9 @@
 """The async client: the blocking client's API with await, on plain asyncio.
 
-It drives the same calls (calls.py) as Client; tensor copies run in a worker thread so the
-event loop keeps serving. Exchanges on one AsyncClient take turns (one request in flight at a
+It drives the same calls (calls.py, prompt_cache.py) as Client; a put's tensor copies run in
+a worker thread so the event loop keeps serving. A get's restore builds its MLX arrays on the
+loop's thread (MLX work stays on the thread that runs the model), which waits while reader
+threads fill them. Exchanges on one AsyncClient take turns (one request in flight at a
 time): tasks that must not wait behind a long ticket wait or flush use a client of their own.
 """
 
