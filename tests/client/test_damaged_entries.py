@@ -10,6 +10,7 @@ checked the file and handed out its descriptor (its own checks come first otherw
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from daemon_process import Daemon
 from kvd_client import prompt_cache
+from kvd_client.async_client import AsyncClient
 from kvd_client.calls import Call, TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
@@ -132,6 +134,22 @@ def test_a_flipped_data_bit_is_restored_only_without_verification(
         assert unchecked.get(IDENTITY, TOKENS, model=model) is not None
         assert client.get(IDENTITY, TOKENS, model=model) is None
         assert client.stats.misses == Counter({"data_checksum": 1})
+
+
+def test_the_async_client_counts_and_reports_damage_alike(daemon: Daemon, tmp_path: Path) -> None:
+    model = tiny_llama()
+    with Client.connect(daemon.socket_path, require=True) as client:
+        path = _stored_entry(daemon, client, model)
+    _damage(_unseen(path, tmp_path), "data bit")
+
+    async def main() -> tuple[object, Counter[str]]:
+        async with await AsyncClient.connect(daemon.socket_path, require=True) as engine:
+            return await engine.get(IDENTITY, TOKENS, model=model), engine.stats.misses
+
+    restored, misses = asyncio.run(main())
+    assert restored is None
+    assert misses == Counter({"data_checksum": 1})
+    assert (daemon.tier / "quarantine" / path.name).exists()
 
 
 def test_a_file_truncated_while_held_fails_cleanly_never_with_sigbus(
