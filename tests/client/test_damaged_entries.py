@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -134,6 +135,25 @@ def test_a_flipped_data_bit_is_restored_only_without_verification(
         assert unchecked.get(IDENTITY, TOKENS, model=model) is not None
         assert client.get(IDENTITY, TOKENS, model=model) is None
         assert client.stats.misses == Counter({"data_checksum": 1})
+
+
+def test_a_daemon_that_predates_damage_reports_gets_a_plain_release(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    model = tiny_llama()
+    with Client.connect(daemon.socket_path, require=True) as client:
+        path = _stored_entry(daemon, client, model)
+        server = client._link.server
+        assert server is not None
+        # As a daemon without the feature: a release with damaged set would be a bad message.
+        old = tuple(f for f in server.features if f != "release_damaged")
+        client._link.server = replace(server, features=old)
+        _damage(_unseen(path, tmp_path), "data bit")
+        assert client.get(IDENTITY, TOKENS, model=model) is None
+        assert client.stats.misses == Counter({"data_checksum": 1})
+        assert path.exists()  # not told, nothing quarantined
+        assert client.status()["leased_entries"] == 0  # the lease ended all the same
+        assert client.stats.failed_lookups == 0
 
 
 def test_the_async_client_counts_and_reports_damage_alike(daemon: Daemon, tmp_path: Path) -> None:
