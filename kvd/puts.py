@@ -147,11 +147,15 @@ class Puts:
         floor = self._config.min_free
         if not floor:
             return
-        self._catalog.evict_to_cap(self._config.max_bytes, floor + size)
         try:
             free = disk_free(self._catalog.dirs.root)
         except OSError:
             return  # unknown: the reservation itself will say
+        if free - size >= floor:
+            return
+        if free + self._catalog.total_bytes - size >= floor:  # evicting can make the room
+            self._catalog.evict_to_cap(self._config.max_bytes, floor + size)
+            free = disk_free(self._catalog.dirs.root)
         if free - size < floor:
             raise ProtocolError(
                 ErrorCode.NO_SPACE,

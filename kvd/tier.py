@@ -26,6 +26,7 @@ from kvd_protocol.messages import EntrySummary
 from kvd import entry_files, recovery, snapshot
 from kvd.catalog import Catalog
 from kvd.config import Config
+from kvd.durability import disk_free
 from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
 from kvd.logs import get_logger
@@ -38,6 +39,8 @@ from kvd.tier_dir import TierDir
 from kvd.writer import Writer
 
 log = get_logger("kvd.tier")
+
+SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 
 
 class Tier:
@@ -103,8 +106,17 @@ class Tier:
         self.evict_to_cap()
 
     async def save_snapshot(self) -> None:
-        """Write the index snapshot of the durable entries (start-up reads it)."""
+        """Write the index snapshot of the durable entries (start-up reads it), unless it
+        would take the disk under the free-disk floor: a start-up without it scans headers."""
         rows = [(self.catalog.path_of(r), r) for r in self.catalog.durable()]
+        estimate = sum(len(r.tokens) + SNAPSHOT_ROW_BYTES for _, r in rows)
+        try:
+            free = disk_free(self.dirs.root)
+        except OSError:
+            free = None
+        if free is not None and free - estimate < self.config.min_free:
+            log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
+            return
         count = await anyio.to_thread.run_sync(snapshot.save_snapshot, self.dirs.snapshot, rows)
         self._snapshot_version = self.catalog.version
         log.info("snapshot_saved", entries=count)

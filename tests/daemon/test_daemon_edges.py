@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -71,24 +70,6 @@ def test_the_daemon_tells_systemd_ready_and_stopping(
     finally:
         daemon.stop()
         shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 48 MiB file system of its own (tmpfs), for a disk that really fills up."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_full_disk_refuses_the_put_and_loses_nothing(small_disk: Path) -> None:

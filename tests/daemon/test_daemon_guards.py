@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from daemon_e2e import (
     IDENTITY,
@@ -28,6 +29,7 @@ from kvd_client.calls import DaemonUnavailable
 from kvd_client.client import Client
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
+from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.errors import ErrorCode
 from kvd_protocol.tokens import pack_tokens
 
@@ -238,3 +240,65 @@ def test_a_put_not_committed_in_time_is_aborted_and_its_bytes_returned(tmp_path:
         assert isinstance(late, m.ErrorReply)
         assert late.code is ErrorCode.NOT_FOUND
         assert _events(daemon, "put_expired")
+
+
+# --- the free-disk floor ---------------------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def _mib_entry(mib: int) -> tuple[list[LayerSpec], list[np.ndarray]]:
+    """An entry of about mib MiB: two layers of keys and values of float32 zeros."""
+    spec = TensorSpec("float32", (1, 1, mib * 64, 1024))  # mib / 4 MiB a tensor
+    return [LayerSpec("kv", (spec, spec), True)] * 2, [np.zeros(spec.shape, np.float32)] * 4
+
+
+def test_the_floor_evicts_for_a_put_begun_and_refuses_what_no_eviction_makes_room_for(
+    small_disk: Path,
+) -> None:
+    """48 MiB of disk, a floor of 20 MiB: old entries make way for a new one; an entry that
+    could not keep the floor even on an empty tier is refused, and nothing is evicted for it."""
+    flags = ["--min-free", "20M", "--max-bytes", "1G"]
+    with (
+        running_daemon(small_disk, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        for first in range(3):  # 24 MiB held: 24 free, over the floor
+            layers, tensors = _mib_entry(8)
+            ticket = client.put_entry(IDENTITY, [first, 1, 2], layers, tensors)
+            assert ticket.wait(SETTLE_SECONDS).state == "stored"
+        assert _status(daemon)["evictions"] == 0
+        layers, tensors = _mib_entry(8)  # 24 - 8 < 20: the oldest entry makes way
+        ticket = client.put_entry(IDENTITY, [9, 1, 2], layers, tensors)
+        assert ticket.wait(SETTLE_SECONDS).state == "stored"
+        status = _status(daemon)
+        assert status["evictions"] >= 1
+        assert client.lookup(IDENTITY, [0, 1, 2, 3]) is None  # the least recently used went
+        assert status["disk_free_bytes"] >= 20 * MIB
+        entries = status["entries"]
+        layers, tensors = _mib_entry(32)  # 48 - 32 < 20 whatever goes: refused outright
+        refused = client.put_entry(IDENTITY, [7, 1, 2], layers, tensors)
+        assert refused.state.state != "pending"
+        assert "no_space" in (refused.state.reason or "")
+        status = _status(daemon)
+        assert (status["entries"], status["staged_bytes"]) == (entries, 0)
+        assert staging_files(daemon.tier) == []
+
+
+def test_a_snapshot_that_would_cross_the_floor_is_not_written(small_disk: Path) -> None:
+    tier = small_disk / "tier"
+    first_flags = ["--dir", str(tier), "--min-free", "0"]
+    with (
+        running_daemon(small_disk.parent / "first", first_flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        for first in range(4):
+            put_stored(client, IDENTITY, [first, *range(1, 64)], seed=first)
+    (tier / "index.snapshot").unlink()
+    free = os.statvfs(tier).f_bavail * os.statvfs(tier).f_frsize
+    # A floor 100 bytes under what is free: four rows of 64 tokens would cross it.
+    flags = ["--dir", str(tier), "--min-free", str(free - 100)]
+    with running_daemon(small_disk.parent / "second", flags) as daemon:
+        assert _status(daemon)["entries"] == 4
+    assert not (tier / "index.snapshot").exists()
+    assert _events(daemon, "snapshot_skipped")
