@@ -16,9 +16,10 @@ from typing import Any
 
 from kvd_protocol import messages as m
 from kvd_protocol.connection import NEED_DATA, Connection, Role
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import ErrorCode, ProtocolError
 
 from kvd.config import ConfigError, load_config
+from kvd.progress import Progress
 
 RECEIVE_BYTES = 1 << 16
 
@@ -132,7 +133,52 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--entry", help="one entry id")
     target.add_argument("--identity", help="every entry of one identity digest")
     target.add_argument("--all", action="store_true", help="every entry")
+    verify = commands.add_parser(
+        "verify", help="check every entry's file whole; exit 1 naming each damaged one"
+    )
+    verify.add_argument("--identity", help="only this identity digest")
+    verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
     return parser
+
+
+def _entries(control: Control, identity: str | None) -> list[m.EntrySummary]:
+    """Every entry (of one identity), page by page."""
+    entries: list[m.EntrySummary] = []
+    after = None
+    while True:
+        page = control.call(m.ListEntries, identity=identity, limit=1000, after=after)
+        assert isinstance(page, m.ListEntriesReply)
+        entries += page.entries
+        if not page.more or not page.entries:
+            return entries
+        after = page.entries[-1].id
+
+
+def _verify(control: Control, identity: str | None, repair: bool) -> int:
+    """Check the durable entries one by one (the writer checks pending ones itself)."""
+    entries = [e for e in _entries(control, identity) if e.durable]
+    progress = Progress("verifying", len(entries))
+    damaged = gone = 0
+    try:
+        for entry in entries:
+            try:
+                reply = control.call(m.Verify, entry=entry.id, repair=repair)
+            except ProtocolError as exc:
+                if exc.code is not ErrorCode.NOT_FOUND:
+                    raise
+                gone += 1  # evicted or superseded since the list: nothing to check
+            else:
+                assert isinstance(reply, m.VerifyReply)
+                if reply.problem is not None:
+                    damaged += 1
+                    done = " (quarantined)" if reply.quarantined else ""
+                    print(f"damaged {entry.id} ({entry.identity}): {reply.problem}{done}")
+            progress.step()
+    finally:
+        progress.close()
+    checked = len(entries) - gone
+    print(f"{checked} entries verified, {damaged} damaged" + (f", {gone} gone" if gone else ""))
+    return 1 if damaged else 0
 
 
 def _run(args: argparse.Namespace, control: Control) -> int:
@@ -149,15 +195,7 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         print("durable" if reply.durable else f"not durable: {reply.pending} still pending")
         return 0 if reply.durable else 1
     elif args.command == "list":
-        entries: list[m.EntrySummary] = []
-        after = None
-        while True:
-            page = control.call(m.ListEntries, identity=args.identity, limit=1000, after=after)
-            assert isinstance(page, m.ListEntriesReply)
-            entries += page.entries
-            if not page.more or not page.entries:
-                break
-            after = page.entries[-1].id
+        entries = _entries(control, args.identity)
         if args.json:
             print(json.dumps([e.to_map() for e in entries], indent=2))
         else:
@@ -172,6 +210,8 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         reply = control.call(m.Evict, entry=args.entry, identity=args.identity, all=args.all)
         assert isinstance(reply, m.EvictReply)
         print(f"evicted {reply.evicted} entries, {_size(reply.bytes)}")
+    elif args.command == "verify":
+        return _verify(control, args.identity, args.repair)
     return 0
 
 

@@ -37,6 +37,7 @@ FEATURES = (
     "evict",
     "list",
     "lookup_min_tokens",
+    "verify",
     "release_damaged",
 )
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
@@ -104,6 +105,7 @@ class Session:
             "status": self._status,
             "list": self._list,
             "evict": self._evict,
+            "verify": self._verify,
         }
 
     async def run(self) -> None:
@@ -306,6 +308,14 @@ class Session:
             )
         count, freed = self.tier.evict(request.entry, request.identity, request.all)
         return m.EvictReply(id=request.id, evicted=count, bytes=freed)
+
+    async def _verify(self, request: m.Verify) -> m.VerifyReply:
+        if request.repair and not self.peer.admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
+            )
+        problem, quarantined = await self.tier.verify(request.entry, request.repair)
+        return m.VerifyReply(id=request.id, problem=problem, quarantined=quarantined)
 
 
 def raw_socket(stream: anyio.abc.SocketStream) -> socket.socket:

@@ -230,20 +230,44 @@ class Tier:
         if record.id in self._checking:
             return  # another engine reported it too: one check is enough
         self._checking.add(record.id)
-        path = self.catalog.path_of(record)
         try:
-            await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
-        except EntryFormatError as exc:
-            if record.id in self.catalog.records:  # not dropped while it was checked
-                await self.quarantine.file(path, str(exc))  # first: dropping would unlink it
-                self.catalog.drop(record)
-            return
+            problem = await self.check_entry(record, repair=True)
         except OSError as exc:
             log.warning("reported_entry_unreadable", entry=record.id, error=str(exc))
             return
         finally:
             self._checking.discard(record.id)
-        log.warning("reported_damage_not_found", entry=record.id, reported=damaged)
+        if problem is None:
+            log.warning("reported_damage_not_found", entry=record.id, reported=damaged)
+
+    async def check_entry(self, record: EntryRecord, *, repair: bool) -> str | None:
+        """Validate a durable entry's file whole, head and every tensor's checksum: None if it
+        is intact, else what is wrong; with repair, a damaged file is quarantined and its
+        entry dropped. Raises OSError when the file cannot be read at all."""
+        path = self.catalog.path_of(record)
+        try:
+            await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
+        except EntryFormatError as exc:
+            if repair and record.id in self.catalog.records:  # not dropped meanwhile
+                await self.quarantine.file(path, str(exc))  # first: dropping would unlink it
+                self.catalog.drop(record)
+            return str(exc)
+        return None
+
+    async def verify(self, entry: str, repair: bool) -> tuple[str | None, bool]:
+        """Check one durable entry by id: (what is wrong or None, whether it was quarantined)."""
+        record = self.catalog.records.get(entry)
+        if record is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
+        if not record.durable:
+            raise ProtocolError(
+                ErrorCode.NOT_FOUND, f"entry {entry} is pending: the writer verifies it"
+            )
+        try:
+            problem = await self.check_entry(record, repair=repair)
+        except OSError as exc:
+            return f"unreadable: {exc}", False
+        return problem, problem is not None and repair and entry not in self.catalog.records
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""

@@ -514,6 +514,25 @@ class EvictReply(Reply):
     bytes: int = field(metadata=wire(_uint()))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Verify(Request):
+    """Check a durable entry's file whole (head and every tensor's checksum); with repair, a
+    damaged one is quarantined. Repair needs the daemon's uid or root."""
+
+    op: ClassVar[str] = "verify"
+    entry: str = field(metadata=wire(_name))
+    repair: bool = field(metadata=wire(_bool))
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReply(Reply):
+    """problem nil: the file is intact."""
+
+    op: ClassVar[str] = "verify"
+    problem: str | None = field(metadata=wire(_optional(_prose)))
+    quarantined: bool = field(metadata=wire(_bool))
+
+
 @dataclass(frozen=True)
 class Op:
     request: type[Request]
@@ -538,6 +557,7 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
             Op(Status, StatusReply),
             Op(ListEntries, ListEntriesReply),
             Op(Evict, EvictReply),
+            Op(Verify, VerifyReply),
         )
     }
 )

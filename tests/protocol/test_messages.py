@@ -76,6 +76,7 @@ def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
         "status",
         "list",
         "evict",
+        "verify",
     }
     for name, op in OPS.items():
         assert op.request.op == op.reply.op == name

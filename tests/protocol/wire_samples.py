@@ -42,6 +42,8 @@ from kvd_protocol.messages import (
     Status,
     StatusReply,
     TicketReply,
+    Verify,
+    VerifyReply,
     WaitTicket,
 )
 from kvd_protocol.tokens import pack_tokens
@@ -148,6 +150,14 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         ),
         (Evict(id=0, entry=None, identity=DIGEST, all=False), EvictReply(id=0, evicted=0, bytes=0)),
         (Evict(id=0, entry=None, identity=None, all=True), EvictReply(id=0, evicted=2, bytes=4)),
+        (
+            Verify(id=0, entry="e-0001", repair=False),
+            VerifyReply(id=0, problem=None, quarantined=False),
+        ),
+        (
+            Verify(id=0, entry="e-0002", repair=True),
+            VerifyReply(id=0, problem="tensor 3: checksum differs", quarantined=True),
+        ),
         (
             Ping(id=0),
             ErrorReply(id=0, code=ErrorCode.SHUTTING_DOWN, message="bye"),

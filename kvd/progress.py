@@ -1,0 +1,40 @@
+"""Progress of a long operation on a terminal: one line redrawn in place, on stderr; nothing
+at all when stderr is not a terminal (a service's log, a pipe, a test)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Final, TextIO
+
+REDRAW_SECONDS: Final = 0.1  # at most ten redraws a second, however fast the steps come
+BAR_WIDTH: Final = 30
+
+
+class Progress:
+    """Steps done out of a total, shown as a bar with a count; close() clears the line."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self._stream = stream if stream is not None else sys.stderr
+        self._shown = self._stream.isatty()
+        self._drawn_at = 0.0
+
+    def step(self, count: int = 1) -> None:
+        self.done += count
+        now = time.monotonic()
+        if self._shown and (now - self._drawn_at >= REDRAW_SECONDS or self.done >= self.total):
+            self._drawn_at = now
+            self._stream.write(f"\r{self.line()}")
+            self._stream.flush()
+
+    def line(self) -> str:
+        share = self.done / self.total if self.total else 1.0
+        filled = round(BAR_WIDTH * share)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        return f"{self.label} [{bar}] {self.done}/{self.total} ({100 * share:.0f}%)"
+
+    def close(self) -> None:
+        if self._shown:
+            self._stream.write("\r\033[K")
+            self._stream.flush()
