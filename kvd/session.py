@@ -39,6 +39,7 @@ FEATURES = (
     "lookup_min_tokens",
     "verify",
     "release_damaged",
+    "restore_report",
 )
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
 INLINE = frozenset(
@@ -239,7 +240,7 @@ class Session:
         return m.PutBeginReply(id=request.id, put=put.id if put else 0, skip=skip, fd=fd)
 
     async def _put_commit(self, request: m.PutCommit) -> m.PutCommitReply:
-        ticket = await self.tier.commit_put(self.peer.session, request.put)
+        ticket = await self.tier.commit_put(self.peer.session, request.put, request.store_ms)
         return m.PutCommitReply(id=request.id, ticket=ticket)
 
     async def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:
@@ -287,7 +288,7 @@ class Session:
         return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
     async def _release(self, request: m.Release) -> m.ReleaseReply:
-        await self.tier.release(self.peer.session, request.lease, request.damaged)
+        await self.tier.release(self.peer.session, request.lease, request.damaged, request.report)
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:

@@ -10,8 +10,10 @@ from typing import Any
 import psutil
 
 from kvd import __version__
+from kvd.catalog import Catalog
 from kvd.durability import disk_free
 from kvd.session import Peer
+from kvd.telemetry import Telemetry
 from kvd.tier import Tier
 
 _process = psutil.Process()
@@ -22,6 +24,7 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
     catalog = tier.catalog
     queue = tier.writer.queue
     counters = catalog.counters
+    telemetry = tier.telemetry
     try:
         free = disk_free(tier.dirs.root)
     except OSError:
@@ -55,10 +58,10 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "refused": queue.refused,  # at commit
             "refused_at_begin": tier.puts.refused,
         },
-        "identities": [
-            {"identity": digest, "entries": counts.entries, "bytes": counts.bytes}
-            for digest, counts in catalog.identities()
-        ],
+        "identities": _identities(catalog, telemetry),
+        "bytes_written_24h": telemetry.written_today.total(time.time()),
+        "tokens_restored": sum(t.tokens_restored for t in telemetry.identities.values()),
+        "restores": sum(t.restores for t in telemetry.identities.values()),
         "clients": [
             {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
             for p in peers
@@ -72,6 +75,21 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "socket": str(tier.config.socket),
         },
     }
+
+
+def _identities(catalog: Catalog, telemetry: Telemetry) -> list[dict[str, Any]]:
+    """Every identity with entries or traffic, by digest: its share of the tier and its
+    telemetry. O(identities)."""
+    shares = {digest: (counts.entries, counts.bytes) for digest, counts in catalog.identities()}
+    return [
+        {
+            "identity": digest,
+            "entries": shares.get(digest, (0, 0))[0],
+            "bytes": shares.get(digest, (0, 0))[1],
+            **telemetry.of(digest).report(),
+        }
+        for digest in sorted(shares.keys() | telemetry.identities.keys())
+    ]
 
 
 def _name(peer: Peer) -> str:

@@ -21,7 +21,7 @@ import anyio
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
-from kvd_protocol.messages import EntrySummary
+from kvd_protocol.messages import EntrySummary, RestoreReport
 
 from kvd import entry_files, recovery, snapshot
 from kvd.catalog import Catalog
@@ -34,6 +34,7 @@ from kvd.prefix_index import Match
 from kvd.puts import Put, Puts
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
+from kvd.telemetry import Telemetry
 from kvd.tickets import TicketAnswer, Tickets
 from kvd.tier_dir import TierDir
 from kvd.writer import Writer
@@ -57,7 +58,8 @@ class Tier:
         self.catalog = Catalog(self.dirs, EVICTION_POLICIES[config.eviction_policy]())
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
         self.tickets = Tickets()
-        self.writer = Writer(config, self.catalog, self.tickets, self.quarantine)
+        self.telemetry = Telemetry()
+        self.writer = Writer(config, self.catalog, self.tickets, self.quarantine, self.telemetry)
         self.puts = Puts(
             config,
             limits,
@@ -104,6 +106,22 @@ class Tier:
             from_snapshot=result.from_snapshot,
         )
         self.evict_to_cap()
+        await self._name_identities()
+
+    async def _name_identities(self) -> None:
+        """Learn each identity's names for people (model id, namespace) from one of its
+        entries' headers: status names models, not digests, before any engine comes."""
+        for digest, counts in self.catalog.identities():
+            first = next(counts.ids.after(None), None)
+            if first is None:
+                continue
+            path = self.catalog.path_of(self.catalog.records[first])
+            try:
+                header = await anyio.to_thread.run_sync(entry_files.read_header, path, self.limits)
+            except (OSError, EntryFormatError) as exc:
+                log.info("identity_unnamed", identity=digest, error=str(exc))
+                continue
+            self.telemetry.seen(header.identity)
 
     async def save_snapshot(self) -> None:
         """Write the index snapshot of the durable entries (start-up reads it), unless it
@@ -150,11 +168,16 @@ class Tier:
     async def begin_put(
         self, owner: int, identity: Identity, tokens: bytes, size: int
     ) -> tuple[Put | None, str | None, int | None]:
+        self.telemetry.seen(identity)
         return await self.puts.begin(owner, identity, tokens, size)
 
-    async def commit_put(self, owner: int, put_id: int) -> int:
-        """The owner's put, validated and queued; returns its ticket."""
-        return await self.puts.commit(self.puts.take(owner, put_id))
+    async def commit_put(self, owner: int, put_id: int, store_ms: float | None = None) -> int:
+        """The owner's put, validated and queued; returns its ticket. store_ms: the engine's
+        time from handing the caches over to this commit, if it said."""
+        put = self.puts.take(owner, put_id)
+        if store_ms is not None:
+            self.telemetry.store_reported(put.identity.digest(), store_ms)
+        return await self.puts.commit(put)
 
     def abort_put(self, owner: int, put_id: int) -> None:
         self.puts.abort(self.puts.take(owner, put_id))
@@ -178,15 +201,19 @@ class Tier:
         self._check_leases(owner)
         digest = identity.digest()
         counters = self.catalog.counters
+        reason = "no entry"
         while (index := self.catalog.index(digest)) and (match := index.best_match(tokens)):
             if match.matched < min_tokens:
+                reason = "below min_tokens"
                 break
             fd = self.catalog.open(match.record, self.quarantine.now)
             if fd is not None:
                 counters.hits += 1
+                self.telemetry.lookup(identity, hit=True)
                 index.touch(match.record, self.catalog.tick())
                 return match, self.leases.take(owner, match.record), fd
         counters.misses += 1
+        self.telemetry.lookup(identity, hit=False, reason=reason)
         return None
 
     def find_checkpoint(
@@ -200,8 +227,10 @@ class Tier:
                 fd = self.catalog.open(record, self.quarantine.now)
                 if fd is not None:
                     counters.hits += 1
+                    self.telemetry.lookup(identity, hit=True)
                     return record, self.leases.take(owner, record), fd
         counters.misses += 1
+        self.telemetry.lookup(identity, hit=False, reason="no checkpoint")
         return None
 
     def forget_checkpoint(self, identity: Identity, key: str) -> int:
@@ -219,10 +248,19 @@ class Tier:
                 f"{self.config.max_leases} leases held on this connection: release some first",
             )
 
-    async def release(self, owner: int, lease_id: int, damaged: str | None = None) -> None:
+    async def release(
+        self,
+        owner: int,
+        lease_id: int,
+        damaged: str | None = None,
+        report: RestoreReport | None = None,
+    ) -> None:
         """End a lease. damaged: why the client could not use the entry's file; the file is
-        checked and quarantined if it fails (a client's word alone never removes an entry)."""
+        checked and quarantined if it fails (a client's word alone never removes an entry).
+        report: how the engine's restore went, for the telemetry."""
         record = self.leases.release(owner, lease_id)
+        if report is not None:
+            self.telemetry.restored(record.identity, report)
         if damaged is not None and record.durable:  # a pending one is verified by the writer
             await self._check_reported(record, damaged)
 

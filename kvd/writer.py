@@ -10,6 +10,7 @@ and its ticket gets its answer there.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvd.config import Config
 from kvd.logs import get_logger
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
+from kvd.telemetry import Telemetry
 from kvd.tickets import Tickets
 from kvd.writeback import Outcome, WritebackQueue, WriteItem
 
@@ -50,12 +52,18 @@ class Writer:
     """The write-behind queue, the task that drains it, and the waits on it (room, flush)."""
 
     def __init__(
-        self, config: Config, catalog: Catalog, tickets: Tickets, quarantine: Quarantine
+        self,
+        config: Config,
+        catalog: Catalog,
+        tickets: Tickets,
+        quarantine: Quarantine,
+        telemetry: Telemetry,
     ) -> None:
         self._config = config
         self._catalog = catalog
         self._tickets = tickets
         self._quarantine = quarantine
+        self._telemetry = telemetry
         self.policy = config.writeback_policy
         self.queue: WritebackQueue[Queued] = WritebackQueue(config.writeback_max_bytes, self.policy)
         self._queued: dict[str, int] = {}  # entry id -> ticket, while its item is queued
@@ -172,6 +180,7 @@ class Writer:
             self.queue.done(item, outcome)  # dropped and cancelled ones are out already
         if outcome is Outcome.STORED:
             self._catalog.counters.bytes_written += record.nbytes
+            self._telemetry.stored(record.identity, record.nbytes, time.time())
             self._stored(record, item.ticket)
         else:
             self._catalog.drop(record)

@@ -133,6 +133,10 @@ def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
     return EntrySummary.from_map(value, what, limits)
 
 
+def _report(value: object, what: str, limits: Limits) -> RestoreReport:
+    return RestoreReport.from_map(value, what, limits)
+
+
 def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ...]:
     items = schema.sequence(value, what, limits.max_frame_bytes)
     return tuple(_entry(item, what, limits) for item in items)
@@ -332,8 +336,12 @@ class PutBeginReply(_OneDescriptorReply):
 
 @dataclass(frozen=True, kw_only=True)
 class PutCommit(Request):
+    """store_ms: the engine's time from handing the caches over to this commit (snapshot
+    and write), for the daemon's telemetry (feature "restore_report")."""
+
     op: ClassVar[str] = "put_commit"
     put: int = field(metadata=wire(_uint()))
+    store_ms: float | None = field(default=None, metadata=wire(_optional(_seconds)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -436,14 +444,27 @@ class ForgetCheckpointReply(Reply):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RestoreReport(Record):
+    """How an engine's restore from a leased entry went, for the daemon's telemetry: restored
+    (miss nil: tokens restored from bytes read) or not (miss: the engine's reason)."""
+
+    miss: str | None = field(metadata=wire(_optional(_name)))
+    ms: float = field(metadata=wire(_seconds))  # from the lookup's start to caches built
+    bytes: int = field(metadata=wire(_uint()))
+    tokens: int = field(metadata=wire(_uint(0, U32)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Release(Request):
     """damaged: why the client could not use the leased entry's file (a truncated file, a
     checksum that differs); the daemon checks the file and quarantines it if it fails. A
-    daemon announces it with the "release_damaged" feature."""
+    daemon announces it with the "release_damaged" feature. report: how the restore went
+    (feature "restore_report")."""
 
     op: ClassVar[str] = "release"
     lease: int = field(metadata=wire(_uint()))
     damaged: str | None = field(default=None, metadata=wire(_optional(_prose)))
+    report: RestoreReport | None = field(default=None, metadata=wire(_optional(_report)))
 
 
 @dataclass(frozen=True, kw_only=True)

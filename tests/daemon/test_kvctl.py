@@ -68,9 +68,13 @@ def test_status_json_has_every_documented_key(daemon: Daemon) -> None:
     assert status["writeback"].keys() >= WRITEBACK_KEYS
     assert status["daemon"].keys() >= DAEMON_KEYS
     assert status["entries"] == 1
-    assert status["identities"] == [
-        {"identity": IDENTITY.digest(), "entries": 1, "bytes": status["bytes"]}
-    ]
+    (identity,) = status["identities"]
+    assert {key: identity[key] for key in ("identity", "entries", "bytes")} == {
+        "identity": IDENTITY.digest(),
+        "entries": 1,
+        "bytes": status["bytes"],
+    }
+    assert (identity["model_id"], identity["bytes_written"]) == ("kvctl/model", status["bytes"])
     assert status["daemon"]["pid"] == daemon.pid
     assert any(client["name"] == "kvctl" for client in status["clients"])
 

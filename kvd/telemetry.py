@@ -1,0 +1,171 @@
+"""Per-identity telemetry: what the daemon sees of each model's traffic, and what the engines
+report about their restores and stores. Pure state (no I/O, no clock of its own): callers
+pass the time.
+
+- Lookups: hits, and misses by reason ("no entry"; "below min_tokens" when the engine held as
+  much already), counted by the daemon. A hit the engine could not use is reported back with
+  the release as a miss of the engine's reason (damaged, model, codec...).
+- Restores: latency (a log-scale histogram: percentiles in constant memory, however many),
+  bytes read, tokens restored (prefill the engines did not compute).
+- Stores: bytes written per identity and for the whole tier in the last 24 hours (a ring of
+  per-minute sums), and the engines' time from handing caches over to the commit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvd_protocol.identity import Identity
+from kvd_protocol.messages import RestoreReport
+
+# Histogram buckets grow by this factor from FIRST_BOUND_MS: a percentile is within ~12% of
+# the truth, and 100 buckets cover 0.05 ms to over 3 hours.
+GROWTH: Final = 1.25
+FIRST_BOUND_MS: Final = 0.05
+BUCKETS: Final = 100
+DAY_SECONDS: Final = 86_400
+MINUTE: Final = 60
+
+
+class LatencyHistogram:
+    """Milliseconds in log-scale buckets; percentile() answers the bucket's geometric middle."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * BUCKETS
+        self.count = 0
+        self.total_ms = 0.0
+
+    def add(self, ms: float) -> None:
+        index = 0 if ms <= FIRST_BOUND_MS else math.ceil(math.log(ms / FIRST_BOUND_MS, GROWTH))
+        self.counts[min(index, BUCKETS - 1)] += 1
+        self.count += 1
+        self.total_ms += ms
+
+    def percentile(self, share: float) -> float | None:
+        """The value under which share (0..1) of the samples fall; None with no sample."""
+        if not self.count:
+            return None
+        wanted = share * self.count
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if count and seen >= wanted:
+                upper = FIRST_BOUND_MS * GROWTH**index
+                return upper if index == 0 else upper / math.sqrt(GROWTH)
+        raise AssertionError("the counts add up to count")
+
+    def summary(self) -> dict[str, float | None]:
+        return {name: _rounded(self.percentile(p)) for name, p in PERCENTILES.items()}
+
+
+PERCENTILES: Final = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
+
+
+class DaySum:
+    """A sum over the last 24 hours, kept as per-minute sums (at most 1440 of them)."""
+
+    def __init__(self) -> None:
+        self._minutes: deque[list[int]] = deque()  # [minute, sum], oldest first
+
+    def add(self, amount: int, now: float) -> None:
+        minute = int(now // MINUTE)
+        if self._minutes and self._minutes[-1][0] == minute:
+            self._minutes[-1][1] += amount
+        else:
+            self._minutes.append([minute, amount])
+        self._forget(now)
+
+    def total(self, now: float) -> int:
+        self._forget(now)
+        return sum(amount for _, amount in self._minutes)
+
+    def _forget(self, now: float) -> None:
+        oldest = int((now - DAY_SECONDS) // MINUTE)
+        while self._minutes and self._minutes[0][0] <= oldest:
+            self._minutes.popleft()
+
+
+@dataclass
+class IdentityTelemetry:
+    model_id: str = ""
+    namespace: str = ""
+    hits: int = 0
+    misses: Counter[str] = field(default_factory=Counter)
+    restores: int = 0
+    restore_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
+    restored_bytes: int = 0
+    tokens_restored: int = 0
+    bytes_written: int = 0
+    stores_reported: int = 0
+    store_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def report(self) -> dict[str, object]:
+        seconds = self.restore_ms.total_ms / 1000
+        return {
+            "model_id": self.model_id,
+            "namespace": self.namespace,
+            "hits": self.hits,
+            "misses": sum(self.misses.values()),
+            "misses_by_reason": dict(sorted(self.misses.items())),
+            "restores": self.restores,
+            "restore_ms": self.restore_ms.summary(),
+            "restore_gb_per_s": round(self.restored_bytes / seconds / 1e9, 3) if seconds else None,
+            "tokens_restored": self.tokens_restored,
+            "bytes_written": self.bytes_written,
+            "store_ms": self.store_ms.summary(),
+        }
+
+
+class Telemetry:
+    """Every identity's telemetry, by digest, and the tier's bytes written in the last day."""
+
+    def __init__(self) -> None:
+        self.identities: dict[str, IdentityTelemetry] = {}
+        self.written_today = DaySum()
+
+    def of(self, digest: str) -> IdentityTelemetry:
+        found = self.identities.get(digest)
+        if found is None:
+            found = self.identities[digest] = IdentityTelemetry()
+        return found
+
+    def seen(self, identity: Identity) -> IdentityTelemetry:
+        """The telemetry of an identity a request named, with its names for people."""
+        found = self.of(identity.digest())
+        found.model_id, found.namespace = identity.model_id, identity.namespace
+        return found
+
+    def lookup(self, identity: Identity, hit: bool, reason: str = "no entry") -> None:
+        found = self.seen(identity)
+        if hit:
+            found.hits += 1
+        else:
+            found.misses[reason] += 1
+
+    def restored(self, digest: str, report: RestoreReport) -> None:
+        """An engine's word on a hit it was leased: restored, or a miss after all."""
+        found = self.of(digest)
+        if report.miss is not None:
+            found.hits -= 1  # the daemon counted the hit the engine could not use
+            found.misses[report.miss] += 1
+            return
+        found.restores += 1
+        found.restore_ms.add(report.ms)
+        found.restored_bytes += report.bytes
+        found.tokens_restored += report.tokens
+
+    def stored(self, digest: str, nbytes: int, now: float) -> None:
+        self.of(digest).bytes_written += nbytes
+        self.written_today.add(nbytes, now)
+
+    def store_reported(self, digest: str, ms: float) -> None:
+        found = self.of(digest)
+        found.stores_reported += 1
+        found.store_ms.add(ms)
