@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from kvd_protocol.messages import (
     ReleaseReply,
     Reply,
     Request,
+    RestoreReport,
     Status,
     StatusReply,
     TicketReply,
@@ -453,6 +455,7 @@ def put_entry(
 ) -> Call[PutOutcome]:
     """Plan, begin, write into the staging descriptor, commit. Caller mistakes (a layout the
     planner rejects, a tensor that does not fit its slot) raise before the daemon is asked."""
+    started = time.perf_counter()
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     plan = plan_entry(
         identity,
@@ -482,7 +485,9 @@ def put_entry(
             yield Blocking(partial(entry_io.write_entry, begin.fd, plan, views))
         finally:
             os.close(begin.fd)
-        commit = PutCommit(id=link.next_id(), put=begin.put)
+        took = (time.perf_counter() - started) * 1000
+        store_ms = took if link.offers("restore_report") else None
+        commit = PutCommit(id=link.next_id(), put=begin.put, store_ms=store_ms)
         ticket = expect((yield Exchange(commit, epoch=epoch)), PutCommitReply).ticket
     except Exception as exc:
         yield from _abort(link, begin.put, epoch)
@@ -602,14 +607,33 @@ def _found(
 
 
 def reject(
-    link: Link, lease: int, epoch: int, reason: str, detail: object, *, damaged: bool
+    link: Link,
+    lease: int,
+    epoch: int,
+    reason: str,
+    detail: object,
+    *,
+    damaged: bool,
+    started: float | None = None,
 ) -> Call[None]:
     """Count an offered entry the client will not use, as a miss by reason, and end its
-    lease; a damaged one is reported to the daemon, which checks and quarantines it."""
+    lease, saying so to the daemon; a damaged one is checked there and quarantined.
+    started: when the get began (perf_counter), for the report."""
     link.stats.rejected_entries += 1
     link.stats.misses[reason] += 1
     log.warning("entry rejected (%s): %s", reason, detail)
-    yield from release_lease(link, lease, epoch, damaged=str(detail) if damaged else None)
+    report = restore_report(reason, started, 0, 0)
+    yield from release_lease(
+        link, lease, epoch, damaged=str(detail) if damaged else None, report=report
+    )
+
+
+def restore_report(
+    miss: str | None, started: float | None, nbytes: int, tokens: int
+) -> RestoreReport:
+    """How a get went, for the daemon's telemetry: miss None when caches were restored."""
+    ms = 0.0 if started is None else (time.perf_counter() - started) * 1000
+    return RestoreReport(miss=miss, ms=ms, bytes=nbytes, tokens=tokens)
 
 
 def mismatch(
@@ -625,12 +649,20 @@ def mismatch(
     return None
 
 
-def release_lease(link: Link, lease: int, epoch: int, *, damaged: str | None = None) -> Call[None]:
-    """End a lease, saying why the entry was unusable if damaged (to a daemon that listens);
-    a lease of a lost connection ended with it."""
-    report = damaged if link.offers("release_damaged") else None
+def release_lease(
+    link: Link,
+    lease: int,
+    epoch: int,
+    *,
+    damaged: str | None = None,
+    report: RestoreReport | None = None,
+) -> Call[None]:
+    """End a lease, saying why the entry was unusable if damaged and how the restore went (to
+    a daemon that listens); a lease of a lost connection ended with it."""
+    damage = damaged if link.offers("release_damaged") else None
+    told = report if link.offers("restore_report") else None
     try:
-        request = Release(id=link.next_id(), lease=lease, damaged=report)
+        request = Release(id=link.next_id(), lease=lease, damaged=damage, report=told)
         expect((yield Exchange(request, epoch=epoch)), ReleaseReply)
     except (DaemonUnavailable, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

@@ -10,6 +10,7 @@ reason in the client's stats.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -173,24 +174,29 @@ def get(
 ) -> Call[Restored | None]:
     """The caches of the longest usable cached prefix of tokens, or None (a miss), also when
     it is shorter than min_tokens."""
+    started = time.perf_counter()
     hit = yield from calls.lookup(link, identity.to_protocol(), tokens, min_tokens)
-    return (yield from _restore(link, hit, model))
+    return (yield from _restore(link, hit, model, started))
 
 
 def get_checkpoint(
     link: Link, identity: Identity, key: str, prompt: Sequence[int], *, model: Any
 ) -> Call[Restored | None]:
     """The newest generation checkpoint under key that extends prompt, restored whole."""
+    started = time.perf_counter()
     hit = yield from calls.find_checkpoint(link, identity.to_protocol(), key, prompt)
-    return (yield from _restore(link, hit, model))
+    return (yield from _restore(link, hit, model, started))
 
 
-def _restore(link: Link, hit: LookupHit | None, model: Any) -> Call[Restored | None]:
-    """Decode a hit (the lookup counted a None), then close it and end its lease; a damaged
-    entry is reported to the daemon."""
+def _restore(
+    link: Link, hit: LookupHit | None, model: Any, started: float
+) -> Call[Restored | None]:
+    """Decode a hit (the lookup counted a None), then close it and end its lease, telling the
+    daemon how it went; a damaged entry is reported so."""
     if hit is None:
         return None
     restored = damage = None
+    missed: str | None = None
     try:
         fills = hit.entry.fills(verify=link.verify)
         caches = decode(hit.entry.header, fills, hit.matched, model)
@@ -198,6 +204,7 @@ def _restore(link: Link, hit: LookupHit | None, model: Any) -> Call[Restored | N
         damage = exc
     except Miss as miss:
         link.stats.misses[miss.reason] += 1
+        missed = miss.reason
         log.warning("restore of entry %s missed: %s", hit.summary.id, miss)
     else:
         link.stats.restored += 1
@@ -205,7 +212,12 @@ def _restore(link: Link, hit: LookupHit | None, model: Any) -> Call[Restored | N
     finally:
         hit.entry.close()
     if damage is not None:
-        yield from calls.reject(link, hit.lease, hit.epoch, damage.rule.value, damage, damaged=True)
+        rule = damage.rule.value
+        yield from calls.reject(
+            link, hit.lease, hit.epoch, rule, damage, damaged=True, started=started
+        )
     else:
-        yield from calls.release_lease(link, hit.lease, hit.epoch)
+        nbytes, tokens = (0, 0) if restored is None else (hit.summary.bytes, hit.matched)
+        report = calls.restore_report(missed, started, nbytes, tokens)
+        yield from calls.release_lease(link, hit.lease, hit.epoch, report=report)
     return restored
