@@ -16,7 +16,9 @@ tokens = 2 GiB. It is put once into a real `kvd serve`; then, per rep:
   save_prompt_cache (+ mx.eval of every state).
 
 Hot: the files are read once before the reps, so every rep reads from the page cache. Cold
-(root only; --no-cold skips it): `sync; echo 1 > /proc/sys/vm/drop_caches` before each rep.
+(--no-cold skips it): before each rep the files' pages leave the page cache, by
+`sync; echo 1 > /proc/sys/vm/drop_caches` as root, else by posix_fadvise(DONTNEED) of each
+file (Linux, any user); elsewhere cold needs root.
 A restore allocates fresh MLX memory each time, as an engine does; MLX's buffer cache keeps
 its default limit. The median of --repeat reps after one untimed warm-up is printed (cold:
 no warm-up), GB/s as 10^9 bytes of tensor data per second.
@@ -91,6 +93,17 @@ def drop_page_cache() -> None:
 
 def can_drop_page_cache() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def evict_files(files: Sequence[Path]) -> None:
+    """Take these files' pages out of the page cache, as any user may (Linux)."""
+    subprocess.run(["sync"], check=True)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def timed(run: Callable[[], object]) -> float:
@@ -190,8 +203,12 @@ class Restores:
         mx.eval([layer.state for layer in cache])
         return cache
 
+    @property
+    def files(self) -> list[Path]:
+        return [self.entry_file, self.safetensors, self.mlx_lm_file]
+
     def warm(self) -> None:
-        for path in (self.entry_file, self.safetensors, self.mlx_lm_file):
+        for path in self.files:
             with path.open("rb", buffering=0) as f:
                 while f.read(64 << 20):
                     pass
@@ -254,7 +271,7 @@ def main() -> None:
     if args.mlx_cache_limit is not None:
         mx.set_cache_limit(args.mlx_cache_limit)
     tokens = args.tokens or (FULL_TOKENS if args.full else TOKENS)
-    cold = not args.no_cold and can_drop_page_cache()
+    cold = not args.no_cold and (can_drop_page_cache() or hasattr(os, "posix_fadvise"))
 
     rows: list[tuple[str, str, float]] = []  # (temperature, path, seconds)
     with (
@@ -289,15 +306,16 @@ def main() -> None:
         seconds = bench.decode_seconds(args.repeat)
         rows.extend([("hot", decode, seconds[0]), ("hot", decode + UNVERIFIED, seconds[1])])
         if cold:
+            drop = drop_page_cache if can_drop_page_cache() else partial(evict_files, bench.files)
             for group in groups[1:]:
-                seconds = median_seconds([*group.values()], args.cold_repeat, drop_page_cache)
+                seconds = median_seconds([*group.values()], args.cold_repeat, drop)
                 rows.extend(zip(["cold"] * len(group), group, seconds, strict=True))
         nbytes = bench.nbytes
 
     print(
         f"{LAYERS} layers × (keys, values) float16 (1, {KV_HEADS}, {tokens:,}, {HEAD_DIM}) = "
         f"{nbytes / (1 << 20):,.0f} MiB; median of {args.repeat} hot reps"
-        + (f", {args.cold_repeat} cold reps" if cold else "; cold not run (needs root)")
+        + (f", {args.cold_repeat} cold reps" if cold else "; cold not run (needs root here)")
         + ".\n"
     )
     print_table(rows, nbytes)
