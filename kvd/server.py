@@ -192,7 +192,10 @@ class Server:
                     shutdown.start_soon(self._exit_on_second_signal, signals)
                     durable, pending = await self.tier.flush(self.config.shutdown_deadline)
                     log.info("flushed", durable=durable, pending=pending)
-                    await self.tier.save_snapshot()
+                    try:
+                        await self.tier.save_snapshot()
+                    except OSError as exc:  # a full disk, say: the next start scans more
+                        log.warning("snapshot_failed", error=str(exc))
                     shutdown.cancel_scope.cancel()
                 return
 

@@ -69,9 +69,13 @@ def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> in
         )
     body = msgpack.packb({"version": VERSION, "rows": rows}, use_bin_type=True)
     temporary = path.with_suffix(".tmp")
-    with open(temporary, "wb") as out:
-        out.write(MAGIC + checksum(body) + body)
-    replace_durably(temporary, path)
+    try:
+        with open(temporary, "wb") as out:
+            out.write(MAGIC + checksum(body) + body)
+        replace_durably(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk keeps no half snapshot (the old one stays)
+        raise
     return len(rows)
 
 

@@ -129,6 +129,9 @@ class Writer:
         self._catalog.add(record, staged=staging)
         for dropped in admission.dropped:
             self.finish(dropped, Outcome.DROPPED, "write-behind queue overflow")
+        # Its bytes count from now on: older stored entries make room at once, so that the
+        # tier holds its cap while the entry waits to be written, not only once it is.
+        self._catalog.evict_to_cap(self._config.max_bytes, self._config.min_free)
         self.pulse_changed()
         self._pulse_work()
         return ticket

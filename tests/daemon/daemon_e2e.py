@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -247,3 +251,23 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
             return None
         data += chunk
     return data
+
+
+_HERE = str(Path(__file__).parent)
+
+
+@contextmanager
+def python_child(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python child running script; it prints "ready" once it holds what it holds."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), _HERE, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        yield child
+    finally:
+        child.kill()
+        child.wait()

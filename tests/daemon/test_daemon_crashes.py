@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 from daemon_e2e import (
     ENTRY_BYTES,
@@ -19,32 +13,13 @@ from daemon_e2e import (
     files_on_disk,
     looked_up_tokens,
     put_stored,
+    python_child,
     report,
     staging_files,
     wait_until,
 )
 from daemon_process import Daemon
 from kvd_client.client import Client
-
-HERE = str(Path(__file__).parent)
-
-
-@contextmanager
-def _child(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """A Python child running script; it prints "ready" once it holds what it holds."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script), HERE, *args],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        yield child
-    finally:
-        child.kill()
-        child.wait()
-
 
 HOLD_A_PUT = """
     import sys, time
@@ -76,7 +51,7 @@ HOLD_A_LEASE = """
 
 
 def test_a_putter_killed_before_commit_leaves_nothing_behind(daemon: Daemon) -> None:
-    with _child(HOLD_A_PUT, daemon.socket_path) as child:
+    with python_child(HOLD_A_PUT, daemon.socket_path) as child:
         assert len(staging_files(daemon.tier)) == 1
         child.kill()
         wait_until(lambda: not staging_files(daemon.tier), "the staging file is reaped")
@@ -91,7 +66,7 @@ def test_a_reader_killed_while_holding_a_lease_releases_it(daemon: Daemon) -> No
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, range(64), seed=1)
         assert client.flush(SETTLE_SECONDS)
-        with _child(HOLD_A_LEASE, daemon.socket_path) as child:
+        with python_child(HOLD_A_LEASE, daemon.socket_path) as child:
             assert report(client)["leased_entries"] == 1
             child.kill()
             wait_until(lambda: report(client)["leased_entries"] == 0, "the lease ends")
@@ -105,7 +80,7 @@ def test_a_lease_of_a_killed_reader_lets_a_doomed_entry_go(daemon: Daemon) -> No
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, range(64), seed=1)
         assert client.flush(SETTLE_SECONDS)
-        with _child(HOLD_A_LEASE, daemon.socket_path) as child:
+        with python_child(HOLD_A_LEASE, daemon.socket_path) as child:
             assert client.evict(all=True).entries == 1
             assert files_on_disk(daemon.tier) == (1, ENTRY_BYTES)  # leased: kept
             child.kill()
@@ -135,7 +110,7 @@ def test_a_daemon_killed_mid_stream_restarts_consistent(daemon: Daemon) -> None:
         for first in durable:
             put_stored(client, IDENTITY, [first, *range(48)], seed=first)
         assert client.flush(SETTLE_SECONDS)
-        with _child(STREAM_PUTS, daemon.socket_path):
+        with python_child(STREAM_PUTS, daemon.socket_path):
             wait_until(lambda: report(client)["entries"] >= 20, "the stream makes progress")
             daemon.kill()
     daemon.start()
