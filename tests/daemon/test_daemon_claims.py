@@ -197,8 +197,10 @@ COMMIT_AND_VANISH = """
 def _settled_and_consistent(daemon: Daemon, client: Client) -> int:
     """After the dead client's commits settled: nothing staged, the status equal to the
     directory, every entry whole; how many of its entries were stored."""
-    assert client.flush(SETTLE_SECONDS)
+    # A staged file is a put queued or still being committed: none left means all settled
+    # (a flush alone would not wait for commits that join the queue after it).
     wait_until(lambda: not staging_files(daemon.tier), "nothing is left in staging")
+    assert client.flush(SETTLE_SECONDS)
     status = report(client)
     assert status["writeback"]["pending_bytes"] == 0
     assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
