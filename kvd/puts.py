@@ -164,7 +164,8 @@ class Puts:
             )
 
     def take(self, owner: int, put_id: int) -> Put:
-        """The owner's put, now the caller's: to commit or to abort."""
+        """The owner's put, now the caller's: to commit or to abort. Its bytes stay staged
+        until then: a commit validating its file holds its room as the put did."""
         put = self._puts.get(put_id)
         if put is None or put.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no put {put_id} on this connection")
@@ -177,10 +178,15 @@ class Puts:
         del owned[put.id]
         if not owned:
             del self._by_owner[put.owner]
+
+    def _release(self, put: Put) -> None:
+        """A taken put's bytes leave the staged count (queued now, or gone)."""
         self.staged_bytes -= put.size
         self._writer.pulse_changed()  # room, for a put that waits for it
 
     def abort(self, put: Put) -> None:
+        """A taken put ends uncommitted: its bytes return, its file goes."""
+        self._release(put)
         entry_files.unlink_quietly(put.path)
 
     def abandon_all(self, owner: int) -> None:
@@ -242,6 +248,7 @@ class Puts:
             queued = True
             return ticket
         finally:
+            self._release(put)  # in the same step as the enqueue: the bytes are never uncounted
             if not queued:
                 entry_files.unlink_quietly(put.path)
 

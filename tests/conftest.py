@@ -30,10 +30,20 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB file system of its own (tmpfs), for a disk that really fills up."""
-    mount_point = tmp_path / "disk"
+    yield from _tmpfs(tmp_path / "disk", "size=48m")
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with room for bytes but for only 64 files: a disk that fills up where no
+    reservation of bytes can help (a new folder, a new file)."""
+    yield from _tmpfs(tmp_path / "disk", "size=48m,nr_inodes=64")
+
+
+def _tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
     mount_point.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
         capture_output=True,
         check=False,
     )

@@ -5,8 +5,10 @@ and while waiting for room."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ from daemon_e2e import (
     OTHER_IDENTITY,
     SETTLE_SECONDS,
     RawPeer,
+    entry,
     files_on_disk,
     looked_up_tokens,
     put_stored,
@@ -30,6 +33,7 @@ from daemon_e2e import (
 from daemon_process import Daemon, running_daemon, socket_folder
 from kvd_client.client import Client
 from kvd_protocol import messages as m
+from kvd_protocol.errors import ErrorCode
 from kvd_protocol.identity import Identity
 
 BURST = 8
@@ -50,21 +54,24 @@ def _tokens(first: int, count: int = 32) -> list[int]:
 
 
 @contextmanager
-def sampled(socket_path: str, key: str) -> Iterator[list[int]]:
-    """Samples of a status figure (a dotted key), taken as fast as the daemon answers on a
-    connection of their own, until the block ends."""
+def sampled(socket_path: str, *keys: str) -> Iterator[list[int]]:
+    """Samples of the sum of status figures (dotted keys), taken as fast as the daemon
+    answers on a connection of their own, until the block ends."""
     samples: list[int] = []
     done = threading.Event()
+
+    def figure(status: object, key: str) -> int:
+        for part in key.split("."):
+            assert isinstance(status, dict)
+            status = status[part]
+        assert isinstance(status, int)
+        return status
 
     def sample() -> None:
         with Client.connect(socket_path, require=True) as client:
             while not done.is_set():
-                value: object = client.status()
-                for part in key.split("."):
-                    assert isinstance(value, dict)
-                    value = value[part]
-                assert isinstance(value, int)
-                samples.append(value)
+                status = client.status()
+                samples.append(sum(figure(status, key) for key in keys))
 
     sampler = threading.Thread(target=sample)
     sampler.start()
@@ -75,31 +82,47 @@ def sampled(socket_path: str, key: str) -> Iterator[list[int]]:
         sampler.join()
 
 
-def _begin_big(peer: RawPeer, first: int) -> int:
-    return peer.begin(IDENTITY, _tokens(first, BIG_TOKENS), seed=first, width=BIG_WIDTH)
+def _putter(socket_path: str, firsts: range, replies: list[m.Reply]) -> None:
+    """Begin, write and commit one entry after another; every refusal and commit reply."""
+    with RawPeer(socket_path) as peer:
+        for first in firsts:
+            began = peer.try_begin(IDENTITY, _tokens(first, BIG_TOKENS), first, width=BIG_WIDTH)
+            if isinstance(began, m.ErrorReply):
+                replies.append(began)  # refused, as the policy allows
+                continue
+            replies.append(peer.call(m.PutCommit(id=peer.next_id(), put=began)))
 
 
 @pytest.mark.parametrize("policy", ["drop-oldest", "refuse", "block"])
 def test_the_write_behind_cap_holds_all_through_a_burst(tmp_path: Path, policy: str) -> None:
-    cap = 2 * BIG_BYTES  # the one in flight and one more: drop-oldest has a queued one to drop
+    """Queued and staged bytes (puts begun, not committed) together, sampled while four
+    putters burst. Drop-oldest never drops the entry in flight: its cap is soft by one."""
+    cap = 2 * BIG_BYTES
+    bound = cap + BIG_BYTES if policy == "drop-oldest" else cap
     flags = ["--writeback-max-bytes", str(cap), "--writeback-policy", policy]
-    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
-        puts = [_begin_big(peer, i) for i in range(BURST)]
-        with sampled(daemon.socket_path, "writeback.pending_bytes") as pending:
-            peer.send(*(m.PutCommit(id=peer.next_id(), put=put) for put in puts))
-            replies = [peer.receive() for _ in puts]
-            flushed = peer.call(m.Flush(id=peer.next_id(), timeout=SETTLE_SECONDS))
-        assert isinstance(flushed, m.FlushReply)
-        assert flushed.pending == 0
-        assert len(pending) > 10, "too few samples to see the burst"
-        assert max(pending) > 0, "the burst never showed in the queue"
-        assert max(pending) <= cap, f"pending bytes over the cap: {max(pending)} > {cap}"
-        committed = [r for r in replies if isinstance(r, m.PutCommitReply)]
-        if policy == "block":
-            assert len(committed) == BURST  # every putter waited its turn
+    replies: list[m.Reply] = []
+    with running_daemon(tmp_path, flags) as daemon:
+        putters = [
+            threading.Thread(target=_putter, args=(daemon.socket_path, range(n, 16, 4), replies))
+            for n in range(4)
+        ]
+        with sampled(daemon.socket_path, "writeback.pending_bytes", "staged_bytes") as held:
+            for putter in putters:
+                putter.start()
+            for putter in putters:
+                putter.join()
         with Client.connect(daemon.socket_path, require=True) as client:
+            assert client.flush(SETTLE_SECONDS)
             status = report(client)
+        assert len(held) > 10, "too few samples to see the burst"
+        assert max(held) > BIG_BYTES, "the burst never held more than one entry"
+        assert max(held) <= bound, f"held bytes over the cap: {max(held)} > {bound}"
+        refused = [r for r in replies if isinstance(r, m.ErrorReply)]
+        assert all(r.code is ErrorCode.REFUSED for r in refused), refused
+        if policy == "block":
+            assert not refused  # every putter waited its turn
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert staging_files(daemon.tier) == []
 
 
 def test_the_tier_cap_holds_across_identities_and_after_a_restart_with_a_lower_cap(
@@ -137,46 +160,56 @@ def test_the_tier_cap_holds_across_identities_and_after_a_restart_with_a_lower_c
                 assert not looked_up_tokens(client, identities[first % 3], [*_tokens(first), 1])
 
 
-def test_a_disk_that_fills_in_the_middle_of_a_write_stops_nothing(small_disk: Path) -> None:
-    """Staging files are reserved whole at put_begin, so the write that meets a full disk
-    mid-way is the daemon's own: the snapshot (here, tokens make it several hundred KiB)."""
-    flags = ["--min-free", "0", "--max-bytes", "1G", "--snapshot-interval", "0.2"]
+def _fill_inodes(folder: Path, leave: int) -> list[Path]:
+    """Files in folder until the disk has no inode left, then `leave` of them removed."""
+    folder.mkdir()
+    made: list[Path] = []
+    with pytest.raises(OSError, match="No space left") as full:  # noqa: PT012 - the loop fills it
+        while True:
+            path = folder / str(len(made))
+            path.touch()
+            made.append(path)
+    assert full.value.errno == errno.ENOSPC
+    for path in made[len(made) - leave :]:
+        path.unlink()
+    return made[: len(made) - leave]
+
+
+def test_a_disk_full_in_the_middle_of_a_write_fails_that_put_only(few_inodes: Path) -> None:
+    flags = ["--min-free", "0", "--max-bytes", "1G"]
     with socket_folder() as sockets:
-        daemon = Daemon(
-            small_disk / "tier", os.path.join(sockets, "kvd.sock"), small_disk.parent / "log", flags
-        )
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(few_inodes / "tier", socket_path, few_inodes.parent / "log", flags)
+        daemon.expect_errors("write_failed")  # provoked: the new identity's folder
         daemon.start()
         with Client.connect(daemon.socket_path, require=True) as client:
-            prompts = [[first, *range(4000, 8000)] for first in range(24)]  # 16 KiB of tokens
-            for seed, prompt in enumerate(prompts):
-                put_stored(client, IDENTITY, prompt, seed=seed)
-            put_stored(client, IDENTITY, [99, *range(40)], seed=99)
-            filler = small_disk / "filler"
-            with filler.open("wb") as file:  # the rest of the disk, but 64 KiB
-                try:
-                    while True:
-                        file.write(b"\0" * 65536)
-                        file.flush()
-                except OSError:
-                    pass
-            os.truncate(filler, max(0, filler.stat().st_size - 65536))
-            # A change to snapshot that takes no space: the snapshot needs more than is free.
-            small = next(e for e in client.list_entries() if e.tokens == 41)
-            assert client.evict(entry=small.id).entries == 1
-            wait_until(lambda: '"snapshot_failed"' in daemon.logs(), "the snapshot meets ENOSPC")
-            assert client.ping() >= 0
-            for prompt in prompts:  # every entry still served, and whole
-                assert looked_up_tokens(client, IDENTITY, [*prompt, 1]) == len(prompt)
+            kept = put_stored(client, IDENTITY, _tokens(1), seed=1)
+            filler = _fill_inodes(few_inodes / "filler", leave=1)  # the staging file's
+            layers, tensors = entry(32, seed=2)
+            ticket = client.put_entry(OTHER_IDENTITY, _tokens(2), layers, tensors)
+            state = ticket.wait(SETTLE_SECONDS)
+            assert state.state == "failed"
+            assert "No space left on device" in str(state.reason)
+            assert staging_files(daemon.tier) == []  # its file went: the inode is free again
+            hit = client.lookup(IDENTITY, [*_tokens(1), 7])  # the entry before: intact
+            assert hit is not None
+            with hit:
+                assert [bytes(v) for v in hit.tensors] == [t.tobytes() for t in kept]
             status = report(client)
-            assert (status["entries"], status["bytes"]) == files_on_disk(small_disk / "tier")
-        assert daemon.stop() == 0  # the snapshot at shutdown fails too: still a clean stop
-        assert not (small_disk / "tier" / "index.snapshot.tmp").exists()
-        failures = [json.loads(x) for x in daemon.logs().splitlines() if "snapshot_failed" in x]
-        assert all("No space left" in f["error"] for f in failures)
-        filler.unlink()
+            assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+            filler += _fill_inodes(few_inodes / "more", leave=0)
+            # The snapshot at shutdown meets the full disk too: still a clean stop.
+        assert daemon.stop() == 0
+        snapshot_failures = [x for x in daemon.logs().splitlines() if "snapshot_failed" in x]
+        assert snapshot_failures
+        assert all("No space left" in json.loads(x)["error"] for x in snapshot_failures)
+        assert not (few_inodes / "tier" / "index.snapshot.tmp").exists()
+        for path in filler:
+            path.unlink()
         daemon.start()
         with Client.connect(daemon.socket_path, require=True) as client:
-            assert report(client)["entries"] == len(prompts)
+            assert report(client)["entries"] == 1
+            put_stored(client, OTHER_IDENTITY, _tokens(2), seed=2)  # room again: it goes in
         daemon.stop()
 
 
@@ -220,22 +253,45 @@ def test_a_client_killed_while_committing_leaves_whole_entries_or_none(daemon: D
         put_stored(client, IDENTITY, _tokens(100), seed=100)  # the daemon goes on
 
 
+WAIT_FOR_ROOM = """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from daemon_e2e import IDENTITY, RawPeer
+    from kvd_protocol import messages as m
+    from kvd_protocol.tokens import pack_tokens
+
+    peer = RawPeer(sys.argv[2])
+    peer.send(m.PutBegin(id=peer.next_id(), identity=IDENTITY,
+                         tokens=pack_tokens([9, *range(511)]), size=int(sys.argv[3])))
+    print("ready", flush=True)
+    print("answered", peer.receive(), flush=True)
+"""
+
+
 def test_a_client_killed_while_waiting_for_room_leaves_nothing_behind(tmp_path: Path) -> None:
     flags = ["--writeback-max-bytes", str(BIG_BYTES), "--writeback-policy", "block"]
     flags += ["--writeback-block-timeout", "60"]
     with (
         running_daemon(tmp_path, flags) as daemon,
+        RawPeer(daemon.socket_path) as holder,
         Client.connect(daemon.socket_path, require=True) as client,
     ):
-        with python_child(COMMIT_AND_VANISH, daemon.socket_path) as child:
-
-            def commits_waiting() -> bool:
-                # Staged files not in the queue: commits taken and waiting for room.
-                queued: int = report(client)["writeback"]["pending_count"]
-                return len(staging_files(daemon.tier)) - queued >= 2
-
-            wait_until(commits_waiting, "commits wait for room in the queue")
+        held = holder.begin(IDENTITY, _tokens(1, BIG_TOKENS), seed=1, width=BIG_WIDTH)
+        assert report(client)["staged_bytes"] == BIG_BYTES  # the whole cap, staged
+        with python_child(WAIT_FOR_ROOM, daemon.socket_path, str(BIG_BYTES)) as child:
+            assert child.stdout is not None
+            ready, _, _ = select.select([child.stdout], [], [], 1.0)
+            assert not ready, "the put_begin was answered: it did not wait for room"
             child.kill()
-        stored = _settled_and_consistent(daemon, client)
-        assert stored < 6  # those that waited never joined the queue
-        put_stored(client, IDENTITY, _tokens(100), seed=100)
+        wait_until(lambda: len(report(client)["clients"]) == 2, "the dead client is gone")
+        status = report(client)
+        assert status["staged_bytes"] == BIG_BYTES  # the holder's alone
+        assert len(staging_files(daemon.tier)) == 1
+        commit = holder.call(m.PutCommit(id=holder.next_id(), put=held))
+        assert isinstance(commit, m.PutCommitReply), commit
+        assert client.flush(SETTLE_SECONDS)
+        status = report(client)
+        assert (status["staged_bytes"], status["writeback"]["pending_bytes"]) == (0, 0)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert staging_files(daemon.tier) == []
+        put_stored(client, IDENTITY, _tokens(100), seed=100)  # room for the next one at once
