@@ -20,6 +20,7 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 
 from kvd.config import ConfigError, load_config
 from kvd.progress import Progress
+from kvd.service import add_service_parser, run_service
 
 RECEIVE_BYTES = 1 << 16
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--identity", help="only this identity digest")
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
+    add_service_parser(commands)
     return parser
 
 
@@ -217,6 +219,8 @@ def _run(args: argparse.Namespace, control: Control) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "service":  # needs no daemon
+        return run_service(args)
     try:
         socket_path = str(load_config(args, os.environ).socket)
     except ConfigError as exc:

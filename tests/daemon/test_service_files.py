@@ -15,12 +15,12 @@ from kvd_protocol.paths import default_paths, socket_path_fits
 
 from kvd.config import DEFAULT_SHUTDOWN_DEADLINE
 
-ROOT = Path(__file__).resolve().parents[2]
-SOCKET_UNIT = ROOT / "systemd/kvd.socket"
-SERVICE_UNIT = ROOT / "systemd/kvd.service"
-SERVER_UNIT = ROOT / "systemd/kvd-mlx-lm-server.service"
-PLIST = ROOT / "launchd/local.kvd.plist"
-SERVER_PLIST = ROOT / "launchd/local.kvd-mlx-lm-server.plist"
+SERVICES = Path(__file__).resolve().parents[2] / "kvd" / "services"
+SOCKET_UNIT = SERVICES / "systemd/kvd.socket"
+SERVICE_UNIT = SERVICES / "systemd/kvd.service"
+SERVER_UNIT = SERVICES / "systemd/kvd-mlx-lm-server.service"
+PLIST = SERVICES / "launchd/local.kvd.plist"
+SERVER_PLIST = SERVICES / "launchd/local.kvd-mlx-lm-server.plist"
 SERVER_CLOSE_SECONDS = 10  # kvd_client.mlx_lm_server.CLOSE_SECONDS (importing it loads mlx)
 PLIST_HOME = "/Users/USERNAME"  # the placeholder the install steps replace
 
