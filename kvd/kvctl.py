@@ -12,13 +12,27 @@ import json
 import os
 import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from kvd_protocol import messages as m
 from kvd_protocol.connection import NEED_DATA, Connection, Role
+from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, load_config
+from kvd.entry_files import read_header
+from kvd.kvctl_tables import (
+    SORTS,
+    format_entry,
+    format_list,
+    format_status,
+    model_name,
+    rates,
+    size,
+)
 from kvd.progress import Progress
 from kvd.service import add_service_parser, run_service
 
@@ -66,69 +80,31 @@ class Control:
         self._sock.close()
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_status(status: dict[str, Any]) -> str:
-    """The human table of `kvctl status`."""
-    wb = status["writeback"]
-    daemon = status["daemon"]
-    lookups = status["hits"] + status["misses"]
-    hit_rate = f"{100 * status['hits'] / lookups:.1f}%" if lookups else "-"
-    rows = [
-        ("daemon", f"pid {daemon['pid']}, kvd {daemon['version']}, up {daemon['uptime_s']:.0f} s"),
-        ("memory", _size(daemon["rss_bytes"])),
-        ("tier", daemon.get("dir", "")),
-        ("entries", f"{status['entries']} in {len(status['identities'])} identities"),
-        ("bytes", f"{_size(status['bytes'])} of {_size(status['max_bytes'])} cap"),
-        (
-            "disk free",
-            f"{_size(status['disk_free_bytes'])} (floor {_size(status['min_free_bytes'])})",
-        ),
-        ("lookups", f"{status['hits']} hits, {status['misses']} misses ({hit_rate})"),
-        ("evictions", str(status["evictions"])),
-        ("quarantined", str(status["quarantined"])),
-        (
-            "write-behind",
-            f"{wb['pending_count']} pending ({_size(wb['pending_bytes'])} of "
-            f"{_size(wb['max_bytes'])}, {wb['policy']}); {wb['stored']} stored, "
-            f"{wb['dropped']} dropped, {wb['failed']} failed",
-        ),
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
-    if status["identities"]:
-        lines += ["", f"{'identity':<32}  {'entries':>8}  {'bytes':>10}"]
-        lines += [
-            f"{i['identity']:<32}  {i['entries']:>8}  {_size(i['bytes']):>10}"
-            for i in status["identities"]
-        ]
-    if status["clients"]:
-        lines += ["", f"{'client pid':>10}  name"]
-        lines += [f"{c['pid']:>10}  {c['name']}" for c in status["clients"]]
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Inspect and manage a kvd daemon.")
     parser.add_argument("--socket", help="the daemon's socket (default: as kvd finds it)")
     parser.add_argument("--config", metavar="FILE", help="kvd's TOML configuration file")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="the tier, the queue, the clients")
+    status = commands.add_parser("status", help="the tier, the queue, each model, the clients")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument(
+        "--watch", action="store_true", help="refresh in place, with rates per second"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    status.add_argument("--count", type=int, default=0, help="stop after this many (0: never)")
     commands.add_parser("ping", help="check that the daemon answers")
     flush = commands.add_parser("flush", help="wait until every accepted put is durable")
     flush.add_argument("--wait", type=float, default=None, help="give up after this many seconds")
     listing = commands.add_parser("list", help="list entries")
     listing.add_argument("--identity", help="only this identity digest")
+    listing.add_argument(
+        "--sort", choices=sorted(SORTS), default="used", help="order (default used)"
+    )
     listing.add_argument("--json", action="store_true")
+    show = commands.add_parser("show", help="one entry: identity, tokens, layers, checksums")
+    show.add_argument("entry", help="the entry id")
+    show.add_argument("--json", action="store_true")
     evict = commands.add_parser("evict", help="delete entries now")
     target = evict.add_mutually_exclusive_group(required=True)
     target.add_argument("--entry", help="one entry id")
@@ -141,6 +117,82 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
     add_service_parser(commands)
     return parser
+
+
+def _status(control: Control) -> dict[str, Any]:
+    reply = control.call(m.Status)
+    assert isinstance(reply, m.StatusReply)
+    return dict(reply.status)
+
+
+def _watch(control: Control, interval: float, count: int) -> int:
+    """The status table again every interval seconds, with rates per second, until Ctrl-C
+    (or count tables); redrawn in place on a terminal, one after another off one."""
+    terminal = sys.stdout.isatty()
+    before, at = _status(control), time.monotonic()
+    moved: dict[str, float] | None = None  # rates, from the second table on
+    shown = 0
+    try:
+        while True:
+            if terminal:
+                sys.stdout.write("\033[H\033[J")  # home, clear: redraw in place
+            print(format_status(before, moved), flush=True)
+            shown += 1
+            if count and shown >= count:
+                return 0
+            time.sleep(interval)
+            after, now = _status(control), time.monotonic()
+            moved = rates(before, after, now - at)
+            before, at = after, now
+    except KeyboardInterrupt:
+        return 0
+
+
+def _show(control: Control, entry: str, as_json: bool) -> int:
+    """One entry's summary from the daemon and its header from its file (in the daemon's
+    tier, which status names)."""
+    found = [e for e in _entries(control, None) if e.id == entry]
+    if not found:
+        print(f"kvctl: no entry {entry}", file=sys.stderr)
+        return 1
+    (summary,) = found
+    status = _status(control)
+    path = Path(status["daemon"]["dir"]) / "entries" / summary.identity / f"{summary.id}.kve"
+    header = read_header(path, DEFAULT_LIMITS)
+    if as_json:
+        shown = {**summary.to_map(), "path": str(path), "header": _header_map(header)}
+        print(json.dumps(shown, indent=2))
+        return 0
+    names = {i["identity"]: model_name(i) for i in status["identities"]}
+    print(format_entry(summary, header, names.get(summary.identity, summary.identity), str(path)))
+    return 0
+
+
+def _header_map(header: EntryHeader) -> dict[str, Any]:
+    return {
+        "identity": header.identity.to_wire(),
+        "tokens": header.token_count,
+        "min_reuse": header.min_reuse,
+        "created": header.created,
+        "file_size": header.file_size,
+        "layers": [
+            {
+                "kind": layer.kind,
+                "trimmable": layer.trimmable,
+                "slots": [
+                    {
+                        "dtype": s.dtype,
+                        "shape": list(s.shape),
+                        "bytes": s.nbytes,
+                        "xxh3_64": s.checksum.hex(),
+                    }
+                    for s in layer.slots
+                ],
+            }
+            for layer in header.layers
+        ],
+        "checkpoint": header.checkpoint.key if header.checkpoint else None,
+    }
 
 
 def _entries(control: Control, identity: str | None) -> list[m.EntrySummary]:
@@ -185,9 +237,10 @@ def _verify(control: Control, identity: str | None, repair: bool) -> int:
 
 def _run(args: argparse.Namespace, control: Control) -> int:
     if args.command == "status":
-        reply = control.call(m.Status)
-        assert isinstance(reply, m.StatusReply)
-        print(json.dumps(reply.status, indent=2) if args.json else format_status(reply.status))
+        if args.watch:
+            return _watch(control, args.interval, args.count)
+        status = _status(control)
+        print(json.dumps(status, indent=2) if args.json else format_status(status))
     elif args.command == "ping":
         control.call(m.Ping)
         print("kvd is up")
@@ -201,17 +254,14 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         if args.json:
             print(json.dumps([e.to_map() for e in entries], indent=2))
         else:
-            for e in entries:
-                state = "durable" if e.durable else "pending"
-                trim = "trimmable" if e.trimmable else "exact"
-                print(
-                    f"{e.id}  {e.identity}  {e.tokens:>8} tokens  {_size(e.bytes):>10}  "
-                    f"{trim}  {state}"
-                )
+            names = {i["identity"]: model_name(i) for i in _status(control)["identities"]}
+            print(format_list(entries, names, args.sort, time.time()))
+    elif args.command == "show":
+        return _show(control, args.entry, args.json)
     elif args.command == "evict":
         reply = control.call(m.Evict, entry=args.entry, identity=args.identity, all=args.all)
         assert isinstance(reply, m.EvictReply)
-        print(f"evicted {reply.evicted} entries, {_size(reply.bytes)}")
+        print(f"evicted {reply.evicted} entries, {size(reply.bytes)}")
     elif args.command == "verify":
         return _verify(control, args.identity, args.repair)
     return 0

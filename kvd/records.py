@@ -19,7 +19,8 @@ class EntryRecord:
     a logical clock value (larger = more recent), never a wall-clock time, so that two uses
     never tie. durable: stored and fsynced, rather than still pending in the write-behind queue.
     leases: readers holding the file. checkpoint_key: set for generation checkpoints, which live
-    apart from prompt lookups and are never returned by a prefix lookup.
+    apart from prompt lookups and are never returned by a prefix lookup. used_at: the wall-clock
+    time of the last lease taken since the daemon started (0: none), for people.
     """
 
     id: str
@@ -33,6 +34,7 @@ class EntryRecord:
     durable: bool = False
     leases: int = 0
     checkpoint_key: str | None = None
+    used_at: float = 0.0
 
     @property
     def token_count(self) -> int:

@@ -210,6 +210,7 @@ class Tier:
             if fd is not None:
                 counters.hits += 1
                 self.telemetry.lookup(identity, hit=True)
+                match.record.used_at = time.time()
                 index.touch(match.record, self.catalog.tick())
                 return match, self.leases.take(owner, match.record), fd
         counters.misses += 1
@@ -228,6 +229,7 @@ class Tier:
                 if fd is not None:
                     counters.hits += 1
                     self.telemetry.lookup(identity, hit=True)
+                    record.used_at = time.time()
                     return record, self.leases.take(owner, record), fd
         counters.misses += 1
         self.telemetry.lookup(identity, hit=False, reason="no checkpoint")
@@ -353,4 +355,6 @@ def summary(record: EntryRecord) -> EntrySummary:
         trimmable=record.trimmable,
         created=record.created,
         durable=record.durable,
+        used=record.used_at or None,
+        leases=record.leases,
     )

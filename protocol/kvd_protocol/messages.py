@@ -215,6 +215,9 @@ class EntrySummary(Record):
     trimmable: bool = field(metadata=wire(_bool))
     created: float = field(metadata=wire(_seconds))  # seconds since the epoch
     durable: bool = field(metadata=wire(_bool))
+    # Fields added within version 1 (left out at their defaults):
+    used: float | None = field(default=None, metadata=wire(_optional(_seconds)))  # last lease
+    leases: int = field(default=0, metadata=wire(_uint()))  # readers holding it now
 
 
 @dataclass(frozen=True, kw_only=True)

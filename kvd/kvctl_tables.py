@@ -1,0 +1,238 @@
+"""The tables kvctl prints for people: status (the tier, then one row per model), the entry
+list, one entry's header. Pure: dicts and records in, text out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvd_protocol.entry import EntryHeader
+from kvd_protocol.messages import EntrySummary
+
+
+def size(n: float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def ago(seconds: float | None, now: float) -> str:
+    """A moment as how long ago it was: 42s, 7m, 3h, 2d; '-' for never."""
+    if not seconds:
+        return "-"
+    elapsed = max(0.0, now - seconds)
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if elapsed >= length:
+            return f"{elapsed / length:.0f}{unit}"
+    return f"{elapsed:.0f}s"
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def model_name(identity: Mapping[str, Any]) -> str:
+    """An identity as people know it: its model id (and namespace), else its digest."""
+    name = str(identity.get("model_id") or identity["identity"])
+    namespace = identity.get("namespace")
+    return f"{name} [{namespace}]" if namespace else name
+
+
+def _ratio(hits: int, misses: int) -> str:
+    lookups = hits + misses
+    return f"{100 * hits / lookups:.1f}%" if lookups else "-"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """Aligned columns: the first left ones flush left, the others flush right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), *map(line, rows)]
+
+
+def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None = None) -> str:
+    """The tier, the queue, then one row per model; rates (per second, from --watch) too."""
+    wb = status["writeback"]
+    daemon = status["daemon"]
+    rows = [
+        ("daemon", f"pid {daemon['pid']}, kvd {daemon['version']}, up {daemon['uptime_s']:.0f} s"),
+        ("memory", size(daemon["rss_bytes"])),
+        ("tier", daemon.get("dir", "")),
+        ("entries", f"{status['entries']} in {len(status['identities'])} identities"),
+        ("bytes", f"{size(status['bytes'])} of {size(status['max_bytes'])} cap"),
+        (
+            "disk free",
+            f"{size(status['disk_free_bytes'])} (floor {size(status['min_free_bytes'])})",
+        ),
+        (
+            "lookups",
+            f"{status['hits']} hits, {status['misses']} misses "
+            f"({_ratio(status['hits'], status['misses'])})",
+        ),
+        ("restored", f"{status.get('tokens_restored', 0):,} prompt tokens not computed"),
+        (
+            "written",
+            f"{size(status['bytes_written'])} since start, "
+            f"{size(status.get('bytes_written_24h', 0))} in 24 h",
+        ),
+        ("evictions", str(status["evictions"])),
+        ("quarantined", str(status["quarantined"])),
+        (
+            "write-behind",
+            f"{wb['pending_count']} pending ({size(wb['pending_bytes'])} of "
+            f"{size(wb['max_bytes'])}, {wb['policy']}); {wb['stored']} stored, "
+            f"{wb['dropped']} dropped, {wb['failed']} failed",
+        ),
+    ]
+    if rates is not None:
+        rows.append(
+            (
+                "per second",
+                f"{rates['hits']:.1f} hits, {rates['misses']:.1f} misses, "
+                f"{rates['tokens_restored']:,.0f} tokens restored, "
+                f"{size(rates['bytes_written'])} written",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    if status["identities"]:
+        header = ["model", "entries", "bytes", "hits", "misses", "hit %"]
+        header += ["restore ms p50/p95/p99", "tokens restored", "written"]
+        table = []
+        for i in status["identities"]:
+            restore = i.get("restore_ms") or {}
+            percentiles = "/".join(_ms(restore.get(p)) for p in ("p50", "p95", "p99"))
+            table.append(
+                [
+                    model_name(i),
+                    str(i["entries"]),
+                    size(i["bytes"]),
+                    str(i.get("hits", 0)),
+                    str(i.get("misses", 0)),
+                    _ratio(i.get("hits", 0), i.get("misses", 0)),
+                    percentiles,
+                    f"{i.get('tokens_restored', 0):,}",
+                    size(i.get("bytes_written", 0)),
+                ]
+            )
+        lines += ["", *columns(header, table)]
+    if status["clients"]:
+        lines += [
+            "",
+            *columns(
+                ["client pid", "name"],
+                [[str(c["pid"]), c["name"]] for c in status["clients"]],
+                left=0,
+            ),
+        ]
+    return "\n".join(lines)
+
+
+RATE_KEYS = ("hits", "misses", "tokens_restored", "bytes_written")
+
+
+def rates(before: Mapping[str, Any], after: Mapping[str, Any], seconds: float) -> dict[str, float]:
+    """What grew per second between two status reports."""
+    return {key: (after.get(key, 0) - before.get(key, 0)) / seconds for key in RATE_KEYS}
+
+
+SORTS = {
+    "used": lambda e: -(e.used or 0.0),
+    "age": lambda e: -e.created,
+    "tokens": lambda e: -e.tokens,
+    "bytes": lambda e: -e.bytes,
+    "id": lambda e: e.id,
+}
+
+
+def format_list(
+    entries: Sequence[EntrySummary], names: Mapping[str, str], sort: str, now: float
+) -> str:
+    """One row per entry: its model, size, age and last use; sorted by SORTS[sort]."""
+    header = ["entry", "model", "tokens", "bytes", "age", "last use", "leases", "kind", "state"]
+    rows = [
+        [
+            e.id,
+            names.get(e.identity, e.identity),
+            f"{e.tokens:,}",
+            size(e.bytes),
+            ago(e.created, now),
+            ago(e.used, now),
+            str(e.leases),
+            "trimmable" if e.trimmable else "exact",
+            "durable" if e.durable else "pending",
+        ]
+        for e in sorted(entries, key=SORTS[sort])
+    ]
+    return "\n".join(columns(header, rows, left=2))
+
+
+def format_entry(summary: EntrySummary, header: EntryHeader, model: str, path: str) -> str:
+    """One entry: what it is for, what it holds, where its bytes are."""
+    identity = header.identity
+    now = time.time()
+    rows = [
+        ("entry", summary.id),
+        ("model", model),
+        ("identity", summary.identity),
+        ("model id", identity.model_id),
+        ("namespace", identity.namespace or "-"),
+        ("config", identity.config_fingerprint),
+        ("tokenizer", identity.tokenizer_hash),
+        ("codec", identity.codec_id),
+        ("runtime", identity.runtime),
+        ("tokens", f"{header.token_count:,} (may be trimmed to {header.min_reuse})"),
+        (
+            "created",
+            f"{_when(header.created)} ({ago(header.created, now)} ago)",
+        ),
+        ("last use", ago(summary.used, now) + (" ago" if summary.used else "")),
+        ("leases", str(summary.leases)),
+        ("state", "durable" if summary.durable else "pending"),
+        ("file", f"{path} ({size(header.file_size)})"),
+    ]
+    if header.checkpoint is not None:
+        rows.append(
+            (
+                "checkpoint",
+                f"{header.checkpoint.key}, {header.checkpoint.generated_tokens} generated",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    table = []
+    for number, layer in enumerate(header.layers):
+        for slot in layer.slots:
+            shape = "x".join(map(str, slot.shape))
+            trim = "trimmable" if layer.trimmable else "exact"
+            table.append(
+                [
+                    str(number),
+                    layer.kind,
+                    trim,
+                    slot.dtype,
+                    shape,
+                    size(slot.nbytes),
+                    slot.checksum.hex(),
+                ]
+            )
+    lines += [
+        "",
+        *columns(["layer", "kind", "trim", "dtype", "shape", "bytes", "xxh3-64"], table, left=0),
+    ]
+    return "\n".join(lines)
