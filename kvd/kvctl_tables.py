@@ -135,9 +135,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         lines += [
             "",
             *columns(
-                ["client pid", "name"],
-                [[str(c["pid"]), c["name"]] for c in status["clients"]],
-                left=0,
+                ["client", "pid"], [[c["name"] or "-", str(c["pid"])] for c in status["clients"]]
             ),
         ]
     return "\n".join(lines)
