@@ -28,6 +28,7 @@ from typing import Any
 from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
 
 from kvd import config_values as values
+from kvd.admission import ADMISSION_POLICIES
 from kvd.eviction import EVICTION_POLICIES
 from kvd.writeback import Overflow
 
@@ -52,6 +53,8 @@ DEFAULT_SHUTDOWN_DEADLINE = 15.0
 DEFAULT_QUARANTINE_MAX_BYTES = 1 * GIB
 DEFAULT_SNAPSHOT_INTERVAL = 60.0  # a crash costs at most this much of header reads at start
 DEFAULT_RECONCILE_INTERVAL = 300.0
+DEFAULT_ADMISSION_MIN_TOKENS = 256
+DEFAULT_ADMISSION_WINDOW = 3600.0
 DEFAULT_FRAME_TIMEOUT = 10.0
 DEFAULT_PUT_TIMEOUT = 300.0  # an engine writes a GiB in well under a second; generous
 DEFAULT_MAX_OPEN_PUTS = 16  # per connection; an engine has one or two under way
@@ -118,6 +121,25 @@ class Config:
             values.one_of(EVICTION_POLICIES),
             "|".join(EVICTION_POLICIES),
             "which entries go first when the tier is over its cap (lru: least recently used)",
+        ),
+    )
+    admission: str = field(
+        default="always",
+        metadata=setting(
+            values.one_of(ADMISSION_POLICIES),
+            "|".join(ADMISSION_POLICIES),
+            "which puts are written (wear): always, only those of `admission_min_tokens` "
+            "tokens or more, or a prefix seen a second time within `admission_window`",
+        ),
+    )
+    admission_min_tokens: int = field(
+        default=DEFAULT_ADMISSION_MIN_TOKENS,
+        metadata=setting(values.count, "N", "the shortest put written under `min-tokens`"),
+    )
+    admission_window: float = field(
+        default=DEFAULT_ADMISSION_WINDOW,
+        metadata=setting(
+            values.duration, "SECONDS", "how long a first sighting counts under `second-hit`"
         ),
     )
     shutdown_deadline: float = field(

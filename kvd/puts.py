@@ -27,6 +27,7 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 
 from kvd import entry_files
+from kvd.admission import Admission
 from kvd.catalog import Catalog
 from kvd.config import Config
 from kvd.durability import disk_free
@@ -66,8 +67,10 @@ class Puts:
         writer: Writer,
         tickets: Tickets,
         quarantine: Quarantine,
+        admission: Admission,
     ) -> None:
         self._config = config
+        self._admission = admission
         self._limits = limits
         self._catalog = catalog
         self._writer = writer
@@ -78,6 +81,8 @@ class Puts:
         self._ids = itertools.count(1)
         self.staged_bytes = 0  # the staging files' sizes, begun and not yet committed
         self.refused = 0  # put_begins refused for want of room under the write-behind cap
+        self.not_admitted = 0  # put_begins the admission policy turned away, and their bytes
+        self.not_admitted_bytes = 0
 
     def __len__(self) -> int:
         return len(self._puts)
@@ -103,6 +108,11 @@ class Puts:
             if index.covering(tokens) is not None:
                 self._catalog.counters.duplicates += 1
                 return None, "covered", None
+        refusal = self._admission.admit(identity.digest(), tokens, time.time())
+        if refusal is not None:
+            self.not_admitted += 1
+            self.not_admitted_bytes += size
+            raise ProtocolError(ErrorCode.REFUSED, refusal)
         if len(self._by_owner.get(owner, ())) >= self._config.max_open_puts:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,

@@ -45,6 +45,11 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "abandoned_puts": counters.abandoned,
         "bytes_written": counters.bytes_written,
         "leased_entries": catalog.leased,
+        "admission": {
+            "policy": tier.config.admission,
+            "refused": tier.puts.not_admitted,
+            "saved_bytes": tier.puts.not_admitted_bytes,
+        },
         "staged_bytes": tier.puts.staged_bytes,
         "staged_puts": len(tier.puts),
         "writeback": {

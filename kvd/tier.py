@@ -24,6 +24,7 @@ from kvd_protocol.limits import Limits
 from kvd_protocol.messages import EntrySummary, RestoreReport
 
 from kvd import entry_files, recovery, snapshot
+from kvd.admission import ADMISSION_POLICIES
 from kvd.catalog import Catalog
 from kvd.config import Config
 from kvd.durability import disk_free
@@ -59,6 +60,9 @@ class Tier:
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
         self.tickets = Tickets()
         self.telemetry = Telemetry()
+        self.admission = ADMISSION_POLICIES[config.admission](
+            config.admission_min_tokens, config.admission_window
+        )
         self.writer = Writer(config, self.catalog, self.tickets, self.quarantine, self.telemetry)
         self.puts = Puts(
             config,
@@ -67,6 +71,7 @@ class Tier:
             writer=self.writer,
             tickets=self.tickets,
             quarantine=self.quarantine,
+            admission=self.admission,
         )
         self.leases = Leases(self.catalog)
         self.started = time.time()
@@ -200,6 +205,7 @@ class Tier:
         when the best match is shorter than min_tokens."""
         self._check_leases(owner)
         digest = identity.digest()
+        self.admission.looked_up(digest, tokens, time.time())
         counters = self.catalog.counters
         reason = "no entry"
         while (index := self.catalog.index(digest)) and (match := index.best_match(tokens)):

@@ -225,6 +225,9 @@ VALID = {
     "max_open_puts": ("4", 4),
     "max_leases": ("64", 64),
     "put_timeout": ("60", 60.0),
+    "admission": ("second-hit", "second-hit"),
+    "admission_min_tokens": ("1024", 1024),
+    "admission_window": ("600", 600.0),
 }
 
 
