@@ -10,6 +10,7 @@ from kvd import __version__
 from kvd.config import ConfigError, add_config_arguments, load_config
 from kvd.listener import SocketInUseError
 from kvd.logs import configure_logging, get_logger
+from kvd.metrics_http import MetricsPortInUseError
 from kvd.server import serve
 from kvd.tier_dir import TierLockedError
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     log = get_logger("kvd")
     try:
         serve(config)
-    except (SocketInUseError, TierLockedError, PermissionError) as exc:
+    except (SocketInUseError, TierLockedError, MetricsPortInUseError, PermissionError) as exc:
         log.error("not_started", reason=str(exc))
         return 1
     return 0

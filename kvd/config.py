@@ -210,6 +210,15 @@ class Config:
             values.parse_size, "SIZE", "files that failed validation kept for inspection"
         ),
     )
+    metrics_port: int = field(
+        default=0,
+        metadata=setting(
+            values.port,
+            "PORT",
+            "serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; 0: off)",
+            "0 (off)",
+        ),
+    )
     log_format: LogFormat = field(
         default=LogFormat.AUTO,
         metadata=setting(

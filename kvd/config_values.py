@@ -17,6 +17,7 @@ from pathlib import Path
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+MAX_PORT = 65535
 
 
 def parse_size(value: object) -> int:
@@ -63,6 +64,14 @@ def count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"expected a whole number >= 0, got {value!r}")
     return value
+
+
+def port(value: object) -> int:
+    """A TCP port, 0 to 65535 (0: none)."""
+    number = count(value)
+    if number > MAX_PORT:
+        raise ValueError(f"a TCP port is at most {MAX_PORT}, got {number}")
+    return number
 
 
 def text(value: object) -> str:

@@ -33,6 +33,7 @@ from kvd.kvctl_tables import (
     rates,
     size,
 )
+from kvd.metrics import exposition
 from kvd.progress import Progress
 from kvd.service import add_service_parser, run_service
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--identity", help="only this identity digest")
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
+    commands.add_parser("metrics", help="the status in Prometheus text format")
     add_service_parser(commands)
     return parser
 
@@ -264,6 +266,10 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         print(f"evicted {reply.evicted} entries, {size(reply.bytes)}")
     elif args.command == "verify":
         return _verify(control, args.identity, args.repair)
+    elif args.command == "metrics":
+        reply = control.call(m.Status)
+        assert isinstance(reply, m.StatusReply)
+        sys.stdout.write(exposition(lambda: reply.status).decode())
     return 0
 
 

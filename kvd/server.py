@@ -32,6 +32,7 @@ from kvd.config import Config
 from kvd.fd_limit import connections_for, raise_open_file_limit
 from kvd.listener import bind_socket, inherited_socket
 from kvd.logs import get_logger
+from kvd.metrics_http import metrics_listener, serve_metrics
 from kvd.peercred import peer_credentials
 from kvd.sd_notify import Notifier, watchdog_interval
 from kvd.session import Peer, Session, raw_socket
@@ -110,6 +111,8 @@ class Server:
         if not self.max_connections:
             self.max_connections = connections_for(open_files)
         log.info("limits", open_files=open_files, max_connections=self.max_connections)
+        port = self.config.metrics_port
+        metrics = await metrics_listener(port) if port else None  # a taken port: not started
         await self.tier.open()
         sock = inherited_socket()
         owns_socket = sock is None
@@ -122,6 +125,8 @@ class Server:
                 tasks.start_soon(self._serve, listener, tasks)
                 tasks.start_soon(self._watchdog, notifier)
                 self._start_background(tasks)
+                if metrics is not None:
+                    tasks.start_soon(serve_metrics, metrics, self.status)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.catalog)} entries")
                 await self._wait_for_signal(listener, notifier)
@@ -131,6 +136,8 @@ class Server:
                 self.config.socket.unlink(missing_ok=True)
             self.tier.close()
             notifier.close()
+            if metrics is not None:
+                await metrics.aclose()
         log.info("stopped")
 
     def _start_background(self, tasks: TaskGroup) -> None:

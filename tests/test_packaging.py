@@ -17,7 +17,7 @@ import pytest
 
 import kvd
 
-DAEMON_ONLY = {"anyio", "structlog", "watchfiles", "psutil"}
+DAEMON_ONLY = {"anyio", "structlog", "watchfiles", "psutil", "prometheus-client"}
 
 
 def _requirement_names(dist: str) -> set[str]:

@@ -228,6 +228,7 @@ VALID = {
     "admission": ("second-hit", "second-hit"),
     "admission_min_tokens": ("1024", 1024),
     "admission_window": ("600", 600.0),
+    "metrics_port": ("9464", 9464),
 }
 
 
@@ -346,6 +347,8 @@ BAD = [
     ("log_format", "xml"),
     ("socket_group", "kvd-no-such-group"),
     ("quarantine_max_bytes", "lots"),
+    ("metrics_port", "65536"),
+    ("metrics_port", "-1"),
     ("dir", ""),
     ("socket", "/" + "s" * 103),
 ]

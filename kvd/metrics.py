@@ -1,0 +1,175 @@
+"""The status report as Prometheus metrics: `kvctl metrics` and the daemon's /metrics.
+
+A collector over one status dict (status.status_report's): every figure a gauge or a
+counter, per identity with an `identity` label (and `model_id`, `namespace` when the status
+names them). Figures the status lacks (an older daemon) are left out, not reported as zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+Status = Mapping[str, Any]
+
+# (status key, metric name, help); counters are exposed with the suffix _total.
+GAUGES = (
+    ("entries", "kvd_entries", "entries in the tier"),
+    ("bytes", "kvd_bytes", "bytes of the tier's entries"),
+    ("max_bytes", "kvd_max_bytes", "byte cap of the tier"),
+    ("min_free_bytes", "kvd_min_free_bytes", "free-disk floor the tier never eats into"),
+    ("disk_free_bytes", "kvd_disk_free_bytes", "free bytes on the tier's disk"),
+    ("leased_entries", "kvd_leased_entries", "entries leased to a client now"),
+    ("staged_bytes", "kvd_staged_bytes", "bytes of puts begun and not committed"),
+    ("staged_puts", "kvd_staged_puts", "puts begun and not committed"),
+    ("bytes_written_24h", "kvd_written_24h_bytes", "bytes written in the last 24 hours"),
+)
+COUNTERS = (
+    ("hits", "kvd_hits", "lookups that found an entry"),
+    ("misses", "kvd_misses", "lookups that found none"),
+    ("evictions", "kvd_evictions", "entries evicted"),
+    ("evicted_bytes", "kvd_evicted_bytes", "bytes evicted"),
+    ("superseded", "kvd_superseded", "entries replaced by a longer one"),
+    ("duplicates", "kvd_duplicates", "puts of an entry already held"),
+    ("quarantined", "kvd_quarantined", "files moved to quarantine"),
+    ("abandoned_puts", "kvd_abandoned_puts", "puts aborted or expired"),
+    ("bytes_written", "kvd_written_bytes", "bytes written to the tier"),
+    ("restores", "kvd_restores", "restores the engines reported"),
+    ("tokens_restored", "kvd_tokens_restored", "prefill tokens restored, not computed"),
+)
+WRITEBACK_GAUGES = (
+    ("pending_bytes", "kvd_writeback_pending_bytes", "bytes waiting to be written"),
+    ("pending_count", "kvd_writeback_pending_entries", "entries waiting to be written"),
+    ("max_bytes", "kvd_writeback_max_bytes", "write-behind queue cap"),
+)
+WRITEBACK_COUNTERS = (
+    ("stored", "kvd_writeback_stored", "entries written and made durable"),
+    ("dropped", "kvd_writeback_dropped", "pending entries dropped or cancelled"),
+    ("failed", "kvd_writeback_failed", "entries whose write failed"),
+    ("refused", "kvd_writeback_refused", "puts refused at commit (queue full)"),
+    ("refused_at_begin", "kvd_writeback_refused_at_begin", "puts refused at put_begin"),
+)
+IDENTITY_GAUGES = (
+    ("entries", "kvd_identity_entries", "entries of one identity"),
+    ("bytes", "kvd_identity_bytes", "bytes of one identity's entries"),
+)
+IDENTITY_COUNTERS = (
+    ("hits", "kvd_identity_hits", "restores of one identity the engines reported"),
+    ("restores", "kvd_identity_restores", "restores of one identity, with their timing"),
+    ("tokens_restored", "kvd_identity_tokens_restored", "prefill tokens restored, not computed"),
+    ("bytes_written", "kvd_identity_written_bytes", "bytes written for one identity"),
+)
+# (status key, metric name, help): {p50, p95, p99} in milliseconds, exposed in seconds.
+IDENTITY_LATENCIES = (
+    ("restore_ms", "kvd_identity_restore_seconds", "restore latency of one identity"),
+    ("store_ms", "kvd_identity_store_seconds", "store latency of one identity (engine side)"),
+)
+IDENTITY_NAMES = ("model_id", "namespace")  # labels beside `identity`, when the status has them
+QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99"}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _flat(table: Mapping[str, Any], gauges: Any, counters: Any) -> Iterator[Metric]:
+    for key, name, text in gauges:
+        if _number(table.get(key)):
+            yield GaugeMetricFamily(name, text, value=table[key])
+    for key, name, text in counters:
+        if _number(table.get(key)):
+            yield CounterMetricFamily(name, text, value=table[key])
+
+
+def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    names = [n for n in IDENTITY_NAMES if any(n in i for i in identities)]
+    labels = ["identity", *names]
+
+    def values(identity: Mapping[str, Any]) -> list[str]:
+        return [str(identity["identity"]), *(str(identity.get(n) or "") for n in names)]
+
+    families: list[Metric] = []
+    for key, name, text in IDENTITY_GAUGES:
+        gauge = GaugeMetricFamily(name, text, labels=labels)
+        families.append(gauge)
+        for i in identities:
+            if _number(i.get(key)):
+                gauge.add_metric(values(i), i[key])
+    for key, name, text in IDENTITY_COUNTERS:
+        counter = CounterMetricFamily(name, text, labels=labels)
+        families.append(counter)
+        for i in identities:
+            if _number(i.get(key)):
+                counter.add_metric(values(i), i[key])
+    misses = CounterMetricFamily(
+        "kvd_identity_misses",
+        "lookups of one identity the engines reported as misses, by reason",
+        labels=[*labels, "reason"],
+    )
+    families.append(misses)
+    for i in identities:
+        by_reason = i.get("misses_by_reason")
+        if not isinstance(by_reason, Mapping):  # a daemon that counts no reasons
+            by_reason = {"": i.get("misses")}
+        for reason, count in by_reason.items():
+            if isinstance(count, int | float):
+                misses.add_metric([*values(i), str(reason)], count)
+    speed = GaugeMetricFamily(
+        "kvd_identity_restore_bytes_per_second", "restore throughput of one identity", labels=labels
+    )
+    families.append(speed)
+    for i in identities:
+        if _number(i.get("restore_gb_per_s")):
+            speed.add_metric(values(i), i["restore_gb_per_s"] * 1e9)
+    for key, name, text in IDENTITY_LATENCIES:
+        latency = GaugeMetricFamily(name, f"{text}, by quantile", labels=[*labels, "quantile"])
+        families.append(latency)
+        for i in identities:
+            summary = i.get(key)
+            for part, quantile in QUANTILES.items():
+                if isinstance(summary, Mapping) and _number(summary.get(part)):
+                    latency.add_metric([*values(i), quantile], summary[part] / 1000)
+    yield from (family for family in families if family.samples)
+
+
+def status_metrics(status: Status) -> Iterator[Metric]:
+    """Every metric of one status report."""
+    yield from _flat(status, GAUGES, COUNTERS)
+    yield from _flat(status.get("writeback", {}), WRITEBACK_GAUGES, WRITEBACK_COUNTERS)
+    yield from _identity_metrics(status.get("identities", []))
+    if isinstance(status.get("clients"), list):
+        yield GaugeMetricFamily("kvd_clients", "connected clients", value=len(status["clients"]))
+    daemon = status.get("daemon", {})
+    if _number(daemon.get("rss_bytes")):
+        yield GaugeMetricFamily(
+            "kvd_resident_memory_bytes", "the daemon's resident memory", value=daemon["rss_bytes"]
+        )
+    if _number(daemon.get("uptime_s")):
+        uptime = daemon["uptime_s"]
+        yield GaugeMetricFamily("kvd_uptime_seconds", "seconds since start", value=uptime)
+    info = {"version": str(daemon.get("version", ""))}
+    if "policy" in status.get("writeback", {}):
+        info["writeback_policy"] = str(status["writeback"]["policy"])
+    yield InfoMetricFamily("kvd", "the daemon's version and write-behind policy", value=info)
+
+
+class StatusCollector(Collector):
+    """Metrics of a fresh status report at each collection."""
+
+    def __init__(self, status: Callable[[], Status]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        return status_metrics(self._status())
+
+
+def exposition(status: Callable[[], Status]) -> bytes:
+    """The Prometheus text format of one status report."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(status))
+    return generate_latest(registry)
