@@ -267,9 +267,8 @@ def _run(args: argparse.Namespace, control: Control) -> int:
     elif args.command == "verify":
         return _verify(control, args.identity, args.repair)
     elif args.command == "metrics":
-        reply = control.call(m.Status)
-        assert isinstance(reply, m.StatusReply)
-        sys.stdout.write(exposition(lambda: reply.status).decode())
+        status = _status(control)
+        sys.stdout.write(exposition(lambda: status).decode())
     return 0
 
 
