@@ -120,7 +120,8 @@ class Config:
         metadata=setting(
             values.one_of(EVICTION_POLICIES),
             "|".join(EVICTION_POLICIES),
-            "which entries go first when the tier is over its cap (lru: least recently used)",
+            "which entries go first when the tier is over its cap: lru (least recently used) "
+            "or cost (the least prefill saved per byte, aged by disuse)",
         ),
     )
     admission: str = field(

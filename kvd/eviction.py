@@ -3,14 +3,16 @@
 The cap and the floor hold after every commit, across identities: the tier keeps one policy
 for all its entries, asks bytes_over() how much must go, and deletes what select_victims()
 names. The policy is a setting, a name in EVICTION_POLICIES (the one table of them): LruPolicy
-is the default; a cost-aware one (prefill tokens saved per byte) can join the table.
+is the default; CostPolicy keeps what saves the most prefill per byte, aged by disuse.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvd.records import EntryRecord
 
@@ -99,5 +101,76 @@ class LruPolicy:
         return victims
 
 
+class CostPolicy:
+    """What saves the least prefill per byte goes first, with ageing so nothing lives forever.
+
+    An entry's worth is the prefill it saves per byte it holds, its tokens over its bytes (a
+    quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
+    since last use (or since it was made) in HALF_LIFE units: an entry unused for an hour is
+    worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
+    LruPolicy does.
+
+    A selection samples SAMPLE entries at random and takes the least worth among the
+    evictable ones, as Redis approximates LRU: each victim costs O(SAMPLE), never a sort of
+    the tier; a tier of SAMPLE entries or fewer is ranked exactly.
+    """
+
+    SAMPLE: Final = 64
+    HALF_LIFE: Final = 3600.0  # seconds of disuse that halve an entry's worth
+
+    def __init__(self, clock: Callable[[], float] = time.time, seed: int | None = None) -> None:
+        self._records: list[EntryRecord] = []
+        self._where: dict[EntryRecord, int] = {}
+        self._clock = clock
+        self._random = random.Random(seed)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(self, record: EntryRecord) -> None:
+        if record in self._where:
+            raise ValueError(f"entry {record.id} is already tracked")
+        self._where[record] = len(self._records)
+        self._records.append(record)
+
+    def remove(self, record: EntryRecord) -> None:
+        index = self._where.pop(record)
+        last = self._records.pop()
+        if last is not record:  # the last one fills the hole: O(1)
+            self._records[index] = last
+            self._where[last] = index
+
+    def touch(self, record: EntryRecord) -> None:
+        if record not in self._where:
+            raise KeyError(record.id)  # uses are timed on the record itself (used_at)
+
+    def worth(self, record: EntryRecord, now: float) -> float:
+        idle = max(0.0, now - (record.used_at or record.created))
+        return record.token_count / max(1, record.nbytes) / (1 + idle / self.HALF_LIFE)
+
+    def select_victims(self, over_bytes: int) -> list[EntryRecord]:
+        now = self._clock()
+        victims: list[EntryRecord] = []
+        chosen: set[EntryRecord] = set()
+        freed = 0
+        while freed < over_bytes:
+            candidates = [r for r in self._sample() if evictable(r) and r not in chosen]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda r: self.worth(r, now))
+            victims.append(victim)
+            chosen.add(victim)
+            freed += victim.nbytes
+        return victims
+
+    def _sample(self) -> list[EntryRecord]:
+        if len(self._records) <= self.SAMPLE:
+            return self._records
+        return self._random.sample(self._records, self.SAMPLE)
+
+
 # The eviction policies by setting value (the eviction_policy setting chooses one).
-EVICTION_POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy}
+EVICTION_POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "cost": CostPolicy,
+}

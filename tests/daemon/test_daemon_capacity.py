@@ -12,12 +12,14 @@ from daemon_e2e import (
     IDENTITY,
     SETTLE_SECONDS,
     RawPeer,
+    entry,
     files_on_disk,
     put_stored,
     report,
     staging_files,
 )
 from daemon_process import running_daemon
+from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_protocol import messages as m
 from kvd_protocol.errors import ErrorCode
@@ -232,3 +234,25 @@ def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path
         assert (status["entries"], status["duplicates"]) == (3, 1)
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
         assert staging_files(daemon.tier) == []
+
+
+def test_the_cost_policy_evicts_the_least_prefill_per_byte_not_the_oldest(tmp_path: Path) -> None:
+    """Three entries of one size, the oldest holding the most tokens (in fewer bytes per
+    token, as a quantized cache does): over the cap, LRU would take the oldest; cost takes
+    the one that saves the least prefill for its bytes."""
+    many = list(range(1000, 1128))  # 128 tokens in the bytes others spend on 32
+    flags = ["--max-bytes", str(3 * ENTRY_BYTES), "--eviction-policy", "cost"]
+    with (
+        running_daemon(tmp_path, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        for tokens, width in ((many, 2), (_tokens(1), 8), (_tokens(2), 8)):
+            layers, tensors = entry(len(tokens), seed=tokens[0], width=width)
+            assert client.put_entry(IDENTITY, tokens, layers, tensors).wait(SETTLE_SECONDS) == (
+                TicketState("stored")
+            )
+        put_stored(client, IDENTITY, _tokens(3), seed=3)
+        assert client.flush(SETTLE_SECONDS)
+        assert report(client)["evictions"] >= 1
+        assert client.lookup(IDENTITY, [*many, 7]) is not None  # the oldest stayed
+        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from kvd_protocol.tokens import pack_tokens
 
-from kvd.eviction import EvictionPolicy, LruPolicy, bytes_over
+from kvd.eviction import CostPolicy, EvictionPolicy, LruPolicy, bytes_over
 from kvd.records import EntryRecord
 
 _ids = itertools.count()
@@ -130,3 +130,76 @@ def test_remove_or_touch_of_an_untracked_entry_is_a_key_error() -> None:
         policy.remove(entry(10))
     with pytest.raises(KeyError):
         policy.touch(entry(10))
+
+
+# CostPolicy
+
+
+def _costed(
+    tokens: int, nbytes: int, *, used_at: float = 1000.0, durable: bool = True, leases: int = 0
+) -> EntryRecord:
+    n = next(_ids)
+    return EntryRecord(
+        id=f"c{n}",
+        identity="id",
+        tokens=pack_tokens(range(tokens)),
+        nbytes=nbytes,
+        trimmable=True,
+        durable=durable,
+        leases=leases,
+        created=used_at,
+        used_at=used_at,
+    )
+
+
+def _cost_policy(*records: EntryRecord, now: float = 1000.0) -> CostPolicy:
+    policy = CostPolicy(clock=lambda: now, seed=1)
+    for record in records:
+        policy.add(record)
+    return policy
+
+
+def test_cost_evicts_the_least_prefill_saved_per_byte_first() -> None:
+    dense = _costed(tokens=1000, nbytes=100)  # 10 tokens a byte: a quantized cache, say
+    sparse = _costed(tokens=10, nbytes=100)
+    middling = _costed(tokens=100, nbytes=100)
+    policy = _cost_policy(dense, sparse, middling)
+    assert policy.select_victims(100) == [sparse]
+    assert policy.select_victims(200) == [sparse, middling]
+
+
+def test_cost_ages_an_unused_entry_below_a_recent_one() -> None:
+    """Worth halves with each HALF_LIFE of disuse: ten times the tokens a byte do not keep an
+    entry unused for a day against one used just now."""
+    day_old = _costed(tokens=1000, nbytes=100, used_at=0.0)
+    fresh = _costed(tokens=100, nbytes=100, used_at=86_400.0)
+    policy = _cost_policy(day_old, fresh, now=86_400.0)
+    assert policy.select_victims(1) == [day_old]
+    assert policy.worth(day_old, 3600.0) == pytest.approx(policy.worth(day_old, 0.0) / 2)
+
+
+def test_cost_never_evicts_pending_or_leased_entries() -> None:
+    pending = _costed(tokens=1, nbytes=100, durable=False)
+    leased = _costed(tokens=1, nbytes=100, leases=1)
+    kept = _costed(tokens=1000, nbytes=100)
+    assert _cost_policy(pending, leased, kept).select_victims(300) == [kept]
+
+
+def test_cost_samples_a_large_tier_and_still_frees_what_is_asked() -> None:
+    records = [_costed(tokens=1 + i % 50, nbytes=100) for i in range(1000)]
+    policy = _cost_policy(*records)
+    victims = policy.select_victims(100 * 30)
+    assert len(victims) == len(set(victims)) == 30
+    # Each victim is the least worth of a sample of 64: far down the tier's order.
+    worst_half = sorted(records, key=lambda r: policy.worth(r, 1000.0))[:500]
+    assert sum(v in worst_half for v in victims) >= 25
+
+
+def test_cost_forgets_removed_entries() -> None:
+    first, second, third = (_costed(tokens=t, nbytes=100) for t in (1, 2, 3))
+    policy = _cost_policy(first, second, third)
+    policy.remove(first)
+    assert len(policy) == 2
+    assert policy.select_victims(100) == [second]
+    with pytest.raises(ValueError, match="already tracked"):
+        policy.add(second)
