@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvd.config_values import port
 from kvd.service_templates import (
     LAUNCHD_LABEL,
     LAUNCHD_SERVER_LABEL,
@@ -58,7 +59,7 @@ class Plan:
 class Manager(Protocol):
     name: str
 
-    def install(self, server_model: str | None) -> Plan: ...
+    def install(self, server_model: str | None, metrics_port: int) -> Plan: ...
     def uninstall(self) -> Plan: ...
     def status(self) -> tuple[list[str], bool]: ...
 
@@ -86,8 +87,8 @@ class Systemd:
     def _systemctl(*args: str) -> tuple[str, ...]:
         return ("systemctl", "--user", *args)
 
-    def install(self, server_model: str | None) -> Plan:
-        units = systemd_units(self._install, server_model)
+    def install(self, server_model: str | None, metrics_port: int) -> Plan:
+        units = systemd_units(self._install, server_model, metrics_port)
         after = [
             Step(self._systemctl("daemon-reload")),
             Step(self._systemctl("enable", "--now", "kvd.socket")),
@@ -145,8 +146,8 @@ class Launchd:
         self.folder = install.home / "Library" / "LaunchAgents"
         self._domain = f"gui/{uid}"
 
-    def install(self, server_model: str | None) -> Plan:
-        agents = launchd_agents(self._install, server_model)
+    def install(self, server_model: str | None, metrics_port: int) -> Plan:
+        agents = launchd_agents(self._install, server_model, metrics_port)
         plan = Plan(
             folders=[self._install.home / "Library" / "Logs"],  # launchd opens, never makes it
             write={self.folder / name: data for name, data in agents.items()},
@@ -260,6 +261,13 @@ def carry_out(plan: Plan, dry_run: bool) -> None:
         _execute(step)
 
 
+def _port(value: str) -> int:
+    try:
+        return port(value)
+    except ValueError as exc:  # argparse shows the message of this one only
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_service_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     service = commands.add_parser("service", help="install kvd as a user service (or remove it)")
     actions = service.add_subparsers(dest="action", required=True)
@@ -268,6 +276,13 @@ def add_service_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "--with-server",
         metavar="MODEL",
         help="also run kvd-mlx-lm-server on this model (folder or Hugging Face repository)",
+    )
+    install.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        metavar="PORT",
+        help="kvd serves Prometheus metrics on 127.0.0.1:PORT (the unit then allows TCP)",
     )
     install.add_argument("--dry-run", action="store_true", help="print, change nothing")
     uninstall = actions.add_parser("uninstall", help="stop the services, remove their files")
@@ -290,7 +305,7 @@ def run_service(
             return 0 if running else 1
         if args.action == "install":
             _check_scripts(install, args.with_server)
-            plan = manager.install(args.with_server)
+            plan = manager.install(args.with_server, args.metrics_port)
         else:
             plan = manager.uninstall()
             if not plan.remove:

@@ -73,11 +73,25 @@ def _render_unit(text: str, install: Installation, model: str | None) -> str:
     return "".join(lines)
 
 
-def systemd_units(install: Installation, server_model: str | None = None) -> dict[str, str]:
+def _serving_metrics(line: str, port: int) -> str:
+    if line.startswith("ExecStart="):
+        return f"{line.rstrip()} --metrics-port {port}\n"
+    if line.startswith("RestrictAddressFamilies="):
+        return f"{line.rstrip()} AF_INET\n"  # the metrics listener is TCP on 127.0.0.1
+    return line
+
+
+def systemd_units(
+    install: Installation, server_model: str | None = None, metrics_port: int = 0
+) -> dict[str, str]:
     """Unit file name -> text: kvd's socket and service, and the server's when a model is
     given. %h stays where the templates use it: systemd expands it to the same home."""
     names = [*SYSTEMD_UNITS, *([SYSTEMD_SERVER_UNIT] if server_model is not None else [])]
-    return {name: _render_unit(template("systemd", name), install, server_model) for name in names}
+    units = {name: _render_unit(template("systemd", name), install, server_model) for name in names}
+    if metrics_port:
+        service = units["kvd.service"].splitlines(keepends=True)
+        units["kvd.service"] = "".join(_serving_metrics(line, metrics_port) for line in service)
+    return units
 
 
 def _render_plist_value(value: Any, install: Installation, model: str | None) -> Any:
@@ -96,7 +110,9 @@ def _render_plist_value(value: Any, install: Installation, model: str | None) ->
     return value
 
 
-def launchd_agents(install: Installation, server_model: str | None = None) -> dict[str, bytes]:
+def launchd_agents(
+    install: Installation, server_model: str | None = None, metrics_port: int = 0
+) -> dict[str, bytes]:
     """Plist file name -> contents (XML): kvd's agent, and the server's when a model is given.
     launchd expands neither ~ nor $HOME, so every path is absolute."""
     labels = [LAUNCHD_LABEL, *([LAUNCHD_SERVER_LABEL] if server_model is not None else [])]
@@ -104,5 +120,7 @@ def launchd_agents(install: Installation, server_model: str | None = None) -> di
     for label in labels:
         plist = plistlib.loads(template("launchd", f"{label}.plist").encode())
         rendered = _render_plist_value(plist, install, server_model)
+        if label == LAUNCHD_LABEL and metrics_port:
+            rendered["ProgramArguments"] += ["--metrics-port", str(metrics_port)]
         agents[f"{label}.plist"] = plistlib.dumps(rendered, fmt=plistlib.FMT_XML)
     return agents

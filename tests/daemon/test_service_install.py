@@ -69,8 +69,12 @@ class Home:
         return self.calls_log.read_text().splitlines()
 
 
-def service_args(action: str, with_server: str | None = None) -> argparse.Namespace:
-    return argparse.Namespace(action=action, dry_run=False, with_server=with_server)
+def service_args(
+    action: str, with_server: str | None = None, metrics_port: int = 0
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        action=action, dry_run=False, with_server=with_server, metrics_port=metrics_port
+    )
 
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd")
@@ -124,6 +128,24 @@ def test_installed_units_verify_without_any_warning(systemd_home: Home, tmp_path
         "--user enable kvd-mlx-lm-server.service",
         "--user restart kvd-mlx-lm-server.service",
     ]
+
+
+@linux_only
+@needs_systemd_analyze
+def test_a_metrics_port_is_served_under_the_unit(systemd_home: Home, tmp_path: Path) -> None:
+    result = systemd_home.kvctl("install", "--metrics-port", "9464")
+    assert result.returncode == 0, result.stderr
+    service = read_unit(systemd_home.units / "kvd.service")["Service"]
+    assert service["ExecStart"] == [f"{BIN}/kvd serve --metrics-port 9464"]
+    assert service["RestrictAddressFamilies"] == ["AF_UNIX AF_INET"]  # else the bind fails
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    units = [systemd_home.units / "kvd.socket", systemd_home.units / "kvd.service"]
+    checked = verify(systemd_home.home, runtime, *units)
+    assert (checked.returncode, checked.stdout, checked.stderr) == (0, "", "")
+    bad = systemd_home.kvctl("install", "--metrics-port", "65536")
+    assert bad.returncode == 2
+    assert "a TCP port is at most 65535" in bad.stderr
 
 
 @linux_only
@@ -249,12 +271,17 @@ def test_launch_agent_install_and_uninstall(
     assert home.calls()[calls:] == [f"bootout gui/{uid}/local.kvd"]
 
 
-def test_launch_agent_for_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_agents_for_the_server_and_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home = Home(tmp_path, "launchctl")
     monkeypatch.setenv("PATH", home.env["PATH"])
     environ = {"HOME": str(home.home)}
-    args = service_args("install", with_server="mlx-community/Tiny-4bit")
+    args = service_args("install", with_server="mlx-community/Tiny-4bit", metrics_port=9464)
     assert run_service(args, environ, platform="darwin") == 0
+    with (home.home / "Library/LaunchAgents/local.kvd.plist").open("rb") as file:
+        daemon = plistlib.load(file)
+    assert daemon["ProgramArguments"] == [f"{BIN}/kvd", "serve", "--metrics-port", "9464"]
     path = home.home / "Library/LaunchAgents/local.kvd-mlx-lm-server.plist"
     with path.open("rb") as file:
         plist = plistlib.load(file)
