@@ -7,6 +7,8 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tomllib
+from fnmatch import fnmatch
 from importlib.metadata import requires
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +38,18 @@ def test_daemon_distribution_does_not_pull_mlx() -> None:
     names = _requirement_names("kvd")
     assert not {n for n in names if n.startswith("mlx")}
     assert names >= DAEMON_ONLY
+
+
+def test_the_service_definitions_ship_with_the_daemon() -> None:
+    """kvctl service install reads them from the installed package: each is package data."""
+    package = Path(kvd.__file__).parent
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["kvd"]
+    definitions = [
+        p.relative_to(package).as_posix() for p in package.glob("services/**/*") if p.is_file()
+    ]
+    assert len(definitions) == 5  # kvd's two units and plist, the server's unit and plist
+    assert all(any(fnmatch(name, glob) for glob in globs) for name in definitions)
 
 
 def test_engine_library_does_not_pull_daemon_dependencies() -> None:
