@@ -125,8 +125,9 @@ class Server:
                 tasks.start_soon(self._serve, listener, tasks)
                 tasks.start_soon(self._watchdog, notifier)
                 self._start_background(tasks)
-                if metrics is not None:
-                    tasks.start_soon(serve_metrics, metrics, self.status)
+                if metrics is not None:  # kept running: an accept() failure must not stop kvd
+                    scrapes = partial(serve_metrics, metrics, self.status)
+                    tasks.start_soon(keep_running, "metrics", scrapes)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
                 notifier.ready(f"serving {len(self.tier.catalog)} entries")
                 await self._wait_for_signal(listener, notifier)
