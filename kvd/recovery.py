@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -40,14 +41,16 @@ def reap_staging(dirs: TierDir) -> int:
     return count
 
 
-def scan(dirs: TierDir, limits: Limits) -> ScanResult:
+def scan(
+    dirs: TierDir, limits: Limits, header_read: Callable[[], None] = lambda: None
+) -> ScanResult:
     """Reap staging, then index every entry file (blocking: run in a thread).
 
     A file the snapshot knows with the same size and mtime is taken from it; any other file's
     header is read and validated (see snapshot.py for why that is safe). In an identity folder
     unchanged since the snapshot was written (no entry added, removed or renamed: its own
     mtime is older), the snapshot's rows need no stat at all: entry files are never modified
-    in place.
+    in place. header_read() is called after each header read (progress: the slow part).
     """
     reaped = reap_staging(dirs)
     known = load_snapshot(dirs.snapshot)
@@ -78,6 +81,8 @@ def scan(dirs: TierDir, limits: Limits) -> ScanResult:
             except EntryFormatError as exc:
                 invalid.append((path, str(exc)))
                 continue
+            finally:
+                header_read()
             if header.identity.digest() != folder.name:
                 invalid.append((path, "its identity does not match its folder"))
                 continue

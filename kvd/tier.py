@@ -32,6 +32,7 @@ from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
 from kvd.logs import get_logger
 from kvd.prefix_index import Match
+from kvd.progress import Progress
 from kvd.puts import Put, Puts
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
@@ -88,7 +89,14 @@ class Tier:
         # Start-up builds one long-lived object graph and frees nothing: the collector would
         # only walk it again and again (README, "Start-up", has what that cost).
         gc.disable()
-        result = await anyio.to_thread.run_sync(recovery.scan, self.dirs, self.limits)
+        # A full scan reads every header (minutes at 100k entries): counted on a terminal.
+        progress = Progress("reading entry headers", None)
+        try:
+            result = await anyio.to_thread.run_sync(
+                recovery.scan, self.dirs, self.limits, progress.step
+            )
+        finally:
+            progress.close()
         for path, reason in result.invalid:
             await self.quarantine.file(path, reason)
         for record in result.entries:  # least recently used first
