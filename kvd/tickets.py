@@ -16,13 +16,17 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 KEPT = 65536  # settled answers kept for late ticket waits; older ones are forgotten
 
 
-@dataclass
+@dataclass(slots=True)
 class TicketAnswer:
-    """What a ticket wait answers: the state (pending, stored, dropped or failed) and why."""
+    """What a ticket wait answers: the state (pending, stored, dropped or failed) and why.
+
+    settled: what waiters of a pending ticket wait on; None once settled, as nobody waits
+    then (an event is most of a kept answer's memory, and KEPT answers are kept).
+    """
 
     state: str
     reason: str | None = None
-    settled: anyio.Event = field(default_factory=anyio.Event)
+    settled: anyio.Event | None = field(default_factory=anyio.Event)
 
 
 class Tickets:
@@ -44,7 +48,9 @@ class Tickets:
         if answer is None:
             answer = self._answers[ticket] = TicketAnswer(state)
         answer.state, answer.reason = state, reason
-        answer.settled.set()
+        if answer.settled is not None:
+            answer.settled.set()
+            answer.settled = None
         self._answers.move_to_end(ticket)
         while len(self._answers) > KEPT:
             oldest, first = next(iter(self._answers.items()))
@@ -57,7 +63,7 @@ class Tickets:
         answer = self._answers.get(ticket)
         if answer is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no ticket {ticket} (or long forgotten)")
-        if answer.state == "pending" and timeout:
+        if answer.settled is not None and timeout:
             with anyio.move_on_after(timeout):
                 await answer.settled.wait()
         return answer
