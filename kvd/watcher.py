@@ -120,8 +120,9 @@ def _changed_entries(
         if parts is None or not parts:
             continue
         if len(parts) == 1:
-            if change is not Change.deleted and path.is_dir() and not path.is_symlink():
-                candidates |= _folder_listing(path)  # a new identity folder, with its files
+            if path.is_dir() and not path.is_symlink():
+                if change is Change.added:  # a new identity folder, with its files
+                    candidates |= _folder_listing(path)
             elif change is not Change.deleted:
                 log.info("foreign_file_ignored", path=str(path), reason="not in an identity folder")
             continue
