@@ -264,6 +264,21 @@ class Catalog:
         for victim in self.eviction.select_victims(over):
             self.evicted(victim)
 
+    def identity_bytes(self, digest: str) -> int:
+        counts = self._identities.get(digest)
+        return 0 if counts is None else counts.bytes
+
+    def evict_within(self, digest: str, over_bytes: int) -> None:
+        """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
+        if over_bytes <= 0:
+            return
+
+        def mine(record: EntryRecord) -> bool:
+            return record.identity == digest
+
+        for victim in self.eviction.select_victims(over_bytes, mine):
+            self.evicted(victim)
+
     def evicted(self, record: EntryRecord) -> None:
         """Drop an entry by eviction (the cap, or a request), counted as such."""
         self.counters.evictions += 1

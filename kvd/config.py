@@ -16,6 +16,7 @@ one raises ConfigError naming the source and the key. Values: see config_values.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import sys
 import tomllib
@@ -143,6 +144,16 @@ class Config:
             values.duration, "SECONDS", "how long a first sighting counts under `second-hit`"
         ),
     )
+    quotas: tuple[tuple[str, int], ...] = field(
+        default=(),
+        metadata=setting(
+            values.quotas,
+            "PATTERN=SIZE,...",
+            "byte caps per model: the first shell-style pattern matching a model id applies; "
+            "at commit the model's own entries make way, else the put is refused (no_space)",
+            "none",
+        ),
+    )
     shutdown_deadline: float = field(
         default=DEFAULT_SHUTDOWN_DEADLINE,
         metadata=setting(values.duration, "SECONDS", "seconds to flush after SIGTERM"),
@@ -227,6 +238,11 @@ class Config:
         ),
     )
     config_file: Path | None = None  # the file that was read, if any (not itself a setting)
+
+
+def quota_for(quotas: tuple[tuple[str, int], ...], model_id: str) -> int | None:
+    """The byte cap of a model's entries, if a quota pattern matches its id."""
+    return next((size for pattern, size in quotas if fnmatch.fnmatchcase(model_id, pattern)), None)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,20 @@ def one_of(table: Mapping[str, object]) -> Callable[[object], str]:
     return parse
 
 
+def quotas(value: object) -> tuple[tuple[str, int], ...]:
+    """Per-model byte caps: a TOML table {pattern = size}, or "pattern=size,pattern=size"."""
+    if isinstance(value, Mapping):
+        pairs = [(str(pattern), size) for pattern, size in value.items()]
+    else:
+        pairs = []
+        for part in filter(None, (p.strip() for p in text(value).split(","))):
+            pattern, sep, size = part.rpartition("=")
+            if not sep or not pattern:
+                raise ValueError(f"{part!r} is not pattern=size, such as 'mlx-community/*=20G'")
+            pairs.append((pattern.strip(), size.strip()))
+    return tuple((pattern, positive_size(size)) for pattern, size in pairs)
+
+
 def group(value: object) -> str | None:
     name = text(value)
     if not name:

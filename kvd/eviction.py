@@ -46,7 +46,11 @@ class EvictionPolicy(Protocol):
 
     def touch(self, record: EntryRecord) -> None: ...
 
-    def select_victims(self, over_bytes: int) -> list[EntryRecord]: ...
+    def select_victims(
+        self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
+    ) -> list[EntryRecord]:
+        """Evictable entries (of those among() accepts) whose bytes add up to over_bytes."""
+        ...
 
 
 class LruPolicy:
@@ -84,8 +88,11 @@ class LruPolicy:
         """Make record the most recently used; KeyError if it is not tracked."""
         self._order.move_to_end(record)
 
-    def select_victims(self, over_bytes: int) -> list[EntryRecord]:
-        """The least recently used evictable entries whose bytes add up to over_bytes.
+    def select_victims(
+        self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
+    ) -> list[EntryRecord]:
+        """The least recently used evictable entries (of those among() accepts: one model's,
+        for its quota) whose bytes add up to over_bytes.
 
         Fewer if every evictable entry together is not enough. Nothing is removed: the caller
         deletes each victim's file and then calls remove().
@@ -95,7 +102,7 @@ class LruPolicy:
         for record in self._order:
             if freed >= over_bytes:
                 break
-            if evictable(record):
+            if evictable(record) and (among is None or among(record)):
                 victims.append(record)
                 freed += record.nbytes
         return victims
@@ -148,13 +155,18 @@ class CostPolicy:
         idle = max(0.0, now - (record.used_at or record.created))
         return record.token_count / max(1, record.nbytes) / (1 + idle / self.HALF_LIFE)
 
-    def select_victims(self, over_bytes: int) -> list[EntryRecord]:
+    def select_victims(
+        self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
+    ) -> list[EntryRecord]:
+        """Among() narrows the choice to some entries (one model's, for its quota): those
+        are ranked exactly, not sampled."""
         now = self._clock()
         victims: list[EntryRecord] = []
         chosen: set[EntryRecord] = set()
         freed = 0
         while freed < over_bytes:
-            candidates = [r for r in self._sample() if evictable(r) and r not in chosen]
+            pool = self._sample() if among is None else filter(among, self._records)
+            candidates = [r for r in pool if evictable(r) and r not in chosen]
             if not candidates:
                 break
             victim = min(candidates, key=lambda r: self.worth(r, now))

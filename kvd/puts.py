@@ -29,7 +29,7 @@ from kvd_protocol.limits import Limits
 from kvd import entry_files
 from kvd.admission import Admission
 from kvd.catalog import Catalog
-from kvd.config import Config
+from kvd.config import Config, quota_for
 from kvd.durability import disk_free
 from kvd.logs import get_logger
 from kvd.quarantine import Quarantine
@@ -108,6 +108,12 @@ class Puts:
             if index.covering(tokens) is not None:
                 self._catalog.counters.duplicates += 1
                 return None, "covered", None
+        quota = self._quota(identity)
+        if quota is not None and size > quota:  # before the engine writes a byte of it
+            raise ProtocolError(
+                ErrorCode.NO_SPACE,
+                f"an entry of {size} bytes is over the quota of {identity.model_id} ({quota})",
+            )
         refusal = self._admission.admit(identity.digest(), tokens, time.time())
         if refusal is not None:
             self.not_admitted += 1
@@ -143,6 +149,25 @@ class Puts:
         self._puts[put_id] = put
         self._by_owner.setdefault(owner, {})[put_id] = None
         return put, None, fd
+
+    def _quota(self, put_identity: Identity) -> int | None:
+        return quota_for(self._config.quotas, put_identity.model_id)
+
+    def _keep_quota(self, put: Put) -> None:
+        """Make the model's own entries give way to this one under its quota (in the eviction
+        policy's order); NO_SPACE if even that leaves no room."""
+        quota = self._quota(put.identity)
+        if quota is None:
+            return
+        digest = put.identity.digest()
+        self._catalog.evict_within(digest, self._catalog.identity_bytes(digest) + put.size - quota)
+        held = self._catalog.identity_bytes(digest)
+        if held + put.size > quota:
+            raise ProtocolError(
+                ErrorCode.NO_SPACE,
+                f"the quota of {put.identity.model_id} is {quota} bytes: {held} are held "
+                f"(leased or pending), no room for {put.size} more",
+            )
 
     def _no_room(self, size: int) -> str:
         queue = self._writer.queue
@@ -243,6 +268,7 @@ class Puts:
                 ticket = self._tickets.issue()
                 self._tickets.settle(ticket, "stored", "duplicate")
                 return ticket
+            self._keep_quota(put)
             record = EntryRecord(
                 id=new_entry_id(),
                 identity=digest,

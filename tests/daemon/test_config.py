@@ -228,6 +228,7 @@ VALID = {
     "admission": ("second-hit", "second-hit"),
     "admission_min_tokens": ("1024", 1024),
     "admission_window": ("600", 600.0),
+    "quotas": ("e2e/*=1G,big=2M", (("e2e/*", 1 << 30), ("big", 2 << 20))),
     "metrics_port": ("9464", 9464),
 }
 

@@ -10,6 +10,7 @@ import pytest
 from daemon_e2e import (
     ENTRY_BYTES,
     IDENTITY,
+    OTHER_IDENTITY,
     SETTLE_SECONDS,
     RawPeer,
     entry,
@@ -255,4 +256,26 @@ def test_the_cost_policy_evicts_the_least_prefill_per_byte_not_the_oldest(tmp_pa
         assert client.flush(SETTLE_SECONDS)
         assert report(client)["evictions"] >= 1
         assert client.lookup(IDENTITY, [*many, 7]) is not None  # the oldest stayed
+        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)
+
+
+def test_a_models_quota_makes_its_own_entries_give_way_and_no_one_elses(tmp_path: Path) -> None:
+    flags = ["--quotas", f"e2e/model-a={2 * ENTRY_BYTES}"]
+    with (
+        running_daemon(tmp_path, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        put_stored(client, OTHER_IDENTITY, _tokens(9), seed=9)  # another model: no quota
+        for first in (1, 2, 3):
+            put_stored(client, IDENTITY, _tokens(first), seed=first)
+        assert client.flush(SETTLE_SECONDS)
+        mine = sorted(e.tokens for e in client.list_entries(IDENTITY.digest()))
+        assert len(mine) == 2
+        assert client.lookup(IDENTITY, [*_tokens(1), 7]) is None  # its oldest made way
+        assert len(client.list_entries(OTHER_IDENTITY.digest())) == 1
+        # An entry larger than the quota is refused before a byte of it is written.
+        layers, tensors = entry(128, seed=4, width=512)  # 1 MiB
+        refused = client.put_entry(IDENTITY, list(range(500, 628)), layers, tensors)
+        assert refused.state.state == "failed"
+        assert "over the quota of e2e/model-a" in (refused.state.reason or "")
         assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)
