@@ -189,12 +189,18 @@ class Session:
     async def _send(self, reply: m.Reply) -> None:
         fds = reply.fds
         try:
-            async with self._send_lock:
+            try:  # uncontended, the usual case: taken without the coroutine of acquire()
+                self._send_lock.acquire_nowait()
+            except anyio.WouldBlock:
+                await self._send_lock.acquire()
+            try:
                 if not self.conn.can_send:  # closing after a fatal error: nobody reads on
                     log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
                     return
                 frame, sent_fds = self._frame(reply)
                 await socket_io.send(self.sock, frame, sent_fds)
+            finally:
+                self._send_lock.release()
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:

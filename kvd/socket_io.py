@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import anyio
 
 _FD_BYTES = array.array("i").itemsize
+_CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on every read
 
 
 class PeerGone(Exception):  # noqa: N818 - an event, not a failure
@@ -43,7 +44,7 @@ async def receive(sock: socket.socket, nbytes: int, maxfds: int) -> tuple[bytes,
             fds.frombytes(payload[: len(payload) - len(payload) % _FD_BYTES])
         else:
             foreign = True
-    if foreign or flags & socket.MSG_CTRUNC:
+    if foreign or flags & _CTRUNC:
         for fd in fds:
             os.close(fd)
         raise BadAncillary("ancillary data other than whole descriptors")

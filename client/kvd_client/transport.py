@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 RECV_BYTES = 1 << 16
 MAX_FDS_PER_READ = 8  # replies carry at most one descriptor; room for several per read
+_CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on every read
 
 
 class TransportClosed(ConnectionError):  # noqa: N818 - reads as the state it reports
@@ -34,7 +35,7 @@ def receive_from(sock: socket.socket) -> tuple[bytes, list[int]]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     received = list(fds)
-    if flags & socket.MSG_CTRUNC:
+    if flags & _CTRUNC:
         for fd in received:
             os.close(fd)
         raise TransportClosed("descriptors were truncated by the kernel")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -28,13 +29,13 @@ class Identity:
     namespace: str = ""
 
     def to_wire(self) -> dict[str, str]:
-        return asdict(self)
+        # By hand: dataclasses.asdict deep-copies, and this is on every lookup's path.
+        return {name: getattr(self, name) for name in _NAMES}
 
     @classmethod
     def from_wire(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Identity:
         """Strictly decode; raises schema.SchemaError."""
-        names = {f.name for f in fields(cls)}
-        raw = schema.fields(obj, "identity", names - {"namespace"}, {"namespace"})
+        raw = schema.fields(obj, "identity", _REQUIRED, _OPTIONAL)
         values: dict[str, Any] = {
             k: schema.text(v, f"identity.{k}", limits.max_name_bytes) for k, v in raw.items()
         }
@@ -42,5 +43,16 @@ class Identity:
 
     def digest(self) -> str:
         """A stable 32-hex-digit name for this identity: its directory in the tier."""
-        canonical = msgpack.packb(sorted(self.to_wire().items()), use_bin_type=True)
-        return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+        return _digest(self)
+
+
+_NAMES = tuple(f.name for f in fields(Identity))
+_OPTIONAL = frozenset({"namespace"})
+_REQUIRED = frozenset(_NAMES) - _OPTIONAL
+
+
+# Engines ask under a handful of identities, each decoded anew per request: remember them.
+@lru_cache(maxsize=256)
+def _digest(identity: Identity) -> str:
+    canonical = msgpack.packb(sorted(identity.to_wire().items()), use_bin_type=True)
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()

@@ -145,7 +145,12 @@ def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ..
 # --- records ----------------------------------------------------------------------------------
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _encode(value: object) -> object:
+    if type(value) in _SCALARS:  # most fields: no isinstance chain
+        return value
     if isinstance(value, Record):
         return value.to_map()
     if isinstance(value, Identity | Limits):
@@ -193,12 +198,12 @@ class Record:
 
     def to_map(self) -> dict[str, object]:
         checked, _, optional = _wire_fields(type(self))
-        values = ((name, getattr(self, name)) for name, _ in checked)
-        return {
-            name: _encode(value)
-            for name, value in values
-            if name not in optional or value != optional[name]
-        }
+        wire_map = {}
+        for name, _ in checked:
+            value = getattr(self, name)
+            if name not in optional or value != optional[name]:
+                wire_map[name] = _encode(value)
+        return wire_map
 
     def check_consistency(self) -> None:
         """Rules across fields; raises schema.SchemaError."""

@@ -21,6 +21,10 @@ def fields(
     optional: Set[str] = frozenset(),
 ) -> dict[str, Any]:
     """A map with string keys: every required key present, no key outside required|optional."""
+    if type(obj) is dict:  # the decoder's maps: one C-level set comparison when they conform
+        present = obj.keys()
+        if present == required or (present >= required and present - required <= optional):
+            return dict(obj)
     if not isinstance(obj, Mapping):
         raise SchemaError(f"{what}: expected a map, got {type(obj).__name__}")
     keys = set(obj)
