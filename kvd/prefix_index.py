@@ -191,16 +191,20 @@ class PrefixIndex:
         """
         key = rank(record)
         for node in reversed(path):
-            best = node.frontier[0] if node.frontier else None
-            # The common case, O(1): a better entry that reuses at least as short a prefix.
-            if (
-                best is not None
-                and best is not record
-                and rank(best) < key
-                and best.min_reuse <= record.min_reuse
+            frontier = node.frontier
+            # The common case when entries arrive (or are used) in turn, O(1): record ranks
+            # first and reuses as short a prefix as any in the frontier, so it alone remains.
+            if not frontier or (
+                (frontier[0] is record or key < rank(frontier[0]))
+                and record.min_reuse <= frontier[-1].min_reuse
             ):
+                node.frontier = (record,)
+                continue
+            best = frontier[0]
+            # The other common case, O(1): a better entry that reuses at least as short a prefix.
+            if best is not record and rank(best) < key and best.min_reuse <= record.min_reuse:
                 return
-            frontier = _sweep([*(r for r in node.frontier if r is not record), record])
+            frontier = _sweep([*(r for r in frontier if r is not record), record])
             if record not in frontier:
                 return
             node.frontier = frontier
