@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,7 @@ def _row(row: tuple[object, ...]) -> SnapshotRow:
         raise ValueError("a row of the wrong types")
     record = EntryRecord(
         id=entry_id,
-        identity=identity,
+        identity=sys.intern(identity),  # one string per identity, not one per row
         tokens=tokens,
         nbytes=nbytes,
         trimmable=trimmable,
