@@ -55,7 +55,8 @@ def scan(
     reaped = reap_staging(dirs)
     known = load_snapshot(dirs.snapshot)
     written = dirs.snapshot.stat().st_mtime_ns if known else None
-    found: list[tuple[float, int, EntryRecord]] = []
+    matched: dict[str, int] = {}  # entry id -> mtime_ns, of the files the snapshot describes
+    found: list[tuple[float, int, EntryRecord]] = []  # files it does not
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
         if not folder.is_dir(follow_symlinks=False):
@@ -66,14 +67,15 @@ def scan(
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 invalid.append((Path(entry.path), "not an entry file"))
                 continue
-            row = known.get(entry.name[: -len(ENTRY_SUFFIX)])
+            entry_id = entry.name[: -len(ENTRY_SUFFIX)]
+            row = known.get(entry_id)
             if row is not None and row.record.identity == folder.name:
                 if unchanged:
-                    found.append((row.record.last_used, row.mtime_ns, row.record))
+                    matched[entry_id] = row.mtime_ns
                     continue
                 info = entry.stat(follow_symlinks=False)
                 if row.mtime_ns == info.st_mtime_ns and row.record.nbytes == info.st_size:
-                    found.append((row.record.last_used, info.st_mtime_ns, row.record))
+                    matched[entry_id] = info.st_mtime_ns
                     continue
             path = Path(entry.path)
             try:
@@ -89,6 +91,11 @@ def scan(
             # Unknown to the snapshot: written after it, so more recent than all it knows.
             record = record_from_header(entry.name[: -len(ENTRY_SUFFIX)], header, last_used=0)
             found.append((math.inf, entry.stat(follow_symlinks=False).st_mtime_ns, record))
+    # In the snapshot's order (it is written least recently used first), so that the sort
+    # finds the rows in order already rather than in the folders' listing order.
+    taken = [
+        (row.record.last_used, matched[i], row.record) for i, row in known.items() if i in matched
+    ]
     found.sort(key=itemgetter(0, 1))
-    from_snapshot = sum(1 for item in found if item[0] != math.inf)
-    return ScanResult([record for *_, record in found], invalid, reaped, from_snapshot)
+    taken.sort(key=itemgetter(0, 1))
+    return ScanResult([record for *_, record in taken + found], invalid, reaped, len(taken))

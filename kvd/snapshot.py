@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 import msgpack
@@ -68,6 +69,7 @@ def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> in
                 r.checkpoint_key,
             ]
         )
+    rows.sort(key=itemgetter(8))  # least recently used first: start-up reads them in order
     body = msgpack.packb({"version": VERSION, "rows": rows}, use_bin_type=True)
     temporary = path.with_suffix(".tmp")
     try:
