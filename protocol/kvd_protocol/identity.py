@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
-from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -52,7 +51,16 @@ _REQUIRED = frozenset(_NAMES) - _OPTIONAL
 
 
 # Engines ask under a handful of identities, each decoded anew per request: remember them.
-@lru_cache(maxsize=256)
+# Past this many (a peer inventing identities), digests are computed and not kept.
+_DIGESTS_KEPT = 256
+_digests: dict[Identity, str] = {}
+
+
 def _digest(identity: Identity) -> str:
-    canonical = msgpack.packb(sorted(identity.to_wire().items()), use_bin_type=True)
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+    found = _digests.get(identity)
+    if found is None:
+        canonical = msgpack.packb(sorted(identity.to_wire().items()), use_bin_type=True)
+        found = hashlib.blake2b(canonical, digest_size=16).hexdigest()
+        if len(_digests) < _DIGESTS_KEPT:
+            _digests[identity] = found
+    return found
