@@ -237,3 +237,14 @@ def running_daemon(
         finally:
             daemon.stop()
     daemon.check()
+
+
+def kvctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kvctl --socket <the daemon's> ARGS` in a process of its own, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

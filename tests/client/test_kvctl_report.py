@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
-from daemon_process import Daemon
+from daemon_process import Daemon, kvctl
 from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
 from tiny_models import prefill, prompt, tiny_llama
 
 IDENTITY = Identity("tiny/report", "cfg", "tok", namespace="tenant-a")
-
-
-def kvctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _used(daemon: Daemon) -> tuple[str, str]:

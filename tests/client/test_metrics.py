@@ -4,11 +4,9 @@ parsed by prometheus_client's own parser, each value equal to `kvctl status --js
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
-from daemon_process import Daemon
+from daemon_process import Daemon, kvctl
 from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
@@ -56,14 +54,8 @@ PER_IDENTITY = {
 }
 
 
-def kvctl(daemon: Daemon, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def kvctl_output(daemon: Daemon, *args: str) -> str:
+    result = kvctl(daemon, *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -92,8 +84,8 @@ def test_metrics_equal_the_status(daemon: Daemon) -> None:
         assert client.get(IDENTITY, [*tokens, 7], model=model) is not None
         assert client.get(IDENTITY, prompt(16, seed=9), model=model) is None
     # Both from one daemon at rest: only the daemon's memory and the disk may move between.
-    samples = parse(kvctl(daemon, "metrics"))
-    status = json.loads(kvctl(daemon, "status", "--json"))
+    samples = parse(kvctl_output(daemon, "metrics"))
+    status = json.loads(kvctl_output(daemon, "status", "--json"))
 
     for name, path in TOP_LEVEL.items():
         assert samples[(name, frozenset())] == at(status, path), name

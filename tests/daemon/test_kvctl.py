@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
-from daemon_process import Daemon
+from daemon_process import Daemon, kvctl
 from kvd_client import Client, TicketState
 from kvd_protocol import Identity, LayerSpec, TensorSpec
 
@@ -37,16 +37,6 @@ STATUS_KEYS = {
 }
 WRITEBACK_KEYS = {"pending_bytes", "pending_count", "max_bytes", "policy", "stored", "dropped"}
 DAEMON_KEYS = {"pid", "rss_bytes", "uptime_s", "version"}
-
-
-def kvctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def put_one(daemon: Daemon, tokens: int) -> None:

@@ -8,11 +8,10 @@ import os
 from pathlib import Path
 
 from daemon_e2e import IDENTITY, OTHER_IDENTITY, put_stored
-from daemon_process import Daemon
+from daemon_process import Daemon, kvctl
 from kvd_client.client import Client
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
-from test_kvctl import kvctl
 
 from kvd.entry_files import read_header
 from kvd.progress import Progress

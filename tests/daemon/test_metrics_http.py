@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import psutil
-from daemon_process import Daemon, isolated_environment, running_daemon
+from daemon_process import Daemon, isolated_environment, kvctl, running_daemon
 from prometheus_client.parser import text_string_to_metric_families
-from test_kvctl import kvctl, put_one
+from test_kvctl import put_one
 
 from kvd.metrics import exposition
 
