@@ -217,7 +217,8 @@ class Catalog:
     def open(self, record: EntryRecord, damaged: Callable[[Path, str], None]) -> int | None:
         """Open an entry read-only, checked against its record (entry_files.open_entry); a
         file gone behind our back takes its entry with it, and so does one that is not what
-        the record says (truncated, replaced), after damaged(path, reason) moved it aside."""
+        the record says (truncated, replaced), after damaged(path, reason) moved it aside.
+        One that cannot be opened now (an I/O error, no descriptor free) is only not served."""
         candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
             candidates.append(self.dirs.entry_path(record.identity, record.id))
@@ -229,6 +230,9 @@ class Catalog:
             except EntryFormatError as exc:  # never handed out
                 damaged(path, str(exc))
                 break
+            except OSError as exc:  # EIO, or out of descriptors: a miss now, the entry kept
+                log.warning("entry_unreadable", entry=record.id, error=str(exc))
+                return None
         else:
             log.warning("entry_file_missing", entry=record.id)
         self._staged.pop(record.id, None)

@@ -227,6 +227,9 @@ class Tier:
                 match.record.used_at = time.time()
                 index.touch(match.record, self.catalog.tick())
                 return match, self.leases.take(owner, match.record), fd
+            if match.record.id in self.catalog.records:  # kept, but unreadable now
+                reason = "unreadable"
+                break
         counters.misses += 1
         self.telemetry.lookup(identity, hit=False, reason=reason)
         return None

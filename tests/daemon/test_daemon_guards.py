@@ -302,3 +302,25 @@ def test_a_snapshot_that_would_cross_the_floor_is_not_written(small_disk: Path) 
         assert _status(daemon)["entries"] == 4
     assert not (tier / "index.snapshot").exists()
     assert _events(daemon, "snapshot_skipped")
+
+
+def test_a_lookup_with_no_descriptor_free_is_a_miss_and_the_entry_stays(tmp_path: Path) -> None:
+    flags = ["--max-connections", "1000"]
+    with (
+        running_daemon(tmp_path, flags, open_files=64) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        put_stored(client, IDENTITY, [1, 2, 3], seed=1)
+        flood = []
+        for _ in range(80):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(daemon.socket_path)
+            flood.append(sock)
+        wait_until(lambda: _events(daemon, "accept_paused"), "the descriptors used up")
+        assert client.lookup(IDENTITY, [1, 2, 3, 4]) is None  # no descriptor for the file
+        assert _events(daemon, "entry_unreadable")
+        for sock in flood:
+            sock.close()
+        found = wait_until(lambda: client.lookup(IDENTITY, [1, 2, 3, 4]), "the entry served again")
+        assert found is not None
+        found.release()
