@@ -138,19 +138,30 @@ class Tier:
 
     async def save_snapshot(self) -> None:
         """Write the index snapshot of the durable entries (start-up reads it), unless it
-        would take the disk under the free-disk floor: a start-up without it scans headers."""
-        rows = [(self.catalog.path_of(r), r) for r in self.catalog.durable()]
-        estimate = sum(len(r.tokens) + SNAPSHOT_ROW_BYTES for _, r in rows)
+        would take the disk under the free-disk floor: a start-up without it scans headers.
+        The loop only lists the records; their paths and the file are a worker's (at 100k
+        entries, building the rows in the loop stalled it for a second)."""
+        records = list(self.catalog.durable())
+        version = self.catalog.version
+        count = await anyio.to_thread.run_sync(self._write_snapshot, records)
+        if count is None:
+            return
+        self._snapshot_version = version
+        log.info("snapshot_saved", entries=count)
+
+    def _write_snapshot(self, records: list[EntryRecord]) -> int | None:
+        """Blocking: the rows written, or None when the floor forbade it."""
+        estimate = sum(len(r.tokens) + SNAPSHOT_ROW_BYTES for r in records)
         try:
-            free = disk_free(self.dirs.root)
+            free: int | None = disk_free(self.dirs.root)
         except OSError:
             free = None
         if free is not None and free - estimate < self.config.min_free:
             log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
-            return
-        count = await anyio.to_thread.run_sync(snapshot.save_snapshot, self.dirs.snapshot, rows)
-        self._snapshot_version = self.catalog.version
-        log.info("snapshot_saved", entries=count)
+            return None
+        # Durable entries are never staged: each file is at its place under entries/.
+        rows = [(self.dirs.entry_path(r.identity, r.id), r) for r in records]
+        return snapshot.save_snapshot(self.dirs.snapshot, rows)
 
     async def snapshot_periodically(self, every: float) -> None:
         """Keep the snapshot close to the index, so a crash costs few header reads."""
