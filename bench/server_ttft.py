@@ -15,8 +15,8 @@ stock mlx_lm.server.
 
 The model is the tests' tiny model folder (2 llama layers, hidden 64, random float32 weights,
 a tokenizer trained on the spot): the prefill it saves is small next to a real model's, so the
-restored TTFT here is mostly the fixed cost of a request. Its 32k-token prefill takes about
-two minutes on this machine's CPU.
+restored TTFT here is mostly the fixed cost of a request; a 32k-token cold prefill is the
+longest part of the run (README, "Measured").
 
     .venv/bin/python bench/server_ttft.py [--lengths 2048 8192 32768]
 """
