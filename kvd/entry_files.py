@@ -117,14 +117,15 @@ def persist(staging: Path, final: Path) -> None:
     replace_durably(staging, final)
 
 
-def quarantine(path: Path, folder: Path, max_bytes: int) -> None:
+def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:
     """Move a file that failed validation aside for inspection, keeping the folder under
-    max_bytes by deleting the oldest quarantined files first."""
+    max_bytes by deleting the oldest quarantined files first; False if it was gone already
+    (another check quarantined it first)."""
     target = folder / path.name
     try:
         os.replace(path, target)
     except FileNotFoundError:
-        return  # gone meanwhile: nothing left to keep
+        return False  # gone meanwhile: nothing left to keep
     files = sorted(
         (entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)),
         key=lambda entry: entry.stat().st_mtime_ns,
@@ -135,6 +136,7 @@ def quarantine(path: Path, folder: Path, max_bytes: int) -> None:
             break
         total -= entry.stat().st_size
         os.unlink(entry.path)
+    return True
 
 
 def unlink_quietly(path: Path) -> None:

@@ -23,25 +23,25 @@ class Quarantine:
         self._counters = counters
 
     async def file(self, path: Path, reason: str) -> None:
-        """Move path aside; a file that cannot be moved is deleted instead."""
+        """Move path aside; a file that cannot be moved is deleted instead. Counted once the
+        file is where status says (a reader of the count may look), and once only: a file
+        another check moved first is not counted again."""
         log.warning("quarantined", file=path.name, reason=reason)
-        try:
-            await anyio.to_thread.run_sync(self._move, path)
-        finally:  # once the file is where status says (a reader of the count may look)
+        if await anyio.to_thread.run_sync(self._move, path):
             self._counters.quarantined += 1
 
     def now(self, path: Path, reason: str) -> None:
         """file() for a caller that cannot wait (a lookup): on the event loop itself, at the
         cost of a rename and a listing of the small quarantine folder."""
         log.warning("quarantined", file=path.name, reason=reason)
-        try:
-            self._move(path)
-        finally:
+        if self._move(path):
             self._counters.quarantined += 1
 
-    def _move(self, path: Path) -> None:
+    def _move(self, path: Path) -> bool:
+        """Whether the file was ours to take aside (moved, or deleted when it could not be)."""
         try:
-            entry_files.quarantine(path, self._folder, self._max_bytes)
+            return entry_files.quarantine(path, self._folder, self._max_bytes)
         except OSError as exc:
             log.error("quarantine_failed", file=str(path), error=str(exc))
             entry_files.unlink_quietly(path)
+            return True
