@@ -13,16 +13,27 @@ from kvd.records import EntryRecord
 _ids = itertools.count()
 
 
-def entry(nbytes: int, *, durable: bool = True, leases: int = 0) -> EntryRecord:
+def entry(
+    nbytes: int,
+    *,
+    durable: bool = True,
+    leases: int = 0,
+    tokens: int | None = None,
+    used_at: float = 0.0,
+) -> EntryRecord:
+    """A record of nbytes; tokens: how many (default one, distinct per record); used_at: its
+    last use, and its creation."""
     n = next(_ids)
     return EntryRecord(
         id=f"e{n}",
         identity="id",
-        tokens=pack_tokens([n]),
+        tokens=pack_tokens([n] if tokens is None else range(tokens)),
         nbytes=nbytes,
         trimmable=True,
         durable=durable,
         leases=leases,
+        created=used_at,
+        used_at=used_at,
     )
 
 
@@ -135,23 +146,6 @@ def test_remove_or_touch_of_an_untracked_entry_is_a_key_error() -> None:
 # CostPolicy
 
 
-def _costed(
-    tokens: int, nbytes: int, *, used_at: float = 1000.0, durable: bool = True, leases: int = 0
-) -> EntryRecord:
-    n = next(_ids)
-    return EntryRecord(
-        id=f"c{n}",
-        identity="id",
-        tokens=pack_tokens(range(tokens)),
-        nbytes=nbytes,
-        trimmable=True,
-        durable=durable,
-        leases=leases,
-        created=used_at,
-        used_at=used_at,
-    )
-
-
 def _cost_policy(*records: EntryRecord, now: float = 1000.0) -> CostPolicy:
     policy = CostPolicy(clock=lambda: now, seed=1)
     for record in records:
@@ -160,9 +154,9 @@ def _cost_policy(*records: EntryRecord, now: float = 1000.0) -> CostPolicy:
 
 
 def test_cost_evicts_the_least_prefill_saved_per_byte_first() -> None:
-    dense = _costed(tokens=1000, nbytes=100)  # 10 tokens a byte: a quantized cache, say
-    sparse = _costed(tokens=10, nbytes=100)
-    middling = _costed(tokens=100, nbytes=100)
+    dense = entry(100, tokens=1000)  # 10 tokens a byte: a quantized cache, say
+    sparse = entry(100, tokens=10)
+    middling = entry(100, tokens=100)
     policy = _cost_policy(dense, sparse, middling)
     assert policy.select_victims(100) == [sparse]
     assert policy.select_victims(200) == [sparse, middling]
@@ -171,22 +165,22 @@ def test_cost_evicts_the_least_prefill_saved_per_byte_first() -> None:
 def test_cost_ages_an_unused_entry_below_a_recent_one() -> None:
     """Worth halves with each HALF_LIFE of disuse: ten times the tokens a byte do not keep an
     entry unused for a day against one used just now."""
-    day_old = _costed(tokens=1000, nbytes=100, used_at=0.0)
-    fresh = _costed(tokens=100, nbytes=100, used_at=86_400.0)
+    day_old = entry(100, tokens=1000, used_at=0.0)
+    fresh = entry(100, tokens=100, used_at=86_400.0)
     policy = _cost_policy(day_old, fresh, now=86_400.0)
     assert policy.select_victims(1) == [day_old]
     assert policy.worth(day_old, 3600.0) == pytest.approx(policy.worth(day_old, 0.0) / 2)
 
 
 def test_cost_never_evicts_pending_or_leased_entries() -> None:
-    pending = _costed(tokens=1, nbytes=100, durable=False)
-    leased = _costed(tokens=1, nbytes=100, leases=1)
-    kept = _costed(tokens=1000, nbytes=100)
+    pending = entry(100, tokens=1, durable=False)
+    leased = entry(100, tokens=1, leases=1)
+    kept = entry(100, tokens=1000)
     assert _cost_policy(pending, leased, kept).select_victims(300) == [kept]
 
 
 def test_cost_samples_a_large_tier_and_still_frees_what_is_asked() -> None:
-    records = [_costed(tokens=1 + i % 50, nbytes=100) for i in range(1000)]
+    records = [entry(100, tokens=1 + i % 50) for i in range(1000)]
     policy = _cost_policy(*records)
     victims = policy.select_victims(100 * 30)
     assert len(victims) == len(set(victims)) == 30
@@ -196,7 +190,7 @@ def test_cost_samples_a_large_tier_and_still_frees_what_is_asked() -> None:
 
 
 def test_cost_forgets_removed_entries() -> None:
-    first, second, third = (_costed(tokens=t, nbytes=100) for t in (1, 2, 3))
+    first, second, third = (entry(100, tokens=t) for t in (1, 2, 3))
     policy = _cost_policy(first, second, third)
     policy.remove(first)
     assert len(policy) == 2
