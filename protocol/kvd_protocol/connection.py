@@ -86,6 +86,8 @@ class Connection:
         self.limits = limits  # a client adopts the server's limits from the hello reply
         self._reader = FrameReader(limits.max_frame_bytes)
         self._in_flight: dict[int, str] = {}  # request id -> op, awaiting a reply
+        self._claims: dict[int, int] = {}  # request id in flight -> its reply's most descriptors
+        self._claimable = 0  # the sum of _claims
         self._unanswered: list[int] = []  # server: ids of BadRequest events not yet answered
         self._fds: deque[int] = deque()  # client: received descriptors not yet claimed
         self._hello_sent = False  # client
@@ -137,9 +139,9 @@ class Connection:
         else:
             self._check_reply(message)
         frame = _frame(message, self.limits)
-        if self.role is Role.CLIENT:
+        if isinstance(message, Request):  # a client's: the checks above let no other through
             self._hello_sent |= isinstance(message, Hello)
-            self._in_flight[message.id] = message.op
+            self._enter(message)
         else:
             self._settle(message)
         return frame
@@ -186,6 +188,11 @@ class Connection:
                 ErrorCode.BAD_DESCRIPTORS,
                 f"{message.op} reply holds {fds}, needs {message.descriptor_count()} descriptor(s)",
             )
+        if len(fds) > self._claims.get(message.id, 0):
+            raise LocalProtocolError(
+                ErrorCode.BAD_DESCRIPTORS,
+                f"{message.op} reply holds {len(fds)} descriptor(s), more than its request asked",
+            )
         if isinstance(message, ErrorReply):
             if message.id in self._unanswered or message.id in self._in_flight:
                 return
@@ -203,7 +210,20 @@ class Connection:
         if isinstance(reply, ErrorReply) and reply.id in self._unanswered:
             self._unanswered.remove(reply.id)
         else:
-            self._in_flight.pop(reply.id, None)
+            self._leave(reply.id)
+
+    def _enter(self, request: Request) -> None:
+        """request is in flight, and its reply may claim its descriptors."""
+        self._in_flight[request.id] = request.op
+        claim = request.reply_descriptors()
+        if claim:
+            self._claims[request.id] = claim
+            self._claimable += claim
+
+    def _leave(self, request_id: int) -> str | None:
+        """The op of the request answered now (None if none was in flight with that id)."""
+        self._claimable -= self._claims.pop(request_id, 0)
+        return self._in_flight.pop(request_id, None)
 
     # --- receiving ---
 
@@ -221,11 +241,12 @@ class Connection:
         self._fds.extend(fds)
         if self._ended and (data or fds):
             self._fail(RemoteProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
-        if len(self._fds) > len(self._in_flight):
+        if len(self._fds) > self._claimable:
             self._fail(
                 RemoteProtocolError(
                     ErrorCode.BAD_DESCRIPTORS,
-                    f"{len(self._fds)} descriptors queued for {len(self._in_flight)} replies",
+                    f"{len(self._fds)} descriptors queued, the replies awaited claim at most "
+                    f"{self._claimable}",
                 )
             )
         if data:
@@ -290,7 +311,7 @@ class Connection:
         if not isinstance(request, Hello) and not self._hello_received:
             return self._reject(request_id, ErrorCode.HANDSHAKE_REQUIRED, "hello must come first")
         self._hello_received |= isinstance(request, Hello)
-        self._in_flight[request_id] = request.op
+        self._enter(request)
         return request
 
     def _reject(self, request_id: int, code: ErrorCode, message: str) -> BadRequest:
@@ -310,7 +331,7 @@ class Connection:
         op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
             error = ErrorReply.from_wire(body, self.limits)
-            if error.id and self._in_flight.pop(error.id, None) is None:
+            if error.id and self._leave(error.id) is None:
                 raise RemoteProtocolError(
                     ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
                 )
@@ -324,12 +345,17 @@ class Connection:
             )
         reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
+        if wanted > self._claims.get(reply_id, 0):
+            raise RemoteProtocolError(
+                ErrorCode.BAD_DESCRIPTORS,
+                f"{op} reply declares {wanted} descriptor(s), more than its request asked",
+            )
         if wanted > len(self._fds):
             raise RemoteProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
                 f"{op} reply declares {wanted} descriptor(s), {len(self._fds)} arrived",
             )
-        del self._in_flight[reply_id]
+        self._leave(reply_id)
         if wanted:
             reply = reply.with_fds(tuple(self._fds.popleft() for _ in range(wanted)))
         if isinstance(reply, HelloReply):

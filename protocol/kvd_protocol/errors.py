@@ -71,6 +71,9 @@ class Rule(StrEnum):
     SLOT_OVERLAP = "slot_overlap"
     FILE_SIZE = "file_size"  # the file's size differs from the size its prefix declares
     DATA_CHECKSUM = "data_checksum"  # a tensor's bytes do not match its slot checksum
+    BLOCK_HASH = "block_hash"  # a block file's parent and tokens do not hash to its name
+    BLOCK_MISMATCH = "block_mismatch"  # a block that is not the one its manifest lists there
+    BLOCK_MISSING = "block_missing"  # a block a manifest lists cannot be had (gone, unreadable)
 
 
 class EntryFormatError(Exception):

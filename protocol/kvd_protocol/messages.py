@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, Self, TypeAlias
 
 from . import schema
+from .blocks import HASH_BYTES, MIN_BLOCK_TOKENS, check_block_tokens, split_hashes
 from .errors import ErrorCode, ProtocolError
 from .identity import Identity
 from .limits import Limits
@@ -25,6 +26,8 @@ U32: Final = (1 << 32) - 1
 U64: Final = (1 << 64) - 1
 MAX_FEATURES: Final = 256
 SKIP_REASONS: Final = ("duplicate", "covered")
+BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
+MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 
 # A field checker: (decoded value, field name, limits) -> the field's Python value.
@@ -82,6 +85,12 @@ def _tokens(value: object, what: str, limits: Limits) -> bytes:
             f"{what}: {len(value) // TOKEN_BYTES} tokens, over the limit of {limits.max_tokens}",
         )
     return schema.binary(value, what, max_bytes, TOKEN_BYTES)
+
+
+def _hashes(value: object, what: str, limits: Limits) -> bytes:
+    """Block hashes, concatenated: as many as max_tokens tokens make blocks at the least."""
+    max_bytes = limits.max_tokens // MIN_BLOCK_TOKENS * HASH_BYTES
+    return schema.binary(value, what, max_bytes, HASH_BYTES)
 
 
 def _identity(value: object, what: str, limits: Limits) -> Identity:
@@ -251,6 +260,10 @@ class Message(Record):
 class Request(Message):
     """Client to server. Requests never carry descriptors."""
 
+    def reply_descriptors(self) -> int:
+        """The most descriptors the reply to this request may carry."""
+        return 0
+
 
 @dataclass(frozen=True, kw_only=True)
 class Reply(Message):
@@ -280,6 +293,35 @@ class _OneDescriptorReply(Reply):
 
     def with_fds(self, fds: tuple[int, ...]) -> Self:
         return dataclasses.replace(self, fd=fds[0] if fds else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _BlockFilesReply(Reply):
+    """count block files, as count descriptors in block order (first, first + 1, ...)."""
+
+    count: int = field(metadata=wire(_uint(1, MAX_BLOCK_BATCH)))
+    descriptors: tuple[int, ...] = ()  # travel beside the frame, never in the body
+
+    def descriptor_count(self) -> int:
+        return self.count
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        return self.descriptors
+
+    def with_fds(self, fds: tuple[int, ...]) -> Self:
+        return dataclasses.replace(self, descriptors=tuple(fds))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _BlockRange(Request):
+    """Blocks first..first + count - 1 of an entry; the reply carries one descriptor each."""
+
+    first: int = field(metadata=wire(_uint(0, U32)))
+    count: int = field(metadata=wire(_uint(1, MAX_BLOCK_BATCH)))
+
+    def reply_descriptors(self) -> int:
+        return self.count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,22 +366,91 @@ class PingReply(Reply):
 
 @dataclass(frozen=True, kw_only=True)
 class PutBegin(Request):
+    """With blocks (feature "blocks"): the entry is a version 2 manifest listing blocks, the
+    hashes of its T // block_tokens whole blocks, each a file of exactly block_size bytes."""
+
     op: ClassVar[str] = "put_begin"
     identity: Identity = field(metadata=wire(_identity))
     tokens: bytes = field(metadata=wire(_tokens))
-    size: int = field(metadata=wire(_uint(1)))  # the entry file's exact size in bytes
+    size: int = field(metadata=wire(_uint(1)))  # the entry (manifest) file's exact size in bytes
+    blocks: bytes = field(default=b"", metadata=wire(_hashes))  # HASH_BYTES each, in order
+    block_tokens: int = field(default=0, metadata=wire(_uint(0, U32)))
+    block_size: int = field(default=0, metadata=wire(_uint()))
+
+    def reply_descriptors(self) -> int:
+        return 1
+
+    def check_consistency(self) -> None:
+        if not (self.blocks or self.block_tokens or self.block_size):
+            return  # a version 1 entry, or a manifest without blocks
+        try:
+            check_block_tokens(self.block_tokens)
+        except ValueError as exc:
+            raise schema.SchemaError(f"{self.op}: block_tokens: {exc}") from None
+        count = len(self.tokens) // TOKEN_BYTES // self.block_tokens
+        if not count:
+            raise schema.SchemaError(f"{self.op}: blocks named, but no whole block of tokens")
+        if len(self.blocks) != count * HASH_BYTES:
+            raise schema.SchemaError(
+                f"{self.op}: {len(self.blocks) // HASH_BYTES} block hashes for "
+                f"{count} whole blocks of {self.block_tokens} tokens"
+            )
+        if self.block_size < 1:
+            raise schema.SchemaError(f"{self.op}: blocks need a block_size >= 1")
+
+    @property
+    def hashes(self) -> tuple[bytes, ...]:
+        """The block hashes, one by one."""
+        return split_hashes(self.blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PutBeginReply(_OneDescriptorReply):
-    """skip None: fd is the pre-sized staging file to write; else the entry is already held."""
+    """skip None: fd is the pre-sized staging file to write; else the entry is already held.
+    held: the request's first held blocks are the daemon's already, pinned for this put; the
+    client writes blocks held.. only (put_blocks)."""
 
     op: ClassVar[str] = "put_begin"
     put: int = field(metadata=wire(_uint()))
     skip: str | None = field(metadata=wire(_optional(_choice(SKIP_REASONS))))
+    held: int = field(default=0, metadata=wire(_uint(0, U32)))
 
     def descriptor_count(self) -> int:
         return 1 if self.skip is None else 0
+
+    def check_consistency(self) -> None:
+        if self.skip is not None and self.held:
+            raise schema.SchemaError(f"{self.op}: a skipped put holds no blocks for the client")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutBlocks(_BlockRange):
+    """The staging files of blocks first.. of a put begun with blocks; first >= held."""
+
+    op: ClassVar[str] = "put_blocks"
+    put: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutBlocksReply(_BlockFilesReply):
+    """The staging files, read-write, each pre-sized to the put's block_size."""
+
+    op: ClassVar[str] = "put_blocks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenBlocks(_BlockRange):
+    """The files of blocks first.. of a leased entry (a version 2 manifest)."""
+
+    op: ClassVar[str] = "open_blocks"
+    lease: int = field(metadata=wire(_uint()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenBlocksReply(_BlockFilesReply):
+    """The block files, read-only."""
+
+    op: ClassVar[str] = "open_blocks"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,6 +508,9 @@ class Lookup(Request):
     tokens: bytes = field(metadata=wire(_tokens))
     min_tokens: int = field(default=0, metadata=wire(_uint(0, U32)))
 
+    def reply_descriptors(self) -> int:
+        return 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class LookupReply(_OneDescriptorReply):
@@ -427,6 +541,9 @@ class FindCheckpoint(Request):
     identity: Identity = field(metadata=wire(_identity))
     key: str = field(metadata=wire(_name))
     prompt: bytes = field(metadata=wire(_tokens))
+
+    def reply_descriptors(self) -> int:
+        return 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -575,10 +692,12 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
             Op(Hello, HelloReply),
             Op(Ping, PingReply),
             Op(PutBegin, PutBeginReply),
+            Op(PutBlocks, PutBlocksReply),
             Op(PutCommit, PutCommitReply),
             Op(PutAbort, PutAbortReply),
             Op(WaitTicket, TicketReply),
             Op(Lookup, LookupReply),
+            Op(OpenBlocks, OpenBlocksReply),
             Op(FindCheckpoint, FindCheckpointReply),
             Op(ForgetCheckpoint, ForgetCheckpointReply),
             Op(Release, ReleaseReply),

@@ -21,10 +21,14 @@ from kvd_protocol.messages import (
     HelloReply,
     Lookup,
     LookupReply,
+    OpenBlocks,
+    OpenBlocksReply,
     Ping,
     PingReply,
     PutBegin,
     PutBeginReply,
+    PutBlocks,
+    PutBlocksReply,
     Status,
     StatusReply,
 )
@@ -333,7 +337,7 @@ def test_server_send_checks_the_descriptor_count(reply: LookupReply) -> None:
 # --- client: invalid replies are fatal ---------------------------------------------------------
 
 
-def _client_waiting(*requests: Lookup | Ping) -> Connection:
+def _client_waiting(*requests: Lookup | Ping | PutBlocks | OpenBlocks) -> Connection:
     client, _ = connected_pair()
     for request in requests:
         client.send(request)
@@ -570,3 +574,98 @@ def test_a_fresh_server_connection_can_turn_a_peer_away() -> None:
     client.send(HELLO)
     client.receive_data(refusal)
     assert drain(client) == [ErrorReply(id=0, code=ErrorCode.PERMISSION_DENIED, message="not you")]
+
+
+# --- replies with many descriptors (put_blocks, open_blocks) -----------------------------------
+
+
+def test_a_block_files_reply_takes_its_count_of_descriptors_in_order() -> None:
+    client, server = connected_pair()
+    requests = (
+        PutBlocks(id=2, put=1, first=4, count=3),
+        Lookup(id=3, identity=IDENTITY, tokens=TOKENS),
+        OpenBlocks(id=4, lease=1, first=0, count=2),
+    )
+    for request in requests:
+        server.receive_data(client.send(request))
+    assert drain(server) == list(requests)
+    staged = PutBlocksReply(id=2, count=3).with_fds((10, 11, 12))
+    hit = LookupReply(id=3, matched=3, entry=ENTRY, lease=1).with_fds((13,))
+    opened = OpenBlocksReply(id=4, count=2).with_fds((14, 15))
+    stream = server.send(staged) + server.send(hit) + server.send(opened)
+    # Every descriptor arrives before any frame is complete: 6, as the requests claim at most.
+    client.receive_data(stream[:2], [10, 11, 12, 13, 14, 15])
+    assert drain(client) == []
+    client.receive_data(stream[2:])
+    assert drain(client) == [staged, hit, opened]
+    assert [reply.fds for reply in (staged, hit, opened)] == [(10, 11, 12), (13,), (14, 15)]
+    assert client.take_descriptors() == []
+
+
+def test_queued_descriptors_are_bounded_by_what_the_requests_in_flight_claim() -> None:
+    # put_blocks of 3 and a lookup claim 4; a ping claims none.
+    client = _client_waiting(
+        PutBlocks(id=2, put=1, first=0, count=3),
+        Lookup(id=3, identity=IDENTITY, tokens=TOKENS),
+        Ping(id=4),
+    )
+    client.receive_data(b"\x00", [1, 2, 3, 4])
+    assert not client.failed
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        client.receive_data(b"\x00", [5])
+    assert client.take_descriptors() == [1, 2, 3, 4, 5]
+
+
+def test_a_descriptor_while_only_a_ping_is_in_flight_is_refused_at_once() -> None:
+    client = _client_waiting(Ping(id=2))
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        client.receive_data(b"\x00", [5])
+    assert client.take_descriptors() == [5]
+
+
+def test_a_reply_declaring_more_descriptors_than_its_request_asked_is_fatal() -> None:
+    client = _client_waiting(
+        OpenBlocks(id=2, lease=1, first=0, count=2), Lookup(id=3, identity=IDENTITY, tokens=TOKENS)
+    )
+    client.receive_data(_frame(OpenBlocksReply(id=2, count=3).to_wire()), [7, 8, 9])
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        client.next_event()
+    _assert_unusable(client)
+    assert client.take_descriptors() == [7, 8, 9]
+
+
+def test_a_block_files_reply_short_of_its_descriptors_is_fatal() -> None:
+    client = _client_waiting(PutBlocks(id=2, put=1, first=0, count=3))
+    client.receive_data(_frame(PutBlocksReply(id=2, count=3).to_wire()), [7, 8])
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        client.next_event()
+    assert client.take_descriptors() == [7, 8]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        PutBlocksReply(id=2, count=2).with_fds((5,)),
+        PutBlocksReply(id=2, count=2).with_fds((5, 6, 7)),
+        PutBlocksReply(id=2, count=2).with_fds((5, -1)),
+        PutBlocksReply(id=2, count=4).with_fds((5, 6, 7, 8)),  # more than the request asked
+    ],
+)
+def test_server_send_checks_a_block_files_reply(reply: PutBlocksReply) -> None:
+    server = _server()
+    server.receive_data(_frame(PutBlocks(id=2, put=1, first=0, count=2).to_wire()))
+    assert drain(server) == [PutBlocks(id=2, put=1, first=0, count=2)]
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        server.send(reply)
+    assert server.in_flight == {2: "put_blocks"}
+    server.send(PutBlocksReply(id=2, count=2).with_fds((5, 6)))
+    assert server.in_flight == {}
+
+
+def test_an_error_reply_to_a_block_request_frees_its_claim() -> None:
+    client = _client_waiting(PutBlocks(id=2, put=1, first=0, count=2), Ping(id=3))
+    error = ErrorReply(id=2, code=ErrorCode.NOT_FOUND, message="no put 1")
+    client.receive_data(_frame(error.to_wire()))
+    assert drain(client) == [error]
+    with _raises(ErrorCode.BAD_DESCRIPTORS):
+        client.receive_data(b"\x00", [5])  # the ping left in flight claims none

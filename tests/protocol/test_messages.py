@@ -11,15 +11,22 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.framing import decode_body
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    MAX_BLOCK_BATCH,
     OPS,
     ErrorReply,
     Evict,
+    FindCheckpoint,
     HelloReply,
     Lookup,
     LookupReply,
     Message,
+    OpenBlocks,
+    OpenBlocksReply,
+    Ping,
     PutBegin,
     PutBeginReply,
+    PutBlocks,
+    PutBlocksReply,
     Release,
     Reply,
     StatusReply,
@@ -27,11 +34,16 @@ from kvd_protocol.messages import (
     peek_id,
 )
 from kvd_protocol.tokens import pack_tokens
-from wire_samples import ENTRY, HELLO, HELLO_REPLY, IDENTITY, exchanges
+from wire_samples import BLOCKS, ENTRY, HELLO, HELLO_REPLY, IDENTITY, TOKENS, exchanges
 
 MESSAGES: list[Message] = [HELLO, HELLO_REPLY] + [m for pair in exchanges() for m in pair]
 # Fields added within a protocol version: a peer that predates them neither sends nor expects them.
-OPTIONAL_FIELDS: dict[type[Message], set[str]] = {Lookup: {"min_tokens"}, Release: {"damaged"}}
+OPTIONAL_FIELDS: dict[type[Message], set[str]] = {
+    Lookup: {"min_tokens"},
+    Release: {"damaged"},
+    PutBegin: {"blocks", "block_tokens", "block_size"},
+    PutBeginReply: {"held"},
+}
 
 
 def _ids(messages: list[Message]) -> list[str]:
@@ -65,6 +77,8 @@ def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
         "hello",
         "ping",
         "put_begin",
+        "put_blocks",
+        "open_blocks",
         "put_commit",
         "put_abort",
         "ticket",
@@ -269,3 +283,108 @@ def test_a_reply_op_is_not_a_request() -> None:
 )
 def test_peek_id_reads_only_an_answerable_id(body: object, expected: int) -> None:
     assert peek_id(body) == expected
+
+
+# --- blocks (feature "blocks") ----------------------------------------------------------------
+
+BLOCKED_PUT = PutBegin(
+    id=1,
+    identity=IDENTITY,
+    tokens=TOKENS,  # 64 tokens: 4 blocks of 16
+    size=1 << 16,
+    blocks=BLOCKS,
+    block_tokens=16,
+    block_size=1 << 17,
+)
+
+
+def test_a_put_without_blocks_leaves_the_block_fields_out() -> None:
+    plain = PutBegin(id=1, identity=IDENTITY, tokens=TOKENS, size=5)
+    assert plain.to_wire().keys() == {"op", "id", "identity", "tokens", "size"}
+    assert _decode(PutBegin, plain.to_wire()) == plain
+    assert plain.hashes == ()
+    assert PutBeginReply(id=1, put=1, skip=None).to_wire().keys() == {"op", "id", "put", "skip"}
+
+
+def test_a_put_with_blocks_names_its_hashes_in_order() -> None:
+    assert _decode(PutBegin, BLOCKED_PUT.to_wire()) == BLOCKED_PUT
+    assert BLOCKED_PUT.hashes == tuple(BLOCKS[i : i + 16] for i in range(0, 64, 16))
+    # T // block_tokens blocks: 70 tokens in blocks of 32 are 2 blocks and a 6-token tail.
+    two = replace(BLOCKED_PUT, tokens=pack_tokens(range(70)), blocks=BLOCKS[:32], block_tokens=32)
+    assert _decode(PutBegin, two.to_wire()) == two
+    with pytest.raises(ProtocolError, match="2 block hashes for 1"):
+        _decode(PutBegin, replace(two, tokens=pack_tokens(range(63))).to_wire())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"blocks": b""}, "no whole block|block hashes"),
+        ({"blocks": BLOCKS[:48]}, "3 block hashes for 4"),
+        ({"blocks": BLOCKS + BLOCKS[:16]}, "5 block hashes for 4"),
+        ({"block_tokens": 0}, "block_tokens"),
+        ({"block_tokens": 24}, "power of two"),
+        ({"block_tokens": 8}, "power of two"),
+        ({"block_tokens": 1 << 17}, "power of two"),
+        ({"block_tokens": 128}, "no whole block"),  # 64 tokens make no block of 128
+        ({"block_size": 0}, "block_size"),
+        ({"blocks": b"", "block_tokens": 0}, "block_tokens"),  # a size alone names no blocks
+        ({"blocks": BLOCKS[:16], "block_size": 0, "block_tokens": 0}, "block_tokens"),
+    ],
+)
+def test_put_begin_block_fields_must_agree(change: dict[str, Any], message: str) -> None:
+    wire = replace(BLOCKED_PUT, **change).to_wire()
+    with pytest.raises(ProtocolError, match=message) as caught:
+        _decode(PutBegin, wire)
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_block_hashes_are_whole_and_bounded() -> None:
+    with pytest.raises(ProtocolError, match="multiple of 16"):
+        _decode(PutBegin, {**BLOCKED_PUT.to_wire(), "blocks": BLOCKS[:-1]})
+    # At most one hash per 16 tokens of max_tokens: 4 hashes under max_tokens 64, not 5.
+    limits = Limits(max_tokens=64)
+    assert _decode(PutBegin, BLOCKED_PUT.to_wire(), limits) == BLOCKED_PUT
+    with pytest.raises(ProtocolError, match="over the limit"):
+        _decode(PutBegin, {**BLOCKED_PUT.to_wire(), "blocks": BLOCKS + BLOCKS[:16]}, limits)
+
+
+def test_a_skipped_put_holds_no_blocks() -> None:
+    holding = PutBeginReply(id=1, put=1, skip=None, held=3)
+    assert _decode(PutBeginReply, holding.to_wire()) == holding
+    wire = PutBeginReply(id=1, put=1, skip="duplicate", held=1).to_wire()
+    with pytest.raises(ProtocolError, match="holds no blocks"):
+        _decode(PutBeginReply, wire)
+
+
+@pytest.mark.parametrize("cls", [PutBlocks, OpenBlocks])
+@pytest.mark.parametrize("count", [0, MAX_BLOCK_BATCH + 1])
+def test_a_block_range_asks_for_1_to_64_blocks(cls: type[Message], count: int) -> None:
+    good = {"op": cls.op, "id": 1, "put": 1, "lease": 1, "first": 0, "count": MAX_BLOCK_BATCH}
+    wire = {k: v for k, v in good.items() if k in cls.__dataclass_fields__ or k == "op"}
+    assert _decode(cls, wire).to_wire() == wire
+    with pytest.raises(ProtocolError, match="count") as caught:
+        _decode(cls, {**wire, "count": count})
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize("cls", [PutBlocksReply, OpenBlocksReply])
+def test_a_block_files_reply_declares_one_descriptor_per_block(cls: type[Reply]) -> None:
+    reply = cls(id=1, count=3)  # type: ignore[call-arg]
+    assert reply.descriptor_count() == 3
+    assert reply.fds == ()
+    held = reply.with_fds((7, 8, 9))
+    assert held.fds == (7, 8, 9)
+    assert held.to_wire() == {"op": cls.op, "id": 1, "count": 3}
+    for count in (0, MAX_BLOCK_BATCH + 1):
+        with pytest.raises(ProtocolError, match="count"):
+            _decode(cls, {**reply.to_wire(), "count": count})
+
+
+def test_each_request_bounds_the_descriptors_of_its_reply() -> None:
+    assert BLOCKED_PUT.reply_descriptors() == 1
+    assert Lookup(id=1, identity=IDENTITY, tokens=b"").reply_descriptors() == 1
+    assert FindCheckpoint(id=1, identity=IDENTITY, key="k", prompt=b"").reply_descriptors() == 1
+    assert PutBlocks(id=1, put=1, first=2, count=5).reply_descriptors() == 5
+    assert OpenBlocks(id=1, lease=1, first=0, count=64).reply_descriptors() == 64
+    assert Ping(id=1).reply_descriptors() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvd_protocol.blocks import block_hashes
 from kvd_protocol.connection import NEED_DATA, Connection, Event, Role
 from kvd_protocol.errors import ErrorCode
 from kvd_protocol.identity import Identity
@@ -27,12 +28,16 @@ from kvd_protocol.messages import (
     ListEntriesReply,
     Lookup,
     LookupReply,
+    OpenBlocks,
+    OpenBlocksReply,
     Ping,
     PingReply,
     PutAbort,
     PutAbortReply,
     PutBegin,
     PutBeginReply,
+    PutBlocks,
+    PutBlocksReply,
     PutCommit,
     PutCommitReply,
     Release,
@@ -58,6 +63,7 @@ IDENTITY = Identity(
 )
 DIGEST = IDENTITY.digest()
 TOKENS = pack_tokens(range(1000, 1064))
+BLOCKS = b"".join(block_hashes(TOKENS, 16))  # 4 blocks of 16 tokens
 ENTRY = EntrySummary(
     id="e-0001",
     identity=DIGEST,
@@ -76,7 +82,7 @@ HELLO_REPLY = HelloReply(
 
 def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
     """One (request, reply) pair per op and reply variant, ids counting from first_id;
-    replies that carry a descriptor hold a made-up one (100 + their id)."""
+    replies that carry descriptors hold made-up ones (100 + their id, 200 + their id, ...)."""
     pairs: list[tuple[Request, Reply]] = [
         (Ping(id=0), PingReply(id=0)),
         (
@@ -91,6 +97,19 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
             PutBegin(id=0, identity=IDENTITY, tokens=b"", size=1),
             PutBeginReply(id=0, put=9, skip="covered"),
         ),
+        (
+            PutBegin(
+                id=0,
+                identity=IDENTITY,
+                tokens=TOKENS,
+                size=1 << 16,
+                blocks=BLOCKS,
+                block_tokens=16,
+                block_size=1 << 17,
+            ),
+            PutBeginReply(id=0, put=10, skip=None, held=1),
+        ),
+        (PutBlocks(id=0, put=10, first=1, count=3), PutBlocksReply(id=0, count=3)),
         (PutCommit(id=0, put=7), PutCommitReply(id=0, ticket=70)),
         (PutAbort(id=0, put=8), PutAbortReply(id=0)),
         (
@@ -125,6 +144,7 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
             ForgetCheckpoint(id=0, identity=IDENTITY, key="gen-1"),
             ForgetCheckpointReply(id=0, removed=2),
         ),
+        (OpenBlocks(id=0, lease=5, first=0, count=2), OpenBlocksReply(id=0, count=2)),
         (Release(id=0, lease=5), ReleaseReply(id=0)),
         (
             Release(id=0, lease=6, damaged="data_checksum: slot at 16384: bytes do not match"),
@@ -168,7 +188,8 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         rid = first_id + offset
         answer = replace(reply, id=rid)
         if answer.descriptor_count():
-            answer = answer.with_fds((100 + rid,))
+            fds = tuple(100 * (k + 1) + rid for k in range(answer.descriptor_count()))
+            answer = answer.with_fds(fds)
         numbered.append((replace(request, id=rid), answer))
     return numbered
 
