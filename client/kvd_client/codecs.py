@@ -1,10 +1,12 @@
 """The cache codecs: how each mlx-lm cache class becomes an entry layer and comes back.
 
 One table, keyed by the exact class. A codec has a kind (the name stored in the header),
-snapshot(cache) -> (meta, tensors), load(meta, sources) -> cache, trimmable(meta), and
-check(meta, template): whether a stored layer fits the cache the model would make. Snapshots
-hold only the live tokens (no step padding) as contiguous, evaluated arrays; trimmability is
-derived from the stored meta alone, so the header says what the daemon may do with it.
+blocked (whether its tensors grow by token along axis 2, so that they are stored in blocks
+shared between entries: FORMAT.md, "Version 2"), snapshot(cache) -> (meta, tensors),
+load(meta, sources) -> cache, trimmable(meta), and check(meta, template): whether a stored
+layer fits the cache the model would make. Snapshots hold only the live tokens (no step
+padding) as contiguous, evaluated arrays; trimmability is derived from the stored meta alone,
+so the header says what the daemon may do with it.
 
 Written for the cache.py of mlx-lm 0.32.2 (state layouts differ across versions: the codec
 set's version is part of every entry's identity, see CODEC_ID).
@@ -41,6 +43,12 @@ class Codec(Protocol):
     @property
     def kind(self) -> str:
         """The layer kind stored in entry headers."""
+        ...
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the layer's tensors are cut by token into blocks: every one of them has
+        shape [batch, heads, tokens, ...] and holds exactly the layer's tokens."""
         ...
 
     def snapshot(self, cache: Any) -> Snapshot:
@@ -106,6 +114,7 @@ class KVCodec:
     """KVCache: keys and values up to offset; restored with room to grow."""
 
     kind = "kv"
+    blocked = True
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None or cache.offset == 0:
@@ -135,6 +144,7 @@ class QuantizedKVCodec:
     Groups run along the head dimension, so cutting along tokens keeps whole groups."""
 
     kind = "quantized_kv"
+    blocked = True
 
     def snapshot(self, cache: Any) -> Snapshot:
         meta = {"offset": cache.offset, "group_size": cache.group_size, "bits": cache.bits}
@@ -168,6 +178,7 @@ class RotatingKVCodec:
     ring as laid out with its write index. Trimmable only before it wraps."""
 
     kind = "rotating_kv"
+    blocked = False  # a wrapped ring's rows are not in token order
 
     def snapshot(self, cache: Any) -> Snapshot:
         meta = {
@@ -217,6 +228,7 @@ class ChunkedKVCodec:
     dropped from the front (a trim below start_position cannot be honoured)."""
 
     kind = "chunked_kv"
+    blocked = False  # its rows start at start_position, not at token 0
 
     def snapshot(self, cache: Any) -> Snapshot:
         meta = {
@@ -256,6 +268,7 @@ class ConcatenateKVCodec:
     it trims, but it keeps appending after all of its keys, whatever its offset says."""
 
     kind = "concatenate_kv"
+    blocked = False
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None or cache.offset == 0:
@@ -284,6 +297,7 @@ class ArraysCodec:
     absent, then left_padding and lengths when set. Never trimmable."""
 
     kind = "arrays"
+    blocked = False
 
     def snapshot(self, cache: Any) -> Snapshot:
         extra = {"left_padding": cache.left_padding, "lengths": cache.lengths}
@@ -324,6 +338,7 @@ class CacheListCodec:
     Trimmable only if every child is."""
 
     kind = "cache_list"
+    blocked = False
 
     def snapshot(self, cache: Any) -> Snapshot:
         children: list[dict[str, Any]] = []
@@ -384,6 +399,10 @@ class Extracted:
     @property
     def kind(self) -> str:
         return self.inner.kind
+
+    @property
+    def blocked(self) -> bool:
+        return self.inner.blocked
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None:

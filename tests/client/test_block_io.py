@@ -1,0 +1,132 @@
+"""block_io on real arrays and real files: the rows of a block cut out of source arrays and
+restore buffers without copies, written by pwritev and read back by preadv, checksummed."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvd_client import block_io
+from kvd_client.block_io import Cut, read_runs, write_runs
+from kvd_protocol.checksum import checksum
+from kvd_protocol.errors import EntryFormatError, Rule
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def _rows(array: np.ndarray, start: int, stop: int) -> bytes:
+    """What a block's slot holds: rows start..stop of every outer index, in C order."""
+    return np.ascontiguousarray(array[:, :, start:stop]).tobytes()
+
+
+@pytest.fixture
+def fd(tmp_path: Path) -> Iterator[int]:
+    descriptor = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT, 0o600)
+    yield descriptor
+    os.close(descriptor)
+
+
+def test_the_cut_of_a_kv_tensor() -> None:
+    assert Cut.of("float16", (1, 8, 300, 128)) == Cut(outer=8, length=300, row=256)
+    assert Cut.of("uint32", (2, 2, 5, 4)).nbytes == 2 * 2 * 5 * 4 * 4
+    with pytest.raises(ValueError, match="no token axis"):
+        Cut.of("float16", (4, 5))
+
+
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 5),
+    length=st.integers(1, 40),
+    width=st.integers(1, 6),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_runs_are_the_rows_of_every_outer_index(
+    batch: int, heads: int, length: int, width: int, data: st.DataObject
+) -> None:
+    array = np.arange(batch * heads * length * width, dtype=np.int32).reshape(
+        batch, heads, length, width
+    )
+    start = data.draw(st.integers(0, length))
+    stop = data.draw(st.integers(start, length))
+    cut = Cut.of("int32", array.shape)
+    whole = _bytes(array)
+    assert b"".join(cut.runs([whole], start, stop)) == _rows(array, start, stop)
+    # The same bytes given as arbitrary consecutive pieces (a restore's destination runs).
+    bounds = sorted(data.draw(st.lists(st.integers(0, whole.nbytes), max_size=6)))
+    edges = [0, *bounds, whole.nbytes]
+    pieces = [whole[a:b] for a, b in itertools.pairwise(edges)]
+    assert b"".join(cut.runs(pieces, start, stop)) == _rows(array, start, stop)
+
+
+def test_runs_are_views_into_the_arrays_not_copies() -> None:
+    array = np.zeros((1, 2, 8, 4), dtype=np.float32)
+    (first, second) = Cut.of("float32", array.shape).runs([_bytes(array)], 2, 4)
+    first[:] = b"\x01" * first.nbytes
+    assert array[0, 0, 2:4].view(np.uint32).tolist() == [[0x01010101] * 4] * 2
+    assert not array[0, 1].any()
+    assert second.nbytes == 2 * 16
+
+
+def test_runs_refuse_pieces_that_are_not_the_tensor() -> None:
+    cut = Cut(outer=2, length=4, row=8)
+    with pytest.raises(ValueError, match="64 bytes"):
+        cut.runs([memoryview(bytes(60))], 0, 4)
+    with pytest.raises(ValueError, match="outside"):
+        cut.runs([memoryview(bytes(64))], 3, 5)
+
+
+def test_the_rows_of_an_mlx_array_are_written_as_its_block_and_read_into_a_longer_buffer(
+    fd: int,
+) -> None:
+    keys = mx.random.normal((1, 4, 300, 32)).astype(mx.float16)
+    mx.eval(keys)
+    source = np.array(keys)
+    cut = Cut.of("float16", keys.shape)
+    view = memoryview(keys).cast("B")  # type: ignore[arg-type]
+    written = write_runs(fd, 4096, cut.runs([view], 256, 300))
+    assert written == checksum(_rows(source, 256, 300))
+    assert os.pread(fd, 1 << 20, 4096) == _rows(source, 256, 300)
+    # Back into rows 256..300 of a buffer with room for 512 tokens, as a restore grows it.
+    target = np.zeros((1, 4, 512, 32), dtype=np.float16)
+    room = Cut.of("float16", (1, 4, 300, 32))
+    runs = [_bytes(target)[o * 512 * 64 : o * 512 * 64 + 300 * 64] for o in range(4)]
+    read_runs(fd, 4096, room.runs(runs, 256, 300), written, "block")
+    assert np.array_equal(target[:, :, 256:300], source[:, :, 256:300])
+    assert not target[:, :, :256].any()
+    assert not target[:, :, 300:].any()
+
+
+def test_runs_longer_than_a_call_and_more_runs_than_an_iovec_holds(fd: int) -> None:
+    long = np.random.default_rng(1).integers(0, 255, block_io.WRITE_BYTES * 2 + 7, np.uint8)
+    many = np.arange(block_io.IOV_MAX + 50, dtype=np.uint8).reshape(1, -1, 1, 1)
+    runs = [_bytes(long), *Cut.of("uint8", many.shape).runs([_bytes(many)], 0, 1)]
+    expected = long.tobytes() + many.tobytes()
+    assert write_runs(fd, 0, runs) == checksum(expected)
+    back = [memoryview(bytearray(run.nbytes)) for run in runs]
+    read_runs(fd, 0, back, checksum(expected), "entry")
+    assert b"".join(bytes(piece) for piece in back) == expected
+
+
+def test_a_short_file_and_changed_bytes_are_refused_by_rule(fd: int) -> None:
+    data = np.arange(64, dtype=np.uint8)
+    digest = write_runs(fd, 0, [_bytes(data)])
+    with pytest.raises(EntryFormatError) as short:
+        read_runs(fd, 32, [memoryview(bytearray(64))], digest, "block")
+    assert short.value.rule is Rule.TRUNCATED
+    os.pwrite(fd, b"\xff", 10)
+    with pytest.raises(EntryFormatError) as changed:
+        read_runs(fd, 0, [memoryview(bytearray(64))], digest, "block")
+    assert changed.value.rule is Rule.DATA_CHECKSUM
+    unchecked = memoryview(bytearray(64))
+    read_runs(fd, 0, [unchecked], None, "block")  # verification off: the bytes as they are
+    assert unchecked[10] == 0xFF
