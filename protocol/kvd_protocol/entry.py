@@ -1,10 +1,15 @@
-"""The entry file: its header model, the layout planner and the encoding of its head.
+"""The entry file: its header model, the layout planners and the encoding of its head.
 
 One file per cache entry, written once (FORMAT.md):
 
     prefix (48 bytes) | msgpack header | zero pad to data start | tensor slots, 16 KiB-aligned
 
-The planner fixes every offset and the file size before any byte is written, because slot
+Version 1 (plan_entry) holds every tensor whole. Version 2 (plan_manifest) is a manifest: the
+token-axis rows of its blocked layers are cut into block files of block_tokens rows, named by
+their chained hash (blocks.py), and the manifest keeps only the tail rows and the other layers.
+A block file has the same shape: prefix, header, slots.
+
+The planners fix every offset and the file size before any byte is written, because slot
 checksums are fixed-width: a writer plans, sizes the file, streams each tensor to its offset
 while checksumming it, and writes the head (prefix + header + pad) at offset 0 last.
 """
@@ -21,6 +26,7 @@ from typing import Any, Final, TypeAlias
 import msgpack
 
 from . import schema
+from .blocks import ZERO_HASH, block_hashes, check_block_tokens
 from .checksum import CHECKSUM_BYTES, new_checksum
 from .dtypes import tensor_nbytes
 from .identity import Identity
@@ -28,7 +34,10 @@ from .limits import DEFAULT_LIMITS, Limits
 from .tokens import TOKEN_BYTES
 
 MAGIC: Final = b"\x89KVD\r\n\x1a\n"  # PNG-style: catches 7-bit and newline-mangling transfers
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 1  # every tensor whole in the entry file
+MANIFEST_VERSION: Final = 2  # manifests and their block files
+FLAG_BLOCK: Final = 1  # prefix flags bit 0, version 2: a block file, not a manifest
+TOKEN_AXIS: Final = 2  # of a blocked layer's tensors: [batch, heads, tokens, ...]
 ALIGNMENT: Final = 16384  # the arm64 page size: every slot can be mapped and adopted by MLX
 
 # magic, version, flags, header length, data start, file size, reserved, header checksum.
@@ -81,6 +90,7 @@ class Layer:
     meta: Mapping[str, StateValue]
     trimmable: bool  # the codec's word on whether this layer can be cut to a shorter prefix
     slots: tuple[Slot, ...]
+    blocked: bool = False  # version 2: its slots hold the tail rows, its blocks the rest
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,9 @@ class EntryHeader:
     meta: Mapping[str, MetaValue]
     data_start: int
     file_size: int
+    block_tokens: int = 0  # version 2: tokens per block; 0 when it has no blocks
+    blocks: tuple[bytes, ...] = ()  # version 2: the hashes of its token_count // block_tokens
+    version: int = FORMAT_VERSION
 
     @property
     def token_count(self) -> int:
@@ -165,6 +178,9 @@ class LayerSpec:
     tensors: tuple[TensorSpec, ...]
     trimmable: bool
     meta: Mapping[str, object] = field(default_factory=dict)  # checked and frozen by the planner
+    # Its tensors grow by token (axis 2): plan_manifest cuts them into blocks. The specs are
+    # the whole tensors, axis 2 = the token count.
+    blocked: bool = False
 
 
 def state_map(value: object, what: str, depth: int = 1) -> dict[str, StateValue]:
@@ -218,39 +234,55 @@ def check_created(value: object) -> float:
     return schema.number(value, "created", 0.0, _FLOAT_MAX)
 
 
+def _slot_maps(slots: Sequence[Slot]) -> list[dict[str, Any]]:
+    return [
+        {
+            "dtype": slot.dtype,
+            "shape": slot.shape,
+            "offset": slot.offset,
+            "nbytes": slot.nbytes,
+            "checksum": slot.checksum,
+        }
+        for slot in slots
+    ]
+
+
+def _layer_map(layer: Layer, version: int) -> dict[str, Any]:
+    found = {
+        "kind": layer.kind,
+        "meta": layer.meta,
+        "trimmable": layer.trimmable,
+        "slots": _slot_maps(layer.slots),
+    }
+    if version >= MANIFEST_VERSION:
+        found["blocked"] = layer.blocked
+    return found
+
+
 def _header_map(header: EntryHeader) -> dict[str, Any]:
-    return {
+    found = {
         "identity": header.identity.to_wire(),
         "tokens": header.tokens,
         "created": header.created,
         "min_reuse": header.min_reuse,
-        "layers": [
-            {
-                "kind": layer.kind,
-                "meta": layer.meta,
-                "trimmable": layer.trimmable,
-                "slots": [
-                    {
-                        "dtype": slot.dtype,
-                        "shape": slot.shape,
-                        "offset": slot.offset,
-                        "nbytes": slot.nbytes,
-                        "checksum": slot.checksum,
-                    }
-                    for slot in layer.slots
-                ],
-            }
-            for layer in header.layers
-        ],
+        "layers": [_layer_map(layer, header.version) for layer in header.layers],
         "checkpoint": None if header.checkpoint is None else header.checkpoint.to_wire(),
         "meta": header.meta,
     }
+    if header.version >= MANIFEST_VERSION:
+        found["block_tokens"] = header.block_tokens
+        found["blocks"] = b"".join(header.blocks)
+    return found
+
+
+def _pack(obj: object) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def encode_header(header: EntryHeader) -> bytes:
     """The msgpack header bytes; floats are always float64, checksums always 8-byte bin."""
-    packed: bytes = msgpack.packb(_header_map(header), use_bin_type=True)
-    return packed
+    return _pack(_header_map(header))
 
 
 def header_checksum(covered_prefix: bytes | memoryview, header: bytes | memoryview) -> bytes:
@@ -261,14 +293,23 @@ def header_checksum(covered_prefix: bytes | memoryview, header: bytes | memoryvi
     return hasher.digest()
 
 
-def _head(header: EntryHeader, header_bytes: bytes) -> bytes:
-    if header.data_start != align_up(PREFIX_BYTES + len(header_bytes)):
+def _head(
+    header_bytes: bytes, data_start: int, file_size: int, version: int, flags: int = 0
+) -> bytes:
+    if data_start != align_up(PREFIX_BYTES + len(header_bytes)):
         raise ValueError("data start does not match the encoded header's length")
     covered = PREFIX.pack(
-        MAGIC, FORMAT_VERSION, 0, len(header_bytes), header.data_start, header.file_size, b"", b""
+        MAGIC, version, flags, len(header_bytes), data_start, file_size, b"", b""
     )[:CHECKSUMMED_PREFIX_BYTES]
-    pad = bytes(header.data_start - PREFIX_BYTES - len(header_bytes))
+    pad = bytes(data_start - PREFIX_BYTES - len(header_bytes))
     return b"".join((covered, header_checksum(covered, header_bytes), header_bytes, pad))
+
+
+def _checked_checksums(checksums: Sequence[bytes], count: int) -> None:
+    if len(checksums) != count:
+        raise ValueError(f"{len(checksums)} checksums for {count} slots")
+    if any(not isinstance(c, bytes) or len(c) != CHECKSUM_BYTES for c in checksums):
+        raise ValueError(f"every checksum must be {CHECKSUM_BYTES} bytes")
 
 
 @dataclass(frozen=True)
@@ -292,14 +333,16 @@ class EntryPlan:
 
     def finish(self, checksums: Sequence[bytes]) -> EntryHeader:
         """The header with each slot's checksum filled in, in slot order."""
-        slots = self.slots
-        if len(checksums) != len(slots):
-            raise ValueError(f"{len(checksums)} checksums for {len(slots)} slots")
-        if any(not isinstance(c, bytes) or len(c) != CHECKSUM_BYTES for c in checksums):
-            raise ValueError(f"every checksum must be {CHECKSUM_BYTES} bytes")
+        _checked_checksums(checksums, len(self.slots))
         sums = iter(checksums)
         layers = tuple(
-            Layer(layer.kind, layer.meta, layer.trimmable, _placed(layer.slots, sums, 0))
+            Layer(
+                layer.kind,
+                layer.meta,
+                layer.trimmable,
+                _placed(layer.slots, sums, 0),
+                layer.blocked,
+            )
             for layer in self.header.layers
         )
         return replace(self.header, layers=layers)
@@ -310,7 +353,7 @@ class EntryPlan:
         header_bytes = encode_header(header)
         # Fixed-width checksums keep the header's length, so the planned offsets still hold.
         assert len(header_bytes) == self.header_length, "header length drifted"
-        return _head(header, header_bytes)
+        return _head(header_bytes, header.data_start, header.file_size, header.version)
 
 
 def _placed(
@@ -334,7 +377,35 @@ def plan_entry(
     meta: Mapping[str, MetaValue] | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> EntryPlan:
-    """Lay out an entry; raises ValueError for anything a reader would reject."""
+    """Lay out a version 1 entry (every tensor whole; LayerSpec.blocked is not looked at);
+    raises ValueError for anything a reader would reject."""
+    _check_entry(
+        identity, tokens, layers, min_reuse=min_reuse, checkpoint=checkpoint, limits=limits
+    )
+    shapes = [tuple(tensor.shape for tensor in spec.tensors) for spec in layers]
+    draft = _draft(
+        identity,
+        tokens,
+        layers,
+        shapes,
+        created=created,
+        min_reuse=min_reuse,
+        checkpoint=checkpoint,
+        meta=meta,
+        limits=limits,
+    )
+    return _placed_plan(draft, limits)
+
+
+def _check_entry(
+    identity: Identity,
+    tokens: bytes,
+    layers: Sequence[LayerSpec],
+    *,
+    min_reuse: int,
+    checkpoint: Checkpoint | None,
+    limits: Limits,
+) -> None:
     if len(tokens) % TOKEN_BYTES or len(tokens) // TOKEN_BYTES > limits.max_tokens:
         raise ValueError(f"tokens: {len(tokens)} bytes is not a packed sequence within limits")
     if not 0 <= min_reuse <= len(tokens) // TOKEN_BYTES:
@@ -346,23 +417,51 @@ def plan_entry(
         raise ValueError(f"{len(layers)} layers, over the limit of {limits.max_layers}")
     if sum(len(spec.tensors) for spec in layers) > limits.max_slots:
         raise ValueError(f"more than {limits.max_slots} tensors")
-    cursor = 0  # relative to data start
+
+
+def _slots(
+    specs: Sequence[TensorSpec], shapes: Sequence[tuple[int, ...]], cursor: int, what: str
+) -> tuple[tuple[Slot, ...], int]:
+    """Slots of the given dtypes and shapes placed from cursor (relative to data start), each
+    at the next aligned offset, and the cursor after them."""
+    slots: list[Slot] = []
+    for tensor, shape in zip(specs, shapes, strict=True):
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"{what}: more than {MAX_NDIM} dimensions")
+        offset = align_up(cursor)
+        nbytes = tensor_nbytes(tensor.dtype, shape)
+        slots.append(Slot(tensor.dtype, tuple(shape), offset, nbytes, _ZERO_CHECKSUM, offset))
+        cursor = offset + nbytes
+    return tuple(slots), cursor
+
+
+def _draft(
+    identity: Identity,
+    tokens: bytes,
+    layers: Sequence[LayerSpec],
+    shapes: Sequence[tuple[tuple[int, ...], ...]],
+    *,
+    created: float,
+    min_reuse: int,
+    checkpoint: Checkpoint | None,
+    meta: Mapping[str, MetaValue] | None,
+    limits: Limits,
+    version: int = FORMAT_VERSION,
+    block_tokens: int = 0,
+    blocks: tuple[bytes, ...] = (),
+) -> EntryHeader:
+    """The header of an entry holding tensors of these shapes, slots relative to data start
+    and unchecksummed; data_start is still 0 and file_size the data's size."""
+    cursor = 0
     planned: list[Layer] = []
-    for i, spec in enumerate(layers):
-        schema.text(spec.kind, f"layers[{i}].kind", limits.max_name_bytes)
-        slots: list[Slot] = []
-        for tensor in spec.tensors:
-            if len(tensor.shape) > MAX_NDIM:
-                raise ValueError(f"layers[{i}]: more than {MAX_NDIM} dimensions")
-            offset = align_up(cursor)
-            nbytes = tensor_nbytes(tensor.dtype, tensor.shape)
-            slots.append(
-                Slot(tensor.dtype, tuple(tensor.shape), offset, nbytes, _ZERO_CHECKSUM, offset)
-            )
-            cursor = offset + nbytes
-        state = state_map(spec.meta, f"layers[{i}].meta")
-        planned.append(Layer(spec.kind, state, spec.trimmable, tuple(slots)))
-    draft = EntryHeader(
+    for i, (spec, layer_shapes) in enumerate(zip(layers, shapes, strict=True)):
+        what = f"layers[{i}]"
+        schema.text(spec.kind, f"{what}.kind", limits.max_name_bytes)
+        slots, cursor = _slots(spec.tensors, layer_shapes, cursor, what)
+        state = state_map(spec.meta, f"{what}.meta")
+        blocked = spec.blocked and version >= MANIFEST_VERSION
+        planned.append(Layer(spec.kind, state, spec.trimmable, slots, blocked))
+    return EntryHeader(
         identity=identity,
         tokens=tokens,
         created=check_created(created),
@@ -371,19 +470,213 @@ def plan_entry(
         checkpoint=checkpoint,
         meta=entry_meta({} if meta is None else meta, limits),
         data_start=0,
-        file_size=0,
+        file_size=align_up(cursor),  # the data's size, until placed
+        block_tokens=block_tokens,
+        blocks=blocks,
+        version=version,
     )
+
+
+def _placed_plan(draft: EntryHeader, limits: Limits) -> EntryPlan:
+    """The draft's plan: its header's length fixes data start, and every slot moves by it."""
     header_length = len(encode_header(draft))
     if header_length > limits.max_header_bytes:
         raise ValueError(f"header of {header_length} bytes, over the limit")
     data_start = align_up(PREFIX_BYTES + header_length)
     zeros = itertools.repeat(_ZERO_CHECKSUM)
     placed = tuple(
-        Layer(layer.kind, layer.meta, layer.trimmable, _placed(layer.slots, zeros, data_start))
-        for layer in planned
+        Layer(
+            layer.kind,
+            layer.meta,
+            layer.trimmable,
+            _placed(layer.slots, zeros, data_start),
+            layer.blocked,
+        )
+        for layer in draft.layers
     )
-    file_size = data_start + align_up(cursor)
+    file_size = data_start + draft.file_size
     if file_size > _INT_MAX:
         raise ValueError(f"file size {file_size} does not fit in 64 bits")
     header = replace(draft, layers=placed, data_start=data_start, file_size=file_size)
     return EntryPlan(header, header_length)
+
+
+# --- version 2: manifests and blocks --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """A parsed (or planned) block file header: one block's rows of every blocked layer."""
+
+    hash: bytes  # xxh3_128(parent || tokens): the block's name
+    identity: str  # the identity digest of the entries it belongs to
+    parent: bytes  # the previous block's hash; ZERO_HASH for a first block
+    tokens: bytes  # exactly block_tokens packed u32 tokens
+    layers: tuple[tuple[Slot, ...], ...]  # the slots of each blocked layer, in order
+    data_start: int
+    file_size: int
+
+    @property
+    def block_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Every slot, layer by layer."""
+        return tuple(slot for layer in self.layers for slot in layer)
+
+
+def encode_block_header(block: BlockHeader) -> bytes:
+    """The msgpack header bytes of a block file."""
+    return _pack(
+        {
+            "identity": block.identity,
+            "parent": block.parent,
+            "tokens": block.tokens,
+            "layers": [{"slots": _slot_maps(slots)} for slots in block.layers],
+        }
+    )
+
+
+@dataclass(frozen=True)
+class ManifestPlan:
+    """A version 2 entry's layout: the manifest file (entry) and its blocks' files, all of
+    one layout (block_size bytes, block_slots), fixed before any byte is written."""
+
+    entry: EntryPlan  # the manifest: tails of the blocked layers, the other layers whole
+    hashes: tuple[bytes, ...]  # of blocks 0..n-1
+    blocked_tensors: tuple[int, ...]  # indexes into the flat tensor list: the tensors cut
+    block_layers: tuple[tuple[Slot, ...], ...]  # a block file's slots, per blocked layer
+    block_size: int  # every block file's exact size; 0 when there are no blocks
+    block_header_length: int
+
+    @property
+    def block_tokens(self) -> int:
+        return self.entry.header.block_tokens
+
+    @property
+    def block_slots(self) -> tuple[Slot, ...]:
+        """A block file's slots (absolute start, nbytes), blocked layer by layer."""
+        return tuple(slot for layer in self.block_layers for slot in layer)
+
+    def block_header(self, index: int, checksums: Sequence[bytes]) -> BlockHeader:
+        """Block index's header, with each of its slot's checksum filled in, in slot order."""
+        if not 0 <= index < len(self.hashes):
+            raise ValueError(f"block {index} of {len(self.hashes)}")
+        _checked_checksums(checksums, len(self.block_slots))
+        step = self.block_tokens * TOKEN_BYTES
+        header = self.entry.header
+        sums = iter(checksums)
+        return BlockHeader(
+            hash=self.hashes[index],
+            identity=header.identity.digest(),
+            parent=self.hashes[index - 1] if index else ZERO_HASH,
+            tokens=header.tokens[index * step : (index + 1) * step],
+            layers=tuple(_placed(slots, sums, 0) for slots in self.block_layers),
+            data_start=align_up(PREFIX_BYTES + self.block_header_length),
+            file_size=self.block_size,
+        )
+
+    def block_head(self, index: int, checksums: Sequence[bytes]) -> bytes:
+        """The bytes for offset 0 of block index's file once its tensors are written."""
+        block = self.block_header(index, checksums)
+        header_bytes = encode_block_header(block)
+        assert len(header_bytes) == self.block_header_length, "block header length drifted"
+        return _head(header_bytes, block.data_start, block.file_size, MANIFEST_VERSION, FLAG_BLOCK)
+
+
+def plan_manifest(
+    identity: Identity,
+    tokens: bytes,
+    layers: Sequence[LayerSpec],
+    *,
+    block_tokens: int,
+    created: float,
+    min_reuse: int,
+    checkpoint: Checkpoint | None = None,
+    meta: Mapping[str, MetaValue] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> ManifestPlan:
+    """Lay out a version 2 entry: the rows [i*B, (i+1)*B) of the blocked layers' tensors
+    (axis 2) go to block i, for the n = T // B whole blocks; the manifest holds the tail rows
+    [n*B, T) and every other layer whole. block_tokens 0, or no blocked layer, plans a
+    manifest without blocks. Raises ValueError for anything a reader would reject."""
+    _check_entry(
+        identity, tokens, layers, min_reuse=min_reuse, checkpoint=checkpoint, limits=limits
+    )
+    count = len(tokens) // TOKEN_BYTES
+    if not any(spec.blocked for spec in layers):
+        block_tokens = 0
+    if block_tokens:
+        check_block_tokens(block_tokens)
+    hashes = block_hashes(tokens, block_tokens) if block_tokens else ()
+    tail = count - len(hashes) * block_tokens
+    shapes: list[tuple[tuple[int, ...], ...]] = []
+    for i, spec in enumerate(layers):
+        if not spec.blocked:
+            shapes.append(tuple(tensor.shape for tensor in spec.tensors))
+            continue
+        for tensor in spec.tensors:
+            if len(tensor.shape) <= TOKEN_AXIS or tensor.shape[TOKEN_AXIS] != count:
+                raise ValueError(
+                    f"layers[{i}]: a blocked tensor of shape {list(tensor.shape)} does not "
+                    f"have the {count} tokens on axis {TOKEN_AXIS}"
+                )
+        shapes.append(tuple(_rows(tensor.shape, tail) for tensor in spec.tensors))
+    draft = _draft(
+        identity,
+        tokens,
+        layers,
+        shapes,
+        created=created,
+        min_reuse=min_reuse,
+        checkpoint=checkpoint,
+        meta=meta,
+        limits=limits,
+        block_tokens=block_tokens,
+        blocks=hashes,
+        version=MANIFEST_VERSION,
+    )
+    entry = _placed_plan(draft, limits)
+    blocked = [spec for spec in layers if spec.blocked]
+    flat = [spec.blocked for spec in layers for _ in spec.tensors]
+    return _block_plan(entry, hashes, blocked, [i for i, cut in enumerate(flat) if cut])
+
+
+def _rows(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """shape with rows on the token axis."""
+    return (*shape[:TOKEN_AXIS], rows, *shape[TOKEN_AXIS + 1 :])
+
+
+def _block_plan(
+    entry: EntryPlan,
+    hashes: tuple[bytes, ...],
+    blocked: Sequence[LayerSpec],
+    blocked_tensors: Sequence[int],
+) -> ManifestPlan:
+    """The manifest's plan with its block files' layout (the same for every block)."""
+    if not hashes:
+        return ManifestPlan(entry, (), tuple(blocked_tensors), (), 0, 0)
+    block_tokens = entry.header.block_tokens
+    cursor = 0
+    relative: list[tuple[Slot, ...]] = []
+    for i, spec in enumerate(blocked):
+        shapes = [_rows(tensor.shape, block_tokens) for tensor in spec.tensors]
+        slots, cursor = _slots(spec.tensors, shapes, cursor, f"blocked layer {i}")
+        relative.append(slots)
+    draft = BlockHeader(
+        hash=hashes[0],
+        identity=entry.header.identity.digest(),
+        parent=ZERO_HASH,
+        tokens=entry.header.tokens[: block_tokens * TOKEN_BYTES],
+        layers=tuple(relative),
+        data_start=0,
+        file_size=0,
+    )
+    # Within the limit: the manifest's header holds all of this (its tokens, its slots) and more.
+    header_length = len(encode_block_header(draft))
+    data_start = align_up(PREFIX_BYTES + header_length)
+    zeros = itertools.repeat(_ZERO_CHECKSUM)
+    placed = tuple(_placed(slots, zeros, data_start) for slots in relative)
+    block_size = data_start + align_up(cursor)
+    return ManifestPlan(entry, hashes, tuple(blocked_tensors), placed, block_size, header_length)

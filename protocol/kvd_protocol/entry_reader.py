@@ -1,12 +1,16 @@
 """Reading an entry file's head: trusts nothing, and fails only with EntryFormatError.
 
-A reader reads PREFIX_BYTES, calls parse_prefix (which says how many header bytes follow),
-reads those and calls parse_header with the file's real size. Readers that verify tensor
-bytes call verify_slot per slot. Work and memory stay within the Limits on any input.
+A reader reads PREFIX_BYTES, calls parse_prefix (which says how many header bytes follow,
+and whether the file is a block file), reads those and calls parse_header (an entry of
+version 1 or a version 2 manifest) or parse_block_header (a block file) with the file's real
+size. check_block says whether a block is the one a manifest lists at an index. Readers that
+verify tensor bytes call verify_slot per slot. Work and memory stay within the Limits on any
+input.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
@@ -14,16 +18,29 @@ from typing import Any, Final, NoReturn
 import msgpack
 
 from . import schema
+from .blocks import (
+    HASH_BYTES,
+    ZERO_HASH,
+    block_hash,
+    block_hashes,
+    check_block_tokens,
+    parse_block_name,
+    split_hashes,
+)
 from .checksum import CHECKSUM_BYTES, checksum
 from .dtypes import ITEM_SIZES
 from .entry import (
     ALIGNMENT,
     CHECKSUMMED_PREFIX_BYTES,
+    FLAG_BLOCK,
     FORMAT_VERSION,
     MAGIC,
+    MANIFEST_VERSION,
     MAX_NDIM,
     PREFIX,
     PREFIX_BYTES,
+    TOKEN_AXIS,
+    BlockHeader,
     Checkpoint,
     EntryHeader,
     Layer,
@@ -45,8 +62,15 @@ _HEADER_FIELDS: Final = frozenset(
     {"identity", "tokens", "created", "min_reuse", "layers", "checkpoint", "meta"}
 )
 _LAYER_FIELDS: Final = frozenset({"kind", "meta", "trimmable", "slots"})
+# Version 2 manifests: the keys of version 1 and these.
+_MANIFEST_FIELDS: Final = _HEADER_FIELDS | {"block_tokens", "blocks"}
+_MANIFEST_LAYER_FIELDS: Final = _LAYER_FIELDS | {"blocked"}
+_BLOCK_FIELDS: Final = frozenset({"identity", "parent", "tokens", "layers"})
+_BLOCK_LAYER_FIELDS: Final = frozenset({"slots"})
 _SLOT_FIELDS: Final = frozenset({"dtype", "shape", "offset", "nbytes", "checksum"})
 _RESERVED: Final = bytes(8)
+_FLAGS: Final = {FORMAT_VERSION: (0,), MANIFEST_VERSION: (0, FLAG_BLOCK)}  # known, per version
+_DIGEST: Final = re.compile(r"[0-9a-f]{32}")  # Identity.digest()
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,8 @@ class Prefix:
     file_size: int  # as declared
     header_checksum: bytes
     covered: bytes  # the prefix bytes the header checksum covers
+    version: int = FORMAT_VERSION
+    is_block: bool = False  # version 2 with FLAG_BLOCK: a block file, read by parse_block_header
 
 
 class _RuleError(Exception):
@@ -84,9 +110,10 @@ def parse_prefix(name: str, data: Buffer, limits: Limits = DEFAULT_LIMITS) -> Pr
     )
     if magic != MAGIC:
         _fail(name, Rule.MAGIC, f"magic {magic!r} is not {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        _fail(name, Rule.VERSION, f"format version {version}, this reader knows {FORMAT_VERSION}")
-    if flags or reserved != _RESERVED:
+    known_flags = _FLAGS.get(version)
+    if known_flags is None:
+        _fail(name, Rule.VERSION, f"format version {version}, this reader knows {sorted(_FLAGS)}")
+    if flags not in known_flags or reserved != _RESERVED:
         _fail(name, Rule.VERSION, f"flags {flags:#x} or reserved bytes set: a newer writer's file")
     if header_length > limits.max_header_bytes:
         _fail(name, Rule.HEADER_SIZE, f"header of {header_length} bytes, over the limit")
@@ -95,15 +122,55 @@ def parse_prefix(name: str, data: Buffer, limits: Limits = DEFAULT_LIMITS) -> Pr
     if file_size % ALIGNMENT or file_size < data_start:
         _fail(name, Rule.FILE_SIZE, f"declared size {file_size} is not aligned past data start")
     return Prefix(
-        header_length, data_start, file_size, digest, bytes(data[:CHECKSUMMED_PREFIX_BYTES])
+        header_length,
+        data_start,
+        file_size,
+        digest,
+        bytes(data[:CHECKSUMMED_PREFIX_BYTES]),
+        version,
+        bool(flags & FLAG_BLOCK),
     )
 
 
 def parse_header(
     name: str, prefix: Prefix, header: Buffer, file_size: int, limits: Limits = DEFAULT_LIMITS
 ) -> EntryHeader:
-    """Validate the header (the prefix.header_length bytes after the prefix; any more are
-    ignored) against the file's real size."""
+    """Validate an entry's header (the prefix.header_length bytes after the prefix; any more
+    are ignored) against the file's real size: version 1, or a version 2 manifest."""
+    if prefix.is_block:
+        _fail(name, Rule.VERSION, "a block file, not an entry")
+    obj = _decoded(name, prefix, header, file_size)
+    try:
+        return _entry_header(obj, prefix, limits)
+    except schema.SchemaError as exc:
+        _fail(name, Rule.SCHEMA, str(exc))
+    except _RuleError as exc:
+        _fail(name, exc.rule, exc.detail)
+
+
+def parse_block_header(
+    name: str, prefix: Prefix, header: Buffer, file_size: int, limits: Limits = DEFAULT_LIMITS
+) -> BlockHeader:
+    """Validate a block file's header as parse_header does an entry's, and its hash: when name
+    is a block file's name (blocks.block_name) it must be the hash of the block's parent and
+    tokens (a staging file's name is not: check_block compares the hash with the manifest's)."""
+    if not prefix.is_block:
+        _fail(name, Rule.VERSION, f"version {prefix.version} entry, not a block file")
+    obj = _decoded(name, prefix, header, file_size)
+    try:
+        block = _block_header(obj, prefix, limits)
+    except schema.SchemaError as exc:
+        _fail(name, Rule.SCHEMA, str(exc))
+    except _RuleError as exc:
+        _fail(name, exc.rule, exc.detail)
+    named = parse_block_name(name)
+    if named is not None and named != block.hash:
+        _fail(name, Rule.BLOCK_HASH, f"its parent and tokens hash to {block.hash.hex()}")
+    return block
+
+
+def _decoded(name: str, prefix: Prefix, header: Buffer, file_size: int) -> object:
+    """The header's msgpack value, once its checksum and the file's size are right."""
     if len(header) < prefix.header_length:
         _fail(name, Rule.TRUNCATED, f"{len(header)} of {prefix.header_length} header bytes")
     header = memoryview(header)[: prefix.header_length]
@@ -114,15 +181,9 @@ def parse_header(
     if file_size > prefix.file_size:
         _fail(name, Rule.FILE_SIZE, f"{file_size} bytes, {prefix.file_size} declared")
     try:
-        obj = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=False)
+        return msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=False)
     except (ValueError, msgpack.UnpackException) as exc:
         _fail(name, Rule.SCHEMA, f"header is not msgpack: {exc}")
-    try:
-        return _entry_header(obj, prefix, limits)
-    except schema.SchemaError as exc:
-        _fail(name, Rule.SCHEMA, str(exc))
-    except _RuleError as exc:
-        _fail(name, exc.rule, exc.detail)
 
 
 def parse_head(
@@ -131,6 +192,52 @@ def parse_head(
     """Both steps on a buffer that starts at offset 0 of the file (e.g. a mapping of it)."""
     prefix = parse_prefix(name, data, limits)
     return parse_header(name, prefix, memoryview(data)[PREFIX_BYTES:], file_size, limits)
+
+
+def parse_block_head(
+    name: str, data: Buffer, file_size: int, limits: Limits = DEFAULT_LIMITS
+) -> BlockHeader:
+    """parse_prefix and parse_block_header on a buffer that starts at offset 0 of a block file
+    (a block's head is ManifestPlan.block_head's length: one read takes it)."""
+    prefix = parse_prefix(name, data, limits)
+    return parse_block_header(name, prefix, memoryview(data)[PREFIX_BYTES:], file_size, limits)
+
+
+def check_block(manifest: EntryHeader, index: int, block: BlockHeader, name: str) -> None:
+    """That block is the one manifest lists at index: its hash, parent, tokens and identity,
+    and one layer per blocked layer with the manifest's tail slots' dtypes and shapes with
+    block_tokens rows. Raises EntryFormatError(name, block_mismatch) naming what differs."""
+    problem = _block_mismatch(manifest, index, block)
+    if problem:
+        _fail(name, Rule.BLOCK_MISMATCH, f"block {index} of the manifest: {problem}")
+
+
+def _block_mismatch(manifest: EntryHeader, index: int, block: BlockHeader) -> str | None:
+    if not 0 <= index < len(manifest.blocks):
+        return f"the manifest lists {len(manifest.blocks)} blocks"
+    if block.hash != manifest.blocks[index]:
+        return f"hash {block.hash.hex()}, listed {manifest.blocks[index].hex()}"
+    if block.parent != (manifest.blocks[index - 1] if index else ZERO_HASH):
+        return "another parent"
+    step = manifest.block_tokens * TOKEN_BYTES
+    if block.tokens != manifest.tokens[index * step : (index + 1) * step]:
+        return "other tokens"
+    if block.identity != manifest.identity.digest():
+        return f"identity {block.identity}, the manifest's is {manifest.identity.digest()}"
+    blocked = [layer.slots for layer in manifest.layers if layer.blocked]
+    if len(block.layers) != len(blocked):
+        return f"{len(block.layers)} layers for {len(blocked)} blocked layers"
+    for i, (slots, tails) in enumerate(zip(block.layers, blocked, strict=True)):
+        if len(slots) != len(tails):
+            return f"blocked layer {i}: {len(slots)} slots, the manifest's has {len(tails)}"
+        for slot, tail in zip(slots, tails, strict=True):
+            shape = (*tail.shape[:TOKEN_AXIS], manifest.block_tokens, *tail.shape[TOKEN_AXIS + 1 :])
+            if slot.dtype != tail.dtype or slot.shape != shape:
+                return (
+                    f"blocked layer {i}: a {slot.dtype} slot of shape {list(slot.shape)}, "
+                    f"needs {tail.dtype} {list(shape)}"
+                )
+    return None
 
 
 def verify_slot(name: str, slot: Slot, data: Buffer) -> None:
@@ -142,22 +249,18 @@ def verify_slot(name: str, slot: Slot, data: Buffer) -> None:
 
 
 def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
-    raw = schema.fields(obj, "header", _HEADER_FIELDS)
+    manifest = prefix.version == MANIFEST_VERSION
+    raw = schema.fields(obj, "header", _MANIFEST_FIELDS if manifest else _HEADER_FIELDS)
     identity = Identity.from_wire(raw["identity"], limits)
-    tokens = raw["tokens"]
-    if not isinstance(tokens, bytes):
-        raise schema.SchemaError(f"tokens: expected bytes, got {type(tokens).__name__}")
-    if len(tokens) % TOKEN_BYTES:
-        raise _RuleError(Rule.TOKEN_COUNT, f"{len(tokens)} token bytes, not whole u32 ids")
+    tokens = _tokens(raw["tokens"], limits)
     count = len(tokens) // TOKEN_BYTES
-    if count > limits.max_tokens:
-        raise _RuleError(Rule.TOKEN_COUNT, f"{count} tokens, over the limit of {limits.max_tokens}")
     created = check_created(raw["created"])
     min_reuse = schema.integer(raw["min_reuse"], "min_reuse")
     if min_reuse > count:
         raise _RuleError(Rule.TOKEN_COUNT, f"min_reuse {min_reuse} exceeds {count} tokens")
-    layers = _layers(raw["layers"], prefix, limits)
+    layers = _layers(raw["layers"], prefix, limits, manifest)
     _check_no_overlap(slot for layer in layers for slot in layer.slots)
+    block_tokens, blocks = _manifest_blocks(raw, tokens, layers) if manifest else (0, ())
     return EntryHeader(
         identity=identity,
         tokens=tokens,
@@ -168,29 +271,116 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
         meta=entry_meta(raw["meta"], limits),
         data_start=prefix.data_start,
         file_size=prefix.file_size,
+        block_tokens=block_tokens,
+        blocks=blocks,
+        version=prefix.version,
     )
 
 
-def _layers(value: object, prefix: Prefix, limits: Limits) -> tuple[Layer, ...]:
+def _tokens(value: object, limits: Limits) -> bytes:
+    if not isinstance(value, bytes):
+        raise schema.SchemaError(f"tokens: expected bytes, got {type(value).__name__}")
+    if len(value) % TOKEN_BYTES:
+        raise _RuleError(Rule.TOKEN_COUNT, f"{len(value)} token bytes, not whole u32 ids")
+    count = len(value) // TOKEN_BYTES
+    if count > limits.max_tokens:
+        raise _RuleError(Rule.TOKEN_COUNT, f"{count} tokens, over the limit of {limits.max_tokens}")
+    return value
+
+
+def _manifest_blocks(
+    raw: dict[str, Any], tokens: bytes, layers: tuple[Layer, ...]
+) -> tuple[int, tuple[bytes, ...]]:
+    """A manifest's block size and block hashes, checked against its tokens and layers."""
+    block_tokens = schema.integer(raw["block_tokens"], "block_tokens")
+    if block_tokens:
+        try:
+            check_block_tokens(block_tokens)
+        except ValueError as exc:
+            raise schema.SchemaError(f"block_tokens: {exc}") from None
+        if not any(layer.blocked for layer in layers):
+            raise schema.SchemaError("block_tokens set, but no layer is blocked")
+    joined = schema.binary(raw["blocks"], "blocks", len(tokens) * HASH_BYTES, HASH_BYTES)
+    count = len(tokens) // TOKEN_BYTES
+    n = count // block_tokens if block_tokens else 0
+    if len(joined) != n * HASH_BYTES:
+        raise _RuleError(
+            Rule.TOKEN_COUNT,
+            f"{len(joined) // HASH_BYTES} block hashes, {count} tokens make {n} blocks",
+        )
+    blocks = split_hashes(joined)
+    if blocks and blocks != block_hashes(tokens, block_tokens):
+        raise _RuleError(Rule.BLOCK_HASH, "the blocks are not the chained hashes of its tokens")
+    tail = count - n * block_tokens
+    for i, layer in enumerate(layers):
+        for slot in layer.slots if layer.blocked else ():
+            if len(slot.shape) <= TOKEN_AXIS or slot.shape[TOKEN_AXIS] != tail:
+                raise _RuleError(
+                    Rule.TOKEN_COUNT,
+                    f"layers[{i}]: a blocked slot of shape {list(slot.shape)}, "
+                    f"not the {tail} tail tokens on axis {TOKEN_AXIS}",
+                )
+    return block_tokens, blocks
+
+
+def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
+    raw = schema.fields(obj, "block header", _BLOCK_FIELDS)
+    identity = schema.text(raw["identity"], "identity", limits.max_name_bytes)
+    if _DIGEST.fullmatch(identity) is None:
+        raise schema.SchemaError(f"identity: {identity[:64]!r} is not an identity digest")
+    parent = schema.binary(raw["parent"], "parent", HASH_BYTES)
+    if len(parent) != HASH_BYTES:
+        raise schema.SchemaError(f"parent: {len(parent)} bytes, not {HASH_BYTES}")
+    tokens = _tokens(raw["tokens"], limits)
+    try:
+        check_block_tokens(len(tokens) // TOKEN_BYTES)
+    except ValueError as exc:
+        raise _RuleError(Rule.TOKEN_COUNT, str(exc)) from None
+    layers: list[tuple[Slot, ...]] = []
+    budget = limits.max_slots
+    for i, item in enumerate(schema.sequence(raw["layers"], "layers", limits.max_layers)):
+        what = f"layers[{i}]"
+        slots = _slots(schema.fields(item, what, _BLOCK_LAYER_FIELDS), what, prefix, limits, budget)
+        budget -= len(slots)
+        layers.append(slots)
+    _check_no_overlap(slot for slots in layers for slot in slots)
+    return BlockHeader(
+        hash=block_hash(parent, tokens),
+        identity=identity,
+        parent=parent,
+        tokens=tokens,
+        layers=tuple(layers),
+        data_start=prefix.data_start,
+        file_size=prefix.file_size,
+    )
+
+
+def _layers(value: object, prefix: Prefix, limits: Limits, manifest: bool) -> tuple[Layer, ...]:
     layers: list[Layer] = []
     slot_budget = limits.max_slots
     for i, item in enumerate(schema.sequence(value, "layers", limits.max_layers)):
         what = f"layers[{i}]"
-        raw = schema.fields(item, what, _LAYER_FIELDS)
-        raw_slots = schema.sequence(raw["slots"], f"{what}.slots", slot_budget)
-        slot_budget -= len(raw_slots)
-        slots = tuple(
-            _slot(s, f"{what}.slots[{j}]", prefix, limits) for j, s in enumerate(raw_slots)
-        )
+        raw = schema.fields(item, what, _MANIFEST_LAYER_FIELDS if manifest else _LAYER_FIELDS)
+        slots = _slots(raw, what, prefix, limits, slot_budget)
+        slot_budget -= len(slots)
         layers.append(
             Layer(
                 kind=schema.text(raw["kind"], f"{what}.kind", limits.max_name_bytes),
                 meta=state_map(raw["meta"], f"{what}.meta"),
                 trimmable=schema.boolean(raw["trimmable"], f"{what}.trimmable"),
                 slots=slots,
+                blocked=manifest and schema.boolean(raw["blocked"], f"{what}.blocked"),
             )
         )
     return tuple(layers)
+
+
+def _slots(
+    raw: dict[str, Any], what: str, prefix: Prefix, limits: Limits, budget: int
+) -> tuple[Slot, ...]:
+    """The slots of a layer map, at most budget of them."""
+    raw_slots = schema.sequence(raw["slots"], f"{what}.slots", budget)
+    return tuple(_slot(s, f"{what}.slots[{j}]", prefix, limits) for j, s in enumerate(raw_slots))
 
 
 def _slot(value: object, what: str, prefix: Prefix, limits: Limits) -> Slot:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import (
     CHECKSUMMED_PREFIX_BYTES,
@@ -13,16 +14,19 @@ from kvd_protocol.entry import (
     MAGIC,
     PREFIX,
     PREFIX_BYTES,
+    BlockHeader,
     Checkpoint,
     EntryHeader,
     EntryPlan,
     LayerSpec,
+    ManifestPlan,
     TensorSpec,
     align_up,
     header_checksum,
     plan_entry,
+    plan_manifest,
 )
-from kvd_protocol.entry_reader import parse_header, parse_prefix
+from kvd_protocol.entry_reader import parse_block_header, parse_header, parse_prefix
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.tokens import pack_tokens
@@ -56,6 +60,68 @@ def sample_plan(tokens: int = 40) -> EntryPlan:
         checkpoint=checkpoint,
         meta={"mlx_lm": "0.32.2", "step": 3, "temp": 0.5, "greedy": False},
     )
+
+
+def manifest_layers(tokens: int) -> list[LayerSpec]:
+    """Plain KV and 4-bit quantized KV (blocked), an SSM state and a rotating window (whole)."""
+    kv = TensorSpec("float16", (1, 2, tokens, 8))
+    packed, scales = (
+        TensorSpec("uint32", (1, 2, tokens, 1)),
+        TensorSpec("float16", (1, 2, tokens, 1)),
+    )
+    return [
+        LayerSpec("kv", (kv, kv), trimmable=True, meta={"offset": tokens}, blocked=True),
+        LayerSpec(
+            "ssm", (TensorSpec("float32", (1, 3, 5)),), trimmable=False, meta={"lengths": None}
+        ),
+        LayerSpec(
+            "quantized_kv",
+            (packed, scales, scales, packed, scales, scales),
+            trimmable=True,
+            meta={"offset": tokens, "bits": 4, "group_size": 8},
+            blocked=True,
+        ),
+        LayerSpec("rotating", (TensorSpec("bfloat16", (1, 2, 16, 8)),) * 2, trimmable=False),
+    ]
+
+
+def sample_manifest(tokens: int = 40, block_tokens: int = 16) -> ManifestPlan:
+    """40 tokens in blocks of 16: 2 blocks and an 8-token tail."""
+    return plan_manifest(
+        IDENTITY,
+        pack_tokens(range(100, 100 + tokens)),
+        manifest_layers(tokens),
+        block_tokens=block_tokens,
+        created=1_700_000_000.5,
+        min_reuse=min(2, tokens),
+        checkpoint=Checkpoint("gen-2", 9, 99, False, max(0, tokens - 1), 1),
+        meta={"mlx_lm": "0.32.2"},
+    )
+
+
+def write_blocks(plan: ManifestPlan) -> list[tuple[str, bytearray, BlockHeader]]:
+    """Every block file of plan as a writer makes it: (its name, its bytes, its header)."""
+    files = []
+    for index, digest in enumerate(plan.hashes):
+        blob = bytearray(plan.block_size)
+        sums = []
+        for k, slot in enumerate(plan.block_slots):
+            data = bytes((index * 31 + k + j) % 253 for j in range(slot.nbytes))
+            blob[slot.start : slot.end] = data
+            sums.append(checksum(data))
+        head = plan.block_head(index, sums)
+        blob[: len(head)] = head
+        files.append((block_name(digest), blob, plan.block_header(index, sums)))
+    return files
+
+
+def read_block(
+    blob: bytes | bytearray, name: str = "b.kvb", limits: Limits = DEFAULT_LIMITS
+) -> BlockHeader:
+    """Read as a reader of a block file would: prefix, then the header bytes it announces."""
+    prefix = parse_prefix(name, blob[:PREFIX_BYTES], limits)
+    header = blob[PREFIX_BYTES : PREFIX_BYTES + prefix.header_length]
+    return parse_block_header(name, prefix, header, len(blob), limits)
 
 
 def write(plan: EntryPlan, tensors: Sequence[bytes] | None = None) -> tuple[bytearray, EntryHeader]:
