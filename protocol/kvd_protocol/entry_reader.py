@@ -260,7 +260,7 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
         raise _RuleError(Rule.TOKEN_COUNT, f"min_reuse {min_reuse} exceeds {count} tokens")
     layers = _layers(raw["layers"], prefix, limits, manifest)
     _check_no_overlap(slot for layer in layers for slot in layer.slots)
-    block_tokens, blocks = _manifest_blocks(raw, tokens, layers) if manifest else (0, ())
+    block_tokens, blocks = _manifest_blocks(raw, tokens, layers, limits) if manifest else (0, ())
     return EntryHeader(
         identity=identity,
         tokens=tokens,
@@ -289,7 +289,7 @@ def _tokens(value: object, limits: Limits) -> bytes:
 
 
 def _manifest_blocks(
-    raw: dict[str, Any], tokens: bytes, layers: tuple[Layer, ...]
+    raw: dict[str, Any], tokens: bytes, layers: tuple[Layer, ...], limits: Limits
 ) -> tuple[int, tuple[bytes, ...]]:
     """A manifest's block size and block hashes, checked against its tokens and layers."""
     block_tokens = schema.integer(raw["block_tokens"], "block_tokens")
@@ -300,7 +300,7 @@ def _manifest_blocks(
             raise schema.SchemaError(f"block_tokens: {exc}") from None
         if not any(layer.blocked for layer in layers):
             raise schema.SchemaError("block_tokens set, but no layer is blocked")
-    joined = schema.binary(raw["blocks"], "blocks", len(tokens) * HASH_BYTES, HASH_BYTES)
+    joined = schema.binary(raw["blocks"], "blocks", limits.max_header_bytes, HASH_BYTES)
     count = len(tokens) // TOKEN_BYTES
     n = count // block_tokens if block_tokens else 0
     if len(joined) != n * HASH_BYTES:
