@@ -122,7 +122,8 @@ class Config:
             values.one_of(EVICTION_POLICIES),
             "|".join(EVICTION_POLICIES),
             "which entries go first when the tier is over its cap: lru (least recently used) "
-            "or cost (the least prefill saved per byte, aged by disuse)",
+            "or cost (the least prefill saved per byte, by the prefill cost the engines "
+            "measure, aged by disuse)",
         ),
     )
     admission: str = field(

@@ -111,8 +111,10 @@ class LruPolicy:
 class CostPolicy:
     """What saves the least prefill per byte goes first, with ageing so nothing lives forever.
 
-    An entry's worth is the prefill it saves per byte it holds, its tokens over its bytes (a
-    quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
+    An entry's worth is the prefill it saves per byte it holds: its tokens times what a token
+    of prefill costs its identity (prefill_cost(identity digest), seconds as the engines
+    report them: a token of a 70B model is worth more than one of a 1B model), over its bytes
+    (a quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
     since last use (or since it was made) in HALF_LIFE units: an entry unused for an hour is
     worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
     LruPolicy does.
@@ -125,9 +127,15 @@ class CostPolicy:
     SAMPLE: Final = 64
     HALF_LIFE: Final = 3600.0  # seconds of disuse that halve an entry's worth
 
-    def __init__(self, clock: Callable[[], float] = time.time, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        prefill_cost: Callable[[str], float] = lambda identity: 1.0,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+    ) -> None:
         self._records: list[EntryRecord] = []
         self._where: dict[EntryRecord, int] = {}
+        self._prefill_cost = prefill_cost
         self._clock = clock
         self._random = random.Random(seed)
 
@@ -153,7 +161,8 @@ class CostPolicy:
 
     def worth(self, record: EntryRecord, now: float) -> float:
         idle = max(0.0, now - (record.used_at or record.created))
-        return record.token_count / max(1, record.nbytes) / (1 + idle / self.HALF_LIFE)
+        saved = record.token_count * self._prefill_cost(record.identity)
+        return saved / max(1, record.nbytes) / (1 + idle / self.HALF_LIFE)
 
     def select_victims(
         self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
@@ -181,8 +190,9 @@ class CostPolicy:
         return self._random.sample(self._records, self.SAMPLE)
 
 
-# The eviction policies by setting value (the eviction_policy setting chooses one).
-EVICTION_POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
-    "lru": LruPolicy,
+# The eviction policies by setting value (the eviction_policy setting chooses one), each made
+# from what a token of prefill costs per identity (Telemetry.prefill_cost): lru ignores it.
+EVICTION_POLICIES: Mapping[str, Callable[[Callable[[str], float]], EvictionPolicy]] = {
+    "lru": lambda prefill_cost: LruPolicy(),
     "cost": CostPolicy,
 }

@@ -40,6 +40,7 @@ FEATURES = (
     "verify",
     "release_damaged",
     "restore_report",
+    m.PREFILL_COST_FEATURE,
 )
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
 INLINE = frozenset(
@@ -240,6 +241,7 @@ class Session:
         return m.PingReply(id=request.id)
 
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
+        self.tier.telemetry.prefill_reported(request.identity, request.prefill_cost)
         put, skip, fd = await self.tier.begin_put(
             self.peer.session, request.identity, request.tokens, request.size
         )

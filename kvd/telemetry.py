@@ -9,6 +9,12 @@ pass the time.
   bytes read, tokens restored (prefill the engines did not compute).
 - Stores: bytes written per identity and for the whole tier in the last 24 hours (a ring of
   per-minute sums), and the engines' time from handing caches over to the commit.
+- Prefill cost: the seconds a token of prefill takes, as the identity's engines measure it
+  and report with each put; a running mean (each report weighs PREFILL_REPORT_WEIGHT), so one
+  slow prefill (a model still loading, a busy GPU) moves it only a little. The cost eviction
+  policy weighs an entry's tokens by it (prefill_cost): an identity no engine reported for
+  weighs as the mean of those reported, and with no report at all every token weighs
+  DEFAULT_PREFILL_COST, so that only reported differences between models rank them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ FIRST_BOUND_MS: Final = 0.05
 BUCKETS: Final = 100
 DAY_SECONDS: Final = 86_400
 MINUTE: Final = 60
+PREFILL_REPORT_WEIGHT: Final = 0.2
+DEFAULT_PREFILL_COST: Final = 1e-3  # seconds per token: ~1k tokens/s, a mid-size model's prefill
 
 
 class LatencyHistogram:
@@ -105,6 +113,7 @@ class IdentityTelemetry:
     bytes_written: int = 0
     stores_reported: int = 0
     store_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
+    prefill_cost: float | None = None  # seconds per token, as reported; None: never
 
     def report(self) -> dict[str, object]:
         seconds = self.restore_ms.total_ms / 1000
@@ -120,6 +129,9 @@ class IdentityTelemetry:
             "tokens_restored": self.tokens_restored,
             "bytes_written": self.bytes_written,
             "store_ms": self.store_ms.summary(),
+            "prefill_ms_per_token": (
+                None if self.prefill_cost is None else round(self.prefill_cost * 1000, 6)
+            ),
         }
 
 
@@ -129,6 +141,8 @@ class Telemetry:
     def __init__(self) -> None:
         self.identities: dict[str, IdentityTelemetry] = {}
         self.written_today = DaySum()
+        self._reported_costs: dict[str, float] = {}  # digest -> its prefill cost, if reported
+        self._mean_cost = DEFAULT_PREFILL_COST
 
     def of(self, digest: str) -> IdentityTelemetry:
         found = self.identities.get(digest)
@@ -169,3 +183,21 @@ class Telemetry:
         found = self.of(digest)
         found.stores_reported += 1
         found.store_ms.add(ms)
+
+    def prefill_reported(self, identity: Identity, seconds_per_token: float) -> None:
+        """An engine's measure of its prefill, with a put; 0 (not measured) is ignored."""
+        if seconds_per_token <= 0:
+            return
+        found = self.seen(identity)
+        previous = found.prefill_cost
+        found.prefill_cost = (
+            seconds_per_token
+            if previous is None
+            else previous + PREFILL_REPORT_WEIGHT * (seconds_per_token - previous)
+        )
+        self._reported_costs[identity.digest()] = found.prefill_cost
+        self._mean_cost = sum(self._reported_costs.values()) / len(self._reported_costs)
+
+    def prefill_cost(self, digest: str) -> float:
+        """Seconds per token of prefill an entry of this identity saves (see the module)."""
+        return self._reported_costs.get(digest, self._mean_cost)

@@ -57,10 +57,11 @@ class Tier:
         self.config = config
         self.limits = limits
         self.dirs = TierDir(config.dir)
-        self.catalog = Catalog(self.dirs, EVICTION_POLICIES[config.eviction_policy]())
+        self.telemetry = Telemetry()
+        eviction = EVICTION_POLICIES[config.eviction_policy](self.telemetry.prefill_cost)
+        self.catalog = Catalog(self.dirs, eviction)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
         self.tickets = Tickets()
-        self.telemetry = Telemetry()
         self.admission = ADMISSION_POLICIES[config.admission](
             config.admission_min_tokens, config.admission_window
         )

@@ -106,6 +106,11 @@ class AsyncClient:
 
     # --- operations (see Client) ---
 
+    def measured_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed tokens of prefill in seconds: later puts tell the daemon what
+        a token costs this engine, which the cost eviction policy weighs entries by."""
+        self._link.measured_prefill(tokens, seconds)
+
     async def ping(self) -> float:
         return await self._run(calls.ping(self._link))
 

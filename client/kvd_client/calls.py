@@ -26,6 +26,7 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    PREFILL_COST_FEATURE,
     PROTOCOL_VERSION,
     U32,
     EntrySummary,
@@ -184,6 +185,9 @@ def default_client_name() -> str:
     return (Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "") or "python"
 
 
+MIN_MEASURED_PREFILL: Final = 64  # tokens
+
+
 class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
@@ -201,6 +205,9 @@ class Link:
         self.connection: Connection | None = None
         self.epoch = 0  # counts connections made
         self.last_round_trip = 0.0  # seconds, measured by the driver
+        # Seconds of prefill per token, as the engine last measured it (0: not measured);
+        # sent with each put, for the daemon's cost eviction policy.
+        self.prefill_cost = 0.0
         self._last_id = 0
         self._delay = 0.0
         self._retry_at = float("-inf")
@@ -208,6 +215,12 @@ class Link:
     def next_id(self) -> int:
         self._last_id = self._last_id % U32 + 1
         return self._last_id
+
+    def measured_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed tokens of prefill in seconds; prefills shorter than
+        MIN_MEASURED_PREFILL are mostly fixed costs and are not taken."""
+        if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
+            self.prefill_cost = seconds / tokens
 
     def offers(self, feature: str) -> bool:
         """Whether the daemon last connected to announced feature in its hello."""
@@ -468,7 +481,13 @@ def put_entry(
         limits=link.limits,
     )
     views = entry_io.tensor_views(plan, tensors)
-    request = PutBegin(id=link.next_id(), identity=identity, tokens=packed, size=plan.file_size)
+    request = PutBegin(
+        id=link.next_id(),
+        identity=identity,
+        tokens=packed,
+        size=plan.file_size,
+        prefill_cost=link.prefill_cost if link.offers(PREFILL_COST_FEATURE) else 0.0,
+    )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
     except DaemonUnavailable as exc:

@@ -105,6 +105,11 @@ class Client:
 
     # --- operations ---
 
+    def measured_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed tokens of prefill in seconds: later puts tell the daemon what
+        a token costs this engine, which the cost eviction policy weighs entries by."""
+        self._link.measured_prefill(tokens, seconds)
+
     def ping(self) -> float:
         """The round trip of a ping, in seconds; raises DaemonUnavailable."""
         return self._run(calls.ping(self._link))

@@ -229,6 +229,10 @@ class ColdTier:
         generated: list[int] = []
         try:
             for response in responses:
+                if not generated and response.prompt_tps > 0:  # the prefill's own rate
+                    self.client.measured_prefill(
+                        response.prompt_tokens, response.prompt_tokens / response.prompt_tps
+                    )
                 generated.append(response.token)
                 yield response
         except GeneratorExit:

@@ -27,6 +27,7 @@ U64: Final = (1 << 64) - 1
 MAX_FEATURES: Final = 256
 SKIP_REASONS: Final = ("duplicate", "covered")
 BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
+PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 
@@ -376,6 +377,9 @@ class PutBegin(Request):
     blocks: bytes = field(default=b"", metadata=wire(_hashes))  # HASH_BYTES each, in order
     block_tokens: int = field(default=0, metadata=wire(_uint(0, U32)))
     block_size: int = field(default=0, metadata=wire(_uint()))
+    # Seconds of prefill per token as the engine last measured it (0: not measured): what
+    # the cost eviction policy weighs this identity's tokens by (feature "prefill_cost").
+    prefill_cost: float = field(default=0.0, metadata=wire(_seconds))
 
     def reply_descriptors(self) -> int:
         return 1

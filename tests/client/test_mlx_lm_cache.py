@@ -159,3 +159,30 @@ def test_an_identity_given_is_the_one_used(daemon: Daemon) -> None:
         assert len(client.list_entries(named.to_protocol())) == 1
         other = Identity.for_model(model, byte_tokenizer())
         assert client.list_entries(other.to_protocol()) == []
+
+
+def test_the_engines_prefill_cost_reaches_the_daemon_per_identity(daemon: Daemon) -> None:
+    """A prefill long enough to time sets the client's cost per token, and the puts after it
+    carry it: the daemon reports it for the identity (the cost eviction policy weighs by it).
+    A prefill of a few tokens is mostly fixed cost and changes nothing."""
+    model = tiny_llama()
+    named = Identity("tiny/prefill-cost", "cfg", "tok")
+    with Client.connect(daemon.socket_path, require=True) as client:
+        with ColdTier(client, model, byte_tokenizer(), identity=named) as tier:
+            _generated(tier, prompt(8))
+            assert tier.drain(SETTLE_SECONDS)
+            assert _prefill_ms_per_token(client, named) is None
+            _generated(tier, prompt(200, seed=3))
+            assert tier.drain(SETTLE_SECONDS)
+        measured = client._link.prefill_cost
+        assert measured > 0
+        assert _prefill_ms_per_token(client, named) == pytest.approx(measured * 1000, rel=1e-3)
+
+
+def _prefill_ms_per_token(client: Client, identity: Identity) -> float | None:
+    digest = identity.to_protocol().digest()
+    status = client.status()
+    (mine,) = [i for i in status["identities"] if i["identity"] == digest]  # type: ignore[attr-defined]
+    value = mine["prefill_ms_per_token"]
+    assert value is None or isinstance(value, float)
+    return value

@@ -259,6 +259,32 @@ def test_the_cost_policy_evicts_the_least_prefill_per_byte_not_the_oldest(tmp_pa
         assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)
 
 
+def test_the_cost_policy_keeps_the_tokens_of_the_model_that_prefills_slowest(
+    tmp_path: Path,
+) -> None:
+    """Entries alike in tokens and bytes: the model whose engine reports a prefill ten times
+    slower keeps its older entries; the fast model's entry goes, though it is the newest."""
+    flags = ["--max-bytes", str(3 * ENTRY_BYTES), "--eviction-policy", "cost"]
+    with (
+        running_daemon(tmp_path, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as slow,
+        Client.connect(daemon.socket_path, require=True) as fast,
+    ):
+        slow.measured_prefill(1000, 10.0)  # 10 ms a token
+        fast.measured_prefill(1000, 1.0)
+        put_stored(slow, IDENTITY, _tokens(1), seed=1)
+        put_stored(slow, IDENTITY, _tokens(2), seed=2)
+        put_stored(fast, OTHER_IDENTITY, _tokens(3), seed=3)
+        put_stored(slow, IDENTITY, _tokens(4), seed=4)  # over the cap: one must go
+        assert slow.flush(SETTLE_SECONDS)
+        assert fast.lookup(OTHER_IDENTITY, [*_tokens(3), 7]) is None
+        for first in (1, 2, 4):
+            assert slow.lookup(IDENTITY, [*_tokens(first), 7]) is not None
+        costs = {i["model_id"]: i["prefill_ms_per_token"] for i in report(slow)["identities"]}
+        assert costs == {"e2e/model-a": pytest.approx(10.0), "e2e/model-b": pytest.approx(1.0)}
+        assert (report(slow)["entries"], report(slow)["bytes"]) == files_on_disk(daemon.tier)
+
+
 def test_a_models_quota_makes_its_own_entries_give_way_and_no_one_elses(tmp_path: Path) -> None:
     flags = ["--quotas", f"e2e/model-a={2 * ENTRY_BYTES}"]
     with (

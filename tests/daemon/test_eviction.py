@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
 
 from kvd.eviction import CostPolicy, EvictionPolicy, LruPolicy, bytes_over
 from kvd.records import EntryRecord
+from kvd.telemetry import DEFAULT_PREFILL_COST, Telemetry
 
 _ids = itertools.count()
 
@@ -20,13 +22,14 @@ def entry(
     leases: int = 0,
     tokens: int | None = None,
     used_at: float = 0.0,
+    identity: str = "id",
 ) -> EntryRecord:
     """A record of nbytes; tokens: how many (default one, distinct per record); used_at: its
     last use, and its creation."""
     n = next(_ids)
     return EntryRecord(
         id=f"e{n}",
-        identity="id",
+        identity=identity,
         tokens=pack_tokens([n] if tokens is None else range(tokens)),
         nbytes=nbytes,
         trimmable=True,
@@ -172,6 +175,19 @@ def test_cost_ages_an_unused_entry_below_a_recent_one() -> None:
     assert policy.worth(day_old, 3600.0) == pytest.approx(policy.worth(day_old, 0.0) / 2)
 
 
+def test_cost_weighs_each_identitys_tokens_by_its_prefill_cost() -> None:
+    """A token of a model that prefills slowly saves more: with ten times the cost per token,
+    a tenth of the tokens per byte is worth as much; less than that goes first."""
+    costs = {"big-model": 0.010, "small-model": 0.001}
+    big = entry(100, tokens=50, identity="big-model")
+    small = entry(100, tokens=400, identity="small-model")
+    policy = CostPolicy(costs.__getitem__, clock=lambda: 1000.0, seed=1)
+    for record in (big, small):
+        policy.add(record)
+    assert policy.select_victims(1) == [small]
+    assert policy.worth(big, 1000.0) == pytest.approx(policy.worth(small, 1000.0) * 50 / 40)
+
+
 def test_cost_never_evicts_pending_or_leased_entries() -> None:
     pending = entry(100, tokens=1, durable=False)
     leased = entry(100, tokens=1, leases=1)
@@ -197,3 +213,22 @@ def test_cost_forgets_removed_entries() -> None:
     assert policy.select_victims(100) == [second]
     with pytest.raises(ValueError, match="already tracked"):
         policy.add(second)
+
+
+# What the cost policy weighs by: the engines' reports (Telemetry.prefill_cost)
+
+
+def test_prefill_costs_are_a_running_mean_per_identity_and_the_mean_stands_in() -> None:
+    telemetry = Telemetry()
+    big = Identity("big", "cfg", "tok", "codecs/1", "mlx/cpu")
+    small = Identity("small", "cfg", "tok", "codecs/1", "mlx/cpu")
+    unreported = Identity("other", "cfg", "tok", "codecs/1", "mlx/cpu").digest()
+    assert telemetry.prefill_cost(unreported) == DEFAULT_PREFILL_COST
+    telemetry.prefill_reported(big, 0.010)
+    telemetry.prefill_reported(big, 0.0)  # not measured: ignored
+    assert telemetry.prefill_cost(big.digest()) == 0.010
+    telemetry.prefill_reported(big, 0.020)  # one slow prefill moves it by a fifth
+    assert telemetry.prefill_cost(big.digest()) == pytest.approx(0.012)
+    telemetry.prefill_reported(small, 0.002)
+    assert telemetry.prefill_cost(unreported) == pytest.approx((0.012 + 0.002) / 2)
+    assert telemetry.of(big.digest()).report()["prefill_ms_per_token"] == pytest.approx(12.0)

@@ -41,7 +41,7 @@ MESSAGES: list[Message] = [HELLO, HELLO_REPLY] + [m for pair in exchanges() for 
 OPTIONAL_FIELDS: dict[type[Message], set[str]] = {
     Lookup: {"min_tokens"},
     Release: {"damaged"},
-    PutBegin: {"blocks", "block_tokens", "block_size"},
+    PutBegin: {"blocks", "block_tokens", "block_size", "prefill_cost"},
     PutBeginReply: {"held"},
 }
 
@@ -161,6 +161,16 @@ def test_an_optional_field_is_left_out_at_its_default_and_decoded_when_present()
     assert _decode(Lookup, asking.to_wire()) == asking
     with pytest.raises(ProtocolError):
         _decode(Lookup, {**asking.to_wire(), "min_tokens": -1})
+
+
+def test_put_begin_carries_a_prefill_cost_only_when_measured() -> None:
+    plain = PutBegin(id=4, identity=IDENTITY, tokens=pack_tokens([1, 2]), size=16384)
+    assert "prefill_cost" not in plain.to_wire()
+    measured = replace(plain, prefill_cost=0.0025)
+    assert _decode(PutBegin, measured.to_wire()) == measured
+    for bad in (-0.001, float("inf"), "fast"):
+        with pytest.raises(ProtocolError):
+            _decode(PutBegin, {**measured.to_wire(), "prefill_cost": bad})
 
 
 def test_nested_maps_are_checked_strictly() -> None:
