@@ -4,8 +4,12 @@ The catalog is the one place an entry joins (add) and leaves (drop) the tier; ev
 count follows in the same step, so queries (status, a list page) read them instead of walking
 the records. Prompt entries live in a PrefixIndex per identity, generation checkpoints apart,
 by (identity, key). An entry dropped while leased is kept as doomed until its last lease ends,
-its bytes still counted. Synchronous, owned by the event loop: the only file work here is
-opening an entry to serve and unlinking one that left.
+its bytes still counted. A v2 entry (a manifest) lists shared blocks (blocks.py): it keeps
+their refs from add until its file goes, so the blocks of a leased manifest stay too. The
+tier's bytes are its manifests and its unique blocks; eviction removes manifests, the blocks
+they alone listed go with them, and the cap is held by the bytes really freed. Synchronous,
+owned by the event loop: the only file work here is opening an entry to serve and unlinking
+one that left.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from types import MappingProxyType
 from kvd_protocol.errors import EntryFormatError
 
 from kvd import entry_files
+from kvd.blocks import Block, BlockStore
 from kvd.durability import disk_free
 from kvd.eviction import EvictionPolicy, bytes_over
 from kvd.id_order import IdOrder
@@ -47,8 +52,8 @@ class Counters:
 
 @dataclass
 class IdentityCounts:
-    """One identity's share of the tier: its entries (not doomed ones), their bytes, their ids
-    in order."""
+    """One identity's share of the tier: its entries (not doomed ones), their manifest files'
+    bytes, their ids in order."""
 
     entries: int = 0
     bytes: int = 0
@@ -71,7 +76,11 @@ class Catalog:
         self._identities: dict[str, IdentityCounts] = {}
         self._ids = IdOrder()
         self._clock = itertools.count(1)
-        self.total_bytes = 0  # every entry file the tier holds: pending, stored, doomed
+        self.blocks = BlockStore()
+        self._blocks_of: dict[str, tuple[Block, ...]] = {}  # entry id -> the blocks it keeps
+        self.manifest_bytes = 0  # every entry file the tier holds: pending, stored, doomed
+        # What those entries would take without shared blocks: each its manifest and blocks.
+        self.logical_bytes = 0
         self.leased = 0  # entries (doomed ones included) with at least one lease
         self.version = 0  # bumped by every change to the set of entries or their durability
         self.counters = Counters()
@@ -85,6 +94,19 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def total_bytes(self) -> int:
+        """What the tier holds on disk, the byte cap's measure: entry files and unique blocks."""
+        return self.manifest_bytes + self.blocks.bytes
+
+    def blocks_of(self, record: EntryRecord) -> tuple[Block, ...]:
+        """The blocks an entry lists, in order (none for a v1 entry)."""
+        return self._blocks_of.get(record.id, ())
+
+    def listing(self, block: Block) -> list[EntryRecord]:
+        """The indexed entries that list a block (of its identity: O(its entries))."""
+        return [r for r in self.of_identity(block.identity) if block in self.blocks_of(r)]
 
     def is_doomed(self, entry_id: str) -> bool:
         """Out of the index but kept on disk until its last lease ends."""
@@ -138,16 +160,33 @@ class Catalog:
         """The next value of the logical clock that orders uses (larger: more recent)."""
         return next(self._clock)
 
-    def add(self, record: EntryRecord, staged: Path | None = None) -> None:
-        """Index an entry whose file is at its place, or at staged while it is pending.
+    def add(
+        self,
+        record: EntryRecord,
+        staged: Path | None = None,
+        staged_blocks: Mapping[bytes, Path] = MappingProxyType({}),
+    ) -> None:
+        """Index an entry whose file is at its place, or at staged while it is pending; its
+        blocks are held or, new ones, at their staging files in staged_blocks.
 
-        ValueError, with nothing changed, for the same tokens as an entry already indexed.
+        ValueError, with nothing changed, for the same tokens as an entry already indexed;
+        KeyError for a block neither held nor staged.
         """
         if record.checkpoint_key is None:
             index = self._indexes.get(record.identity) or PrefixIndex()
-            index.add(record)  # first: the one step that may refuse
+            index.add(record)  # first: one of the two steps that may refuse
             self._indexes[record.identity] = index
-        else:
+        if record.blocks:
+            try:
+                blocks = self.blocks.attach(
+                    record.identity, record.blocks, record.block_size, staged_blocks
+                )
+            except KeyError:
+                if record.checkpoint_key is None:
+                    self._unindex(record)
+                raise
+            self._blocks_of[record.id] = blocks
+        if record.checkpoint_key is not None:
             self._checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(
                 record
             )
@@ -162,7 +201,8 @@ class Catalog:
         counts.ids.add(record.id)
         self._ids.add(record.id)
         self.version += 1
-        self.total_bytes += record.nbytes
+        self.manifest_bytes += record.nbytes
+        self.logical_bytes += record.nbytes + len(record.blocks) * record.block_size
         self.eviction.add(record)
 
     def drop(self, record: EntryRecord) -> None:
@@ -171,10 +211,7 @@ class Catalog:
             return
         self.version += 1
         if record.checkpoint_key is None:
-            index = self._indexes[record.identity]
-            index.remove(record)
-            if not len(index):
-                del self._indexes[record.identity]
+            self._unindex(record)
         else:
             key = (record.identity, record.checkpoint_key)
             self._checkpoints[key].remove(record)
@@ -193,6 +230,12 @@ class Catalog:
         else:
             self._delete_file(record)
 
+    def _unindex(self, record: EntryRecord) -> None:
+        index = self._indexes[record.identity]
+        index.remove(record)
+        if not len(index):
+            del self._indexes[record.identity]
+
     def moved(self, record: EntryRecord, path: Path) -> None:
         """The entry's file is now at path (quarantined): drop() unlinks that, not its place."""
         self._staged[record.id] = path
@@ -210,7 +253,9 @@ class Catalog:
             entry_files.unlink_quietly(path)
         except OSError as exc:  # the bytes are no longer ours to count either way
             log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
-        self.total_bytes -= record.nbytes
+        self.manifest_bytes -= record.nbytes
+        self.logical_bytes -= record.nbytes + len(record.blocks) * record.block_size
+        self.blocks.detach(self._blocks_of.pop(record.id, ()))
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -258,33 +303,53 @@ class Catalog:
 
     def evict_to_cap(self, max_bytes: int, min_free: int) -> None:
         """Hold the byte cap and the free-disk floor, in the eviction policy's order."""
-        try:
-            free = disk_free(self.dirs.root)
-        except OSError:
-            free = min_free  # unknown: act on the cap alone
-        over = bytes_over(self.total_bytes, max_bytes, free, min_free)
-        if over <= 0:
-            return
-        for victim in self.eviction.select_victims(over):
-            self.evicted(victim)
+
+        def over() -> int:
+            try:
+                free = disk_free(self.dirs.root)
+            except OSError:
+                free = min_free  # unknown: act on the cap alone
+            return bytes_over(self.total_bytes, max_bytes, free, min_free)
+
+        self._evict_while(over)
 
     def identity_bytes(self, digest: str) -> int:
+        """One identity's share of the tier: its entry files and its unique blocks."""
         counts = self._identities.get(digest)
-        return 0 if counts is None else counts.bytes
+        return (0 if counts is None else counts.bytes) + self.blocks.identity_bytes(digest)
 
     def evict_within(self, digest: str, over_bytes: int) -> None:
         """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
         if over_bytes <= 0:
             return
+        target = self.identity_bytes(digest) - over_bytes
 
         def mine(record: EntryRecord) -> bool:
             return record.identity == digest
 
-        for victim in self.eviction.select_victims(over_bytes, mine):
-            self.evicted(victim)
+        self._evict_while(lambda: self.identity_bytes(digest) - target, mine)
 
-    def evicted(self, record: EntryRecord) -> None:
-        """Drop an entry by eviction (the cap, or a request), counted as such."""
+    def _evict_while(
+        self, over: Callable[[], int], among: Callable[[EntryRecord], bool] | None = None
+    ) -> None:
+        """Evict in the policy's order while over() is positive. A victim frees its file and
+        the blocks no other entry lists, which the policy cannot know: so the bytes really
+        freed are measured after each victim, and the policy asked again while still over."""
+        while (need := over()) > 0:
+            victims = self.eviction.select_victims(need, among)
+            if not victims:
+                return
+            for victim in victims:
+                self.evicted(victim)
+                if over() <= 0:
+                    return
+
+    def evicted(self, record: EntryRecord) -> int:
+        """Drop an entry by eviction (the cap, or a request), counted as such; its bytes: its
+        file's and those of the blocks that went with it (none while it is leased)."""
+        before = self.blocks.bytes
         self.counters.evictions += 1
-        self.counters.evicted_bytes += record.nbytes
         self.drop(record)
+        freed = record.nbytes + before - self.blocks.bytes
+        self.counters.evicted_bytes += freed
+        return freed

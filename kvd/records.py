@@ -20,7 +20,9 @@ class EntryRecord:
     never tie. durable: stored and fsynced, rather than still pending in the write-behind queue.
     leases: readers holding the file. checkpoint_key: set for generation checkpoints, which live
     apart from prompt lookups and are never returned by a prefix lookup. used_at: the wall-clock
-    time of the last lease taken since the daemon started (0: none), for people.
+    time of the last lease taken since the daemon started (0: none), for people. blocks: the
+    hashes of its shared blocks in order (format v2; none for v1), each a file of block_size
+    bytes; nbytes stays the manifest file's own size.
     """
 
     id: str
@@ -35,6 +37,8 @@ class EntryRecord:
     leases: int = 0
     checkpoint_key: str | None = None
     used_at: float = 0.0
+    blocks: tuple[bytes, ...] = ()
+    block_size: int = 0
 
     @property
     def token_count(self) -> int:

@@ -369,8 +369,7 @@ class Tier:
             if not record.durable:
                 continue  # the queue owns it; flush first to evict it
             count += 1
-            freed += record.nbytes
-            self.catalog.evicted(record)
+            freed += self.catalog.evicted(record)
         return count, freed
 
 

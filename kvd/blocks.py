@@ -1,0 +1,208 @@
+"""Shared blocks: the token-cut KV of entries (format v2), each stored once per identity.
+
+A block is named by its chained hash within its identity (equal hash: equal tokens and equal
+history, interchangeable KV), so manifests that share a prefix share its blocks. The store
+holds, per identity, hash -> Block, and two counts on each:
+
+- refs: the manifests that list it (pending, stored or doomed: a manifest keeps its blocks'
+  refs until its own file goes). A lease pins its manifest, so readers need no pins of their
+  own: a leased manifest's blocks are never collected.
+- pins: the puts in progress that were told the block is held (from put_begin to their
+  commit, abort or expiry). A put's own new blocks are not in the store before its commit:
+  until then they are staging files of that put alone, never handed to another put as held
+  (an aborted put would have left that put a block never written).
+
+Policies:
+- a block with no ref and no pin is collected at once: its file unlinked, its bytes uncounted.
+  Nothing else removes a block but forget() (gone or quarantined behind the store's back,
+  whose manifests the caller drops).
+- A block joins pending (its file in staging) when the first manifest listing it commits, or
+  durable (its file under blocks/) from a start-up scan; the writer makes a pending one
+  durable with placed(). Both kinds are held: a put may name a block still in the queue, and
+  the writer persists whichever blocks of a manifest are not durable yet.
+- Bytes: every block the store holds counts once (the tier's unique bytes), and once more in
+  its identity's share.
+
+Synchronous, owned by the event loop; the only file work here is unlinking what is collected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd import entry_files
+from kvd.logs import get_logger
+
+log = get_logger("kvd.blocks")
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One block file of one identity. path: where its file is now (staging while pending)."""
+
+    hash: bytes
+    identity: str
+    size: int
+    path: Path
+    refs: int = 0
+    pins: int = 0
+    durable: bool = False
+
+
+class BlockStore:
+    """Every block the tier holds, per identity, with its refs, pins and bytes."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, dict[bytes, Block]] = {}  # identity digest -> hash -> block
+        self._identity_bytes: dict[str, int] = {}
+        self.bytes = 0  # every block held: the tier's unique block bytes
+        self.collected = 0  # blocks collected since start (refs and pins gone)
+
+    def __len__(self) -> int:
+        return sum(len(blocks) for blocks in self._blocks.values())
+
+    def get(self, identity: str, block_hash: bytes) -> Block | None:
+        blocks = self._blocks.get(identity)
+        return None if blocks is None else blocks.get(block_hash)
+
+    def of_identity(self, identity: str) -> Iterator[Block]:
+        return iter(list(self._blocks.get(identity, {}).values()))
+
+    def __iter__(self) -> Iterator[Block]:
+        for blocks in list(self._blocks.values()):
+            yield from list(blocks.values())
+
+    def identity_bytes(self, identity: str) -> int:
+        return self._identity_bytes.get(identity, 0)
+
+    def held(self, identity: str, hashes: Sequence[bytes]) -> int:
+        """How many of hashes, from the first on, the store holds (pending or durable)."""
+        blocks = self._blocks.get(identity, {})
+        for count, block_hash in enumerate(hashes):
+            if block_hash not in blocks:
+                return count
+        return len(hashes)
+
+    # --- puts in progress ------------------------------------------------------------------
+
+    def pin(self, identity: str, hashes: Sequence[bytes]) -> list[Block]:
+        """A put was told these blocks are held: none is collected until unpin(). KeyError,
+        with nothing pinned, unless the store holds each of them."""
+        blocks = [self._require(identity, h) for h in hashes]
+        for block in blocks:
+            block.pins += 1
+        return blocks
+
+    def unpin(self, blocks: Sequence[Block]) -> None:
+        """The put ended (committed, aborted, expired): what it alone kept is collected."""
+        for block in blocks:
+            block.pins -= 1
+            self._collect_if_free(block)
+
+    # --- manifests ---------------------------------------------------------------------------
+
+    def attach(
+        self, identity: str, hashes: Sequence[bytes], size: int, staged: Mapping[bytes, Path]
+    ) -> tuple[Block, ...]:
+        """A manifest listing hashes joins: each block gains a ref. A hash the store does not
+        hold joins pending at its staging file in staged (size bytes); a staged copy of a hash
+        held already is not needed and goes. KeyError, with nothing changed, for a hash
+        neither held nor staged. Returns the manifest's blocks in order, for detach()."""
+        known = self._blocks.get(identity, {})
+        missing = [h for h in hashes if h not in known and h not in staged]
+        if missing:
+            raise KeyError(f"block {missing[0].hex()} is neither held nor written")
+        listed = []
+        for block_hash in hashes:
+            block = self.get(identity, block_hash)
+            if block is None:
+                block = self._join(identity, block_hash, size, staged[block_hash], durable=False)
+            block.refs += 1
+            listed.append(block)
+        for block_hash, path in staged.items():
+            held = self.get(identity, block_hash)
+            if held is None or held.path != path:  # held already (by another put's commit)
+                _unlink(path)
+        return tuple(listed)
+
+    def detach(self, blocks: Sequence[Block]) -> None:
+        """A manifest's file went: its blocks lose a ref, and those no one keeps are collected.
+        Blocks are passed as attach() returned them: one forgotten meanwhile (quarantined)
+        is no longer the store's, even if a new block of its hash joined since."""
+        for block in blocks:
+            block.refs -= 1
+            self._collect_if_free(block)
+
+    # --- files ---------------------------------------------------------------------------------
+
+    def adopt(self, identity: str, block_hash: bytes, size: int, path: Path) -> Block:
+        """A durable block file found on disk (start-up, reconcile), with no ref yet: the
+        manifests that list it attach to it next, and collect_orphans() takes the rest.
+        ValueError if the store holds that hash already."""
+        if self.get(identity, block_hash) is not None:
+            raise ValueError(f"block {block_hash.hex()} of {identity} is held already")
+        return self._join(identity, block_hash, size, path, durable=True)
+
+    def placed(self, block: Block, path: Path) -> bool:
+        """The writer renamed a pending block's file into place: it is durable. False when
+        the block was collected meanwhile (the caller then removes the file it placed)."""
+        if self.get(block.identity, block.hash) is not block:
+            return False
+        block.path = path
+        block.durable = True
+        return True
+
+    def forget(self, block: Block) -> None:
+        """The block's file is gone or was moved aside (quarantined): out of the store, refs
+        or not, nothing unlinked. The caller drops the manifests that list it."""
+        if self.get(block.identity, block.hash) is block:
+            self._leave(block)
+
+    def collect_orphans(self) -> int:
+        """Collect every block no manifest lists and no put pinned (after a scan); how many."""
+        orphans = [b for b in self if not b.refs and not b.pins]
+        for block in orphans:
+            self._collect_if_free(block)
+        return len(orphans)
+
+    # --- inside --------------------------------------------------------------------------------
+
+    def _require(self, identity: str, block_hash: bytes) -> Block:
+        block = self.get(identity, block_hash)
+        if block is None:
+            raise KeyError(f"block {block_hash.hex()} of {identity} is not held")
+        return block
+
+    def _join(
+        self, identity: str, block_hash: bytes, size: int, path: Path, *, durable: bool
+    ) -> Block:
+        block = Block(block_hash, identity, size, path, durable=durable)
+        self._blocks.setdefault(identity, {})[block_hash] = block
+        self._identity_bytes[identity] = self._identity_bytes.get(identity, 0) + size
+        self.bytes += size
+        return block
+
+    def _collect_if_free(self, block: Block) -> None:
+        if block.refs or block.pins or self.get(block.identity, block.hash) is not block:
+            return
+        self._leave(block)
+        self.collected += 1
+        _unlink(block.path)
+
+    def _leave(self, block: Block) -> None:
+        blocks = self._blocks[block.identity]
+        del blocks[block.hash]
+        self._identity_bytes[block.identity] -= block.size
+        if not blocks:
+            del self._blocks[block.identity]
+            del self._identity_bytes[block.identity]
+        self.bytes -= block.size
+
+
+def _unlink(path: Path) -> None:
+    try:
+        entry_files.unlink_quietly(path)
+    except OSError as exc:  # the bytes are no longer ours to count either way
+        log.warning("unlink_failed", path=str(path), error=str(exc))
