@@ -53,7 +53,7 @@ def scan(
     in place. header_read() is called after each header read (progress: the slow part).
     """
     reaped = reap_staging(dirs)
-    known = load_snapshot(dirs.snapshot)
+    known = load_snapshot(dirs.snapshot).rows
     written = dirs.snapshot.stat().st_mtime_ns if known else None
     matched: dict[str, int] = {}  # entry id -> mtime_ns, of the files the snapshot describes
     found: list[tuple[float, int, EntryRecord]] = []  # files it does not

@@ -8,9 +8,13 @@ other file is scanned as usual, and snapshot rows without a file are forgotten. 
 partial snapshot costs only the scans of what changed, and a missing or corrupt one (checked by
 its checksum) costs a full scan: never a wrong index.
 
+Shared blocks (format v2) are kept the same way, each with its file's size and mtime, and
+each entry's row lists its blocks' hashes: a block file unchanged since is not read again.
+
 File: 8-byte magic, 8-byte xxh3-64 of the body, then the msgpack body
-{"version": 1, "rows": [[identity, id, nbytes, mtime_ns, tokens, trimmable, min_reuse,
-created, last_used, checkpoint_key], ...]}.
+{"version": 2, "rows": [[identity, id, nbytes, mtime_ns, tokens, trimmable, min_reuse,
+created, last_used, checkpoint_key, blocks, block_size], ...], "blocks": [[identity, hash,
+size, mtime_ns], ...]} (blocks: the entry's hashes, 16 bytes each, end to end).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import msgpack
 from kvd_protocol.checksum import CHECKSUM_BYTES, checksum
 
+from kvd.blocks import Block
 from kvd.durability import replace_durably
 from kvd.logs import get_logger
 from kvd.records import EntryRecord
@@ -33,7 +38,8 @@ from kvd.records import EntryRecord
 log = get_logger("kvd.snapshot")
 
 MAGIC = b"KVDSNAP\n"
-VERSION = 1
+VERSION = 2
+HASH_BYTES = 16  # a block hash (kvd_protocol.blocks.HASH_BYTES)
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,31 @@ class SnapshotRow:
     mtime_ns: int
 
 
-def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> int:
+@dataclass(frozen=True)
+class BlockRow:
+    """One durable block as the snapshot remembers it."""
+
+    identity: str
+    hash: bytes
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The entries' rows by entry id (ids are 128 random bits: unique across identities) and
+    the blocks' by (identity, hash)."""
+
+    rows: dict[str, SnapshotRow]
+    blocks: dict[tuple[str, bytes], BlockRow]
+
+
+EMPTY = Snapshot({}, {})
+
+
+def save_snapshot(
+    path: Path, entries: Iterable[tuple[Path, EntryRecord]], blocks: Iterable[Block] = ()
+) -> int:
     """Write the snapshot atomically (blocking: run in a thread); returns the rows written.
 
     Files that vanished meanwhile are left out: the next start scans what is there.
@@ -67,10 +97,21 @@ def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> in
                 r.created,
                 r.last_used,
                 r.checkpoint_key,
+                b"".join(r.blocks),
+                r.block_size,
             ]
         )
     rows.sort(key=itemgetter(8))  # least recently used first: start-up reads them in order
-    body = msgpack.packb({"version": VERSION, "rows": rows}, use_bin_type=True)
+    block_rows = []
+    for block in blocks:
+        try:
+            mtime_ns = block.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            continue
+        block_rows.append([block.identity, block.hash, block.size, mtime_ns])
+    body = msgpack.packb(
+        {"version": VERSION, "rows": rows, "blocks": block_rows}, use_bin_type=True
+    )
     temporary = path.with_suffix(".tmp")
     try:
         with open(temporary, "wb") as out:
@@ -82,14 +123,13 @@ def save_snapshot(path: Path, entries: Iterable[tuple[Path, EntryRecord]]) -> in
     return len(rows)
 
 
-def load_snapshot(path: Path) -> dict[str, SnapshotRow]:
-    """The snapshot's rows by entry id (ids are 128 random bits: unique across identities);
-    empty when missing, corrupt or foreign."""
+def load_snapshot(path: Path) -> Snapshot:
+    """The snapshot's rows; empty when missing, corrupt or foreign."""
     try:
         with open(path, "rb") as file:
             if os.fstat(file.fileno()).st_size <= len(MAGIC) + CHECKSUM_BYTES:
                 log.warning("snapshot_ignored", path=str(path), reason="too short")
-                return {}
+                return EMPTY
             # Decoded straight from the page cache: no copy of hundreds of MiB first.
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
@@ -98,32 +138,45 @@ def load_snapshot(path: Path) -> dict[str, SnapshotRow]:
                 finally:
                     view.release()
     except FileNotFoundError:
-        return {}
+        return EMPTY
 
 
-def _decode(path: Path, data: memoryview) -> dict[str, SnapshotRow]:
+def _decode(path: Path, data: memoryview) -> Snapshot:
     head = len(MAGIC) + CHECKSUM_BYTES
     body = data[head:]
     try:
         if data[: len(MAGIC)] != MAGIC or data[len(MAGIC) : head] != checksum(body):
             log.warning("snapshot_ignored", path=str(path), reason="bad magic or checksum")
-            return {}
+            return EMPTY
         decoded = msgpack.unpackb(body, raw=False, use_list=False)
         if decoded.get("version") != VERSION:
             log.warning("snapshot_ignored", path=str(path), reason="another version")
-            return {}
-        return {row[1]: _row(row) for row in decoded["rows"]}
+            return EMPTY
+        rows = {row[1]: _row(row) for row in decoded["rows"]}
+        blocks = (_block_row(row) for row in decoded["blocks"])
+        return Snapshot(rows, {(b.identity, b.hash): b for b in blocks})
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         log.warning("snapshot_ignored", path=str(path), reason=f"malformed: {exc}")
-        return {}
+        return EMPTY
     finally:
         body.release()
 
 
 def _row(row: tuple[object, ...]) -> SnapshotRow:
-    identity, entry_id, nbytes, mtime_ns, tokens, trimmable, min_reuse, created, last_used, key = (
-        row
-    )
+    (
+        identity,
+        entry_id,
+        nbytes,
+        mtime_ns,
+        tokens,
+        trimmable,
+        min_reuse,
+        created,
+        last_used,
+        key,
+        blocks,
+        block_size,
+    ) = row
     if not (
         isinstance(identity, str)
         and isinstance(entry_id, str)
@@ -135,6 +188,9 @@ def _row(row: tuple[object, ...]) -> SnapshotRow:
         and isinstance(created, float)
         and isinstance(last_used, int)
         and (key is None or isinstance(key, str))
+        and isinstance(blocks, bytes)
+        and len(blocks) % HASH_BYTES == 0
+        and isinstance(block_size, int)
     ):
         raise ValueError("a row of the wrong types")
     record = EntryRecord(
@@ -148,5 +204,20 @@ def _row(row: tuple[object, ...]) -> SnapshotRow:
         last_used=last_used,
         durable=True,
         checkpoint_key=key,
+        blocks=tuple(blocks[i : i + HASH_BYTES] for i in range(0, len(blocks), HASH_BYTES)),
+        block_size=block_size,
     )
     return SnapshotRow(record, mtime_ns)
+
+
+def _block_row(row: tuple[object, ...]) -> BlockRow:
+    identity, block_hash, size, mtime_ns = row
+    if not (
+        isinstance(identity, str)
+        and isinstance(block_hash, bytes)
+        and len(block_hash) == HASH_BYTES
+        and isinstance(size, int)
+        and isinstance(mtime_ns, int)
+    ):
+        raise ValueError("a block row of the wrong types")
+    return BlockRow(sys.intern(identity), block_hash, size, mtime_ns)

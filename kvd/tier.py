@@ -25,6 +25,7 @@ from kvd_protocol.messages import EntrySummary, RestoreReport
 
 from kvd import entry_files, recovery, snapshot
 from kvd.admission import ADMISSION_POLICIES
+from kvd.blocks import Block
 from kvd.catalog import Catalog
 from kvd.config import Config
 from kvd.durability import disk_free
@@ -143,16 +144,21 @@ class Tier:
         The loop only lists the records; their paths and the file are a worker's (at 100k
         entries, building the rows in the loop stalled it for a second)."""
         records = list(self.catalog.durable())
+        blocks = [b for b in self.catalog.blocks if b.durable]
         version = self.catalog.version
-        count = await anyio.to_thread.run_sync(self._write_snapshot, records)
+        count = await anyio.to_thread.run_sync(self._write_snapshot, records, blocks)
         if count is None:
             return
         self._snapshot_version = version
         log.info("snapshot_saved", entries=count)
 
-    def _write_snapshot(self, records: list[EntryRecord]) -> int | None:
+    def _write_snapshot(self, records: list[EntryRecord], blocks: list[Block]) -> int | None:
         """Blocking: the rows written, or None when the floor forbade it."""
-        estimate = sum(len(r.tokens) + SNAPSHOT_ROW_BYTES for r in records)
+        estimate = sum(
+            len(r.tokens) + len(r.blocks) * snapshot.HASH_BYTES + SNAPSHOT_ROW_BYTES
+            for r in records
+        )
+        estimate += len(blocks) * SNAPSHOT_ROW_BYTES
         try:
             free: int | None = disk_free(self.dirs.root)
         except OSError:
@@ -162,7 +168,7 @@ class Tier:
             return None
         # Durable entries are never staged: each file is at its place under entries/.
         rows = [(self.dirs.entry_path(r.identity, r.id), r) for r in records]
-        return snapshot.save_snapshot(self.dirs.snapshot, rows)
+        return snapshot.save_snapshot(self.dirs.snapshot, rows, blocks)
 
     async def snapshot_periodically(self, every: float) -> None:
         """Keep the snapshot close to the index, so a crash costs few header reads."""
