@@ -32,6 +32,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvd_protocol.errors import Rule
+
 from kvd import entry_files
 from kvd.logs import get_logger
 
@@ -84,6 +86,22 @@ class BlockStore:
             if block_hash not in blocks:
                 return count
         return len(hashes)
+
+    def lacks(self, identity: str, hashes: Sequence[bytes], size: int) -> str | None:
+        """What keeps a manifest listing hashes, each a file of size bytes, from being served:
+        a block the store does not hold, or one of another size; None when nothing does."""
+        for index, block_hash in enumerate(hashes):
+            block = self.get(identity, block_hash)
+            if block is None:
+                return (
+                    f"{Rule.BLOCK_MISSING.value}: block {index} ({block_hash.hex()}) is not there"
+                )
+            if block.size != size:
+                return (
+                    f"{Rule.BLOCK_MISMATCH.value}: block {index} ({block_hash.hex()}) is "
+                    f"{block.size} bytes, not {size}"
+                )
+        return None
 
     # --- puts in progress ------------------------------------------------------------------
 

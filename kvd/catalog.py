@@ -160,6 +160,17 @@ class Catalog:
         """The next value of the logical clock that orders uses (larger: more recent)."""
         return next(self._clock)
 
+    def unservable(self, record: EntryRecord) -> str | None:
+        """Why an entry found on disk cannot join (a block of its missing or of the wrong
+        size), or None. A record read from its header learns its block size here, from its
+        first block's file."""
+        if not record.blocks:
+            return None
+        if not record.block_size:
+            first = self.blocks.get(record.identity, record.blocks[0])
+            record.block_size = 0 if first is None else first.size
+        return self.blocks.lacks(record.identity, record.blocks, record.block_size)
+
     def add(
         self,
         record: EntryRecord,

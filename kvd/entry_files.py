@@ -12,12 +12,18 @@ import os
 import stat
 from pathlib import Path
 
-from kvd_protocol.entry import PREFIX_BYTES, EntryHeader
-from kvd_protocol.entry_reader import parse_header, parse_prefix, verify_slot
+from kvd_protocol.entry import PREFIX_BYTES, BlockHeader, EntryHeader, Slot
+from kvd_protocol.entry_reader import (
+    check_block,
+    parse_block_header,
+    parse_header,
+    parse_prefix,
+    verify_slot,
+)
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
-from kvd.durability import preallocate, replace_durably, sync_directory
+from kvd.durability import preallocate, replace_durably, sync_directory, sync_file
 
 
 def create_staging(path: Path, size: int) -> int:
@@ -30,6 +36,28 @@ def create_staging(path: Path, size: int) -> int:
         path.unlink(missing_ok=True)
         raise
     return fd
+
+
+def open_staging_files(paths: list[Path], size: int) -> list[int]:
+    """Read-write descriptors of staging files of size bytes each: made (space reserved) if
+    they do not exist yet, opened again if they do. All or none: on a failure the ones
+    opened are closed and the ones made removed."""
+    fds: list[int] = []
+    made: list[Path] = []
+    try:
+        for path in paths:
+            try:
+                fds.append(create_staging(path, size))
+                made.append(path)
+            except FileExistsError:
+                fds.append(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise
+    return fds
 
 
 def read_header(path: Path, limits: Limits) -> EntryHeader:
@@ -82,9 +110,38 @@ def _open_regular(path: Path) -> int:
     return fd
 
 
+def read_block_header(path: Path, limits: Limits) -> BlockHeader:
+    """Parse and validate a block file's prefix and header against its real size (its hash
+    against its name included); EntryFormatError for a bad file, OSError if unreadable."""
+    return _block_head(path, path.name, limits)
+
+
+def verify_block(
+    path: Path, name: str, manifest: EntryHeader, index: int, limits: Limits
+) -> BlockHeader:
+    """Validate block file path whole as block index of manifest: its head, that it belongs
+    there (check_block) and every slot's checksum. name: the file's name in blocks/ (its
+    hash), which a staging file does not have. Raises EntryFormatError."""
+    block = _block_head(path, name, limits)
+    check_block(manifest, index, block, name)
+    _verify_slots(path, block.slots)
+    return block
+
+
+def _block_head(path: Path, name: str, limits: Limits) -> BlockHeader:
+    with open(_open_regular(path), "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        prefix = parse_prefix(name, file.read(PREFIX_BYTES), limits)
+        return parse_block_header(name, prefix, file.read(prefix.header_length), size, limits)
+
+
 def verify_data(path: Path, header: EntryHeader) -> None:
     """Check every tensor's bytes against its slot checksum; raises EntryFormatError."""
-    if not header.slots:
+    _verify_slots(path, header.slots)
+
+
+def _verify_slots(path: Path, slots: tuple[Slot, ...]) -> None:
+    if not slots:
         return
     with (
         open(path, "rb", buffering=0) as file,
@@ -92,7 +149,7 @@ def verify_data(path: Path, header: EntryHeader) -> None:
     ):
         view = memoryview(mapped)
         try:
-            for slot in header.slots:
+            for slot in slots:
                 part = view[slot.start : slot.end]
                 try:
                     verify_slot(path.name, slot, part)
@@ -104,17 +161,39 @@ def verify_data(path: Path, header: EntryHeader) -> None:
             view.release()
 
 
-def verify_entry(path: Path, limits: Limits) -> None:
+def verify_entry(path: Path, limits: Limits) -> EntryHeader:
     """Validate an entry file whole, head and every tensor; raises EntryFormatError."""
-    verify_data(path, read_header(path, limits))
+    header = read_header(path, limits)
+    verify_data(path, header)
+    return header
 
 
 def persist(staging: Path, final: Path) -> None:
     """Make a validated staging file a durable entry: full sync, rename, sync the folders."""
-    if not final.parent.is_dir():
-        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sync_directory(final.parent.parent)
+    _make_folder(final.parent)
     replace_durably(staging, final)
+
+
+def place_block(staging: Path, final: Path) -> None:
+    """Move a validated block file into its identity's blocks folder, synced: the folder
+    itself is synced once for all of a manifest's blocks (sync_directory), before the
+    manifest is persisted."""
+    _make_folder(final.parent)
+    fd = os.open(staging, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        sync_file(fd)
+    finally:
+        os.close(fd)
+    os.replace(staging, final)
+
+
+def _make_folder(folder: Path) -> None:
+    """Make a folder of the tier (and those above it), each one's name synced."""
+    if folder.is_dir():
+        return
+    _make_folder(folder.parent)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    sync_directory(folder.parent)
 
 
 def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:

@@ -51,6 +51,18 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _shared(status: Mapping[str, Any]) -> str:
+    """Shared blocks: how much more the tier would hold without them, and what they saved."""
+    blocks = status.get("blocks")
+    if blocks is None:  # an older daemon
+        return "-"
+    return (
+        f"{status['dedup_ratio']:.2f}x ({size(status['logical_bytes'])} of entries in "
+        f"{size(status['unique_bytes'])}); {blocks['count']} blocks, {size(blocks['bytes'])}; "
+        f"{size(status['dedup_saved_bytes'])} not written"
+    )
+
+
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     """Aligned columns: the first left ones flush left, the others flush right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -90,6 +102,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             f"{size(status['bytes_written'])} since start, "
             f"{size(status.get('bytes_written_24h', 0))} in 24 h",
         ),
+        ("shared", _shared(status)),
         ("evictions", str(status["evictions"])),
         ("quarantined", str(status["quarantined"])),
         (

@@ -45,11 +45,19 @@ class Leases:
         self._catalog.lease_taken(record)
         return lease
 
-    def release(self, owner: int, lease_id: int) -> EntryRecord:
-        """End owner's lease; the entry it was on."""
+    def record(self, owner: int, lease_id: int) -> EntryRecord:
+        """The entry owner's lease is on; NOT_FOUND if owner holds no such lease."""
+        return self._lease(owner, lease_id).record
+
+    def _lease(self, owner: int, lease_id: int) -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no lease {lease_id} on this connection")
+        return lease
+
+    def release(self, owner: int, lease_id: int) -> EntryRecord:
+        """End owner's lease; the entry it was on."""
+        lease = self._lease(owner, lease_id)
         owned = self._by_owner[owner]
         del owned[lease_id]
         if not owned:

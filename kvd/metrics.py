@@ -28,6 +28,8 @@ GAUGES = (
     ("staged_bytes", "kvd_staged_bytes", "bytes of puts begun and not committed"),
     ("staged_puts", "kvd_staged_puts", "puts begun and not committed"),
     ("bytes_written_24h", "kvd_written_24h_bytes", "bytes written in the last 24 hours"),
+    ("unique_bytes", "kvd_unique_bytes", "bytes on disk: entry files and unique blocks"),
+    ("logical_bytes", "kvd_logical_bytes", "bytes the entries would take without shared blocks"),
 )
 COUNTERS = (
     ("hits", "kvd_hits", "lookups that found an entry"),
@@ -41,6 +43,7 @@ COUNTERS = (
     ("bytes_written", "kvd_written_bytes", "bytes written to the tier"),
     ("restores", "kvd_restores", "restores the engines reported"),
     ("tokens_restored", "kvd_tokens_restored", "prefill tokens restored, not computed"),
+    ("dedup_saved_bytes", "kvd_dedup_saved_bytes", "bytes not written: blocks already held"),
 )
 WRITEBACK_GAUGES = (
     ("pending_bytes", "kvd_writeback_pending_bytes", "bytes waiting to be written"),

@@ -5,7 +5,14 @@ it) or there is no room; the engine writes the entry into it; commit validates t
 against what begin declared and hands the entry to the writer. A put belongs to the
 connection that began it: only that one may commit or abort it, and its end abandons it.
 
-A staging file is pre-sized, so a put holds its bytes from begin on. They count against the
+A v2 entry (a manifest) names its blocks' hashes at begin: the longest prefix of them the
+tier holds is held (pinned for the put until it ends, so that no eviction takes them) and
+the engine writes only the blocks after it, into staging files blocks() hands out (made on
+first asking, pre-sized; asked again, the same file). At commit every one of those must have
+been handed out; they join the block store with the manifest.
+
+A staging file is pre-sized, so a put holds its bytes from begin on (the manifest's and its
+new blocks'). They count against the
 write-behind cap (staged and queued bytes together stay under it; drop-oldest can make room
 only by dropping queued entries, never staged ones) and against the free-disk floor (entries
 are evicted to keep it, else the put is refused with no_space). A connection holds at most
@@ -28,6 +35,7 @@ from kvd_protocol.limits import Limits
 
 from kvd import entry_files
 from kvd.admission import Admission
+from kvd.blocks import Block
 from kvd.catalog import Catalog
 from kvd.config import Config, quota_for
 from kvd.durability import disk_free
@@ -42,6 +50,19 @@ log = get_logger("kvd.puts")
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+@dataclass(frozen=True)
+class DeclaredBlocks:
+    """What a v2 put_begin says of the entry's blocks: their hashes in order, the tokens in
+    each, every block file's exact size. None of them for a v1 entry."""
+
+    hashes: tuple[bytes, ...] = ()
+    block_tokens: int = 0
+    block_size: int = 0
+
+
+NO_BLOCKS = DeclaredBlocks()
+
+
 @dataclass(eq=False)
 class Put:
     """A staging file handed to an engine, not yet committed."""
@@ -53,6 +74,26 @@ class Put:
     size: int
     path: Path
     began: float = field(default_factory=time.monotonic)
+    declared: DeclaredBlocks = NO_BLOCKS
+    pinned: list[Block] = field(default_factory=list)  # the first len(pinned) are held
+    block_files: dict[int, Path] = field(default_factory=dict)  # new blocks handed out
+
+    @property
+    def blocks(self) -> tuple[bytes, ...]:
+        return self.declared.hashes
+
+    @property
+    def block_size(self) -> int:
+        return self.declared.block_size
+
+    @property
+    def held(self) -> int:
+        return len(self.pinned)
+
+    @property
+    def reserved(self) -> int:
+        """The bytes the put will add: its manifest and the blocks the tier does not hold."""
+        return self.size + (len(self.blocks) - self.held) * self.block_size
 
 
 class Puts:
@@ -83,24 +124,38 @@ class Puts:
         self.refused = 0  # put_begins refused for want of room under the write-behind cap
         self.not_admitted = 0  # put_begins the admission policy turned away, and their bytes
         self.not_admitted_bytes = 0
+        # Bytes of blocks held at put_begin, so never written, by the puts committed; overall
+        # and per identity digest.
+        self.dedup_saved_bytes = 0
+        self.dedup_saved: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._puts)
 
     async def begin(
-        self, owner: int, identity: Identity, tokens: bytes, size: int
+        self,
+        owner: int,
+        identity: Identity,
+        tokens: bytes,
+        size: int,
+        declared: DeclaredBlocks = NO_BLOCKS,
     ) -> tuple[Put | None, str | None, int | None]:
-        """A staging file for a new entry, or the reason none is needed.
+        """A staging file for a new entry (its manifest, for one with blocks: put.held says
+        how many of them the tier holds), or the reason none is needed.
 
         Returns (put, None, fd) or (None, "duplicate" | "covered", None).
         """
-        if size > self._config.max_bytes:
+        digest = identity.digest()
+        blocks = declared.hashes
+        held = self._catalog.blocks.held(digest, blocks)
+        adds = size + (len(blocks) - held) * declared.block_size
+        if adds > self._config.max_bytes:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"an entry of {size} bytes cannot fit under the tier cap of "
+                f"an entry of {adds} bytes cannot fit under the tier cap of "
                 f"{self._config.max_bytes} bytes",
             )
-        index = self._catalog.index(identity.digest())
+        index = self._catalog.index(digest)
         if index is not None:
             if index.exact(tokens) is not None:
                 self._catalog.counters.duplicates += 1
@@ -109,43 +164,44 @@ class Puts:
                 self._catalog.counters.duplicates += 1
                 return None, "covered", None
         quota = self._quota(identity)
-        if quota is not None and size > quota:  # before the engine writes a byte of it
+        if quota is not None and adds > quota:  # before the engine writes a byte of it
             raise ProtocolError(
                 ErrorCode.NO_SPACE,
-                f"an entry of {size} bytes is over the quota of {identity.model_id} ({quota})",
+                f"an entry of {adds} bytes is over the quota of {identity.model_id} ({quota})",
             )
-        refusal = self._admission.admit(identity.digest(), tokens, time.time())
+        refusal = self._admission.admit(digest, tokens, time.time())
         if refusal is not None:
             self.not_admitted += 1
-            self.not_admitted_bytes += size
+            self.not_admitted_bytes += adds
             raise ProtocolError(ErrorCode.REFUSED, refusal)
         if len(self._by_owner.get(owner, ())) >= self._config.max_open_puts:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
                 f"{self._config.max_open_puts} puts begun and not committed on this connection",
             )
-        # Before the engine spends time writing. Not one of the queue's refusals: nothing was
-        # offered to the queue yet.
-        if not await self._writer.make_room(size, lambda: self.staged_bytes):
-            self.refused += 1
-            raise ProtocolError(ErrorCode.REFUSED, self._no_room(size))
-        self._keep_floor(size)
-        put_id = next(self._ids)
-        path = self._catalog.dirs.staging_path(f"{put_id}-{new_entry_id()}")
-        self.staged_bytes += size  # held from here: another begin may run while this one waits
+        # Pinned before the first wait, so that what was found held stays so (an eviction
+        # while this put waits for room cannot take it); unpinned if the put goes no further.
+        pinned = self._catalog.blocks.pin(digest, blocks[:held])
         try:
-            fd = await anyio.to_thread.run_sync(entry_files.create_staging, path, size)
-        except OSError as exc:
-            self.staged_bytes -= size
-            self._writer.pulse_changed()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ProtocolError(ErrorCode.NO_SPACE, f"no space for {size} bytes") from None
-            if exc.errno in _OUT_OF_DESCRIPTORS:
-                raise ProtocolError(
-                    ErrorCode.REFUSED, "kvd has no file descriptor free for a staging file"
-                ) from None
+            # Before the engine spends time writing. Not one of the queue's refusals: nothing
+            # was offered to the queue yet.
+            if not await self._writer.make_room(adds, lambda: self.staged_bytes):
+                self.refused += 1
+                raise ProtocolError(ErrorCode.REFUSED, self._no_room(adds))
+            self._keep_floor(adds)
+            put_id = next(self._ids)
+            path = self._catalog.dirs.staging_path(f"{put_id}-{new_entry_id()}")
+            self.staged_bytes += adds  # held from here: another begin may run while this waits
+            try:
+                fd = await anyio.to_thread.run_sync(entry_files.create_staging, path, size)
+            except OSError as exc:
+                self.staged_bytes -= adds
+                self._writer.pulse_changed()
+                raise _staging_error(exc, size) from None
+        except BaseException:
+            self._catalog.blocks.unpin(pinned)
             raise
-        put = Put(put_id, owner, identity, tokens, size, path)
+        put = Put(put_id, owner, identity, tokens, size, path, declared=declared, pinned=pinned)
         self._puts[put_id] = put
         self._by_owner.setdefault(owner, {})[put_id] = None
         return put, None, fd
@@ -160,13 +216,14 @@ class Puts:
         if quota is None:
             return
         digest = put.identity.digest()
-        self._catalog.evict_within(digest, self._catalog.identity_bytes(digest) + put.size - quota)
+        adds = put.reserved
+        self._catalog.evict_within(digest, self._catalog.identity_bytes(digest) + adds - quota)
         held = self._catalog.identity_bytes(digest)
-        if held + put.size > quota:
+        if held + adds > quota:
             raise ProtocolError(
                 ErrorCode.NO_SPACE,
                 f"the quota of {put.identity.model_id} is {quota} bytes: {held} are held "
-                f"(leased or pending), no room for {put.size} more",
+                f"(leased or pending), no room for {adds} more",
             )
 
     def _no_room(self, size: int) -> str:
@@ -198,14 +255,42 @@ class Puts:
                 f"the floor of {floor}",
             )
 
-    def take(self, owner: int, put_id: int) -> Put:
-        """The owner's put, now the caller's: to commit or to abort. Its bytes stay staged
-        until then: a commit validating its file holds its room as the put did."""
+    def _owned(self, owner: int, put_id: int) -> Put:
         put = self._puts.get(put_id)
         if put is None or put.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no put {put_id} on this connection")
+        return put
+
+    def take(self, owner: int, put_id: int) -> Put:
+        """The owner's put, now the caller's: to commit or to abort. Its bytes stay staged
+        until then: a commit validating its file holds its room as the put did."""
+        put = self._owned(owner, put_id)
         self._forget(put)
         return put
+
+    async def block_files(self, owner: int, put_id: int, first: int, count: int) -> list[int]:
+        """Read-write descriptors of the staging files of the owner's put's blocks first..
+        first+count-1, made (pre-sized) on first asking. Only blocks the tier does not hold
+        are the engine's to write: BAD_MESSAGE for a range outside held..n."""
+        put = self._owned(owner, put_id)
+        if first < put.held or first + count > len(put.blocks) or count < 1:
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"blocks {first}..{first + count - 1} are not put {put_id}'s to write: it "
+                f"writes blocks {put.held}..{len(put.blocks) - 1}",
+            )
+        wanted = range(first, first + count)
+        for index in wanted:
+            put.block_files.setdefault(
+                index, self._catalog.dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
+            )
+        paths = [put.block_files[i] for i in wanted]
+        try:
+            return await anyio.to_thread.run_sync(
+                entry_files.open_staging_files, paths, put.block_size
+            )
+        except OSError as exc:
+            raise _staging_error(exc, put.block_size) from None
 
     def _forget(self, put: Put) -> None:
         del self._puts[put.id]
@@ -215,14 +300,16 @@ class Puts:
             del self._by_owner[put.owner]
 
     def _release(self, put: Put) -> None:
-        """A taken put's bytes leave the staged count (queued now, or gone)."""
-        self.staged_bytes -= put.size
+        """A taken put's bytes leave the staged count (queued now, or gone), and its held
+        blocks their pins (a queued manifest keeps them by its refs now)."""
+        self.staged_bytes -= put.reserved
+        self._catalog.blocks.unpin(put.pinned)
         self._writer.pulse_changed()  # room, for a put that waits for it
 
     def abort(self, put: Put) -> None:
-        """A taken put ends uncommitted: its bytes return, its file goes."""
+        """A taken put ends uncommitted: its bytes return, its files go."""
         self._release(put)
-        entry_files.unlink_quietly(put.path)
+        _remove_files(put)
 
     def abandon_all(self, owner: int) -> None:
         """The owner's connection ended: its uncommitted staging files go."""
@@ -244,7 +331,7 @@ class Puts:
             self._forget(put)
             self._catalog.counters.abandoned += 1
             self.abort(put)
-            log.warning("put_expired", put=put.id, bytes=put.size, owner=put.owner)
+            log.warning("put_expired", put=put.id, bytes=put.reserved, owner=put.owner)
         return len(stale)
 
     async def commit(self, put: Put) -> int:
@@ -256,8 +343,15 @@ class Puts:
         """
         queued = False
         try:
+            unwritten = [i for i in range(put.held, len(put.blocks)) if i not in put.block_files]
+            if unwritten:
+                raise ProtocolError(
+                    ErrorCode.INVALID_ENTRY,
+                    f"blocks {_ranges(unwritten)} of put {put.id} were never handed out "
+                    "(put_blocks): the entry would lack them",
+                )
             header = await self._read_header(put)
-            await self._writer.make_room(put.size)  # if there is none, the queue refuses below
+            await self._writer.make_room(put.reserved)  # if none, the queue refuses below
             # No await from here on: the index cannot change between the check and the add.
             digest = put.identity.digest()
             key = header.checkpoint.key if header.checkpoint else None
@@ -279,14 +373,20 @@ class Puts:
                 created=header.created,
                 last_used=self._catalog.tick(),
                 checkpoint_key=key,
+                blocks=put.blocks,
+                block_size=put.block_size,
             )
-            ticket = self._writer.enqueue(record, header, put.path)
+            new_blocks = {put.blocks[i]: path for i, path in put.block_files.items()}
+            ticket = self._writer.enqueue(record, header, put.path, put.reserved, new_blocks)
             queued = True
+            saved = put.held * put.block_size
+            self.dedup_saved_bytes += saved
+            self.dedup_saved[digest] = self.dedup_saved.get(digest, 0) + saved
             return ticket
         finally:
             self._release(put)  # in the same step as the enqueue: the bytes are never uncounted
             if not queued:
-                entry_files.unlink_quietly(put.path)
+                _remove_files(put)
 
     async def _read_header(self, put: Put) -> EntryHeader:
         """The staging file's validated header; a bad file is quarantined (INVALID_ENTRY)."""
@@ -308,5 +408,40 @@ def _check_matches_put(header: EntryHeader, put: Put) -> None:
         problems.append("its tokens differ from the ones declared at put_begin")
     if header.file_size != put.size:
         problems.append(f"its size {header.file_size} differs from the declared {put.size}")
+    if header.blocks != put.blocks or header.block_tokens != put.declared.block_tokens:
+        problems.append("its blocks differ from the ones declared at put_begin")
     if problems:
         raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
+
+
+def _staging_error(exc: OSError, size: int) -> OSError | ProtocolError:
+    """What a failure to make a staging file tells the engine: no space, no descriptor, or
+    (anything else) the error itself."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ProtocolError(ErrorCode.NO_SPACE, f"no space for {size} bytes")
+    if exc.errno in _OUT_OF_DESCRIPTORS:
+        return ProtocolError(
+            ErrorCode.REFUSED, "kvd has no file descriptor free for a staging file"
+        )
+    return exc
+
+
+def _remove_files(put: Put) -> None:
+    """The staging files of a put that was not queued: its manifest's and its blocks'."""
+    entry_files.unlink_quietly(put.path)
+    for path in put.block_files.values():
+        entry_files.unlink_quietly(path)
+
+
+def _ranges(indexes: list[int]) -> str:
+    """Sorted indexes as people write them: 3..5, 8."""
+    parts = []
+    start = previous = indexes[0]
+    for index in [*indexes[1:], None]:
+        if index is not None and index == previous + 1:
+            previous = index
+            continue
+        parts.append(str(start) if start == previous else f"{start}..{previous}")
+        if index is not None:
+            start = previous = index
+    return ", ".join(parts)

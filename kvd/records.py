@@ -46,7 +46,8 @@ class EntryRecord:
 
 
 def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> EntryRecord:
-    """The record of a durable entry file, from its validated header."""
+    """The record of a durable entry file, from its validated header (its block_size is its
+    blocks' files' size, which the tier learns from them)."""
     return EntryRecord(
         id=entry_id,
         identity=header.identity.digest(),
@@ -58,4 +59,5 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
         last_used=last_used,
         durable=True,
         checkpoint_key=header.checkpoint.key if header.checkpoint else None,
+        blocks=header.blocks,
     )

@@ -2,8 +2,12 @@
 
 Staging leftovers (puts that never committed, or a writer cut off by a crash) are reaped;
 every entry file is validated (header and layout) and indexed; a file that fails, or that sits
-in another identity's folder, is quarantined. The result is a tier whose accounting equals
-the directory. The index snapshot (snapshot.py) spares the header reads of unchanged files.
+in another identity's folder, is quarantined. Each identity's blocks folder is listed the same
+way: a block file's header is validated (its hash against its name, its identity against its
+folder); the tier then keeps the blocks its manifests list, collects the others (orphans of a
+put cut off by a crash) and quarantines a manifest whose block is missing. The result is a
+tier whose accounting equals the directory. The index snapshot (snapshot.py) spares the
+header reads of unchanged files.
 """
 
 from __future__ import annotations
@@ -15,18 +19,30 @@ from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
 
+from kvd_protocol.blocks import parse_block_name
 from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.limits import Limits
 
-from kvd.entry_files import read_header
+from kvd.entry_files import read_block_header, read_header
 from kvd.records import EntryRecord, record_from_header
-from kvd.snapshot import load_snapshot
-from kvd.tier_dir import ENTRY_SUFFIX, TierDir
+from kvd.snapshot import BlockRow, load_snapshot
+from kvd.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX, TierDir
+
+
+@dataclass(frozen=True)
+class FoundBlock:
+    """A valid block file under an identity's blocks folder."""
+
+    identity: str
+    hash: bytes
+    size: int
+    path: Path
 
 
 @dataclass
 class ScanResult:
     entries: list[EntryRecord]  # least recently used first; each file in its place
+    blocks: list[FoundBlock]  # every valid block file, listed or not
     invalid: list[tuple[Path, str]]
     reaped: int
     from_snapshot: int  # entries taken from the snapshot rather than read
@@ -53,8 +69,10 @@ def scan(
     in place. header_read() is called after each header read (progress: the slow part).
     """
     reaped = reap_staging(dirs)
-    known = load_snapshot(dirs.snapshot).rows
-    written = dirs.snapshot.stat().st_mtime_ns if known else None
+    snapshot = load_snapshot(dirs.snapshot)
+    known = snapshot.rows
+    written = dirs.snapshot.stat().st_mtime_ns if known or snapshot.blocks else None
+    blocks: list[FoundBlock] = []
     matched: dict[str, int] = {}  # entry id -> mtime_ns, of the files the snapshot describes
     found: list[tuple[float, int, EntryRecord]] = []  # files it does not
     invalid: list[tuple[Path, str]] = []
@@ -64,6 +82,9 @@ def scan(
             continue
         unchanged = written is not None and folder.stat().st_mtime_ns < written
         for entry in os.scandir(folder.path):
+            if entry.name == BLOCKS_FOLDER and entry.is_dir(follow_symlinks=False):
+                blocks += _scan_blocks(entry, folder.name, snapshot.blocks, limits, invalid)
+                continue
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 invalid.append((Path(entry.path), "not an entry file"))
                 continue
@@ -98,4 +119,37 @@ def scan(
     ]
     found.sort(key=itemgetter(0, 1))
     taken.sort(key=itemgetter(0, 1))
-    return ScanResult([record for *_, record in taken + found], invalid, reaped, len(taken))
+    records = [record for *_, record in taken + found]
+    return ScanResult(records, blocks, invalid, reaped, len(taken))
+
+
+def _scan_blocks(
+    folder: os.DirEntry[str],
+    identity: str,
+    known: dict[tuple[str, bytes], BlockRow],
+    limits: Limits,
+    invalid: list[tuple[Path, str]],
+) -> list[FoundBlock]:
+    """The valid block files of one identity's blocks folder; the others go to invalid. A
+    file the snapshot knows with the same size and mtime is not read (written once, as
+    entries are)."""
+    found = []
+    for entry in os.scandir(folder.path):
+        path = Path(entry.path)
+        block_hash = parse_block_name(entry.name)
+        if block_hash is None or not entry.is_file(follow_symlinks=False):
+            invalid.append((path, "not a block file"))
+            continue
+        info = entry.stat(follow_symlinks=False)
+        row = known.get((identity, block_hash))
+        if row is None or (row.size, row.mtime_ns) != (info.st_size, info.st_mtime_ns):
+            try:
+                block = read_block_header(path, limits)
+            except EntryFormatError as exc:
+                invalid.append((path, str(exc)))
+                continue
+            if block.identity != identity:
+                invalid.append((path, "its identity does not match its folder"))
+                continue
+        found.append(FoundBlock(identity, block_hash, info.st_size, path))
+    return found

@@ -23,6 +23,7 @@ from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, Re
 from kvd import __version__, socket_io
 from kvd.logs import get_logger
 from kvd.peercred import PeerCredentials
+from kvd.puts import DeclaredBlocks
 from kvd.tier import Tier, summary
 
 log = get_logger("kvd.session")
@@ -41,6 +42,7 @@ FEATURES = (
     "release_damaged",
     "restore_report",
     m.PREFILL_COST_FEATURE,
+    m.BLOCKS_FEATURE,
 )
 # Requests answered inline: they never wait, so ordering stays simple and latency low.
 INLINE = frozenset(
@@ -55,6 +57,7 @@ INLINE = frozenset(
         "list",
         "evict",
         "put_abort",
+        "open_blocks",
     }
 )
 
@@ -96,12 +99,14 @@ class Session:
             "hello": self._hello,
             "ping": self._ping,
             "put_begin": self._put_begin,
+            "put_blocks": self._put_blocks,
             "put_commit": self._put_commit,
             "put_abort": self._put_abort,
             "ticket": self._ticket,
             "lookup": self._lookup,
             "find_checkpoint": self._find_checkpoint,
             "forget_checkpoint": self._forget_checkpoint,
+            "open_blocks": self._open_blocks,
             "release": self._release,
             "flush": self._flush,
             "status": self._status,
@@ -243,9 +248,29 @@ class Session:
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
         self.tier.telemetry.prefill_reported(request.identity, request.prefill_cost)
         put, skip, fd = await self.tier.begin_put(
-            self.peer.session, request.identity, request.tokens, request.size
+            self.peer.session,
+            request.identity,
+            request.tokens,
+            request.size,
+            DeclaredBlocks(request.hashes, request.block_tokens, request.block_size),
         )
-        return m.PutBeginReply(id=request.id, put=put.id if put else 0, skip=skip, fd=fd)
+        return m.PutBeginReply(
+            id=request.id,
+            put=put.id if put else 0,
+            skip=skip,
+            fd=fd,
+            held=put.held if put else 0,
+        )
+
+    async def _put_blocks(self, request: m.PutBlocks) -> m.PutBlocksReply:
+        fds = await self.tier.put_blocks(
+            self.peer.session, request.put, request.first, request.count
+        )
+        return m.PutBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
+
+    async def _open_blocks(self, request: m.OpenBlocks) -> m.OpenBlocksReply:
+        fds = self.tier.open_blocks(self.peer.session, request.lease, request.first, request.count)
+        return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
     async def _put_commit(self, request: m.PutCommit) -> m.PutCommitReply:
         ticket = await self.tier.commit_put(self.peer.session, request.put, request.store_ms)

@@ -28,6 +28,7 @@ from operator import itemgetter
 from pathlib import Path
 
 import msgpack
+from kvd_protocol.blocks import HASH_BYTES, split_hashes
 from kvd_protocol.checksum import CHECKSUM_BYTES, checksum
 
 from kvd.blocks import Block
@@ -39,7 +40,6 @@ log = get_logger("kvd.snapshot")
 
 MAGIC = b"KVDSNAP\n"
 VERSION = 2
-HASH_BYTES = 16  # a block hash (kvd_protocol.blocks.HASH_BYTES)
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,6 @@ def _row(row: tuple[object, ...]) -> SnapshotRow:
         and isinstance(last_used, int)
         and (key is None or isinstance(key, str))
         and isinstance(blocks, bytes)
-        and len(blocks) % HASH_BYTES == 0
         and isinstance(block_size, int)
     ):
         raise ValueError("a row of the wrong types")
@@ -204,7 +203,7 @@ def _row(row: tuple[object, ...]) -> SnapshotRow:
         last_used=last_used,
         durable=True,
         checkpoint_key=key,
-        blocks=tuple(blocks[i : i + HASH_BYTES] for i in range(0, len(blocks), HASH_BYTES)),
+        blocks=split_hashes(blocks),
         block_size=block_size,
     )
     return SnapshotRow(record, mtime_ns)

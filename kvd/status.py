@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psutil
@@ -29,9 +29,17 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         free = disk_free(tier.dirs.root)
     except OSError:
         free = -1
+    unique = catalog.total_bytes
     return {
         "entries": len(catalog),
-        "bytes": catalog.total_bytes,
+        "bytes": unique,
+        # Shared blocks (format v2): what the disk holds, what v1 files would hold, their
+        # ratio, the blocks themselves, and the bytes puts did not write for blocks held.
+        "unique_bytes": unique,
+        "logical_bytes": catalog.logical_bytes,
+        "dedup_ratio": round(catalog.logical_bytes / unique, 3) if unique else 1.0,
+        "blocks": {"count": len(catalog.blocks), "bytes": catalog.blocks.bytes},
+        "dedup_saved_bytes": tier.puts.dedup_saved_bytes,
         "max_bytes": tier.config.max_bytes,
         "min_free_bytes": tier.config.min_free,
         "disk_free_bytes": free,
@@ -63,7 +71,7 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "refused": queue.refused,  # at commit
             "refused_at_begin": tier.puts.refused,
         },
-        "identities": _identities(catalog, telemetry),
+        "identities": _identities(catalog, telemetry, tier.puts.dedup_saved),
         "bytes_written_24h": telemetry.written_today.total(time.time()),
         "tokens_restored": sum(t.tokens_restored for t in telemetry.identities.values()),
         "restores": sum(t.restores for t in telemetry.identities.values()),
@@ -82,18 +90,22 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
     }
 
 
-def _identities(catalog: Catalog, telemetry: Telemetry) -> list[dict[str, Any]]:
-    """Every identity with entries or traffic, by digest: its share of the tier and its
-    telemetry. O(identities)."""
-    shares = {digest: (counts.entries, counts.bytes) for digest, counts in catalog.identities()}
+def _identities(
+    catalog: Catalog, telemetry: Telemetry, dedup_saved: Mapping[str, int]
+) -> list[dict[str, Any]]:
+    """Every identity with entries or traffic, by digest: its share of the tier (entry files
+    and unique blocks) and its telemetry. O(identities)."""
+    entries = {digest: counts.entries for digest, counts in catalog.identities()}
     return [
         {
             "identity": digest,
-            "entries": shares.get(digest, (0, 0))[0],
-            "bytes": shares.get(digest, (0, 0))[1],
+            "entries": entries.get(digest, 0),
+            "bytes": catalog.identity_bytes(digest),
+            "block_bytes": catalog.blocks.identity_bytes(digest),
+            "dedup_saved_bytes": dedup_saved.get(digest, 0),
             **telemetry.of(digest).report(),
         }
-        for digest in sorted(shares.keys() | telemetry.identities.keys())
+        for digest in sorted(entries.keys() | telemetry.identities.keys())
     ]
 
 

@@ -18,7 +18,8 @@ import os
 import time
 
 import anyio
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+from kvd_protocol.blocks import HASH_BYTES, block_name
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 from kvd_protocol.messages import EntrySummary, RestoreReport
@@ -34,7 +35,7 @@ from kvd.leases import Leases
 from kvd.logs import get_logger
 from kvd.prefix_index import Match
 from kvd.progress import Progress
-from kvd.puts import Put, Puts
+from kvd.puts import NO_BLOCKS, DeclaredBlocks, Put, Puts
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.telemetry import Telemetry
@@ -66,7 +67,14 @@ class Tier:
         self.admission = ADMISSION_POLICIES[config.admission](
             config.admission_min_tokens, config.admission_window
         )
-        self.writer = Writer(config, self.catalog, self.tickets, self.quarantine, self.telemetry)
+        self.writer = Writer(
+            config,
+            limits,
+            self.catalog,
+            tickets=self.tickets,
+            quarantine=self.quarantine,
+            telemetry=self.telemetry,
+        )
         self.puts = Puts(
             config,
             limits,
@@ -101,14 +109,21 @@ class Tier:
             progress.close()
         for path, reason in result.invalid:
             await self.quarantine.file(path, reason)
+        for block in result.blocks:
+            self.catalog.blocks.adopt(block.identity, block.hash, block.size, block.path)
         for record in result.entries:  # least recently used first
             record.last_used = self.catalog.tick()
+            problem = self.catalog.unservable(record)
+            if problem is not None:
+                await self.quarantine.file(self.catalog.path_of(record), problem)
+                continue
             try:
                 self.catalog.add(record)
             except ValueError:  # the same tokens as an entry already indexed
                 await self.quarantine.file(
                     self.catalog.path_of(record), "a duplicate of another entry"
                 )
+        orphans = self.catalog.blocks.collect_orphans()  # of puts a crash cut off
         gc.freeze()  # the index is long-lived: spare the collector from walking it again
         gc.enable()
         log.info(
@@ -116,6 +131,8 @@ class Tier:
             dir=str(self.dirs.root),
             entries=len(self.catalog),
             bytes=self.catalog.total_bytes,
+            blocks=len(self.catalog.blocks),
+            orphan_blocks=orphans,
             reaped=result.reaped,
             quarantined=len(result.invalid),
             from_snapshot=result.from_snapshot,
@@ -155,8 +172,7 @@ class Tier:
     def _write_snapshot(self, records: list[EntryRecord], blocks: list[Block]) -> int | None:
         """Blocking: the rows written, or None when the floor forbade it."""
         estimate = sum(
-            len(r.tokens) + len(r.blocks) * snapshot.HASH_BYTES + SNAPSHOT_ROW_BYTES
-            for r in records
+            len(r.tokens) + len(r.blocks) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
         )
         estimate += len(blocks) * SNAPSHOT_ROW_BYTES
         try:
@@ -197,10 +213,19 @@ class Tier:
     # --- put: begin, commit (or abort), then the ticket ----------------------------------------
 
     async def begin_put(
-        self, owner: int, identity: Identity, tokens: bytes, size: int
+        self,
+        owner: int,
+        identity: Identity,
+        tokens: bytes,
+        size: int,
+        declared: DeclaredBlocks = NO_BLOCKS,
     ) -> tuple[Put | None, str | None, int | None]:
         self.telemetry.seen(identity)
-        return await self.puts.begin(owner, identity, tokens, size)
+        return await self.puts.begin(owner, identity, tokens, size, declared)
+
+    async def put_blocks(self, owner: int, put_id: int, first: int, count: int) -> list[int]:
+        """Descriptors of the staging files of blocks first.. of the owner's put."""
+        return await self.puts.block_files(owner, put_id, first, count)
 
     async def commit_put(self, owner: int, put_id: int, store_ms: float | None = None) -> int:
         """The owner's put, validated and queued; returns its ticket. store_ms: the engine's
@@ -250,6 +275,55 @@ class Tier:
                 break
         counters.misses += 1
         self.telemetry.lookup(identity, hit=False, reason=reason)
+        return None
+
+    def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
+        """Read-only descriptors of blocks first.. of the entry under the owner's lease, each
+        opened without following links and checked by fstat against its size. A block gone or
+        not what the store says is quarantined with every manifest listing it; either that or
+        one unreadable now (EIO, no descriptor free) is NOT_FOUND (block_missing), and the
+        engine's restore a miss."""
+        record = self.leases.record(owner, lease_id)
+        blocks = self.catalog.blocks_of(record)
+        if first + count > len(blocks):
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"entry {record.id} has {len(blocks)} blocks, not {first}..{first + count - 1}",
+            )
+        fds: list[int] = []
+        try:
+            for index in range(first, first + count):
+                fd = self._open_block(blocks[index])
+                if fd is None:
+                    raise ProtocolError(
+                        ErrorCode.NOT_FOUND,
+                        f"{Rule.BLOCK_MISSING.value}: block {index} of entry {record.id} "
+                        f"({blocks[index].hash.hex()}) cannot be opened",
+                    )
+                fds.append(fd)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _open_block(self, block: Block) -> int | None:
+        candidates = [block.path]
+        if not block.durable:  # the writer may have placed it a moment ago
+            candidates.append(self.dirs.block_path(block.identity, block.hash))
+        for path in candidates:
+            try:
+                return entry_files.open_entry(path, block.size)
+            except FileNotFoundError:
+                continue
+            except EntryFormatError as exc:  # never handed out
+                self.writer.bad_block(block, str(exc))
+                return None
+            except OSError as exc:  # EIO, or out of descriptors: not now, the block kept
+                log.warning("block_unreadable", block=block.hash.hex(), error=str(exc))
+                return None
+        if self.catalog.blocks.get(block.identity, block.hash) is block:
+            self.writer.bad_block(block, "its file is gone")
         return None
 
     def find_checkpoint(
@@ -321,12 +395,24 @@ class Tier:
         entry dropped. Raises OSError when the file cannot be read at all."""
         path = self.catalog.path_of(record)
         try:
-            await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
+            header = await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
+            if header.blocks != record.blocks:
+                raise EntryFormatError(path.name, Rule.SCHEMA, "not the blocks the index holds")
         except EntryFormatError as exc:
             if repair and record.id in self.catalog.records:  # not dropped meanwhile
                 await self.quarantine.file(path, str(exc))  # first: dropping would unlink it
                 self.catalog.drop(record)
             return str(exc)
+        for index, block in enumerate(self.catalog.blocks_of(record)):
+            name = block_name(block.hash)
+            try:
+                await anyio.to_thread.run_sync(
+                    entry_files.verify_block, block.path, name, header, index, self.limits
+                )
+            except (EntryFormatError, FileNotFoundError) as exc:
+                if repair and self.catalog.blocks.get(block.identity, block.hash) is block:
+                    self.writer.bad_block(block, str(exc))  # with every manifest listing it
+                return f"block {index} ({name}): {exc}"
         return None
 
     async def verify(self, entry: str, repair: bool) -> tuple[str | None, bool]:

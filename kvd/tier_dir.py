@@ -3,6 +3,7 @@
 <dir>/lock                          held (flock) by the running daemon
 <dir>/staging/<put>.tmp              files being written by engines; reaped at start
 <dir>/entries/<identity>/<id>.kve    durable entries, one folder per identity digest
+<dir>/entries/<identity>/blocks/<hash>.kvb   their shared blocks (format v2), by hash
 <dir>/quarantine/<id>.kve            files that failed validation, capped in bytes
 <dir>/index.snapshot                 the index as of the last snapshot (a start-up shortcut)
 """
@@ -16,7 +17,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvd_protocol.blocks import block_name
+
 ENTRY_SUFFIX = ".kve"
+BLOCKS_FOLDER = "blocks"
 STAGING_SUFFIX = ".tmp"
 
 
@@ -46,6 +50,12 @@ class TierDir:
 
     def entry_path(self, identity: str, entry_id: str) -> Path:
         return self.entries / identity / f"{entry_id}{ENTRY_SUFFIX}"
+
+    def blocks_folder(self, identity: str) -> Path:
+        return self.entries / identity / BLOCKS_FOLDER
+
+    def block_path(self, identity: str, block_hash: bytes) -> Path:
+        return self.blocks_folder(identity) / block_name(block_hash)
 
     def staging_path(self, name: str) -> Path:
         return self.staging / f"{name}{STAGING_SUFFIX}"

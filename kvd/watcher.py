@@ -10,8 +10,13 @@ none of it stops the daemon:
   indexed entry under another name (a duplicate) is quarantined;
 - an indexed entry file modified in place (entries are written once) is validated again, data
   included, and quarantined if it no longer holds what the index says;
-- anything else (a file that is not `<identity>/<id>.kve`, a folder deeper down) is ignored.
-  Files being copied in under a temporary name are left alone until renamed into place.
+- shared blocks (`<identity>/blocks/<hash>.kvb`): a block file removed, or modified so that it
+  no longer validates, takes every manifest listing it out of the index (quarantined,
+  block_missing); a valid block file no manifest lists is an orphan, collected once the
+  batch's manifests are adopted (copy a manifest's blocks in with it, or before it in the
+  same batch); an invalid one is quarantined;
+- anything else (a file that is not `<identity>/<id>.kve` or a block, a folder deeper down)
+  is ignored. Files being copied in under a temporary name are left alone until renamed.
 Files the daemon writes or deletes itself are recognised by their entry id and left alone.
 If the entries folder itself is removed, it is made again and the index follows.
 """
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+from kvd_protocol.blocks import parse_block_name
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 from watchfiles import Change, awatch
@@ -31,7 +38,7 @@ from kvd import entry_files
 from kvd.logs import get_logger
 from kvd.records import EntryRecord, record_from_header
 from kvd.tier import Tier
-from kvd.tier_dir import ENTRY_SUFFIX
+from kvd.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX
 
 log = get_logger("kvd.watcher")
 
@@ -84,13 +91,34 @@ def _entry_id(name: str) -> str | None:
     return name[: -len(ENTRY_SUFFIX)] if name.endswith(ENTRY_SUFFIX) else None
 
 
-def _listing(root: Path) -> dict[str, Path]:
-    """Every entry file under root by entry id (blocking: run in a thread)."""
-    found: dict[str, Path] = {}
+@dataclass
+class Changed:
+    """What a batch of events (or a whole listing) names: entry files by id, the ids of
+    those modified in place, and block files (by path) with those modified in place."""
+
+    entries: dict[str, Path] = field(default_factory=dict)
+    modified: set[str] = field(default_factory=set)
+    blocks: set[Path] = field(default_factory=set)
+    blocks_modified: set[Path] = field(default_factory=set)
+
+
+def _listing(root: Path) -> Changed:
+    """Every entry and block file under root (blocking: run in a thread)."""
+    found = Changed()
     for folder in os.scandir(root):
         if folder.is_dir(follow_symlinks=False):
-            found |= _folder_listing(Path(folder.path))
+            found.entries |= _folder_listing(Path(folder.path))
+            found.blocks |= _blocks_listing(Path(folder.path) / BLOCKS_FOLDER)
     return found
+
+
+def _blocks_listing(folder: Path) -> set[Path]:
+    """The files of one identity's blocks folder (blocking: run in a thread)."""
+    try:
+        with os.scandir(folder) as entries:
+            return {Path(entry.path) for entry in entries}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
 
 
 def _folder_listing(folder: Path) -> dict[str, Path]:
@@ -107,13 +135,11 @@ def _folder_listing(folder: Path) -> dict[str, Path]:
     return found
 
 
-def _changed_entries(
-    root: Path, changes: Iterable[tuple[Change, str]]
-) -> tuple[dict[str, Path], set[str]]:
-    """Entry files named by a batch of events (those of a new identity folder included) and
-    the ids of those modified in place (blocking: run in a thread)."""
-    candidates: dict[str, Path] = {}
-    modified: set[str] = set()
+def _changed_entries(root: Path, changes: Iterable[tuple[Change, str]]) -> Changed:
+    """Entry and block files named by a batch of events (those of a new identity or blocks
+    folder included), and those modified in place (blocking: run in a thread)."""
+    found = Changed()
+    candidates, modified = found.entries, found.modified
     for change, name in changes:
         path = Path(name)
         parts = _place(root, path)
@@ -123,8 +149,17 @@ def _changed_entries(
             if path.is_dir() and not path.is_symlink():
                 if change is Change.added:  # a new identity folder, with its files
                     candidates |= _folder_listing(path)
+                    found.blocks |= _blocks_listing(path / BLOCKS_FOLDER)
             elif change is not Change.deleted:
                 log.info("foreign_file_ignored", path=str(path), reason="not in an identity folder")
+            continue
+        if parts[1] == BLOCKS_FOLDER:
+            if len(parts) == 2 and change is Change.added:
+                found.blocks |= _blocks_listing(path)
+            elif len(parts) == 3:
+                found.blocks.add(path)
+                if change is Change.modified:
+                    found.blocks_modified.add(path)
             continue
         entry_id = _entry_id(parts[-1]) if len(parts) == 2 else None
         if entry_id is None:
@@ -134,7 +169,7 @@ def _changed_entries(
         candidates[entry_id] = path
         if change is Change.modified:
             modified.add(entry_id)
-    return candidates, modified
+    return found
 
 
 async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) -> None:
@@ -146,15 +181,21 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
     """
     catalog = tier.catalog
     root = _root(tier)
-    modified: set[str] = set()
     if changes is None:
-        on_disk = await anyio.to_thread.run_sync(_listing, root)
+        found = await anyio.to_thread.run_sync(_listing, root)
+        on_disk = found.entries
         durable = {r.id: r for r in catalog.durable()}
         gone = durable.keys() - on_disk.keys()
         candidates = {**on_disk, **{i: catalog.path_of(durable[i]) for i in gone}}
+        found.blocks |= {b.path for b in catalog.blocks if b.durable}  # those gone, too
     else:
-        candidates, modified = await anyio.to_thread.run_sync(_changed_entries, root, changes)
+        found = await anyio.to_thread.run_sync(_changed_entries, root, changes)
+        candidates = found.entries
         on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
+    modified = found.modified
+    # Blocks first: a manifest copied in with its blocks finds them held.
+    for path in found.blocks:
+        await _reconcile_block(tier, root, path, path in found.blocks_modified)
     for entry_id, path in candidates.items():
         if catalog.is_doomed(entry_id):
             continue  # removed from the index, its file kept until its last lease ends
@@ -172,7 +213,49 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
             await tier.quarantine.file(path, "a copy of an entry in another identity's folder")
         elif entry_id in modified:
             await _recheck(tier, record, path)
+    orphans = catalog.blocks.collect_orphans()
+    if orphans:
+        log.info("orphan_blocks_collected", count=orphans)
     tier.evict_to_cap()
+
+
+async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -> None:
+    """Make the block store agree with one path under a blocks folder."""
+    parts = _place(root, path)
+    block_hash = parse_block_name(path.name)
+    if parts is None or len(parts) != 3 or block_hash is None:
+        if os.path.lexists(path):
+            log.info("foreign_file_ignored", path=str(path), reason="not a block file")
+        return
+    identity = parts[0]
+    block = tier.catalog.blocks.get(identity, block_hash)
+    if block is not None and not block.durable:
+        return  # the writer's own, on its way into place
+    if not os.path.lexists(path):
+        if block is not None and not os.path.lexists(block.path):
+            log.warning("block_removed_outside", block=path.name, identity=identity)
+            tier.writer.bad_block(block, "its file was removed behind the daemon's back")
+        return
+    if block is not None and not modified:
+        return
+    try:
+        header = await anyio.to_thread.run_sync(entry_files.read_block_header, path, tier.limits)
+        if header.identity != identity:
+            raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
+        if block is not None and header.file_size != block.size:
+            raise EntryFormatError(path.name, Rule.FILE_SIZE, "not the block the store holds")
+    except FileNotFoundError:
+        return  # removed meanwhile: its deletion event follows
+    except (EntryFormatError, OSError) as exc:
+        if block is None:
+            await tier.quarantine.file(path, str(exc))
+        elif tier.catalog.blocks.get(identity, block_hash) is block:
+            log.warning("block_modified_outside", block=path.name, reason=str(exc))
+            tier.writer.bad_block(block, str(exc))
+        return
+    if block is None and tier.catalog.blocks.get(identity, block_hash) is None:
+        # Held with no ref: the manifests of this batch attach to it, or it is collected.
+        tier.catalog.blocks.adopt(identity, block_hash, header.file_size, path)
 
 
 async def _adopt(tier: Tier, path: Path) -> None:
@@ -185,6 +268,10 @@ async def _adopt(tier: Tier, path: Path) -> None:
         return
     record = record_from_header(path.stem, header, last_used=tier.catalog.tick())
     if path.stem in tier.catalog.records:  # adopted meanwhile (a second event for the same file)
+        return
+    problem = tier.catalog.unservable(record)
+    if problem is not None:
+        await tier.quarantine.file(path, problem)
         return
     try:
         tier.catalog.add(record)

@@ -2,7 +2,11 @@
 
 A committed entry joins the write-behind queue (writeback.py) and the catalog at once, so it
 is readable before it is durable. The writer verifies its data, syncs it and renames it into
-place; then the entry supersedes its ancestors and the tier evicts down to its cap. Every
+place; then the entry supersedes its ancestors and the tier evicts down to its cap. A v2
+entry's blocks not yet durable go first, in order, each validated whole as that block of that
+manifest, synced and renamed into its blocks folder, the folder synced once after them: a
+manifest is durable only after its blocks are. A block that fails takes with it every pending
+manifest that lists it (blocks are shared: another put may have been told it was held). Every
 queued entry leaves through finish(), whatever ends it (stored, failed, dropped by the overflow
 policy, cancelled by a successor or a forgotten generation): its record follows the outcome
 and its ticket gets its answer there.
@@ -11,17 +15,21 @@ and its ticket gets its answer there.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import anyio
 from kvd_protocol.entry import EntryHeader
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
+from kvd_protocol.limits import Limits
 
 from kvd import entry_files
+from kvd.blocks import Block
 from kvd.catalog import Catalog
 from kvd.config import Config
+from kvd.durability import sync_directory
 from kvd.logs import get_logger
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
@@ -46,6 +54,7 @@ class Queued:
     record: EntryRecord
     header: EntryHeader
     staging: Path
+    blocks_written: int = 0  # bytes of its blocks the writer made durable
 
 
 class Writer:
@@ -54,12 +63,15 @@ class Writer:
     def __init__(
         self,
         config: Config,
+        limits: Limits,
         catalog: Catalog,
+        *,
         tickets: Tickets,
         quarantine: Quarantine,
         telemetry: Telemetry,
     ) -> None:
         self._config = config
+        self._limits = limits
         self._catalog = catalog
         self._tickets = tickets
         self._quarantine = quarantine
@@ -113,20 +125,27 @@ class Writer:
             f"{self.queue.cap_bytes} bytes, no room for {size} more"
         )
 
-    def enqueue(self, record: EntryRecord, header: EntryHeader, staging: Path) -> int:
+    def enqueue(
+        self,
+        record: EntryRecord,
+        header: EntryHeader,
+        staging: Path,
+        nbytes: int,
+        new_blocks: Mapping[bytes, Path] = MappingProxyType({}),
+    ) -> int:
         """Queue a committed entry and index it (readable at once); returns its ticket.
+        nbytes: what it will write (its file, and new_blocks: the staging files of the blocks
+        its put wrote, by hash).
 
         REFUSED, with nothing changed, when the overflow policy has no room for it.
         """
         ticket = self._tickets.issue()
-        admission = self.queue.enqueue(
-            WriteItem(ticket, record.nbytes, Queued(record, header, staging))
-        )
+        admission = self.queue.enqueue(WriteItem(ticket, nbytes, Queued(record, header, staging)))
         if not admission.accepted:
-            raise ProtocolError(ErrorCode.REFUSED, self.no_room(record.nbytes))
+            raise ProtocolError(ErrorCode.REFUSED, self.no_room(nbytes))
         self._tickets.mark_pending(ticket)
         self._queued[record.id] = ticket
-        self._catalog.add(record, staged=staging)
+        self._catalog.add(record, staged=staging, staged_blocks=new_blocks)
         for dropped in admission.dropped:
             self.finish(dropped, Outcome.DROPPED, "write-behind queue overflow")
         # Its bytes count from now on: older stored entries make room at once, so that the
@@ -163,6 +182,9 @@ class Writer:
         record, staging = item.payload.record, item.payload.staging
         final = self._catalog.dirs.entry_path(record.identity, record.id)
         try:
+            if not await self._write_blocks(item.payload):
+                self.finish(item, Outcome.FAILED, "one of its blocks failed validation")
+                return
             await anyio.to_thread.run_sync(entry_files.verify_data, staging, item.payload.header)
             await anyio.to_thread.run_sync(entry_files.persist, staging, final)
         except EntryFormatError as exc:
@@ -175,6 +197,56 @@ class Writer:
         else:
             self.finish(item, Outcome.STORED, None)
 
+    async def _write_blocks(self, queued: Queued) -> bool:
+        """Make the entry's blocks that are not durable yet durable, in order; False when one
+        failed validation (it is quarantined, and every other manifest listing it dropped).
+        OSError as persist() raises it."""
+        record, dirs = queued.record, self._catalog.dirs
+        pending = [(i, b) for i, b in enumerate(self._catalog.blocks_of(record)) if not b.durable]
+        for index, block in pending:
+            final = dirs.block_path(record.identity, block.hash)
+            try:
+                await anyio.to_thread.run_sync(
+                    entry_files.verify_block,
+                    block.path,
+                    final.name,
+                    queued.header,
+                    index,
+                    self._limits,
+                )
+            except EntryFormatError as exc:
+                self.bad_block(block, str(exc), but=record)
+                return False
+            await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
+            if not self._catalog.blocks.placed(block, final):
+                entry_files.unlink_quietly(final)  # collected while it was being placed
+            else:
+                queued.blocks_written += block.size
+        if pending:
+            folders = (dirs.blocks_folder(record.identity), dirs.staging)
+            for folder in folders:
+                await anyio.to_thread.run_sync(sync_directory, folder)
+        return True
+
+    def bad_block(self, block: Block, reason: str, but: EntryRecord | None = None) -> None:
+        """A block is damaged or gone: its file (if any) quarantined, the block out of the
+        store, and every manifest that lists it out of the tier: a stored one quarantined, a
+        queued one withdrawn (but: the one whose write found it, failed by the caller). On
+        the event loop (a lookup's open may find it): a rename or two in small folders."""
+        catalog = self._catalog
+        listing = catalog.listing(block)
+        self._quarantine.now(block.path, reason)
+        catalog.blocks.forget(block)
+        why = f"{Rule.BLOCK_MISSING.value}: block {block.hash.hex()}: {reason}"
+        for record in listing:
+            if record is but:
+                continue
+            if record.durable:
+                self._quarantine.now(catalog.path_of(record), why)
+            else:
+                self.withdraw(record, why)
+            catalog.drop(record)
+
     def finish(self, item: WriteItem[Queued], outcome: Outcome, reason: str | None) -> None:
         """The one way out of the queue: the record follows the outcome, the ticket is answered."""
         record = item.payload.record
@@ -182,8 +254,9 @@ class Writer:
         if outcome in (Outcome.STORED, Outcome.FAILED):
             self.queue.done(item, outcome)  # dropped and cancelled ones are out already
         if outcome is Outcome.STORED:
-            self._catalog.counters.bytes_written += record.nbytes
-            self._telemetry.stored(record.identity, record.nbytes, time.time())
+            written = record.nbytes + item.payload.blocks_written
+            self._catalog.counters.bytes_written += written
+            self._telemetry.stored(record.identity, written, time.time())
             self._stored(record, item.ticket)
         else:
             self._catalog.drop(record)

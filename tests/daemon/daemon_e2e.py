@@ -144,7 +144,7 @@ class RawPeer:
             event = self.conn.next_event()
             if isinstance(event, m.Reply):
                 return event
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, m.MAX_BLOCK_BATCH)
             self.conn.receive_data(data, fds)
 
     def call(self, request: m.Request) -> m.Reply:
