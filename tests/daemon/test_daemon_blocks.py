@@ -361,3 +361,48 @@ def test_kvctl_verify_checks_the_blocks_and_status_shows_them(daemon: Daemon) ->
         assert now["entries"] == 0
         assert now["blocks"]["count"] == 0
         assert_counts_equal_the_directory(peer, daemon.tier)
+
+
+def test_block_files_appearing_behind_the_daemons_back_are_collected_or_quarantined(
+    daemon: Daemon,
+) -> None:
+    """A valid block no manifest lists (a copy of an evicted entry's) is an orphan and
+    collected; a file with a block's name that is not one is quarantined."""
+    with RawPeer(daemon.socket_path) as peer:
+        begun = put_v2(peer, IDENTITY, conversation(1))
+        folder = daemon.tier / "entries" / IDENTITY.digest() / "blocks"
+        copy = (folder / own_block_name(begun)).read_bytes()
+        evicted = peer.call(m.Evict(id=peer.next_id(), entry=None, identity=None, all=True))
+        assert isinstance(evicted, m.EvictReply), evicted
+        assert evicted.evicted == 1
+        assert evicted.bytes == begun.manifest.entry.file_size + 5 * begun.manifest.block_size
+        assert block_files(daemon.tier) == {}, "the blocks go with their last manifest"
+        (folder / own_block_name(begun)).write_bytes(copy)
+        fake = folder / ("cd" * 16 + ".kvb")
+        fake.write_bytes(b"not a block")
+        wait_until(
+            lambda: block_files(daemon.tier) == {}, "the orphan is collected, the fake moved"
+        )
+        assert [p.name for p in (daemon.tier / "quarantine").iterdir()] == [fake.name]
+        assert status(peer)["blocks"]["count"] == 0
+        assert_counts_equal_the_directory(peer, daemon.tier)
+
+
+def test_a_put_that_ends_uncommitted_lets_go_of_its_held_blocks(daemon: Daemon) -> None:
+    """The blocks a put was told are held stay while it is under way (an eviction cannot
+    take them), and go once its connection ends and the last manifest listing them goes."""
+    with RawPeer(daemon.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        with RawPeer(daemon.socket_path) as putter:
+            begun = begin(putter, IDENTITY, conversation(2))
+            assert isinstance(begun, Begun)
+            assert begun.held == 4
+            write_blocks(putter, begun)
+            evict = m.Evict(id=peer.next_id(), entry=None, identity=None, all=True)
+            assert isinstance(peer.call(evict), m.EvictReply)
+            assert len(block_files(daemon.tier)) == 4, "the held prefix is pinned by the put"
+        wait_until(lambda: status(peer)["staged_puts"] == 0, "the put is abandoned")
+        assert block_files(daemon.tier) == {}
+        assert not os.listdir(daemon.tier / "staging")
+        assert status(peer)["staged_bytes"] == 0
+        assert_counts_equal_the_directory(peer, daemon.tier)
