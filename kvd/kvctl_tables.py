@@ -217,6 +217,15 @@ def format_entry(summary: EntrySummary, header: EntryHeader, model: str, path: s
         ("state", "durable" if summary.durable else "pending"),
         ("file", f"{path} ({size(header.file_size)})"),
     ]
+    if header.blocks:
+        tail = header.token_count - len(header.blocks) * header.block_tokens
+        rows.append(
+            (
+                "blocks",
+                f"{len(header.blocks)} shared blocks of {header.block_tokens} tokens, "
+                f"from {header.blocks[0].hex()}; {tail} tokens in the file",
+            )
+        )
     if header.checkpoint is not None:
         rows.append(
             (

@@ -344,6 +344,10 @@ def test_kvctl_verify_checks_the_blocks_and_status_shows_them(daemon: Daemon) ->
     shown = kvctl(daemon, "status")
     assert shown.returncode == 0, shown.stderr
     assert "6 blocks" in shown.stdout
+    entry = next(p.stem for p in (daemon.tier / "entries").glob("*/*.kve"))
+    one = kvctl(daemon, "show", entry)
+    assert one.returncode == 0, one.stderr
+    assert f"5 shared blocks of {BLOCK_TOKENS} tokens" in one.stdout
     ok = kvctl(daemon, "verify")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "2 entries verified, 0 damaged" in ok.stdout
