@@ -362,6 +362,12 @@ class Puts:
                 ticket = self._tickets.issue()
                 self._tickets.settle(ticket, "stored", "duplicate")
                 return ticket
+            if self._catalog.blocks.held(digest, put.blocks[: put.held]) < put.held:
+                raise ProtocolError(
+                    ErrorCode.NOT_FOUND,
+                    f"{Rule.BLOCK_MISSING.value}: a block held for put {put.id} at put_begin "
+                    "was found damaged since and is gone: put the entry again",
+                )
             self._keep_quota(put)
             record = EntryRecord(
                 id=new_entry_id(),

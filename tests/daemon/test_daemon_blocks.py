@@ -410,3 +410,23 @@ def test_a_put_that_ends_uncommitted_lets_go_of_its_held_blocks(daemon: Daemon) 
         assert not os.listdir(daemon.tier / "staging")
         assert status(peer)["staged_bytes"] == 0
         assert_counts_equal_the_directory(peer, daemon.tier)
+
+
+def test_a_held_block_that_goes_bad_during_a_put_fails_its_commit_cleanly(daemon: Daemon) -> None:
+    with RawPeer(daemon.socket_path) as peer:
+        stored = put_v2(peer, IDENTITY, conversation(1))
+        begun = begin(peer, IDENTITY, conversation(2))
+        assert isinstance(begun, Begun)
+        assert begun.held == 4
+        write_blocks(peer, begun)
+        shared = daemon.tier / "entries" / IDENTITY.digest() / "blocks"
+        (shared / (stored.manifest.hashes[0].hex() + ".kvb")).unlink()
+        wait_until(lambda: status(peer)["entries"] == 0, "the entry listing it goes")
+        refused = commit(peer, begun.put)
+        assert isinstance(refused, m.ErrorReply)
+        assert refused.code == ErrorCode.NOT_FOUND
+        assert "block_missing" in refused.message
+        assert not os.listdir(daemon.tier / "staging")
+        now = status(peer)
+        assert (now["staged_bytes"], now["blocks"]["count"]) == (0, 0)
+        assert_counts_equal_the_directory(peer, daemon.tier)
