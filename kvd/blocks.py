@@ -28,7 +28,7 @@ Synchronous, owned by the event loop; the only file work here is unlinking what 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,9 +178,10 @@ class BlockStore:
         if self.get(block.identity, block.hash) is block:
             self._leave(block)
 
-    def collect_orphans(self) -> int:
-        """Collect every block no manifest lists and no put pinned (after a scan); how many."""
-        orphans = [b for b in self if not b.refs and not b.pins]
+    def collect_orphans(self, among: Iterable[Block] | None = None) -> int:
+        """Collect the blocks (of among: those just adopted; default: all, after a scan) no
+        manifest lists and no put pinned; how many."""
+        orphans = [b for b in (self if among is None else among) if not b.refs and not b.pins]
         for block in orphans:
             self._collect_if_free(block)
         return len(orphans)

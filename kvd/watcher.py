@@ -35,6 +35,7 @@ from kvd_protocol.limits import Limits
 from watchfiles import Change, awatch
 
 from kvd import entry_files
+from kvd.blocks import Block
 from kvd.logs import get_logger
 from kvd.records import EntryRecord, record_from_header
 from kvd.tier import Tier
@@ -194,8 +195,11 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
         on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
     modified = found.modified
     # Blocks first: a manifest copied in with its blocks finds them held.
+    adopted = []
     for path in found.blocks:
-        await _reconcile_block(tier, root, path, path in found.blocks_modified)
+        block = await _reconcile_block(tier, root, path, path in found.blocks_modified)
+        if block is not None:
+            adopted.append(block)
     for entry_id, path in candidates.items():
         if catalog.is_doomed(entry_id):
             continue  # removed from the index, its file kept until its last lease ends
@@ -213,31 +217,32 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
             await tier.quarantine.file(path, "a copy of an entry in another identity's folder")
         elif entry_id in modified:
             await _recheck(tier, record, path)
-    orphans = catalog.blocks.collect_orphans()
+    orphans = catalog.blocks.collect_orphans(adopted)
     if orphans:
         log.info("orphan_blocks_collected", count=orphans)
     tier.evict_to_cap()
 
 
-async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -> None:
-    """Make the block store agree with one path under a blocks folder."""
+async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -> Block | None:
+    """Make the block store agree with one path under a blocks folder; the block adopted, if
+    it was unknown (no manifest lists it yet)."""
     parts = _place(root, path)
     block_hash = parse_block_name(path.name)
     if parts is None or len(parts) != 3 or block_hash is None:
         if os.path.lexists(path):
             log.info("foreign_file_ignored", path=str(path), reason="not a block file")
-        return
+        return None
     identity = parts[0]
     block = tier.catalog.blocks.get(identity, block_hash)
     if block is not None and not block.durable:
-        return  # the writer's own, on its way into place
+        return None  # the writer's own, on its way into place
     if not os.path.lexists(path):
         if block is not None and not os.path.lexists(block.path):
             log.warning("block_removed_outside", block=path.name, identity=identity)
             tier.writer.bad_block(block, "its file was removed behind the daemon's back")
-        return
+        return None
     if block is not None and not modified:
-        return
+        return None
     try:
         header = await anyio.to_thread.run_sync(entry_files.read_block_header, path, tier.limits)
         if header.identity != identity:
@@ -245,17 +250,18 @@ async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -
         if block is not None and header.file_size != block.size:
             raise EntryFormatError(path.name, Rule.FILE_SIZE, "not the block the store holds")
     except FileNotFoundError:
-        return  # removed meanwhile: its deletion event follows
+        return None  # removed meanwhile: its deletion event follows
     except (EntryFormatError, OSError) as exc:
         if block is None:
             await tier.quarantine.file(path, str(exc))
         elif tier.catalog.blocks.get(identity, block_hash) is block:
             log.warning("block_modified_outside", block=path.name, reason=str(exc))
             tier.writer.bad_block(block, str(exc))
-        return
-    if block is None and tier.catalog.blocks.get(identity, block_hash) is None:
-        # Held with no ref: the manifests of this batch attach to it, or it is collected.
-        tier.catalog.blocks.adopt(identity, block_hash, header.file_size, path)
+        return None
+    if block is not None or tier.catalog.blocks.get(identity, block_hash) is not None:
+        return None
+    # Held with no ref: the manifests of this batch attach to it, or it is collected.
+    return tier.catalog.blocks.adopt(identity, block_hash, header.file_size, path)
 
 
 async def _adopt(tier: Tier, path: Path) -> None:
