@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 from entry_samples import (
     IDENTITY,
@@ -17,8 +18,9 @@ from entry_samples import (
     write,
     write_blocks,
 )
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
+from kvd_protocol import entry_reader
 from kvd_protocol.blocks import block_hashes
 from kvd_protocol.entry import (
     ALIGNMENT,
@@ -29,8 +31,10 @@ from kvd_protocol.entry import (
     TensorSpec,
     plan_manifest,
 )
-from kvd_protocol.entry_reader import check_block, parse_block_head, verify_slot
+from kvd_protocol.entry_reader import check_block, parse_block_head, parse_prefix, verify_slot
 from kvd_protocol.errors import EntryFormatError, Rule
+from kvd_protocol.limits import DEFAULT_LIMITS
+from kvd_protocol.schema import SchemaError
 from kvd_protocol.tokens import pack_tokens
 from test_entry_fuzz import _paths, msgpack_values
 
@@ -193,3 +197,37 @@ def test_a_forged_manifest_header_parses_or_fails_cleanly(
     assert parsed.blocks == (block_hashes(parsed.tokens, step) if step else ())
     tail = parsed.token_count - len(parsed.blocks) * step
     assert all(s.shape[2] == tail for layer in parsed.layers if layer.blocked for s in layer.slots)
+
+
+_SLOT_MAP = header_of(BLOCK_FILE)["layers"][0]["slots"][1]
+_BLOCK_PREFIX = parse_prefix(BLOCK_NAME, BLOCK_FILE[:PREFIX_BYTES])
+
+
+@given(
+    st.sampled_from([*_SLOT_MAP, "extra"]),
+    msgpack_values,
+    st.integers(0, len(_SLOT_MAP["shape"])),
+    st.booleans(),
+)
+def test_a_slot_map_has_one_verdict_on_the_fast_path_and_the_checked_one(
+    key: str, value: Any, dim: int, drop: bool
+) -> None:
+    """The reader's shortcut for conforming slot maps accepts exactly what its checks accept."""
+    forged = dict(_SLOT_MAP)
+    if drop:
+        forged.pop(key, None)
+    elif key == "shape":
+        forged["shape"] = [*forged["shape"][:dim], value, *forged["shape"][dim + 1 :]]
+    else:
+        forged[key] = value
+    try:  # as the reader decodes it
+        decoded = msgpack.unpackb(msgpack.packb(forged), raw=False, use_list=False)
+    except ValueError:  # a map key that is no string: the whole header fails before slots
+        assume(False)
+    fast = entry_reader._conforming_slot(decoded, _BLOCK_PREFIX)
+    try:
+        checked = entry_reader._slot(decoded, "slot", _BLOCK_PREFIX, DEFAULT_LIMITS)
+    except (entry_reader._RuleError, SchemaError):
+        assert fast is None
+        return
+    assert fast == checked
