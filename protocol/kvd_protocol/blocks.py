@@ -7,7 +7,6 @@ file is named by its hash in lowercase hex.
 
 from __future__ import annotations
 
-import re
 from typing import Final
 
 import xxhash
@@ -21,7 +20,7 @@ MAX_BLOCK_TOKENS: Final = 65536
 ZERO_HASH: Final = bytes(HASH_BYTES)  # the parent of block 0
 BLOCK_SUFFIX: Final = ".kvb"
 
-_NAME: Final = re.compile(rf"[0-9a-f]{{{2 * HASH_BYTES}}}{re.escape(BLOCK_SUFFIX)}")
+_LOWER_HEX: Final = frozenset("0123456789abcdef")
 
 
 def check_block_tokens(block_tokens: object) -> int:
@@ -74,8 +73,14 @@ def block_name(block: bytes) -> str:
     return block.hex() + BLOCK_SUFFIX
 
 
+def is_hex_digest(text: str, size: int) -> bool:
+    """Whether text is a size-byte digest in lowercase hex, as block and identity names are."""
+    return len(text) == 2 * size and _LOWER_HEX.issuperset(text)
+
+
 def parse_block_name(name: str) -> bytes | None:
     """The hash a block file's name gives, or None for any other name."""
-    if _NAME.fullmatch(name) is None:
+    digest = name.removesuffix(BLOCK_SUFFIX)
+    if digest == name or not is_hex_digest(digest, HASH_BYTES):
         return None
-    return bytes.fromhex(name[: 2 * HASH_BYTES])
+    return bytes.fromhex(digest)

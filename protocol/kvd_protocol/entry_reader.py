@@ -10,7 +10,6 @@ input.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
@@ -24,6 +23,7 @@ from .blocks import (
     block_hash,
     block_hashes,
     check_block_tokens,
+    is_hex_digest,
     parse_block_name,
     split_hashes,
 )
@@ -70,7 +70,7 @@ _BLOCK_LAYER_FIELDS: Final = frozenset({"slots"})
 _SLOT_FIELDS: Final = frozenset({"dtype", "shape", "offset", "nbytes", "checksum"})
 _RESERVED: Final = bytes(8)
 _FLAGS: Final = {FORMAT_VERSION: (0,), MANIFEST_VERSION: (0, FLAG_BLOCK)}  # known, per version
-_DIGEST: Final = re.compile(r"[0-9a-f]{32}")  # Identity.digest()
+_DIGEST_BYTES: Final = 16  # of Identity.digest(), in hex
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,7 @@ def _manifest_blocks(
 def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
     raw = schema.fields(obj, "block header", _BLOCK_FIELDS)
     identity = schema.text(raw["identity"], "identity", limits.max_name_bytes)
-    if _DIGEST.fullmatch(identity) is None:
+    if not is_hex_digest(identity, _DIGEST_BYTES):
         raise schema.SchemaError(f"identity: {identity[:64]!r} is not an identity digest")
     parent = schema.binary(raw["parent"], "parent", HASH_BYTES)
     if len(parent) != HASH_BYTES:
