@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, Self, TypeAlias
 
 from . import schema
-from .blocks import HASH_BYTES, MIN_BLOCK_TOKENS, check_block_tokens, split_hashes
+from .blocks import HASH_BYTES, MIN_BLOCK_TOKENS, block_hashes, check_block_tokens, split_hashes
 from .errors import ErrorCode, ProtocolError
 from .identity import Identity
 from .limits import Limits
@@ -368,7 +368,7 @@ class PingReply(Reply):
 @dataclass(frozen=True, kw_only=True)
 class PutBegin(Request):
     """With blocks (feature "blocks"): the entry is a version 2 manifest listing blocks, the
-    hashes of its T // block_tokens whole blocks, each a file of exactly block_size bytes."""
+    chained hashes of its T // block_tokens whole blocks, each a file of block_size bytes."""
 
     op: ClassVar[str] = "put_begin"
     identity: Identity = field(metadata=wire(_identity))
@@ -401,6 +401,9 @@ class PutBegin(Request):
             )
         if self.block_size < 1:
             raise schema.SchemaError(f"{self.op}: blocks need a block_size >= 1")
+        # Checked here, so that a put is never told it holds blocks of other tokens.
+        if b"".join(block_hashes(self.tokens, self.block_tokens)) != self.blocks:
+            raise schema.SchemaError(f"{self.op}: blocks are not the chained hashes of tokens")
 
     @property
     def hashes(self) -> tuple[bytes, ...]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from kvd_protocol.blocks import block_hashes
 from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.framing import decode_body
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
@@ -320,7 +321,11 @@ def test_a_put_with_blocks_names_its_hashes_in_order() -> None:
     assert _decode(PutBegin, BLOCKED_PUT.to_wire()) == BLOCKED_PUT
     assert BLOCKED_PUT.hashes == tuple(BLOCKS[i : i + 16] for i in range(0, 64, 16))
     # T // block_tokens blocks: 70 tokens in blocks of 32 are 2 blocks and a 6-token tail.
-    two = replace(BLOCKED_PUT, tokens=pack_tokens(range(70)), blocks=BLOCKS[:32], block_tokens=32)
+    seventy = pack_tokens(range(70))
+    two = replace(
+        BLOCKED_PUT, tokens=seventy, blocks=b"".join(block_hashes(seventy, 32)), block_tokens=32
+    )
+    assert len(two.hashes) == 2
     assert _decode(PutBegin, two.to_wire()) == two
     with pytest.raises(ProtocolError, match="2 block hashes for 1"):
         _decode(PutBegin, replace(two, tokens=pack_tokens(range(63))).to_wire())
@@ -339,6 +344,9 @@ def test_a_put_with_blocks_names_its_hashes_in_order() -> None:
         ({"block_tokens": 128}, "no whole block"),  # 64 tokens make no block of 128
         ({"block_size": 0}, "block_size"),
         ({"blocks": b"", "block_tokens": 0}, "block_tokens"),  # a size alone names no blocks
+        ({"blocks": BLOCKS[16:] + BLOCKS[:16]}, "chained hashes"),
+        ({"tokens": TOKENS[4:] + TOKENS[:4]}, "chained hashes"),
+        ({"block_tokens": 32, "blocks": BLOCKS[:32]}, "chained hashes"),  # of blocks of 16
         ({"blocks": BLOCKS[:16], "block_size": 0, "block_tokens": 0}, "block_tokens"),
     ],
 )
