@@ -135,8 +135,9 @@ def _block_head(path: Path, name: str, limits: Limits) -> BlockHeader:
         return parse_block_header(name, prefix, file.read(prefix.header_length), size, limits)
 
 
-def verify_data(path: Path, header: EntryHeader) -> None:
-    """Check every tensor's bytes against its slot checksum; raises EntryFormatError."""
+def verify_data(path: Path, header: EntryHeader | BlockHeader) -> None:
+    """Check every tensor's bytes (of an entry or a block file) against its slot checksum;
+    raises EntryFormatError."""
     _verify_slots(path, header.slots)
 
 

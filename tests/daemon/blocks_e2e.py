@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from daemon_e2e import SETTLE_SECONDS, RawPeer
@@ -273,3 +274,33 @@ def block_files(tier: Path) -> dict[str, int]:
 
 def manifest_files(tier: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in (tier / "entries").glob("*/*.kve")}
+
+
+def status(peer: RawPeer) -> dict[str, Any]:
+    reply = peer.call(m.Status(id=peer.next_id()))
+    assert isinstance(reply, m.StatusReply), reply
+    return dict(reply.status)
+
+
+def assert_counts_equal_the_directory(peer: RawPeer, tier: Path) -> None:
+    """Blocks, bytes and entries as the daemon counts them, against the files on disk; and
+    no block file that no manifest lists."""
+    now = status(peer)
+    blocks, manifests = block_files(tier), manifest_files(tier)
+    assert now["blocks"] == {"count": len(blocks), "bytes": sum(blocks.values())}
+    assert now["entries"] == len(manifests)
+    assert now["unique_bytes"] == sum(blocks.values()) + sum(manifests.values())
+    listed = set()
+    for path in (tier / "entries").glob("*/*.kve"):
+        header = read_manifest(path)
+        listed |= {h.hex() + ".kvb" for h in header.blocks}
+        assert all(h.hex() + ".kvb" in blocks for h in header.blocks), "a manifest lacks a block"
+    assert set(blocks) == listed, "a block file no manifest lists"
+
+
+def read_manifest(path: Path) -> EntryHeader:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_header(fd)
+    finally:
+        os.close(fd)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from blocks_e2e import (
     BLOCK_TOKENS,
     Begun,
     Found,
+    assert_counts_equal_the_directory,
     begin,
     block_files,
     commit,
@@ -22,8 +22,9 @@ from blocks_e2e import (
     manifest_files,
     put_blocks,
     put_v2,
-    read_header,
+    read_manifest,
     same,
+    status,
     wait,
     write_block,
     write_blocks,
@@ -32,7 +33,6 @@ from daemon_e2e import IDENTITY, RawPeer, put_stored, python_child, wait_until
 from daemon_process import Daemon, kvctl, running_daemon
 from kvd_client.client import Client
 from kvd_protocol import messages as m
-from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import ErrorCode
 
 PREFIX = list(range(1000, 1000 + 4 * BLOCK_TOKENS))  # four whole blocks every entry shares
@@ -41,36 +41,6 @@ PREFIX = list(range(1000, 1000 + 4 * BLOCK_TOKENS))  # four whole blocks every e
 def conversation(n: int, own_blocks: int = 1) -> list[int]:
     """The shared prefix, own_blocks blocks of this conversation's own, and a tail of 5."""
     return PREFIX + [n * 100 + i for i in range(own_blocks * BLOCK_TOKENS + 5)]
-
-
-def status(peer: RawPeer) -> dict[str, Any]:
-    reply = peer.call(m.Status(id=peer.next_id()))
-    assert isinstance(reply, m.StatusReply), reply
-    return dict(reply.status)
-
-
-def assert_counts_equal_the_directory(peer: RawPeer, tier: Path) -> None:
-    """Blocks, bytes and entries as the daemon counts them, against the files on disk; and
-    no block file that no manifest lists."""
-    now = status(peer)
-    blocks, manifests = block_files(tier), manifest_files(tier)
-    assert now["blocks"] == {"count": len(blocks), "bytes": sum(blocks.values())}
-    assert now["entries"] == len(manifests)
-    assert now["unique_bytes"] == sum(blocks.values()) + sum(manifests.values())
-    listed = set()
-    for path in (tier / "entries").glob("*/*.kve"):
-        header = read_manifest(path)
-        listed |= {h.hex() + ".kvb" for h in header.blocks}
-        assert all(h.hex() + ".kvb" in blocks for h in header.blocks), "a manifest lacks a block"
-    assert set(blocks) == listed, "a block file no manifest lists"
-
-
-def read_manifest(path: Path) -> EntryHeader:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return read_header(fd)
-    finally:
-        os.close(fd)
 
 
 def test_a_shared_prefix_is_stored_once_and_each_entry_served_whole(daemon: Daemon) -> None:

@@ -17,10 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from daemon_e2e import IDENTITY, SETTLE_SECONDS, entry, report
+from blocks_e2e import (
+    assert_counts_equal_the_directory,
+    begin,
+    commit,
+    look_up,
+    put_blocks,
+    wait,
+    write_block,
+)
+from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, report
 from daemon_process import Daemon, socket_folder
 from fault_shim import Faults, FaultShimError, build
 from kvd_client.client import Client
+from kvd_protocol import messages as m
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
 
@@ -146,3 +156,85 @@ def test_random_disk_faults_never_stop_the_daemon_nor_serve_a_bad_entry(
     assert outcomes.tickets["failed"] > 0
     reasons = outcomes.reasons
     assert all(any(word in reason for word in ERRNO_WORDS) for reason in reasons), reasons
+
+
+V2_ROUNDS = 150
+V2_IDENTITIES = 6  # each with its own shared prefix: blocks held, written, collected
+
+
+def put_and_look_up_v2(socket_path: str, rounds: int) -> Outcomes:
+    """Puts of v2 entries, each sharing its identity's two-block prefix and adding a block of
+    its own, each followed by lookups whose every block is checked against its manifest and
+    every slot against its checksum as it is read."""
+    outcomes = Outcomes()
+    rng = random.Random(11)
+    stored: list[tuple[Identity, list[int]]] = []
+    with RawPeer(socket_path) as peer:
+        for round_ in range(rounds):
+            owner = identity(round_ % V2_IDENTITIES)
+            prefix = list(range(round_ % V2_IDENTITIES * 100, round_ % V2_IDENTITIES * 100 + 32))
+            tokens = [*prefix, *rng.sample(range(5000, 9000), 21)]
+            state = _put_v2_or_fail(peer, owner, tokens)
+            outcomes.tickets[state] += 1
+            if state == "stored":
+                stored.append((owner, tokens))
+            for asked, prompt in rng.sample(stored, min(3, len(stored))):
+                found = look_up(peer, asked, [*prompt, 1])
+                if found is None or found.tensors is None:
+                    outcomes.failed_lookups += 1  # a miss, or a block refused: never bad bytes
+                else:
+                    outcomes.verified_hits += 1
+    return outcomes
+
+
+def _put_v2_or_fail(peer: RawPeer, owner: Identity, tokens: list[int]) -> str:
+    """A whole v2 put; its ticket's state, or "refused" when a request of it failed."""
+    begun = begin(peer, owner, tokens)
+    if isinstance(begun, m.ErrorReply):
+        return "refused"
+    count = len(begun.manifest.hashes) - begun.held
+    if count:
+        fds = put_blocks(peer, begun.put, begun.held, count)
+        if isinstance(fds, m.ErrorReply):
+            peer.call(m.PutAbort(id=peer.next_id(), put=begun.put))
+            return "refused"
+        for index, fd in enumerate(fds, start=begun.held):
+            try:
+                write_block(fd, begun.manifest, begun.tensors, index)
+            finally:
+                os.close(fd)
+    ticket = commit(peer, begun.put)
+    if isinstance(ticket, m.ErrorReply):
+        return "refused"
+    return wait(peer, ticket).state
+
+
+def test_random_disk_faults_with_shared_blocks_never_serve_a_bad_block(
+    tmp_path: Path, shim: Path
+) -> None:
+    """The same faults under v2 puts that share blocks: after a restart without faults every
+    manifest's blocks are there and valid, every block is listed, and the counts are the
+    directory's."""
+    faults = Faults(tmp_path, shim, tmp_path / "tier")
+    with socket_folder() as sockets:
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(tmp_path / "tier", socket_path, tmp_path / "log", FLAGS, ERRORS_PROVOKED)
+        daemon.start(env=faults.environment())
+        faults.enable(FAULT_PROBABILITY, RARER_CALLS)
+        outcomes = put_and_look_up_v2(socket_path, V2_ROUNDS)
+        faults.disable()
+        injected = faults.injected()
+        faults.close()
+        assert daemon.stop() == 0
+        daemon.start()
+        with RawPeer(socket_path) as peer:
+            assert_counts_equal_the_directory(peer, daemon.tier)
+        for path in (daemon.tier / "entries").glob("*/blocks/*.kvb"):
+            entry_files.verify_data(path, entry_files.read_block_header(path, DEFAULT_LIMITS))
+        daemon.stop()
+    daemon.check()
+    print(f"\nfaults injected: {sum(injected.values())}; {dict(outcomes.tickets)}")
+    assert sum(injected.values()) >= 30, injected
+    assert outcomes.tickets["stored"] > 0
+    assert outcomes.tickets["failed"] + outcomes.tickets["refused"] > 0
+    assert outcomes.verified_hits > 0
