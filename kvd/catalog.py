@@ -213,7 +213,7 @@ class Catalog:
         self._ids.add(record.id)
         self.version += 1
         self.manifest_bytes += record.nbytes
-        self.logical_bytes += record.nbytes + len(record.blocks) * record.block_size
+        self.logical_bytes += record.logical_bytes
         self.eviction.add(record)
 
     def drop(self, record: EntryRecord) -> None:
@@ -265,7 +265,7 @@ class Catalog:
         except OSError as exc:  # the bytes are no longer ours to count either way
             log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
         self.manifest_bytes -= record.nbytes
-        self.logical_bytes -= record.nbytes + len(record.blocks) * record.block_size
+        self.logical_bytes -= record.logical_bytes
         self.blocks.detach(self._blocks_of.pop(record.id, ()))
 
     # --- serving ------------------------------------------------------------------------------

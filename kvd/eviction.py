@@ -117,7 +117,9 @@ class CostPolicy:
     (a quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
     since last use (or since it was made) in HALF_LIFE units: an entry unused for an hour is
     worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
-    LruPolicy does.
+    LruPolicy does. An entry's bytes are those it would take stored alone, its shared blocks
+    included (logical_bytes): counting only its own file would rank a manifest with a short
+    tail above its siblings, though evicting any of them leaves the shared blocks to the rest.
 
     A selection samples SAMPLE entries at random and takes the least worth among the
     evictable ones, as Redis approximates LRU: each victim costs O(SAMPLE), never a sort of
@@ -162,7 +164,7 @@ class CostPolicy:
     def worth(self, record: EntryRecord, now: float) -> float:
         idle = max(0.0, now - (record.used_at or record.created))
         saved = record.token_count * self._prefill_cost(record.identity)
-        return saved / max(1, record.nbytes) / (1 + idle / self.HALF_LIFE)
+        return saved / max(1, record.logical_bytes) / (1 + idle / self.HALF_LIFE)
 
     def select_victims(
         self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None

@@ -44,6 +44,11 @@ class EntryRecord:
     def token_count(self) -> int:
         return token_count(self.tokens)
 
+    @property
+    def logical_bytes(self) -> int:
+        """What the entry takes stored alone: its file and each of its blocks."""
+        return self.nbytes + len(self.blocks) * self.block_size
+
 
 def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> EntryRecord:
     """The record of a durable entry file, from its validated header (its block_size is its

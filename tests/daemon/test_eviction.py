@@ -188,6 +188,21 @@ def test_cost_weighs_each_identitys_tokens_by_its_prefill_cost() -> None:
     assert policy.worth(big, 1000.0) == pytest.approx(policy.worth(small, 1000.0) * 50 / 40)
 
 
+def test_cost_counts_an_entrys_shared_blocks_as_its_bytes() -> None:
+    """Two manifests over the same 4 shared blocks, their tails of 10 and 200 tokens: what
+    each saves per byte is alike, however small its own file. Counting its file alone would
+    make the short tail look twenty times as dense."""
+    blocks = tuple(bytes([i]) * 16 for i in range(4))
+    short = entry(10, tokens=1034)
+    long = entry(200, tokens=1224)
+    for record in (short, long):
+        record.blocks, record.block_size = blocks, 1000
+    policy = _cost_policy(short, long)
+    ratio = policy.worth(short, 1000.0) / policy.worth(long, 1000.0)
+    assert ratio == pytest.approx((1034 / 4010) / (1224 / 4200))
+    assert 0.8 < ratio < 1.2
+
+
 def test_cost_never_evicts_pending_or_leased_entries() -> None:
     pending = entry(100, tokens=1, durable=False)
     leased = entry(100, tokens=1, leases=1)
