@@ -105,8 +105,20 @@ class Catalog:
         return self._blocks_of.get(record.id, ())
 
     def listing(self, block: Block) -> list[EntryRecord]:
-        """The indexed entries that list a block (of its identity: O(its entries))."""
-        return [r for r in self.of_identity(block.identity) if block in self.blocks_of(r)]
+        """The indexed entries that list a block: a walk of its identity's entries, none for
+        a block with no ref, and ending once its refs are found (a folder of blocks removed
+        at once costs about one walk, as the first blocks' manifests take the others' refs)."""
+        found: list[EntryRecord] = []
+        counts = self._identities.get(block.identity)
+        if not block.refs or counts is None:
+            return found
+        for entry_id in counts.ids.after(None):
+            record = self._records[entry_id]
+            if block in self.blocks_of(record):
+                found.append(record)
+                if len(found) == block.refs:
+                    break
+        return found
 
     def is_doomed(self, entry_id: str) -> bool:
         """Out of the index but kept on disk until its last lease ends."""

@@ -88,6 +88,8 @@ def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging
         assert block.refs == sum(block in catalog.blocks_of(r) for r in kept), block
         assert block.pins == sum(block in b.pinned for b in begun), block
         assert block.refs or block.pins, f"{block} is neither listed nor pinned: not collected"
+        listing = {r for r in catalog.records.values() if block in catalog.blocks_of(r)}
+        assert set(catalog.listing(block)) == listing
         assert block.path.stat().st_size == block.size
     for record in kept:
         listed = catalog.blocks_of(record)
