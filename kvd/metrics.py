@@ -60,12 +60,14 @@ WRITEBACK_COUNTERS = (
 IDENTITY_GAUGES = (
     ("entries", "kvd_identity_entries", "entries of one identity"),
     ("bytes", "kvd_identity_bytes", "bytes of one identity's entries"),
+    ("block_bytes", "kvd_identity_block_bytes", "bytes of one identity's shared blocks"),
 )
 IDENTITY_COUNTERS = (
     ("hits", "kvd_identity_hits", "restores of one identity the engines reported"),
     ("restores", "kvd_identity_restores", "restores of one identity, with their timing"),
     ("tokens_restored", "kvd_identity_tokens_restored", "prefill tokens restored, not computed"),
     ("bytes_written", "kvd_identity_written_bytes", "bytes written for one identity"),
+    ("dedup_saved_bytes", "kvd_identity_dedup_saved_bytes", "bytes not written: blocks held"),
 )
 # (status key, metric name, help): {p50, p95, p99} in milliseconds, exposed in seconds.
 IDENTITY_LATENCIES = (

@@ -67,6 +67,10 @@ def test_a_shared_prefix_is_stored_once_and_each_entry_served_whole(daemon: Daem
         assert mine["dedup_saved_bytes"] == 4 * size
         assert mine["block_bytes"] == 6 * size
         assert now["bytes_written"] == manifests + 6 * size
+        metrics = kvctl(daemon, "metrics").stdout.splitlines()
+        assert f"kvd_unique_bytes {float(now['unique_bytes'])}" in metrics
+        assert f"kvd_logical_bytes {float(now['logical_bytes'])}" in metrics
+        assert f"kvd_dedup_saved_bytes_total {float(4 * size)}" in metrics
         for n, begun in ((1, first), (2, second)):
             found = look_up(peer, IDENTITY, [*conversation(n), 7])
             assert found is not None
