@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
@@ -62,6 +63,7 @@ class AsyncClient:
         require: bool = False,
         backoff: Backoff = calls.DEFAULT_BACKOFF,
         verify: bool = True,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> AsyncClient:
         """As Client.connect."""
         link = calls.Link(
@@ -70,6 +72,7 @@ class AsyncClient:
             name or calls.default_client_name(),
             backoff,
             verify=verify,
+            block_tokens=block_tokens,
         )
         client = cls(link)
         try:

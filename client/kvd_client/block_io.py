@@ -12,15 +12,29 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from functools import partial
+from typing import TYPE_CHECKING, Final
 
+from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.dtypes import itemsize
+from kvd_protocol.entry import (
+    PREFIX_BYTES,
+    TOKEN_AXIS,
+    BlockHeader,
+    EntryHeader,
+    ManifestPlan,
+    Slot,
+)
+from kvd_protocol.entry_reader import check_block, parse_block_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
+from kvd_protocol.limits import Limits
 
-TOKEN_AXIS: Final = 2  # [batch, heads, tokens, ...]: the axis blocks cut
+if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
+    from .restore import Fill
+
 # Pieces copied per system call (and checksummed right after, while still in the CPU's
 # cache): as entry_io's chunks, 1 MiB written, a quarter of that read.
 WRITE_BYTES: Final = 1 << 20
@@ -147,3 +161,141 @@ def read_runs(
         raise EntryFormatError(
             name, Rule.DATA_CHECKSUM, f"slot at {start}: bytes do not match its checksum"
         )
+
+
+def full_shape(shape: Sequence[int], tokens: int) -> tuple[int, ...]:
+    """The shape of a cut tensor of tokens rows whose tail (or block) slot has shape."""
+    return (*shape[:TOKEN_AXIS], tokens, *shape[TOKEN_AXIS + 1 :])
+
+
+def _check_size(fd: int, size: int) -> None:
+    found = os.fstat(fd).st_size
+    if found != size:
+        raise ValueError(f"staging file is {found} bytes, {size} planned")
+
+
+# --- a put: the block files and the manifest, straight from the source arrays ---------------
+
+
+class BlockWriter:
+    """The files of a planned manifest, from the entry's tensors (a byte view of each, in the
+    plan's tensor order): each block's rows of every cut tensor, then its head; the
+    manifest's tails of the cut tensors and the other tensors whole, then its head."""
+
+    def __init__(self, plan: ManifestPlan, views: Sequence[memoryview]) -> None:
+        header = plan.entry.header
+        self.plan = plan
+        self._views = views
+        self._tokens, self._block = header.token_count, header.block_tokens
+        self._cuts = {
+            i: Cut.of(header.slots[i].dtype, full_shape(header.slots[i].shape, self._tokens))
+            for i in plan.blocked_tensors
+        }
+
+    def write_blocks(self, first: int, fds: Sequence[int]) -> None:
+        """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size."""
+        plan = self.plan
+        for index, fd in enumerate(fds, first):
+            _check_size(fd, plan.block_size)
+            rows = (index * self._block, (index + 1) * self._block)
+            checksums = [
+                write_runs(fd, slot.start, self._cuts[i].runs([self._views[i]], *rows))
+                for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
+            ]
+            write_runs(fd, 0, [memoryview(plan.block_head(index, checksums))])
+
+    def write_manifest(self, fd: int) -> None:
+        """The manifest into fd, pre-sized to its planned size."""
+        entry = self.plan.entry
+        _check_size(fd, entry.file_size)
+        tail = (len(self.plan.hashes) * self._block, self._tokens)
+        checksums = [
+            write_runs(
+                fd, slot.start, self._cuts[i].runs([view], *tail) if i in self._cuts else [view]
+            )
+            for i, (slot, view) in enumerate(zip(entry.slots, self._views, strict=True))
+        ]
+        write_runs(fd, 0, [memoryview(entry.head(checksums))])
+
+
+# --- a restore: the block files into the grown buffers ---------------------------------------
+
+
+class BlockReads:
+    """The cut tensors of one restore of a manifest that lists blocks: each one's destination
+    bytes, taken when the restore allocates its buffer (fill), and filled from the blocks.
+
+    The first blocks are opened before any buffer is allocated (opened): each cut tensor's
+    rows of them are read as soon as its buffer exists, on a reader thread, while the next
+    buffers are allocated. The other blocks are read once every buffer exists, a block at a
+    time (read_block): a restore holds two batches of block descriptors at the most."""
+
+    def __init__(self, header: EntryHeader, *, verify: bool, limits: Limits) -> None:
+        self.header = header
+        self._verify, self._limits = verify, limits
+        self._tokens, self._block = header.token_count, header.block_tokens
+        slots = header.slots
+        cut = [layer.blocked for layer in header.layers for _ in layer.slots]
+        self._order = [i for i, blocked in enumerate(cut) if blocked]  # as a block lists them
+        self._cuts = {
+            i: Cut.of(slots[i].dtype, full_shape(slots[i].shape, self._tokens)) for i in self._order
+        }
+        self._targets: dict[int, Sequence[memoryview]] = {}
+        self._open: list[tuple[int, int, BlockHeader]] = []  # (index, fd, head) of opened
+
+    def shape(self, index: int) -> tuple[int, ...]:
+        """The whole shape of tensor index (its slot's, for a tensor not cut)."""
+        shape = self.header.slots[index].shape
+        return full_shape(shape, self._tokens) if index in self._cuts else shape
+
+    def opened(self, first: int, fds: Sequence[int]) -> None:
+        """Blocks first, first + 1, ... are open (fds, left open until the restore ends):
+        their heads are read and checked now, their rows read by fill."""
+        self._open = [(first + k, fd, self._head(first + k, fd)) for k, fd in enumerate(fds)]
+
+    def fill(self, index: int, tail: Fill, defer: Callable[[Fill], Fill]) -> Fill:
+        """Tensor index's Fill: for a cut tensor, its destination is kept for read_block,
+        tail (the manifest slot's Fill) gets the tail rows and defer (a reader thread) its
+        rows of the opened blocks; any other tensor is tail's alone."""
+        cut = self._cuts.get(index)
+        if cut is None:
+            return tail
+        rows = (len(self.header.blocks) * self._block, self._tokens)
+        from_opened = defer(partial(self._rows_of_opened, index))
+
+        def take(pieces: Sequence[memoryview]) -> None:
+            self._targets[index] = pieces
+            tail(cut.runs(pieces, *rows))
+            from_opened(pieces)
+
+        return take
+
+    def read_block(self, index: int, fd: int) -> None:
+        """Block index from fd (left open): its head read and checked against the manifest,
+        then each cut tensor's rows; raises EntryFormatError or OSError."""
+        block = self._head(index, fd)
+        for slot, i in zip(block.slots, self._order, strict=True):
+            self._rows(i, self._targets[i], index, fd, slot)
+
+    def _rows_of_opened(self, tensor: int, pieces: Sequence[memoryview]) -> None:
+        at = self._order.index(tensor)
+        for index, fd, block in self._open:
+            self._rows(tensor, pieces, index, fd, block.slots[at])
+
+    def _rows(
+        self, tensor: int, pieces: Sequence[memoryview], index: int, fd: int, slot: Slot
+    ) -> None:
+        """Block index's rows of a cut tensor, from its slot: one preadv (per READ_BYTES)."""
+        rows = (index * self._block, (index + 1) * self._block)
+        runs = self._cuts[tensor].runs(pieces, *rows)
+        name = block_name(self.header.blocks[index])
+        read_runs(fd, slot.start, runs, slot.checksum if self._verify else None, name)
+
+    def _head(self, index: int, fd: int) -> BlockHeader:
+        name = block_name(self.header.blocks[index])
+        size = os.fstat(fd).st_size
+        prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), self._limits)
+        head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
+        block = parse_block_header(name, prefix, head, size, self._limits)
+        check_block(self.header, index, block, name)
+        return block

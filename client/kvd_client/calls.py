@@ -20,12 +20,25 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Final, TypeAlias, TypeVar
 
+from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
-from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, plan_entry
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+from kvd_protocol.entry import (
+    Checkpoint,
+    EntryHeader,
+    EntryPlan,
+    LayerSpec,
+    ManifestPlan,
+    MetaValue,
+    TensorSpec,
+    plan_entry,
+    plan_manifest,
+)
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    BLOCKS_FEATURE,
+    MAX_BLOCK_BATCH,
     PREFILL_COST_FEATURE,
     PROTOCOL_VERSION,
     U32,
@@ -45,12 +58,16 @@ from kvd_protocol.messages import (
     ListEntriesReply,
     Lookup,
     LookupReply,
+    OpenBlocks,
+    OpenBlocksReply,
     Ping,
     PingReply,
     PutAbort,
     PutAbortReply,
     PutBegin,
     PutBeginReply,
+    PutBlocks,
+    PutBlocksReply,
     PutCommit,
     PutCommitReply,
     Release,
@@ -66,7 +83,7 @@ from kvd_protocol.messages import WaitTicket as TicketRequest
 from kvd_protocol.paths import default_paths
 from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 
-from . import entry_io
+from . import block_io, entry_io
 from .entry_io import TensorData
 from .transport import TransportClosed
 
@@ -165,10 +182,14 @@ class ClientStats:
     failed_lookups: int = 0  # lookups turned into misses by an unavailable or refusing daemon
     rejected_entries: int = 0  # looked-up files that were damaged or did not match the ask
     restored: int = 0  # gets that rebuilt caches from an entry
+    bytes_written: int = 0  # into the daemon's staging files: entries, manifests and blocks
+    blocks_written: int = 0  # block files written by puts
+    blocks_held: int = 0  # blocks puts did not write: the daemon held them already
     # Lookups and gets that came back empty, by reason: "no entry", "unavailable", "refused",
     # "below min_tokens", "mismatch", a damaged file's validation rule ("truncated",
-    # "header_checksum", "data_checksum"... see FORMAT.md), "unreadable" (an I/O error), and
-    # the restore's own ("codec", "model", "untrimmable", "load failed").
+    # "header_checksum", "data_checksum", a block's "block_hash", "block_mismatch" or
+    # "block_missing"... see FORMAT.md), "unreadable" (an I/O error), and the restore's own
+    # ("codec", "model", "untrimmable", "load failed").
     misses: Counter[str] = field(default_factory=Counter)
 
 
@@ -192,13 +213,22 @@ class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
     def __init__(
-        self, socket_path: str, timeout: float, name: str, backoff: Backoff, *, verify: bool
+        self,
+        socket_path: str,
+        timeout: float,
+        name: str,
+        backoff: Backoff,
+        *,
+        verify: bool,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.name = name
         self.backoff = backoff
         self.verify = verify  # restores check every tensor against its checksum
+        # Puts cut blocked layers into blocks of this many tokens; 0: never (version 1).
+        self.block_tokens = block_tokens and check_block_tokens(block_tokens)
         self.stats = ClientStats()
         self.limits: Limits = DEFAULT_LIMITS  # the daemon's, once a hello was answered
         self.server: HelloReply | None = None
@@ -352,7 +382,9 @@ class LookupHit:
 class LookupResultBase:
     """A usable entry: its header read from the file, and a read-only view per tensor
     (mapped on first use). Release it (or use it as a context manager) to close the file
-    and end the lease."""
+    and end the lease. Of an entry stored in blocks (header.blocks) these are the
+    manifest's: the tails of the cut tensors, the other tensors whole; a get reads the
+    blocks."""
 
     def __init__(self, hit: LookupHit) -> None:
         self._hit = hit
@@ -466,27 +498,53 @@ def put_entry(
     checkpoint: Checkpoint | None,
     meta: Mapping[str, MetaValue] | None,
 ) -> Call[PutOutcome]:
-    """Plan, begin, write into the staging descriptor, commit. Caller mistakes (a layout the
-    planner rejects, a tensor that does not fit its slot) raise before the daemon is asked."""
+    """Plan, begin, write into the staging descriptors, commit. Caller mistakes (a layout the
+    planner rejects, a tensor that does not fit its slot) raise before the daemon is asked.
+
+    Cut into blocks (a manifest, FORMAT.md "Version 2") when the daemon offers blocks, the
+    client's block size is not 0 and some layer is blocked with a whole block of tokens; the
+    daemon says how many leading blocks it holds already, and only the others are written."""
     started = time.perf_counter()
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    plan = plan_entry(
-        identity,
-        packed,
-        layers,
-        created=created,
-        min_reuse=min_reuse,
-        checkpoint=checkpoint,
-        meta=meta,
-        limits=link.limits,
-    )
-    views = entry_io.tensor_views(plan, tensors)
+    plan: EntryPlan | ManifestPlan
+    hashes, block_size = b"", 0  # put_begin's block fields: none for a version 1 entry
+    if _blocks_for(link, packed, layers):
+        plan = plan_manifest(
+            identity,
+            packed,
+            layers,
+            block_tokens=link.block_tokens,
+            created=created,
+            min_reuse=min_reuse,
+            checkpoint=checkpoint,
+            meta=meta,
+            limits=link.limits,
+        )
+        writer = block_io.BlockWriter(plan, entry_io.views_of(_whole_slots(layers), tensors))
+        write: Callable[[int], None] = writer.write_manifest
+        size, hashes, block_size = plan.entry.file_size, b"".join(plan.hashes), plan.block_size
+    else:
+        plan = plan_entry(
+            identity,
+            packed,
+            layers,
+            created=created,
+            min_reuse=min_reuse,
+            checkpoint=checkpoint,
+            meta=meta,
+            limits=link.limits,
+        )
+        write = partial(entry_io.write_entry, plan=plan, views=entry_io.tensor_views(plan, tensors))
+        size = plan.file_size
     request = PutBegin(
         id=link.next_id(),
         identity=identity,
         tokens=packed,
-        size=plan.file_size,
+        size=size,
         prefill_cost=link.prefill_cost if link.offers(PREFILL_COST_FEATURE) else 0.0,
+        blocks=hashes,
+        block_tokens=link.block_tokens if hashes else 0,
+        block_size=block_size,
     )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
@@ -501,7 +559,11 @@ def put_entry(
     assert begin.fd is not None  # the Connection delivers the descriptor a begin declares
     try:
         try:
-            yield Blocking(partial(entry_io.write_entry, begin.fd, plan, views))
+            if isinstance(plan, ManifestPlan):
+                link.stats.blocks_held += begin.held
+                yield from put_blocks(link, begin.put, epoch, begin.held, writer)
+            yield Blocking(partial(write, begin.fd))
+            link.stats.bytes_written += size
         finally:
             os.close(begin.fd)
         took = (time.perf_counter() - started) * 1000
@@ -517,6 +579,62 @@ def put_entry(
             return PutOutcome(None, TicketState("failed", str(exc)), epoch)
         raise
     return PutOutcome(ticket, TicketState("pending"), epoch)
+
+
+def _blocks_for(link: Link, tokens: bytes, layers: Sequence[LayerSpec]) -> bool:
+    """Whether a put of these layers is cut into blocks (see put_entry)."""
+    return (
+        link.block_tokens > 0
+        and link.offers(BLOCKS_FEATURE)
+        and len(tokens) // TOKEN_BYTES >= link.block_tokens
+        and any(layer.blocked for layer in layers)
+    )
+
+
+def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
+    return [tensor for layer in layers for tensor in layer.tensors]
+
+
+def put_blocks(
+    link: Link, put: int, epoch: int, held: int, writer: block_io.BlockWriter
+) -> Call[None]:
+    """Write blocks held.. of a begun put: their staging files asked for in batches, each
+    batch written (Blocking) and closed before the next is asked for."""
+    count = len(writer.plan.hashes)
+    for first in range(held, count, MAX_BLOCK_BATCH):
+        batch = min(MAX_BLOCK_BATCH, count - first)
+        request = PutBlocks(id=link.next_id(), put=put, first=first, count=batch)
+        fds = _claimed(expect((yield Exchange(request, epoch=epoch)), PutBlocksReply), batch)
+        try:
+            yield Blocking(partial(writer.write_blocks, first, fds))
+            link.stats.blocks_written += batch
+            link.stats.bytes_written += batch * writer.plan.block_size
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:
+    """Read-only descriptors of blocks first..first + count - 1 of a looked-up entry, for the
+    caller to close. A block the daemon cannot open raises EntryFormatError (block_missing:
+    the daemon has quarantined it); else DaemonUnavailable or DaemonError."""
+    request = OpenBlocks(id=link.next_id(), lease=hit.lease, first=first, count=count)
+    try:
+        reply = expect((yield Exchange(request, epoch=hit.epoch)), OpenBlocksReply)
+    except DaemonError as exc:
+        if exc.code is ErrorCode.NOT_FOUND and exc.message.startswith(Rule.BLOCK_MISSING):
+            raise EntryFormatError(hit.summary.id, Rule.BLOCK_MISSING, exc.message) from None
+        raise
+    return _claimed(reply, count)
+
+
+def _claimed(reply: PutBlocksReply | OpenBlocksReply, count: int) -> tuple[int, ...]:
+    """The reply's descriptors, exactly count of them (else all closed: DaemonError)."""
+    if len(reply.fds) != count:
+        for fd in reply.fds:
+            os.close(fd)
+        raise DaemonError(ErrorCode.BAD_DESCRIPTORS, f"{len(reply.fds)} files for {count} blocks")
+    return reply.fds
 
 
 def _abort(link: Link, put: int, epoch: int) -> Call[None]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
@@ -58,17 +59,22 @@ class Client:
         require: bool = False,
         backoff: Backoff = calls.DEFAULT_BACKOFF,
         verify: bool = True,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> Client:
         """Connect and say hello. A daemon that is down gives a client that is not connected
         (and retries on later calls), unless require: then DaemonUnavailable is raised.
         verify: get() checks every tensor against its checksum as it copies it (the default;
-        a mismatch is a miss, and the daemon is told to quarantine the entry)."""
+        a mismatch is a miss, and the daemon is told to quarantine the entry).
+        block_tokens: against a daemon that offers blocks, puts store plain and quantized KV
+        in blocks of this many tokens (a power of two in 16..65536), each shared by every
+        entry of the same model with the same tokens up to it; 0: whole entries (version 1)."""
         link = calls.Link(
             socket_path or calls.default_socket_path(),
             timeout,
             name or calls.default_client_name(),
             backoff,
             verify=verify,
+            block_tokens=block_tokens,
         )
         client = cls(link)
         try:

@@ -16,9 +16,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 from kvd_protocol.checksum import new_checksum
+from kvd_protocol.dtypes import tensor_nbytes
 from kvd_protocol.entry import PREFIX_BYTES, EntryHeader, EntryPlan, Slot
 from kvd_protocol.entry_reader import parse_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
@@ -40,13 +41,28 @@ class TensorLayoutError(ValueError):
     """A tensor handed to a put does not match its planned slot (size, contiguity, count)."""
 
 
+class Expected(Protocol):
+    """What a tensor handed to a put must be: a slot, or a layer spec's tensor."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 def tensor_views(plan: EntryPlan, tensors: Sequence[TensorData]) -> list[memoryview]:
     """A flat byte view of each tensor, checked against its slot; raises TensorLayoutError."""
-    slots = plan.slots
-    if len(tensors) != len(slots):
-        raise TensorLayoutError(f"{len(tensors)} tensors for {len(slots)} planned slots")
+    return views_of(plan.slots, tensors)
+
+
+def views_of(expected: Sequence[Expected], tensors: Sequence[TensorData]) -> list[memoryview]:
+    """A flat byte view of each tensor, checked against what is expected of it (size,
+    contiguity, count); raises TensorLayoutError."""
+    if len(tensors) != len(expected):
+        raise TensorLayoutError(f"{len(tensors)} tensors for {len(expected)} planned slots")
     views: list[memoryview] = []
-    for i, (tensor, slot) in enumerate(zip(tensors, slots, strict=True)):
+    for i, (tensor, slot) in enumerate(zip(tensors, expected, strict=True)):
         try:
             view = memoryview(tensor)
         except TypeError:
@@ -55,10 +71,11 @@ def tensor_views(plan: EntryPlan, tensors: Sequence[TensorData]) -> list[memoryv
             ) from None
         if not view.c_contiguous:
             raise TensorLayoutError(f"tensor {i}: not C-contiguous; make a contiguous copy first")
-        if view.nbytes != slot.nbytes:
+        nbytes = tensor_nbytes(slot.dtype, slot.shape)
+        if view.nbytes != nbytes:
             raise TensorLayoutError(
                 f"tensor {i}: {view.nbytes} bytes, its slot ({slot.dtype} {list(slot.shape)}) "
-                f"holds {slot.nbytes}"
+                f"holds {nbytes}"
             )
         if view.nbytes == 0:
             view = memoryview(b"")  # cast() refuses shapes with a zero in them

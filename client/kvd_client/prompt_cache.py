@@ -10,22 +10,27 @@ reason in the client's stats.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
 import mlx.core as mx
 import mlx_lm
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
 from kvd_protocol.errors import EntryFormatError
+from kvd_protocol.messages import MAX_BLOCK_BATCH
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import calls
-from .calls import Call, Link, LookupHit, PutOutcome
+from .block_io import BlockReads
+from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
-from .restore import Fill, Filling, TensorSource, dtype_name
+from .restore import Fill, Filling, TensorSource, dtype_name, read_on_readers
 
 log = logging.getLogger("kvd_client")
 
@@ -62,7 +67,9 @@ def encode(
         if isinstance(offset, int) and offset != token_count:
             raise CodecError(f"layer {i} holds {offset} tokens, the entry has {token_count}")
         specs = tuple(TensorSpec(dtype_name(a.dtype), tuple(a.shape)) for a in arrays)
-        layers.append(LayerSpec(codec.kind, specs, codec.trimmable(state), state))
+        layers.append(
+            LayerSpec(codec.kind, specs, codec.trimmable(state), state, blocked=codec.blocked)
+        )
         # The buffer protocol of a bfloat16 array has a format memoryview cannot cast.
         tensors.extend(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays)
     mx.eval(tensors)
@@ -111,10 +118,21 @@ class Miss(Exception):  # noqa: N818 - an outcome, not a failure of the caller
 def decode(
     header: EntryHeader, fills: Sequence[Fill], matched: int, model: Any = None
 ) -> list[Any]:
-    """The caches of an entry (its header, and a Fill per slot), trimmed to matched tokens
-    and evaluated; raises Miss, or EntryFormatError for tensor bytes the fills found damaged.
-    With model, the entry is checked against the caches the model makes before anything is
-    allocated."""
+    """The caches of an entry stored whole (version 1, or a manifest listing no blocks; a
+    get reads the blocks of the others), from its header and a Fill per slot, trimmed to
+    matched tokens and evaluated; raises Miss, or EntryFormatError for tensor bytes the fills
+    found damaged. With model, the entry is checked against the caches the model makes
+    before anything is allocated."""
+    if header.blocks:
+        raise Miss("blocks", f"the entry lists {len(header.blocks)} blocks, read by a get")
+    codecs = _codecs(header, matched, model)
+    with _as_miss(), Filling() as filling:
+        caches = _loaded(header, codecs, fills, filling, None)
+    return _trimmed(caches, header.token_count - matched)
+
+
+def _codecs(header: EntryHeader, matched: int, model: Any) -> list[Codec]:
+    """The codec of each layer, once the entry is known to be restorable; raises Miss."""
     if header.identity.codec_id != CODEC_ID:
         raise Miss("codec", f"entry written by codecs {header.identity.codec_id!r}")
     try:
@@ -127,30 +145,57 @@ def decode(
         except Exception as exc:
             raise Miss("model", f"make_prompt_cache failed: {type(exc).__name__}: {exc}") from exc
         _check_model(header, codecs, templates)
-    excess = header.token_count - matched
-    if excess and not header.trimmable:
+    if header.token_count > matched and not header.trimmable:
         raise Miss("untrimmable", f"{header.token_count} tokens stored, {matched} matched")
-    try:
-        with Filling() as filling:
-            sources = iter(
-                TensorSource(filling.deferred(fill), slot.dtype, slot.shape)
-                for slot, fill in zip(header.slots, fills, strict=True)
-            )
-            caches = [
-                codec.load(layer.meta, [next(sources) for _ in layer.slots])
-                for codec, layer in zip(codecs, header.layers, strict=True)
-            ]
+    return codecs
+
+
+def _loaded(
+    header: EntryHeader,
+    codecs: Sequence[Codec],
+    fills: Sequence[Fill],
+    filling: Filling,
+    blocks: BlockReads | None,
+) -> list[Any]:
+    """The caches, their buffers allocated and handed to the fills (on reader threads); the
+    cut tensors' rows in blocks are left to blocks.read_block."""
+    sources = iter(
+        TensorSource(
+            filling.deferred(fill)
+            if blocks is None
+            else blocks.fill(i, filling.deferred(fill), filling.deferred),
+            slot.dtype,
+            slot.shape if blocks is None else blocks.shape(i),
+        )
+        for i, (slot, fill) in enumerate(zip(header.slots, fills, strict=True))
+    )
+    return [
+        codec.load(layer.meta, [next(sources) for _ in layer.slots])
+        for codec, layer in zip(codecs, header.layers, strict=True)
+    ]
+
+
+def _trimmed(caches: list[Any], excess: int) -> list[Any]:
+    with _as_miss():
         for cache in caches:
             if excess and cache.trim(excess) != excess:
                 raise CodecError(f"a {type(cache).__name__} could not drop {excess} tokens")
         mx.eval([cache.state for cache in caches])
-    except EntryFormatError:
+    return caches
+
+
+@contextmanager
+def _as_miss() -> Iterator[None]:
+    """Anything a stored entry can provoke while loading is a miss, never a crash; damaged
+    bytes (EntryFormatError) and misses go on as they are."""
+    try:
+        yield
+    except (EntryFormatError, Miss):
         raise
     except OSError as exc:
         raise Miss("unreadable", str(exc)) from exc
-    except Exception as exc:  # anything a stored entry can provoke is a miss, never a crash
+    except Exception as exc:
         raise Miss("load failed", f"{type(exc).__name__}: {exc}") from exc
-    return caches
 
 
 def _check_model(header: EntryHeader, codecs: Sequence[Codec], templates: list[Any]) -> None:
@@ -198,8 +243,7 @@ def _restore(
     restored = damage = None
     missed: str | None = None
     try:
-        fills = hit.entry.fills(verify=link.verify)
-        caches = decode(hit.entry.header, fills, hit.matched, model)
+        caches = yield from _decoded(link, hit, model)
     except EntryFormatError as exc:
         damage = exc
     except Miss as miss:
@@ -221,3 +265,48 @@ def _restore(
         report = calls.restore_report(missed, started, nbytes, tokens)
         yield from calls.release_lease(link, hit.lease, hit.epoch, report=report)
     return restored
+
+
+def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
+    """decode, and for a manifest listing blocks, its blocks read into the buffers: the
+    first batch opened before the buffers are allocated and read as each one is (the
+    allocation of the next goes on meanwhile), the others a batch at a time once all exist:
+    a restore holds at most two batches of block descriptors whatever the entry's length."""
+    header = hit.entry.header
+    fills = hit.entry.fills(verify=link.verify)
+    if not header.blocks:
+        return decode(header, fills, hit.matched, model)
+    codecs = _codecs(header, hit.matched, model)
+    blocks = BlockReads(header, verify=link.verify, limits=link.limits)
+    batches = [
+        (first, min(MAX_BLOCK_BATCH, len(header.blocks) - first))
+        for first in range(0, len(header.blocks), MAX_BLOCK_BATCH)
+    ]
+    opened: tuple[int, ...] = ()
+    try:
+        with _as_miss(), Filling() as filling:
+            opened = yield from _open_blocks(link, hit, *batches[0])
+            blocks.opened(batches[0][0], opened)
+            caches = _loaded(header, codecs, fills, filling, blocks)
+            for first, count in batches[1:]:
+                fds = yield from _open_blocks(link, hit, first, count)
+                try:
+                    reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
+                    yield Blocking(partial(read_on_readers, reads))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+    finally:  # once every read of them has ended (leaving Filling waits for them)
+        for fd in opened:
+            os.close(fd)
+    return _trimmed(caches, header.token_count - hit.matched)
+
+
+def _open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:
+    """calls.open_blocks, a daemon that cannot be asked or refuses being a miss."""
+    try:
+        return (yield from calls.open_blocks(link, hit, first, count))
+    except DaemonUnavailable as exc:
+        raise Miss(calls.UNAVAILABLE, str(exc)) from exc
+    except DaemonError as exc:
+        raise Miss("refused", str(exc)) from exc

@@ -125,9 +125,18 @@ class Filling:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        wait(self._pending)
-        for future in self._pending:
-            future.result()
+        _settle(self._pending)
+
+
+def read_on_readers(reads: Sequence[Callable[[], None]]) -> None:
+    """Run reads on the reader threads and wait for them all, then raise the first failure."""
+    _settle([_readers().submit(read) for read in reads])
+
+
+def _settle(pending: Sequence[Future[None]]) -> None:
+    wait(pending)
+    for future in pending:
+        future.result()
 
 
 # Reads from the page cache wait on the kernel's copy: more threads than cores go faster

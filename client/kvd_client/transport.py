@@ -12,8 +12,12 @@ import os
 import socket
 from collections.abc import Sequence
 
+from kvd_protocol.messages import MAX_BLOCK_BATCH
+
 RECV_BYTES = 1 << 16
-MAX_FDS_PER_READ = 8  # replies carry at most one descriptor; room for several per read
+# A reply carries at most MAX_BLOCK_BATCH descriptors (put_blocks, open_blocks): room for one
+# such reply and a few more per read.
+MAX_FDS_PER_READ = MAX_BLOCK_BATCH + 8
 _CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on every read
 
 

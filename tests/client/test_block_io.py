@@ -14,9 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvd_client import block_io
-from kvd_client.block_io import Cut, read_runs, write_runs
+from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_runs, write_runs
+from kvd_client.entry_io import EntryFile
 from kvd_protocol.checksum import checksum
+from kvd_protocol.entry import LayerSpec, TensorSpec, plan_manifest
 from kvd_protocol.errors import EntryFormatError, Rule
+from kvd_protocol.identity import Identity
+from kvd_protocol.limits import DEFAULT_LIMITS
+from kvd_protocol.tokens import pack_tokens
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -130,3 +135,118 @@ def test_a_short_file_and_changed_bytes_are_refused_by_rule(fd: int) -> None:
     unchecked = memoryview(bytearray(64))
     read_runs(fd, 0, [unchecked], None, "block")  # verification off: the bytes as they are
     assert unchecked[10] == 0xFF
+
+
+# --- a manifest and its blocks on real files, written and read back -------------------------
+
+BLOCK = 16
+TOKENS = 3 * BLOCK + 5  # three whole blocks and a tail of five rows
+IDENTITY = Identity("test/model", "cfg", "tok", "codecs/1", "mlx/cpu")
+
+
+def _entry_tensors() -> tuple[list[LayerSpec], list[np.ndarray]]:
+    """A cut layer (keys, values), a layer stored whole, and another cut layer."""
+    rng = np.random.default_rng(3)
+    kv = [rng.standard_normal((1, 2, TOKENS, 8)).astype(np.float16) for _ in range(4)]
+    ring = rng.standard_normal((1, 2, 8, 8)).astype(np.float32)
+
+    def spec(array: np.ndarray) -> TensorSpec:
+        return TensorSpec(str(array.dtype), tuple(array.shape))
+
+    layers = [
+        LayerSpec("kv", (spec(kv[0]), spec(kv[1])), True, {"offset": TOKENS}, blocked=True),
+        LayerSpec("rotating_kv", (spec(ring),), False, blocked=False),
+        LayerSpec("kv", (spec(kv[2]), spec(kv[3])), True, {"offset": TOKENS}, blocked=True),
+    ]
+    return layers, [kv[0], kv[1], ring, kv[2], kv[3]]
+
+
+def _file(path: Path, size: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    return fd
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[tuple[EntryFile, list[int], list[np.ndarray]]]:
+    """The entry written as a manifest and its blocks: the manifest opened as a lookup opens
+    it, the blocks' descriptors, the source arrays."""
+    layers, arrays = _entry_tensors()
+    plan = plan_manifest(
+        IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
+    )
+    writer = BlockWriter(plan, [_bytes(a) for a in arrays])
+    blocks = [_file(tmp_path / f"block{i}", plan.block_size) for i in range(len(plan.hashes))]
+    writer.write_blocks(0, blocks[:2])
+    writer.write_blocks(2, blocks[2:])
+    manifest = _file(tmp_path / "manifest", plan.entry.file_size)
+    writer.write_manifest(manifest)
+    entry = EntryFile.open(manifest, "manifest")
+    yield entry, blocks, arrays
+    entry.close()
+    for fd in blocks:
+        os.close(fd)
+
+
+def _restored(
+    entry: EntryFile, blocks: list[int], opened: int, order: list[int]
+) -> list[np.ndarray]:
+    """Each tensor in a buffer as a restore makes it (cut ones with room for 64 rows), filled
+    by BlockReads from the manifest and the blocks: the first opened ones before the buffers
+    exist, then those of order one by one."""
+    header = entry.header
+    reads = BlockReads(header, verify=True, limits=DEFAULT_LIMITS)
+    reads.opened(0, blocks[:opened])
+    targets = []
+    for i, fill in enumerate(entry.fills()):
+        shape = reads.shape(i)
+        if i == 2:
+            target = np.zeros(shape, np.float32)
+            reads.fill(i, fill, lambda f: f)([_bytes(target)])
+        else:
+            target = np.zeros((*shape[:2], 64, *shape[3:]), np.float16)
+            run = 64 * 8 * 2
+            pieces = [_bytes(target)[o * run : o * run + TOKENS * 8 * 2] for o in range(2)]
+            reads.fill(i, fill, lambda f: f)(pieces)  # deferred to no thread: read at once
+        targets.append(target)
+    for index in order:
+        reads.read_block(index, blocks[index])
+    return targets
+
+
+def test_a_manifest_and_its_blocks_restore_every_tensor(
+    stored: tuple[EntryFile, list[int], list[np.ndarray]],
+) -> None:
+    entry, blocks, arrays = stored
+    header = entry.header
+    assert header.block_tokens == BLOCK
+    assert len(header.blocks) == 3
+    assert [layer.blocked for layer in header.layers] == [True, False, True]
+    assert [slot.shape[2] for slot in header.slots] == [5, 5, 8, 5, 5]  # tails; the ring whole
+    targets = _restored(entry, blocks, 1, [2, 1])  # any order: each block has its place
+    for i, (target, array) in enumerate(zip(targets, arrays, strict=True)):
+        got = target if i == 2 else target[:, :, :TOKENS]
+        assert np.array_equal(got, array)
+        assert i == 2 or not target[:, :, TOKENS:].any()
+
+
+def test_another_block_in_a_blocks_place_is_refused_by_its_hash(
+    stored: tuple[EntryFile, list[int], list[np.ndarray]],
+) -> None:
+    entry, blocks, _ = stored
+    with pytest.raises(EntryFormatError) as wrong:
+        _restored(entry, [blocks[0], blocks[2], blocks[1]], 1, [1, 2])
+    assert wrong.value.rule is Rule.BLOCK_HASH
+
+
+@pytest.mark.parametrize("opened", [0, 2], ids=["read after", "opened before"])
+def test_a_block_whose_rows_changed_is_refused_by_its_checksum(
+    stored: tuple[EntryFile, list[int], list[np.ndarray]], opened: int
+) -> None:
+    entry, blocks, _ = stored
+    size = os.fstat(blocks[1]).st_size
+    data_start = size - 4 * 16384  # four slots (two cut layers: keys, values), 16 KiB each
+    os.pwrite(blocks[1], b"\x7f", data_start + 3)
+    with pytest.raises(EntryFormatError) as changed:
+        _restored(entry, blocks, opened, list(range(opened, 3)))
+    assert changed.value.rule is Rule.DATA_CHECKSUM

@@ -255,3 +255,26 @@ def test_tensors_that_do_not_fit_the_meta_are_a_miss(tmp_path: Path) -> None:
         header = entry.header.__class__(**{**vars(entry.header), "layers": (lying,)})
         with pytest.raises(Miss, match="load failed"):
             decode(header, entry.fills(), 3)
+
+
+def test_the_layers_cut_into_blocks_hold_every_token_on_axis_two() -> None:
+    arrays = mlc.ArraysCache(1)
+    arrays[0] = mx.ones((1, 4))
+    quantized = mlc.QuantizedKVCache(group_size=32, bits=4)
+    keys = mx.random.normal((1, 2, 9, 64), key=mx.random.key(3))
+    quantized.update_and_fetch(keys, -keys)
+    caches = [
+        _filled(mlc.KVCache(), 9),
+        quantized,
+        _filled(mlc.RotatingKVCache(max_size=4), 9),  # wrapped: its rows are not tokens 0..8
+        _filled(mlc.ChunkedKVCache(chunk_size=64), 9),
+        _filled(mlc.ConcatenateKVCache(), 9),
+        arrays,
+        mlc.CacheList(_filled(mlc.KVCache(), 9)),
+    ]
+    batch = mlc.BatchKVCache(left_padding=[0])
+    batch.update_and_fetch(*_kv(9))
+    layers, _, _ = encode([*caches, batch], 9)
+    assert [layer.blocked for layer in layers] == [True, True, *[False] * 5, True]
+    for layer in layers:
+        assert not layer.blocked or all(t.shape[2] == 9 for t in layer.tensors)
