@@ -3,11 +3,24 @@ source's Fill (here from bytes in memory; test_codecs and the end-to-end tests r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from kvd_client.restore import STEP, Filling, TensorSource, dtype_name, owned_all, with_room_all
+from kvd_client.codecs import mlc
+from kvd_client.restore import (
+    ALIGN,
+    STEP,
+    Filling,
+    TensorSource,
+    allocated,
+    dtype_name,
+    mlx_dtype,
+    owned_all,
+    with_room_all,
+)
 
 
 def _fill_from(data: bytes) -> tuple[list[list[int]], object]:
@@ -104,10 +117,41 @@ def test_restored_arrays_are_writable_in_place() -> None:
         assert restored[..., 4:8, :].sum().item() == 4 + 5 + 6 + 7
 
 
+def _address(array: mx.array) -> int:
+    return int(np.frombuffer(memoryview(array), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]
+
+
+def test_allocated_arrays_start_on_a_cache_line_and_hold_their_own_bytes() -> None:
+    layouts = [((1, 8, 300, 16), "float16"), ((3, 5), "bool"), ((7,), "bfloat16"), ((), "int32")]
+    arrays = allocated(layouts)
+    assert [(a.shape, dtype_name(a.dtype)) for a in arrays] == layouts
+    assert [_address(a) % ALIGN for a in arrays] == [0] * len(layouts)
+    starts = sorted((_address(a), a.nbytes) for a in arrays)
+    assert all(at + n <= after for (at, n), (after, _) in itertools.pairwise(starts))  # no overlap
+
+
+def test_the_first_decode_step_appends_in_place() -> None:
+    keys, values = (mx.random.normal((1, 2, 300, 8), key=mx.random.key(i)) for i in (3, 4))
+    cache = mlc.KVCache()
+    cache.state = (_source(keys).with_room(300), _source(values).with_room(300), 300)
+    before = (_address(cache.keys), _address(cache.values))
+    step = mx.ones((1, 2, 1, 8))
+    new_keys, _ = cache.update_and_fetch(step, step)
+    mx.eval(new_keys)
+    assert (_address(cache.keys), _address(cache.values)) == before  # no whole-cache copy
+    assert bool(mx.array_equal(new_keys[..., :300, :], keys).item())
+    assert bool(mx.array_equal(new_keys[..., 300:, :], step).item())
+
+
 def test_dtype_names_are_the_header_names() -> None:
     assert [dtype_name(d) for d in (mx.float32, mx.bfloat16, mx.uint32, mx.bool_)] == [
         "float32",
         "bfloat16",
         "uint32",
         "bool",
+    ]
+    assert [mlx_dtype(n) for n in ("float32", "bfloat16", "bool")] == [
+        mx.float32,
+        mx.bfloat16,
+        mx.bool_,
     ]
