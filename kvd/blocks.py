@@ -90,12 +90,12 @@ class BlockStore:
     def lacks(self, identity: str, hashes: Sequence[bytes], size: int) -> str | None:
         """What keeps a manifest listing hashes, each a file of size bytes, from being served:
         a block the store does not hold, or one of another size; None when nothing does."""
+        known = self._blocks.get(identity, {})  # one lookup per hash: start-up's hot path
         for index, block_hash in enumerate(hashes):
-            block = self.get(identity, block_hash)
+            block = known.get(block_hash)
             if block is None:
-                return (
-                    f"{Rule.BLOCK_MISSING.value}: block {index} ({block_hash.hex()}) is not there"
-                )
+                missing = Rule.BLOCK_MISSING.value
+                return f"{missing}: block {index} ({block_hash.hex()}) is not there"
             if block.size != size:
                 return (
                     f"{Rule.BLOCK_MISMATCH.value}: block {index} ({block_hash.hex()}) is "
@@ -129,18 +129,19 @@ class BlockStore:
         held already is not needed and goes. KeyError, with nothing changed, for a hash
         neither held nor staged. Returns the manifest's blocks in order, for detach()."""
         known = self._blocks.get(identity, {})
-        missing = [h for h in hashes if h not in known and h not in staged]
-        if missing:
-            raise KeyError(f"block {missing[0].hex()} is neither held nor written")
+        for block_hash in hashes:
+            if block_hash not in known and block_hash not in staged:
+                raise KeyError(f"block {block_hash.hex()} is neither held nor written")
         listed = []
         for block_hash in hashes:
-            block = self.get(identity, block_hash)
+            block = known.get(block_hash)
             if block is None:
                 block = self._join(identity, block_hash, size, staged[block_hash], durable=False)
+                known = self._blocks[identity]
             block.refs += 1
             listed.append(block)
         for block_hash, path in staged.items():
-            held = self.get(identity, block_hash)
+            held = known.get(block_hash)
             if held is None or held.path != path:  # held already (by another put's commit)
                 _unlink(path)
         return tuple(listed)
