@@ -8,8 +8,10 @@ tokens = 2 GiB. It is put once into a real `kvd serve`; then, per rep:
 - get: Client.get of a prompt one token longer than the entry (lookup, read, decode,
   release), timed around the call as an engine sees it; every tensor checksummed as it is
   copied (the default), and again by a client made with verify=False: the "checksums"
-  column is what verification adds to the restore (goal: at most 10%);
-- decode alone: prompt_cache.decode of an entry looked up once beforehand, both ways;
+  column is what verification adds to the restore (goal: at most 10%). The default client
+  stores the KV in blocks shared between entries (a manifest and a file per block); the same
+  cache is also put and got whole by clients made with block_tokens=0;
+- decode alone: prompt_cache.decode of the whole entry looked up once beforehand, both ways;
 - + first decode step: the restore, then what an engine's first decode step does to the
   cache: update_and_fetch of one token in every layer, evaluated. load_prompt_cache's
   caches hold no room, so mlx-lm copies the whole cache there; kvd's grow in place
@@ -64,6 +66,7 @@ from mlx_lm.models import cache as _mlx_lm_cache
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS, FULL_TOKENS = 4096, 16384
 IDENTITY = Identity("bench/restore", "cfg", "tok")
+WHOLE = Identity("bench/restore-whole", "cfg", "tok")  # the same cache, put whole
 mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 DAEMON_FLAGS = ("--writeback-max-bytes", "8G")  # the default 2 GiB cap is below a full entry
 GOAL_MX_LOAD = 1.0  # get at least as fast as mx.load
@@ -203,13 +206,22 @@ def first_step(cache: list[Any]) -> list[Any]:
     return cache
 
 
+@dataclass(frozen=True)
+class Clients:
+    """The bench's clients of one daemon: the default ones (KV in shared blocks), and ones
+    that store and read entries whole (block_tokens=0); each verifying or not."""
+
+    blocks: Client
+    blocks_unverified: Client
+    whole: Client
+    whole_unverified: Client
+
+
 class Restores:
     """Every timed restore path over one cache and its files in folder."""
 
-    def __init__(
-        self, client: Client, unverified: Client, cache: list[Any], tokens: int, folder: Path
-    ) -> None:
-        self.client, self.unverified, self.tokens = client, unverified, tokens
+    def __init__(self, clients: Clients, cache: list[Any], tokens: int, folder: Path) -> None:
+        self.clients, self.tokens = clients, tokens
         self.nbytes = cache_bytes(cache)
         self.safetensors = folder / "cache.safetensors"
         mx.save_safetensors(
@@ -220,28 +232,29 @@ class Restores:
         self.source = np.concatenate([np.array(a).reshape(-1) for a in cache_arrays(cache)])
         self.target = np.empty_like(self.source)
         np.copyto(self.target, self.source)  # the target's pages exist before any timed copy
-        ticket = client.put(IDENTITY, prompt(tokens), cache)
-        if ticket.wait(600.0).state != "stored":
-            raise RuntimeError(f"the put was not stored: {ticket.state}")
-        self.entry_file = max(
+        for client, identity in ((clients.blocks, IDENTITY), (clients.whole, WHOLE)):
+            ticket = client.put(identity, prompt(tokens), cache)
+            if ticket.wait(600.0).state != "stored":
+                raise RuntimeError(f"the put was not stored: {ticket.state}")
+        self.entry_file = max(  # the whole entry: the blocks' files are a fraction of it
             (p for p in (folder / "tier").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
         )
         # Page-aligned: the kernel copies into a bytearray (16 bytes into a cache line) about
         # three times slower here, see kvd_client.restore.ALIGN.
         self.entry_buffer = memoryview(mmap.mmap(-1, self.entry_file.stat().st_size))
 
-    def get(self, client: Client) -> Any:
-        restored = client.get(IDENTITY, prompt(self.tokens + 1))
+    def get(self, client: Client, identity: Identity = IDENTITY) -> Any:
+        restored = client.get(identity, prompt(self.tokens + 1))
         if restored is None or restored.matched != self.tokens:
             raise RuntimeError(f"the get missed: {client.stats}")
         return restored
 
     def get_and_step(self) -> object:
-        return first_step(self.get(self.client).cache)
+        return first_step(self.get(self.clients.blocks).cache)
 
     def decode_timings(self, repeat: int) -> list[Timing]:
-        """Decode alone, verified and not, of an entry looked up once."""
-        result = self.client.lookup(IDENTITY.to_protocol(), prompt(self.tokens + 1))
+        """Decode alone, verified and not, of the whole entry looked up once."""
+        result = self.clients.whole.lookup(WHOLE.to_protocol(), prompt(self.tokens + 1))
         if result is None:
             raise RuntimeError("the lookup missed")
         with result:
@@ -287,6 +300,7 @@ MLX_LM_LOAD = "mlx-lm load_prompt_cache (anchor)"
 RAW_READ = "raw read of the entry file, one thread (anchor)"
 MEMCPY = "memcpy (anchor)"
 GET = "kvd get (lookup + decode + release)"
+GET_WHOLE = "kvd get of the entry stored whole (block_tokens=0)"
 STEP = " + first decode step"
 
 
@@ -372,9 +386,14 @@ def main() -> None:
         running_daemon(Path(work), DAEMON_FLAGS) as daemon,
         Client.connect(daemon.socket_path, timeout=120.0, require=True) as client,
         Client.connect(daemon.socket_path, timeout=120.0, require=True, verify=False) as plain,
+        Client.connect(daemon.socket_path, timeout=120.0, require=True, block_tokens=0) as whole,
+        Client.connect(
+            daemon.socket_path, timeout=120.0, require=True, verify=False, block_tokens=0
+        ) as whole_plain,
     ):
         cache = realistic_cache(tokens)
-        bench = Restores(client, plain, cache, tokens, Path(work))
+        clients = Clients(client, plain, whole, whole_plain)
+        bench = Restores(clients, cache, tokens, Path(work))
         del cache
         gc.collect()
         bench.warm()
@@ -383,6 +402,8 @@ def main() -> None:
             MLX_LM_LOAD: bench.mlx_lm_load,
             GET: partial(bench.get, client),
             GET + UNVERIFIED: partial(bench.get, plain),
+            GET_WHOLE: partial(bench.get, whole, WHOLE),
+            GET_WHOLE + UNVERIFIED: partial(bench.get, whole_plain, WHOLE),
             MLX_LM_LOAD + STEP: bench.mlx_lm_load_and_step,
             GET + STEP: bench.get_and_step,
         }
