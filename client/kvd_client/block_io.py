@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.dtypes import itemsize
 from kvd_protocol.entry import (
+    ALIGNMENT,
     PREFIX_BYTES,
     TOKEN_AXIS,
     BlockHeader,
@@ -33,6 +34,8 @@ from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
+    import xxhash
+
     from .restore import Fill
 
 # Pieces copied per system call (and checksummed right after, while still in the CPU's
@@ -97,17 +100,21 @@ def _cut(pieces: Sequence[memoryview], ranges: Iterator[tuple[int, int]]) -> lis
     return out
 
 
-def _calls(views: Sequence[memoryview], limit: int) -> Iterator[list[memoryview]]:
-    """views in iovecs of at most limit bytes (a longer view is split) and IOV_MAX entries."""
-    group: list[memoryview] = []
+Hasher: TypeAlias = "xxhash.xxh3_64 | None"
+Piece: TypeAlias = tuple[memoryview, Hasher]  # a view and the checksum its bytes go to
+
+
+def _calls(pieces: Iterable[Piece], limit: int) -> Iterator[list[Piece]]:
+    """pieces in iovecs of at most limit bytes (a longer view is split) and IOV_MAX entries."""
+    group: list[Piece] = []
     size = 0
-    for view in views:
+    for view, hasher in pieces:
         for pos in range(0, view.nbytes, limit):
             piece = view[pos : pos + limit]
             if group and (size + piece.nbytes > limit or len(group) == IOV_MAX):
                 yield group
                 group, size = [], 0
-            group.append(piece)
+            group.append((piece, hasher))
             size += piece.nbytes
     if group:
         yield group
@@ -125,14 +132,14 @@ def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
     """Write runs back to back at offset of fd by pwritev; their checksum, computed as each
     piece is written."""
     hasher = new_checksum()
-    for group in _calls(runs, WRITE_BYTES):
-        pending = group
+    for group in _calls(((run, hasher) for run in runs), WRITE_BYTES):
+        pending = [piece for piece, _ in group]
         while pending:
             written = os.pwritev(fd, pending, offset)
             if not written:
                 raise OSError(f"no progress writing at offset {offset}")
             pending, offset = _advanced(pending, written), offset + written
-        for piece in group:
+        for piece, _ in group:
             hasher.update(piece)  # while the piece is still in the CPU's cache
     return hasher.digest()
 
@@ -144,9 +151,44 @@ def read_runs(
     checksum unless None; raises EntryFormatError (the file ends first: truncated; the bytes
     differ: data_checksum) or OSError. name: the file's, for errors."""
     hasher = new_checksum() if checksum is not None else None
+    _read(fd, offset, [(run, hasher) for run in runs], name)
+    _check(hasher, checksum, offset, name)
+
+
+# Where the bytes between two slots (alignment padding) are read to: never looked at, so the
+# reader threads may all write it at once.
+_PADDING: Final = memoryview(bytearray(ALIGNMENT))
+
+
+def read_slots(
+    fd: int, wanted: Sequence[tuple[Slot, Sequence[memoryview]]], verify: bool, name: str
+) -> None:
+    """Fill each slot's runs with its bytes (slots in file order), reading from the first
+    slot's start to the last one's end in as few preadv calls as READ_BYTES allows, each slot
+    checked against its checksum if verify; raises as read_runs does."""
+    if not wanted:
+        return
+    pieces: list[Piece] = []
+    checks: list[tuple[Hasher, Slot]] = []
+    at = wanted[0][0].start
+    for slot, runs in wanted:
+        if slot.start < at:
+            raise ValueError(f"slot at {slot.start} overlaps the one before it, ending at {at}")
+        gap = range(at, slot.start, ALIGNMENT)
+        pieces.extend((_PADDING[: min(ALIGNMENT, slot.start - p)], None) for p in gap)
+        hasher = new_checksum() if verify else None
+        pieces.extend((run, hasher) for run in runs)
+        checks.append((hasher, slot))
+        at = slot.end
+    _read(fd, wanted[0][0].start, pieces, name)
+    for hasher, slot in checks:
+        _check(hasher, slot.checksum, slot.start, name)
+
+
+def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
     start = offset
-    for group in _calls(runs, READ_BYTES):
-        pending = group
+    for group in _calls(pieces, READ_BYTES):
+        pending = [piece for piece, _ in group]
         while pending:
             got = os.preadv(fd, pending, offset)
             if not got:
@@ -154,9 +196,12 @@ def read_runs(
                     name, Rule.TRUNCATED, f"slot at {start}: the file ends at {offset}"
                 )
             pending, offset = _advanced(pending, got), offset + got
-        if hasher is not None:
-            for piece in group:
+        for piece, hasher in group:
+            if hasher is not None:
                 hasher.update(piece)  # while the piece is still in the CPU's cache
+
+
+def _check(hasher: Hasher, checksum: bytes | None, start: int, name: str) -> None:
     if hasher is not None and hasher.digest() != checksum:
         raise EntryFormatError(
             name, Rule.DATA_CHECKSUM, f"slot at {start}: bytes do not match its checksum"
@@ -272,10 +317,15 @@ class BlockReads:
 
     def read_block(self, index: int, fd: int) -> None:
         """Block index from fd (left open): its head read and checked against the manifest,
-        then each cut tensor's rows; raises EntryFormatError or OSError."""
+        then every cut tensor's rows in one pass over the file (preadv of READ_BYTES at a
+        time); raises EntryFormatError or OSError."""
         block = self._head(index, fd)
-        for slot, i in zip(block.slots, self._order, strict=True):
-            self._rows(i, self._targets[i], index, fd, slot)
+        rows = (index * self._block, (index + 1) * self._block)
+        wanted = [
+            (slot, self._cuts[i].runs(self._targets[i], *rows))
+            for slot, i in zip(block.slots, self._order, strict=True)
+        ]
+        read_slots(fd, wanted, self._verify, block_name(self.header.blocks[index]))
 
     def _rows_of_opened(self, tensor: int, pieces: Sequence[memoryview]) -> None:
         at = self._order.index(tensor)
