@@ -33,15 +33,13 @@ from kvd_protocol.entry_reader import check_block, parse_block_header, parse_pre
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
+from .entry_io import CHUNK_BYTES  # copied per system call, checksummed right after
+
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
     import xxhash
 
     from .restore import Fill
 
-# Pieces copied per system call (and checksummed right after, while still in the CPU's
-# cache): as entry_io's chunks, 1 MiB written, a quarter of that read.
-WRITE_BYTES: Final = 1 << 20
-READ_BYTES: Final = 1 << 18
 IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -132,7 +130,7 @@ def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
     """Write runs back to back at offset of fd by pwritev; their checksum, computed as each
     piece is written."""
     hasher = new_checksum()
-    for group in _calls(((run, hasher) for run in runs), WRITE_BYTES):
+    for group in _calls(((run, hasher) for run in runs), CHUNK_BYTES):
         pending = [piece for piece, _ in group]
         while pending:
             written = os.pwritev(fd, pending, offset)
@@ -164,7 +162,7 @@ def read_slots(
     fd: int, wanted: Sequence[tuple[Slot, Sequence[memoryview]]], verify: bool, name: str
 ) -> None:
     """Fill each slot's runs with its bytes (slots in file order), reading from the first
-    slot's start to the last one's end in as few preadv calls as READ_BYTES allows, each slot
+    slot's start to the last one's end in as few preadv calls as CHUNK_BYTES allows, each slot
     checked against its checksum if verify; raises as read_runs does."""
     if not wanted:
         return
@@ -187,7 +185,7 @@ def read_slots(
 
 def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
     start = offset
-    for group in _calls(pieces, READ_BYTES):
+    for group in _calls(pieces, CHUNK_BYTES):
         pending = [piece for piece, _ in group]
         while pending:
             got = os.preadv(fd, pending, offset)
@@ -317,7 +315,7 @@ class BlockReads:
 
     def read_block(self, index: int, fd: int) -> None:
         """Block index from fd (left open): its head read and checked against the manifest,
-        then every cut tensor's rows in one pass over the file (preadv of READ_BYTES at a
+        then every cut tensor's rows in one pass over the file (preadv of CHUNK_BYTES at a
         time); raises EntryFormatError or OSError."""
         block = self._head(index, fd)
         rows = (index * self._block, (index + 1) * self._block)
@@ -335,7 +333,7 @@ class BlockReads:
     def _rows(
         self, tensor: int, pieces: Sequence[memoryview], index: int, fd: int, slot: Slot
     ) -> None:
-        """Block index's rows of a cut tensor, from its slot: one preadv (per READ_BYTES)."""
+        """Block index's rows of a cut tensor, from its slot: one preadv (per CHUNK_BYTES)."""
         rows = (index * self._block, (index + 1) * self._block)
         runs = self._cuts[tensor].runs(pieces, *rows)
         name = block_name(self.header.blocks[index])

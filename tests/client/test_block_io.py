@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvd_client import block_io
 from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_runs, write_runs
-from kvd_client.entry_io import EntryFile
+from kvd_client.entry_io import CHUNK_BYTES, EntryFile
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import LayerSpec, TensorSpec, plan_manifest
 from kvd_protocol.errors import EntryFormatError, Rule
@@ -112,7 +112,7 @@ def test_the_rows_of_an_mlx_array_are_written_as_its_block_and_read_into_a_longe
 
 
 def test_runs_longer_than_a_call_and_more_runs_than_an_iovec_holds(fd: int) -> None:
-    long = np.random.default_rng(1).integers(0, 255, block_io.WRITE_BYTES * 2 + 7, np.uint8)
+    long = np.random.default_rng(1).integers(0, 255, CHUNK_BYTES * 2 + 7, np.uint8)
     many = np.arange(block_io.IOV_MAX + 50, dtype=np.uint8).reshape(1, -1, 1, 1)
     runs = [_bytes(long), *Cut.of("uint8", many.shape).runs([_bytes(many)], 0, 1)]
     expected = long.tobytes() + many.tobytes()
