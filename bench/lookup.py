@@ -49,7 +49,7 @@ def build_entries(rng: random.Random, count: int, lo: int, hi: int) -> list[Entr
     while len(entries) < count:
         target = rng.randint(lo, hi)
         if entries and rng.random() < 0.7:
-            parent = rng.choice(entries).tokens
+            parent = bytes(rng.choice(entries).tokens)
             cut = rng.randint(lo // 2, token_count(parent))
             prefix = parent[: cut * TOKEN_BYTES]
         else:
@@ -72,7 +72,7 @@ def make_prompts(rng: random.Random, entries: list[EntryRecord], n: int, lo: int
     prompts = []
     for _ in range(n):
         kind = rng.random()
-        base = rng.choice(entries).tokens
+        base = bytes(rng.choice(entries).tokens)
         if kind < 0.45:  # the next turn of a stored conversation
             prompts.append(base + random_tokens(rng, rng.randint(20, 300)))
         elif kind < 0.9:  # an edit: branch from inside one

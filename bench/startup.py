@@ -16,14 +16,20 @@ a clean stop), each size is started both ways: without the snapshot (a full scan
 it. Without that module only the full scan is measured. The page cache is warm for every
 start (dropping it needs root); a first start after a reboot reads the headers from disk.
 A full scan of 100k entries takes minutes while headers cost about a millisecond each to
-validate: --sizes 1000,10000 is the quick run.
+validate: --sizes 1000,10000 is the quick run, and --keep DIR keeps the tier (files and
+snapshot) for the next run, which then starts from the snapshot only.
 
-    .venv/bin/python bench/startup.py [--sizes 1000,10000,100000] [--tokens 1024]
+Each cell also has the daemon's CPU time by its first ping (steadier than the wall clock on a
+shared machine) and its RSS then, per entry beyond the entry's own tokens: the memory goal is
+at most 1 KB per entry beyond them at 100k.
+
+    .venv/bin/python bench/startup.py [--sizes 1000,10000,100000] [--tokens 1024] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -34,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from _daemon import Daemon, socket_folder
 from kvd_client.client import Client
 from kvd_protocol.checksum import checksum
@@ -107,12 +114,45 @@ def check_valid(path: Path) -> None:
     verify_data(path, read_header(path, DEFAULT_LIMITS))
 
 
-def best_seconds(run: Callable[[], float], repeat: int) -> float:
-    """The fastest of up to repeat runs; a run over REPEAT_UNDER_SECONDS ends the series."""
-    times = [run()]
-    while len(times) < repeat and times[-1] < REPEAT_UNDER_SECONDS:
-        times.append(run())
-    return min(times)
+@dataclass(frozen=True)
+class Start:
+    """One start: spawn to first ping (wall clock), the daemon's CPU time and RSS by then."""
+
+    seconds: float
+    cpu_seconds: float
+    rss: int
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The starts of one cell: the fastest, the slowest, and the least CPU and memory."""
+
+    starts: list[Start]
+
+    @property
+    def best(self) -> float:
+        return min(s.seconds for s in self.starts)
+
+    @property
+    def spread(self) -> str:
+        worst = max(s.seconds for s in self.starts)
+        return f"{self.best:.2f}–{worst:.2f}" if len(self.starts) > 1 else f"{self.best:.2f}"
+
+    @property
+    def cpu(self) -> float:
+        return min(s.cpu_seconds for s in self.starts)
+
+    @property
+    def rss(self) -> int:
+        return min(s.rss for s in self.starts)
+
+
+def measured(run: Callable[[], Start], repeat: int) -> Cell:
+    """Up to repeat runs; a run over REPEAT_UNDER_SECONDS ends the series."""
+    starts = [run()]
+    while len(starts) < repeat and starts[-1].seconds < REPEAT_UNDER_SECONDS:
+        starts.append(run())
+    return Cell(starts)
 
 
 def import_seconds() -> float:
@@ -130,7 +170,7 @@ class Starter:
     log: Path
     entries: int = 0
 
-    def start_seconds(self, *, snapshot: bool) -> float:
+    def start(self, *, snapshot: bool) -> Start:
         if not snapshot:
             self.tier.snapshot.unlink(missing_ok=True)
         elif not self.tier.snapshot.exists():
@@ -138,8 +178,11 @@ class Starter:
         daemon = Daemon(self.tier.root, self.socket_path, self.log, DAEMON_FLAGS)
         seconds = daemon.start(timeout=FULL_SCAN_SECONDS)
         try:
+            process = psutil.Process(daemon.pid)
+            cpu = process.cpu_times()
             with Client.connect(self.socket_path, require=True) as client:
                 status = client.status()
+            rss = process.memory_info().rss
         finally:
             daemon.stop()
         if status["entries"] != self.entries or status["quarantined"] != 0:
@@ -147,7 +190,43 @@ class Starter:
                 f"the daemon indexed {status['entries']} of {self.entries} entries and "
                 f"quarantined {status['quarantined']}; see {self.log}"
             )
-        return seconds
+        return Start(seconds, cpu.user + cpu.system, rss)
+
+
+def existing_entries(tier: TierDir) -> int:
+    return sum(1 for _ in tier.entries.glob(f"*/*{ENTRY_SUFFIX}"))
+
+
+Row = tuple[int, float, Cell | None, Cell | None]  # entries, files made in s, full scan, snapshot
+
+
+def print_table(rows: list[Row], anchor: float, tokens: int, repeat: int) -> None:
+    print(
+        f"{IDENTITIES} identities; entries of {tokens} tokens, {LAYERS} layers × "
+        f"(keys, values); up to {repeat} starts per cell (best, and best–worst); warm "
+        f'page cache; anchor `python -c "import kvd.server"`: {anchor * 1e3:.0f} ms (best of 5). '
+        "CPU: the daemon's own, spawn to first ping; RSS after it, and per entry beyond the "
+        f"entry's tokens ({tokens * TOKEN_BYTES:,} bytes).\n"
+    )
+    print(
+        "| entries | files made in s | start, full scan s | start, with snapshot s "
+        "| snapshot / anchor | daemon CPU s | RSS MiB | RSS per entry beyond tokens "
+        f"| goal: ≤ {GOAL_SECONDS:g} s at {GOAL_ENTRIES // 1000}k |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for size, built, full, with_snapshot in rows:
+        cells = [cell for cell in (full, with_snapshot) if cell is not None]
+        goal = ""
+        if size == GOAL_ENTRIES:
+            goal = "met" if min(cell.best for cell in cells) <= GOAL_SECONDS else "not met"
+        last = cells[-1]  # from the snapshot when there is one
+        beyond = last.rss / size - tokens * TOKEN_BYTES
+        ratio = f"{with_snapshot.best / anchor:.1f}" if with_snapshot else "—"
+        print(
+            f"| {size:,} | {built:.1f} | {full.spread if full else '—'} "
+            f"| {with_snapshot.spread if with_snapshot else '—'} | {ratio} | {last.cpu:.2f} "
+            f"| {last.rss / 2**20:.0f} | {beyond:,.0f} B | {goal} |"
+        )
 
 
 def main() -> None:
@@ -156,66 +235,60 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per entry")
     parser.add_argument("--repeat", type=int, default=3, help="starts per cell (at most)")
     parser.add_argument("--dir", default=None, help="where the tier goes (default: a temp dir)")
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="a folder to keep the tier in and take it from next time (made entries and the "
+        "snapshot are reused; the full scan is then measured only with --full-scan)",
+    )
+    parser.add_argument("--full-scan", action="store_true", help="with --keep: scan anyway")
     args = parser.parse_args()
     sizes = sorted(int(size) for size in args.sizes.split(","))
     has_snapshot = importlib.util.find_spec("kvd.snapshot") is not None
 
-    anchor = best_seconds(import_seconds, 5)
-    rows = []
+    anchor = min(import_seconds() for _ in range(5))
+    rows: list[Row] = []
     snapshot_note = ""
-    with (
-        tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
-        socket_folder() as sockets,
-    ):
-        tier = TierDir(Path(work) / "tier")
+    with contextlib.ExitStack() as stack:
+        work = (
+            Path(args.keep)
+            if args.keep
+            else Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir))
+            )
+        )
+        sockets = stack.enter_context(socket_folder())
+        tier = TierDir(work / "tier")
         tier.create()
         identities = [
             Identity(f"bench/model-{i}", "cfg", "tok", "codecs/1", "mlx/cpu")
             for i in range(IDENTITIES)
         ]
         makers = [EntryMaker(tier, identity, args.tokens) for identity in identities]
-        starter = Starter(tier, os.path.join(sockets, "kvd.sock"), Path(work) / "kvd.log")
+        starter = Starter(tier, os.path.join(sockets, "kvd.sock"), work / "kvd.log")
+        starter.entries = existing_entries(tier) if args.keep else 0
         for size in sizes:
+            if size < starter.entries:
+                continue  # a kept tier holds more already
             started = time.perf_counter()
             fill(tier, makers, starter.entries, size)
             built = time.perf_counter() - started
             if starter.entries == 0:
                 check_valid(next((tier.entries / identities[0].digest()).iterdir()))
+            scan = not args.keep or args.full_scan or starter.entries < size
+            scan = scan or not tier.snapshot.exists()
             starter.entries = size
-            full = best_seconds(lambda: starter.start_seconds(snapshot=False), args.repeat)
+            full = measured(lambda: starter.start(snapshot=False), args.repeat) if scan else None
             with_snapshot = None
             if has_snapshot and tier.snapshot.exists():
-                with_snapshot = best_seconds(
-                    lambda: starter.start_seconds(snapshot=True), args.repeat
-                )
+                with_snapshot = measured(lambda: starter.start(snapshot=True), args.repeat)
             elif has_snapshot:
                 snapshot_note = "kvd.snapshot exists but no index.snapshot was written at stop."
             rows.append((size, built, full, with_snapshot))
     if not has_snapshot:
         snapshot_note = "kvd has no index snapshot (kvd/snapshot.py): full scans only."
 
-    print(
-        f"{IDENTITIES} identities; entries of {args.tokens} tokens, {LAYERS} layers × "
-        f"(keys, values); best of up to {args.repeat} starts; warm page cache; "
-        f'anchor `python -c "import kvd.server"`: {anchor * 1e3:.0f} ms.\n'
-    )
-    print(
-        "| entries | files made in s | start, full scan s | full scan / anchor "
-        f"| start, with snapshot s | snapshot / anchor | goal: ≤ {GOAL_SECONDS:g} s "
-        f"at {GOAL_ENTRIES // 1000}k |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---|")
-    for size, built, full, with_snapshot in rows:
-        best = full if with_snapshot is None else min(full, with_snapshot)
-        goal = ""
-        if size == GOAL_ENTRIES:
-            goal = "met" if best <= GOAL_SECONDS else "not met"
-        snap = "—" if with_snapshot is None else f"{with_snapshot:.2f}"
-        snap_ratio = "—" if with_snapshot is None else f"{with_snapshot / anchor:.1f}"
-        print(
-            f"| {size:,} | {built:.1f} | {full:.2f} | {full / anchor:.1f} | {snap} "
-            f"| {snap_ratio} | {goal} |"
-        )
+    print_table(rows, anchor, args.tokens, args.repeat)
     if snapshot_note:
         print(f"\n{snapshot_note}")
 

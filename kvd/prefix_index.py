@@ -2,8 +2,11 @@
 
 A radix tree (compressed trie) over token ids. Edge labels are packed token bytes, always a
 whole number of 4-byte tokens, keyed in their parent by their first token; a node is where an
-entry ends or where entries branch. Lookup walks the prompt once, so its cost grows with the
-prompt's length and not with the number of entries.
+entry ends or where entries branch. A label is a slice of the tokens of an entry below it: a
+view, for an entry whose tokens are a view (records.Tokens), so the tree copies no tokens of
+the entries loaded from the snapshot; it compares them through a bytes copy of one side.
+Lookup walks the prompt once, so its cost grows with the prompt's length and not with the
+number of entries.
 
 The lookup rules (docs/design.md, "Keying and lookup"), stated as code by `scan_best_match`:
 
@@ -32,7 +35,7 @@ from typing import NamedTuple
 
 from kvd_protocol.tokens import TOKEN_BYTES, common_prefix_tokens, token_count
 
-from kvd.records import EntryRecord
+from kvd.records import EntryRecord, Tokens
 
 
 class Match(NamedTuple):
@@ -48,7 +51,7 @@ def rank(record: EntryRecord) -> tuple[int, int, str]:
 
 def usable_match(record: EntryRecord, prompt: bytes) -> int:
     """Tokens of prompt that record serves under rules 1-3, or 0 if it is not usable."""
-    matched = min(common_prefix_tokens(record.tokens, prompt), token_count(prompt) - 1)
+    matched = min(common_prefix_tokens(bytes(record.tokens), prompt), token_count(prompt) - 1)
     if matched <= 0 or matched < record.min_reuse:
         return 0
     if record.token_count > matched and not record.trimmable:
@@ -73,7 +76,7 @@ def scan_best_match(records: Iterable[EntryRecord], prompt: bytes) -> Match | No
 class _Node:
     __slots__ = ("children", "frontier", "label", "record")
 
-    def __init__(self, label: bytes) -> None:
+    def __init__(self, label: Tokens) -> None:
         self.label = label  # tokens from the parent to here
         self.children: dict[bytes, _Node] | None = None  # by first token; None at a leaf
         self.record: EntryRecord | None = None  # the entry that ends exactly here
@@ -103,7 +106,7 @@ def _subtree_frontier(node: _Node) -> tuple[EntryRecord, ...]:
     return _sweep(candidates)
 
 
-def _check_tokens(tokens: bytes) -> None:
+def _check_tokens(tokens: Tokens) -> None:
     if len(tokens) % TOKEN_BYTES:
         raise ValueError(f"token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES}")
 
@@ -132,9 +135,10 @@ class PrefixIndex:
             if node.children:
                 stack.extend(node.children.values())
 
-    def _exact_path(self, tokens: bytes) -> list[_Node] | None:
+    def _exact_path(self, tokens: Tokens) -> list[_Node] | None:
         """The nodes from the root to the node where tokens end, or None if none ends there."""
         _check_tokens(tokens)
+        tokens = bytes(tokens)  # a view's copy, to compare with
         node, pos, path = self._root, 0, [self._root]
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + TOKEN_BYTES]) if node.children else None
@@ -144,7 +148,7 @@ class PrefixIndex:
             path.append(node)
         return path if pos == len(tokens) else None
 
-    def exact(self, tokens: bytes) -> EntryRecord | None:
+    def exact(self, tokens: Tokens) -> EntryRecord | None:
         """The entry whose tokens are exactly tokens."""
         path = self._exact_path(tokens)
         return path[-1].record if path else None
@@ -153,28 +157,32 @@ class PrefixIndex:
         """Index record; ValueError for a checkpoint, no tokens, or an exact duplicate."""
         if record.checkpoint_key is not None:
             raise ValueError(f"entry {record.id} is a generation checkpoint, not a prompt cache")
-        tokens = record.tokens
-        _check_tokens(tokens)
-        if not tokens:
+        view = record.tokens
+        _check_tokens(view)
+        if not view:
             raise ValueError(f"entry {record.id} has no tokens")
+        tokens = bytes(view)  # a view's copy, to compare with; the labels slice the view
         node, pos, path = self._root, 0, [self._root]
         while pos < len(tokens):
             key = tokens[pos : pos + TOKEN_BYTES]
-            if node.children is None:
-                node.children = {}
-            child = node.children.get(key)
-            if child is None:
-                child = node.children[key] = _Node(tokens[pos:])
-            elif not tokens.startswith(child.label, pos):
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            child = children.get(key)
+            if child is None:  # the rest is a new leaf (the whole view: no new one)
+                node = children[key] = _Node(view[pos:] if pos else view)
+                path.append(node)
+                break
+            if not tokens.startswith(child.label, pos):
                 # Split the edge where tokens leave it; the new inner node has the same subtree.
                 shared = TOKEN_BYTES * common_prefix_tokens(
-                    child.label, tokens[pos : pos + len(child.label)]
+                    bytes(child.label), tokens[pos : pos + len(child.label)]
                 )
                 inner = _Node(child.label[:shared])
                 child.label = child.label[shared:]
-                inner.children = {child.label[:TOKEN_BYTES]: child}
+                inner.children = {bytes(child.label[:TOKEN_BYTES]): child}
                 inner.frontier = child.frontier
-                child = node.children[key] = inner
+                child = children[key] = inner
             node, pos = child, pos + len(child.label)
             path.append(node)
         if node.record is not None:
@@ -233,7 +241,7 @@ class PrefixIndex:
             parent = path.pop()
             siblings = parent.children
             assert siblings is not None
-            del siblings[node.label[:TOKEN_BYTES]]
+            del siblings[bytes(node.label[:TOKEN_BYTES])]
             parent.children = siblings or None
             if parent.record is not None or parent is self._root:
                 return
@@ -241,10 +249,10 @@ class PrefixIndex:
         if node.children and len(node.children) == 1:
             # A node with no entry and one child has that child's frontier already.
             (child,) = node.children.values()
-            child.label = node.label + child.label
+            child.label = b"".join((node.label, child.label))
             siblings = path[-1].children
             assert siblings is not None
-            siblings[node.label[:TOKEN_BYTES]] = child
+            siblings[bytes(node.label[:TOKEN_BYTES])] = child
 
     def touch(self, record: EntryRecord, last_used: int) -> None:
         """Record a use at logical time last_used (never earlier than the one recorded)."""
@@ -276,7 +284,7 @@ class PrefixIndex:
                 continue
             # The prompt leaves (or ends) inside this edge: every entry below shares exactly
             # the tokens up to that point.
-            shared = common_prefix_tokens(child.label, prompt[pos : pos + len(child.label)])
+            shared = common_prefix_tokens(bytes(child.label), prompt[pos : pos + len(child.label)])
             positions.append((child, pos // TOKEN_BYTES + shared, False))
             break
         # Deepest first: every entry below a position shares at least its depth with the
@@ -296,12 +304,13 @@ class PrefixIndex:
                 return Match(best, matched)
         return None
 
-    def ancestors(self, tokens: bytes) -> list[EntryRecord]:
+    def ancestors(self, tokens: Tokens) -> list[EntryRecord]:
         """Entries whose tokens are a strict prefix of tokens, shortest first.
 
         A new trimmable entry supersedes these (an untrimmable one never does: rule 2).
         """
         _check_tokens(tokens)
+        tokens = bytes(tokens)  # a view's copy, to compare with
         found: list[EntryRecord] = []
         node, pos = self._root, 0
         while node.children:
@@ -332,7 +341,8 @@ class PrefixIndex:
                 return None
             if not tokens.startswith(child.label, pos):
                 # tokens end inside this edge, or leave it: everything below is longer.
-                if pos + len(child.label) > len(tokens) and child.label.startswith(tokens[pos:]):
+                ends_inside = pos + len(child.label) > len(tokens)
+                if ends_inside and tokens.startswith(child.label[: len(tokens) - pos], pos):
                     return _first_usable(child.frontier, needed)
                 return None
             node, pos = child, pos + len(child.label)

@@ -12,10 +12,10 @@ header reads of unchanged files.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 from operator import itemgetter
 from pathlib import Path
 
@@ -69,12 +69,12 @@ def scan(
     in place. header_read() is called after each header read (progress: the slow part).
     """
     reaped = reap_staging(dirs)
-    snapshot = load_snapshot(dirs.snapshot)
-    known = snapshot.rows
-    written = dirs.snapshot.stat().st_mtime_ns if known or snapshot.blocks else None
+    known = load_snapshot(dirs.snapshot)
+    rows = known.rows()
+    written = dirs.snapshot.stat().st_mtime_ns if rows or known.blocks else None
     blocks: list[FoundBlock] = []
-    matched: dict[str, int] = {}  # entry id -> mtime_ns, of the files the snapshot describes
-    found: list[tuple[float, int, EntryRecord]] = []  # files it does not
+    matched = bytearray(len(known.records))  # 1: the row's file is there, unchanged
+    found: list[tuple[int, EntryRecord]] = []  # files it does not describe, with their mtimes
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
         if not folder.is_dir(follow_symlinks=False):
@@ -83,20 +83,23 @@ def scan(
         unchanged = written is not None and folder.stat().st_mtime_ns < written
         for entry in os.scandir(folder.path):
             if entry.name == BLOCKS_FOLDER and entry.is_dir(follow_symlinks=False):
-                blocks += _scan_blocks(entry, folder.name, snapshot.blocks, limits, invalid)
+                blocks += _scan_blocks(entry, folder.name, known.blocks, limits, invalid)
                 continue
             if not entry.name.endswith(ENTRY_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 invalid.append((Path(entry.path), "not an entry file"))
                 continue
             entry_id = entry.name[: -len(ENTRY_SUFFIX)]
-            row = known.get(entry_id)
-            if row is not None and row.record.identity == folder.name:
+            row = rows.get(entry_id)
+            if row is not None and known.records[row].identity == folder.name:
                 if unchanged:
-                    matched[entry_id] = row.mtime_ns
+                    matched[row] = 1
                     continue
                 info = entry.stat(follow_symlinks=False)
-                if row.mtime_ns == info.st_mtime_ns and row.record.nbytes == info.st_size:
-                    matched[entry_id] = info.st_mtime_ns
+                if (info.st_mtime_ns, info.st_size) == (
+                    known.mtime_ns[row],
+                    known.records[row].nbytes,
+                ):
+                    matched[row] = 1
                     continue
             path = Path(entry.path)
             try:
@@ -109,17 +112,13 @@ def scan(
             if header.identity.digest() != folder.name:
                 invalid.append((path, "its identity does not match its folder"))
                 continue
-            # Unknown to the snapshot: written after it, so more recent than all it knows.
-            record = record_from_header(entry.name[: -len(ENTRY_SUFFIX)], header, last_used=0)
-            found.append((math.inf, entry.stat(follow_symlinks=False).st_mtime_ns, record))
-    # In the snapshot's order (it is written least recently used first), so that the sort
-    # finds the rows in order already rather than in the folders' listing order.
-    taken = [
-        (row.record.last_used, matched[i], row.record) for i, row in known.items() if i in matched
-    ]
-    found.sort(key=itemgetter(0, 1))
-    taken.sort(key=itemgetter(0, 1))
-    records = [record for *_, record in taken + found]
+            record = record_from_header(entry_id, header, last_used=0)
+            found.append((entry.stat(follow_symlinks=False).st_mtime_ns, record))
+    # The snapshot's rows are least recently used first already; a file it does not know was
+    # written after it, so is more recent than all it knows (oldest of those first).
+    taken = list(compress(known.records, matched))
+    found.sort(key=itemgetter(0))
+    records = [*taken, *(record for _, record in found)]
     return ScanResult(records, blocks, invalid, reaped, len(taken))
 
 

@@ -1,4 +1,4 @@
-"""The index snapshot: start-up in seconds at 100k entries, checked against the directory.
+"""The index snapshot: start-up in under a second at 100k entries, checked against the directory.
 
 A full start-up scan reads and validates every entry's header (tens of microseconds each, far
 more for long prompts). The snapshot keeps what the index needs of each durable entry, with the
@@ -11,10 +11,20 @@ its checksum) costs a full scan: never a wrong index.
 Shared blocks (format v2) are kept the same way, each with its file's size and mtime, and
 each entry's row lists its blocks' hashes: a block file unchanged since is not read again.
 
-File: 8-byte magic, 8-byte xxh3-64 of the body, then the msgpack body
-{"version": 2, "rows": [[identity, id, nbytes, mtime_ns, tokens, trimmable, min_reuse,
-created, last_used, checkpoint_key, blocks, block_size], ...], "blocks": [[identity, hash,
-size, mtime_ns], ...]} (blocks: the entry's hashes, 16 bytes each, end to end).
+File: 8-byte magic, 8-byte xxh3-64 of the rest, 8-byte little-endian length of the head, the
+msgpack head, then the token section: every row's packed tokens end to end, in row order.
+The head is columnar, one value per row in each column, rows least recently used first:
+{"version": 3, "identities": [digest, ...], "rows": n, "ids": [id, ...], "checkpoints":
+{row: key}, "manifests": {row: [hashes end to end, block_size]}, "blocks": [[identity, hash,
+size, mtime_ns], ...], and as packed little-endian arrays: "identity" (into identities),
+"token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used" (i64), "created" (f64),
+"trimmable" (one byte, 0 or 1)}. Columns decode in C, not row by row in Python, and the
+loaded records' tokens are views of the mapped token section: no entry's tokens are copied.
+
+The file is mapped read-only and stays mapped while a loaded entry remains. The daemon never
+writes it in place (a new snapshot is a new file renamed over it), so the mapping never
+changes under the daemon; a file truncated in place by someone else would (SIGBUS on the next
+read of its tokens), like editing the daemon's memory.
 """
 
 from __future__ import annotations
@@ -22,14 +32,17 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import accumulate, repeat
 from pathlib import Path
+from typing import TypeVar
 
 import msgpack
 from kvd_protocol.blocks import HASH_BYTES, split_hashes
-from kvd_protocol.checksum import CHECKSUM_BYTES, checksum
+from kvd_protocol.checksum import CHECKSUM_BYTES, checksum, new_checksum
+from kvd_protocol.tokens import TOKEN_BYTES
 
 from kvd.blocks import Block
 from kvd.durability import replace_durably
@@ -38,16 +51,14 @@ from kvd.records import EntryRecord
 
 log = get_logger("kvd.snapshot")
 
+Number = TypeVar("Number", int, float)
+
 MAGIC = b"KVDSNAP\n"
-VERSION = 2
-
-
-@dataclass(frozen=True)
-class SnapshotRow:
-    """One durable entry as the snapshot remembers it, with its file's size and mtime."""
-
-    record: EntryRecord
-    mtime_ns: int
+VERSION = 3
+_LENGTH = 8  # bytes of the head's length
+_PREFIX = len(MAGIC) + CHECKSUM_BYTES + _LENGTH
+# The packed columns of integers (i64); "created" is the one of floats (f64).
+_INTEGERS = ("identity", "token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used")
 
 
 @dataclass(frozen=True)
@@ -62,14 +73,20 @@ class BlockRow:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The entries' rows by entry id (ids are 128 random bits: unique across identities) and
-    the blocks' by (identity, hash)."""
+    """The durable entries a snapshot remembers, least recently used first, with each file's
+    mtime when it was written (records[i] and mtime_ns[i] are one row); and the blocks', by
+    (identity, hash)."""
 
-    rows: dict[str, SnapshotRow]
+    records: Sequence[EntryRecord]
+    mtime_ns: Sequence[int]
     blocks: dict[tuple[str, bytes], BlockRow]
 
+    def rows(self) -> dict[str, int]:
+        """Row numbers by entry id (ids are 128 random bits: unique across identities)."""
+        return {record.id: row for row, record in enumerate(self.records)}
 
-EMPTY = Snapshot({}, {})
+
+EMPTY = Snapshot((), (), {})
 
 
 def save_snapshot(
@@ -79,29 +96,24 @@ def save_snapshot(
 
     Files that vanished meanwhile are left out: the next start scans what is there.
     """
-    rows = []
-    for file, r in entries:
+    rows: list[tuple[int, EntryRecord]] = []
+    for file, record in entries:
         try:
-            mtime_ns = file.stat().st_mtime_ns
+            rows.append((file.stat().st_mtime_ns, record))
         except FileNotFoundError:
             continue
-        rows.append(
-            [
-                r.identity,
-                r.id,
-                r.nbytes,
-                mtime_ns,
-                r.tokens,
-                r.trimmable,
-                r.min_reuse,
-                r.created,
-                r.last_used,
-                r.checkpoint_key,
-                b"".join(r.blocks),
-                r.block_size,
-            ]
-        )
-    rows.sort(key=itemgetter(8))  # least recently used first: start-up reads them in order
+    rows.sort(key=lambda row: row[1].last_used)  # least recently used first: start-up's order
+    records = [record for _, record in rows]
+    identities = sorted({r.identity for r in records})
+    number = {digest: i for i, digest in enumerate(identities)}
+    integers = {
+        "identity": [number[r.identity] for r in records],
+        "token_bytes": [len(r.tokens) for r in records],
+        "nbytes": [r.nbytes for r in records],
+        "mtime_ns": [mtime_ns for mtime_ns, _ in rows],
+        "min_reuse": [r.min_reuse for r in records],
+        "last_used": [r.last_used for r in records],
+    }
     block_rows = []
     for block in blocks:
         try:
@@ -109,108 +121,145 @@ def save_snapshot(
         except FileNotFoundError:
             continue
         block_rows.append([block.identity, block.hash, block.size, mtime_ns])
-    body = msgpack.packb(
-        {"version": VERSION, "rows": rows, "blocks": block_rows}, use_bin_type=True
-    )
+    head: dict[str, object] = {
+        "version": VERSION,
+        "identities": identities,
+        "rows": len(records),
+        "ids": [r.id for r in records],
+        "checkpoints": {i: r.checkpoint_key for i, r in enumerate(records) if r.checkpoint_key},
+        "manifests": {
+            i: [b"".join(r.blocks), r.block_size] for i, r in enumerate(records) if r.blocks
+        },
+        "blocks": block_rows,
+        "trimmable": bytes(r.trimmable for r in records),
+        "created": _pack(array("d", [r.created for r in records])),
+    }
+    head.update({name: _pack(array("q", integers[name])) for name in _INTEGERS})
+    packed = msgpack.packb(head, use_bin_type=True)
+    body = (len(packed).to_bytes(_LENGTH, "little"), packed, b"".join(r.tokens for r in records))
+    digest = new_checksum()
+    for part in body:
+        digest.update(part)
     temporary = path.with_suffix(".tmp")
     try:
         with open(temporary, "wb") as out:
-            out.write(MAGIC + checksum(body) + body)
+            out.write(MAGIC + digest.digest())
+            out.writelines(body)
         replace_durably(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)  # a full disk keeps no half snapshot (the old one stays)
         raise
-    return len(rows)
+    return len(records)
 
 
 def load_snapshot(path: Path) -> Snapshot:
-    """The snapshot's rows; empty when missing, corrupt or foreign."""
+    """The snapshot's entries; empty when missing, corrupt or foreign."""
     try:
         with open(path, "rb") as file:
-            if os.fstat(file.fileno()).st_size <= len(MAGIC) + CHECKSUM_BYTES:
+            if os.fstat(file.fileno()).st_size <= _PREFIX:
                 log.warning("snapshot_ignored", path=str(path), reason="too short")
                 return EMPTY
-            # Decoded straight from the page cache: no copy of hundreds of MiB first.
-            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    return _decode(path, view)
-                finally:
-                    view.release()
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         return EMPTY
-
-
-def _decode(path: Path, data: memoryview) -> Snapshot:
-    head = len(MAGIC) + CHECKSUM_BYTES
-    body = data[head:]
     try:
-        if data[: len(MAGIC)] != MAGIC or data[len(MAGIC) : head] != checksum(body):
-            log.warning("snapshot_ignored", path=str(path), reason="bad magic or checksum")
-            return EMPTY
-        decoded = msgpack.unpackb(body, raw=False, use_list=False)
-        if decoded.get("version") != VERSION:
-            log.warning("snapshot_ignored", path=str(path), reason="another version")
-            return EMPTY
-        rows = {row[1]: _row(row) for row in decoded["rows"]}
-        blocks = (_block_row(row) for row in decoded["blocks"])
-        return Snapshot(rows, {(b.identity, b.hash): b for b in blocks})
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        log.warning("snapshot_ignored", path=str(path), reason=f"malformed: {exc}")
+        snapshot, tokens_at = _decode(memoryview(mapped))
+    except _UnusableError as exc:
+        log.warning("snapshot_ignored", path=str(path), reason=str(exc))
         return EMPTY
-    finally:
-        body.release()
+    # The head is decoded into objects of their own: its pages need not stay in memory.
+    head_pages = tokens_at - tokens_at % mmap.PAGESIZE
+    if head_pages:
+        mapped.madvise(mmap.MADV_DONTNEED, 0, head_pages)
+    return snapshot
 
 
-def _row(row: tuple[object, ...]) -> SnapshotRow:
-    (
-        identity,
-        entry_id,
-        nbytes,
-        mtime_ns,
-        tokens,
-        trimmable,
-        min_reuse,
-        created,
-        last_used,
-        key,
-        blocks,
-        block_size,
-    ) = row
+class _UnusableError(Exception):
+    pass
+
+
+def _decode(data: memoryview) -> tuple[Snapshot, int]:
+    """The snapshot, and where its token section starts."""
+    if data[: len(MAGIC)] != MAGIC:
+        raise _UnusableError("bad magic")
+    if data[len(MAGIC) : len(MAGIC) + CHECKSUM_BYTES] != checksum(data[_PREFIX - _LENGTH :]):
+        raise _UnusableError("bad checksum")
+    length = int.from_bytes(data[_PREFIX - _LENGTH : _PREFIX], "little")
+    try:
+        head = msgpack.unpackb(
+            data[_PREFIX : _PREFIX + length], raw=False, use_list=False, strict_map_key=False
+        )
+        if head.get("version") != VERSION:
+            raise _UnusableError("another version")
+        return _records(head, data[_PREFIX + length :]), _PREFIX + length
+    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
+        raise _UnusableError(f"malformed: {exc}") from exc
+
+
+def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
+    count = head["rows"]
+    ids = head["ids"]
+    identities = head["identities"]
+    trimmable = head["trimmable"]
+    checkpoints = head["checkpoints"]
+    manifests = head["manifests"]
     if not (
-        isinstance(identity, str)
-        and isinstance(entry_id, str)
-        and isinstance(nbytes, int)
-        and isinstance(mtime_ns, int)
-        and isinstance(tokens, bytes)
-        and isinstance(trimmable, bool)
-        and isinstance(min_reuse, int)
-        and isinstance(created, float)
-        and isinstance(last_used, int)
-        and (key is None or isinstance(key, str))
-        and isinstance(blocks, bytes)
-        and isinstance(block_size, int)
+        isinstance(count, int)
+        and isinstance(ids, tuple)
+        and isinstance(identities, tuple)
+        and isinstance(trimmable, bytes)
+        and isinstance(checkpoints, dict)
+        and isinstance(manifests, dict)
     ):
-        raise ValueError("a row of the wrong types")
-    record = EntryRecord(
-        id=entry_id,
-        identity=sys.intern(identity),  # one string per identity, not one per row
-        tokens=tokens,
-        nbytes=nbytes,
-        trimmable=trimmable,
-        min_reuse=min_reuse,
-        created=created,
-        last_used=last_used,
-        durable=True,
-        checkpoint_key=key,
-        blocks=split_hashes(blocks),
-        block_size=block_size,
+        raise ValueError("a part of the wrong type")
+    columns = {name: _unpack(array("q"), head[name], count) for name in _INTEGERS}
+    lengths = columns["token_bytes"]
+    ends = list(accumulate(lengths))
+    if not all(isinstance(i, str) for i in (*ids, *identities, *checkpoints.values())):
+        raise ValueError("an id, identity or key that is not a string")
+    if len(ids) != count or len(trimmable) != count or trimmable.strip(b"\0\1"):
+        raise ValueError("ids or trimmable flags that do not match the rows")
+    if (ends[-1] if ends else 0) != len(tokens) or any(n < 0 or n % TOKEN_BYTES for n in lengths):
+        raise ValueError("token lengths that do not match the token section")
+    numbers = columns["identity"]
+    if numbers and not 0 <= min(numbers) <= max(numbers) < len(identities):
+        raise ValueError("a row of no identity")
+    digests = [sys.intern(digest) for digest in identities]  # one string per identity
+    sizes: dict[int, int] = {}  # one int object per file size, not one per row
+    records = list(
+        map(
+            EntryRecord,
+            ids,
+            [digests[i] for i in numbers],
+            map(tokens.__getitem__, map(slice, [0, *ends], ends)),
+            map(sizes.setdefault, columns["nbytes"], columns["nbytes"]),
+            map(bool, trimmable),
+            columns["min_reuse"],
+            _unpack(array("d"), head["created"], count),
+            columns["last_used"],
+            repeat(True),  # durable
+        )
     )
-    return SnapshotRow(record, mtime_ns)
+    if not all(isinstance(row, int) and 0 <= row < count for row in (*checkpoints, *manifests)):
+        raise ValueError("a checkpoint or block list of no row")
+    for row, key in checkpoints.items():
+        records[row].checkpoint_key = key
+    for row, (hashes, block_size) in manifests.items():
+        if not (isinstance(hashes, bytes) and isinstance(block_size, int)):
+            raise ValueError("a block list of the wrong types")
+        records[row].blocks, records[row].block_size = split_hashes(hashes), block_size
+    blocks = (_block_row(row) for row in _sequence(head["blocks"]))
+    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
 
 
-def _block_row(row: tuple[object, ...]) -> BlockRow:
-    identity, block_hash, size, mtime_ns = row
+def _sequence(value: object) -> tuple[object, ...]:
+    if not isinstance(value, tuple):
+        raise ValueError("a list that is not one")
+    return value
+
+
+def _block_row(row: object) -> BlockRow:
+    identity, block_hash, size, mtime_ns = _sequence(row)
     if not (
         isinstance(identity, str)
         and isinstance(block_hash, bytes)
@@ -220,3 +269,20 @@ def _block_row(row: tuple[object, ...]) -> BlockRow:
     ):
         raise ValueError("a block row of the wrong types")
     return BlockRow(sys.intern(identity), block_hash, size, mtime_ns)
+
+
+def _pack(column: array[Number]) -> bytes:
+    if sys.byteorder == "big":  # pragma: no cover - arm64 and x86-64 are little-endian
+        column.byteswap()
+    return column.tobytes()
+
+
+def _unpack(column: array[Number], packed: object, count: int) -> list[Number]:
+    if not isinstance(packed, bytes):
+        raise ValueError("a column that is not packed bytes")
+    column.frombytes(packed)  # ValueError for a length that is not a whole number of values
+    if len(column) != count:
+        raise ValueError("a column of another length than the rows")
+    if sys.byteorder == "big":  # pragma: no cover
+        column.byteswap()
+    return column.tolist()

@@ -333,7 +333,7 @@ class Tier:
         self._check_leases(owner)
         counters = self.catalog.counters
         for record in reversed(self.catalog.checkpoints(identity.digest(), key)):
-            if len(record.tokens) > len(prompt) and record.tokens.startswith(prompt):
+            if len(record.tokens) > len(prompt) and bytes(record.tokens[: len(prompt)]) == prompt:
                 fd = self.catalog.open(record, self.quarantine.now)
                 if fd is not None:
                     counters.hits += 1

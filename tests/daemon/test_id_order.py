@@ -40,3 +40,21 @@ def test_blocks_split_and_empty_out() -> None:
     assert list(order.after(None)) == ids[4 * BLOCK :]
     with pytest.raises(KeyError):
         order.remove(ids[0])
+
+
+def test_ids_added_in_bulk_or_one_by_one_between_reads_stay_in_order() -> None:
+    order, model = IdOrder(), list[str]()
+    batches = [[f"{n:05d}" for n in range(start, 20_000, 7)] for start in range(7)]
+    for batch in batches:  # many ids at once: sorted in afresh
+        for entry_id in reversed(batch):
+            order.add(entry_id)
+        model = sorted(model + batch)
+        assert list(order.after(None)) == model
+    for entry_id in ["00000x", "10000x", "zzzzz"]:  # a few: inserted where they go
+        order.add(entry_id)
+        model = sorted([*model, entry_id])
+        assert list(order.after("09999")) == [i for i in model if i > "09999"]
+    order.remove("10000x")
+    model.remove("10000x")
+    assert len(order) == len(model)
+    assert list(order.after(None)) == model

@@ -283,7 +283,15 @@ def test_covering_respects_min_reuse() -> None:
     assert index.covering(pack_tokens([1, 2, 3])) is not None
 
 
-# The tree against the linear scan, under any sequence of adds, removes and touches.
+# The tree against the linear scan, under any sequence of adds, removes and touches, with the
+# tokens of each entry its own bytes or (as the snapshot loads them) a view into a larger buffer.
+
+
+def viewed(record: EntryRecord) -> EntryRecord:
+    """record with its tokens a read-only view into the middle of a buffer of its own."""
+    record.tokens = memoryview(b"\xff" * 8 + bytes(record.tokens) + b"\xff" * 4)[8:-4]
+    return record
+
 
 _tokens = st.lists(st.integers(0, 2), min_size=1, max_size=5)
 # (kind, tokens, trimmable, min_reuse, which present entry): each op reads the fields it needs.
@@ -303,21 +311,27 @@ def _covering_by_scan(records: list[EntryRecord], tokens: bytes) -> EntryRecord 
         for r in records
         if r.trimmable
         and len(r.tokens) > len(tokens)
-        and r.tokens.startswith(tokens)
+        and bytes(r.tokens).startswith(tokens)
         and r.min_reuse <= len(tokens) // 4
     ]
     return min(found, key=rank, default=None)
 
 
 @settings(max_examples=500, deadline=None)
-@given(ops=st.lists(_ops, max_size=40), probes=st.lists(_tokens, min_size=1, max_size=8))
-def test_tree_agrees_with_the_scan(ops: list[_Op], probes: list[list[int]]) -> None:
+@given(
+    ops=st.lists(_ops, max_size=40),
+    probes=st.lists(_tokens, min_size=1, max_size=8),
+    views=st.booleans(),
+)
+def test_tree_agrees_with_the_scan(ops: list[_Op], probes: list[list[int]], views: bool) -> None:
     index = PrefixIndex()
     present: list[EntryRecord] = []
     clock = itertools.count(1)
     for kind, tokens, trimmable, min_reuse, pick in ops:
         if kind == "add":
             record = entry(*tokens, trimmable=trimmable, min_reuse=min_reuse)
+            if views:
+                record = viewed(record)
             if index.exact(record.tokens) is None:
                 index.add(record)
                 present.append(record)
