@@ -199,6 +199,7 @@ class PrefixIndex:
         and so in every subtree above: the frontiers above cannot change.
         """
         key = rank(record)
+        alone = (record,)
         for node in reversed(path):
             frontier = node.frontier
             # The common case when entries arrive (or are used) in turn, O(1): record ranks
@@ -207,7 +208,7 @@ class PrefixIndex:
                 (frontier[0] is record or key < rank(frontier[0]))
                 and record.min_reuse <= frontier[-1].min_reuse
             ):
-                node.frontier = (record,)
+                node.frontier = alone  # one tuple shared by every node it is alone in
                 continue
             best = frontier[0]
             # The other common case, O(1): a better entry that reuses at least as short a prefix.
