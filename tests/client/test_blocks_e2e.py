@@ -22,7 +22,7 @@ from kvd_client.identity import Identity
 from kvd_protocol.blocks import BLOCK_SUFFIX, block_hashes, block_name
 from kvd_protocol.entry import PREFIX
 from kvd_protocol.entry_reader import parse_block_head
-from kvd_protocol.messages import BLOCKS_FEATURE
+from kvd_protocol.messages import BLOCKS_FEATURE, MAX_BLOCK_BATCH
 from kvd_protocol.tokens import pack_tokens
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import greedy, prefill, prompt, tiny_llama
@@ -135,6 +135,18 @@ def test_a_shorter_match_is_restored_from_the_blocks_it_needs_and_trimmed(daemon
     assert restored is not None
     assert restored.matched == 50
     _continues_like_a_fresh_prefill(model, restored.cache, tokens[:51])
+
+
+def test_a_prompt_of_more_blocks_than_one_batch_restores_exactly(daemon: Daemon) -> None:
+    model = tiny_llama()
+    identity = Identity("tiny/long", "cfg", "tok")
+    tokens = prompt((MAX_BLOCK_BATCH + 6) * BLOCK + 5, seed=3)  # a second batch of six blocks
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
+        _stored(client, identity, tokens, prefill(model, tokens))
+        assert client.stats.blocks_written == MAX_BLOCK_BATCH + 6
+        restored = client.get(identity, [*tokens, 7], model=model)
+    assert restored is not None
+    _continues_like_a_fresh_prefill(model, restored.cache, [*tokens, 7])
 
 
 def _block_file(tier: Path, tokens: list[int], index: int) -> Path:
