@@ -18,11 +18,14 @@ none of it stops the daemon:
 - anything else (a file that is not `<identity>/<id>.kve` or a block, a folder deeper down)
   is ignored. Files being copied in under a temporary name are left alone until renamed.
 Files the daemon writes or deletes itself are recognised by their entry id and left alone.
-If the entries folder itself is removed, it is made again and the index follows.
+If the entries folder itself is removed, it is made again and the index follows. A batch
+that cannot be listed for want of a descriptor (the daemon at its open-file limit) changes
+nothing and is left to the next full reconcile.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -182,15 +185,25 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
     """
     catalog = tier.catalog
     root = _root(tier)
+    try:
+        if changes is None:
+            found = await anyio.to_thread.run_sync(_listing, root)
+        else:
+            found = await anyio.to_thread.run_sync(_changed_entries, root, changes)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        # No descriptor free to list a folder (the server is at its limit): nothing is
+        # changed on a half listing; the next full reconcile catches up.
+        log.warning("reconcile_deferred", reason=str(exc))
+        return
     if changes is None:
-        found = await anyio.to_thread.run_sync(_listing, root)
         on_disk = found.entries
         durable = {r.id: r for r in catalog.durable()}
         gone = durable.keys() - on_disk.keys()
         candidates = {**on_disk, **{i: catalog.path_of(durable[i]) for i in gone}}
         found.blocks |= {b.path for b in catalog.blocks if b.durable}  # those gone, too
     else:
-        found = await anyio.to_thread.run_sync(_changed_entries, root, changes)
         candidates = found.entries
         on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
     modified = found.modified
