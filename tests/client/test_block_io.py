@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvd_client import block_io
 from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_runs, write_runs
+from kvd_client.client import Client
 from kvd_client.entry_io import CHUNK_BYTES, EntryFile
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import LayerSpec, TensorSpec, plan_manifest
@@ -250,3 +251,10 @@ def test_a_block_whose_rows_changed_is_refused_by_its_checksum(
     with pytest.raises(EntryFormatError) as changed:
         _restored(entry, blocks, opened, list(range(opened, 3)))
     assert changed.value.rule is Rule.DATA_CHECKSUM
+
+
+def test_a_client_refuses_a_block_size_the_format_does_not_allow(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        Client.connect(str(tmp_path / "kvd.sock"), block_tokens=100)
+    with Client.connect(str(tmp_path / "kvd.sock"), block_tokens=0) as whole:
+        assert not whole.connected  # nothing answers there: blocks off is still a client
