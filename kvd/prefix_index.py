@@ -106,6 +106,11 @@ def _subtree_frontier(node: _Node) -> tuple[EntryRecord, ...]:
     return _sweep(candidates)
 
 
+def _comparable(label: Tokens, length: int) -> bytes:
+    """label, or of a view its first length bytes (as much as is compared), as bytes."""
+    return label if isinstance(label, bytes) else bytes(label[:length])
+
+
 def _check_tokens(tokens: Tokens) -> None:
     if len(tokens) % TOKEN_BYTES:
         raise ValueError(f"token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES}")
@@ -176,7 +181,8 @@ class PrefixIndex:
             if not tokens.startswith(child.label, pos):
                 # Split the edge where tokens leave it; the new inner node has the same subtree.
                 shared = TOKEN_BYTES * common_prefix_tokens(
-                    bytes(child.label), tokens[pos : pos + len(child.label)]
+                    _comparable(child.label, len(tokens) - pos),
+                    tokens[pos : pos + len(child.label)],
                 )
                 inner = _Node(child.label[:shared])
                 child.label = child.label[shared:]
@@ -285,7 +291,8 @@ class PrefixIndex:
                 continue
             # The prompt leaves (or ends) inside this edge: every entry below shares exactly
             # the tokens up to that point.
-            shared = common_prefix_tokens(bytes(child.label), prompt[pos : pos + len(child.label)])
+            label = _comparable(child.label, len(prompt) - pos)
+            shared = common_prefix_tokens(label, prompt[pos : pos + len(child.label)])
             positions.append((child, pos // TOKEN_BYTES + shared, False))
             break
         # Deepest first: every entry below a position shares at least its depth with the
