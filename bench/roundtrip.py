@@ -11,6 +11,10 @@ threads of one process would share one GIL and measure the benchmark, not the se
 machine's core count limits what 8 clients can show; it is printed with the table. Without
 redis-server on PATH the kvd rows are printed alone, with a note.
 
+Beside the latencies, the CPU time each request cost the client processes and the server
+(kvd or redis-server) process: on a machine shared with other work the latencies move with
+its load, the CPU times far less, so they show what a change to either side did.
+
     .venv/bin/python bench/roundtrip.py [--requests 20000] [--tokens 256]
 """
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from pathlib import Path
 
+import psutil
 from _daemon import running_daemon, socket_folder
 from kvd_client.client import Client
 from kvd_protocol.entry import LayerSpec, TensorSpec
@@ -63,6 +68,7 @@ class Timings:
     started: float
     ended: float
     latencies: list[float]  # seconds
+    cpu: float  # seconds of this client process's CPU time over the timed requests
 
 
 # --- what a client process runs ------------------------------------------------------------
@@ -117,13 +123,13 @@ def run_job(job: Job) -> Timings:
         time.sleep(max(0.0, job.start_at - time.monotonic()))
         latencies = []
         clock = time.perf_counter
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         for _ in range(job.requests):
             t0 = clock()
             call()
             latencies.append(clock() - t0)
-        ended = time.monotonic()
-    return Timings(started, ended, latencies)
+        ended, cpu = time.monotonic(), time.process_time() - cpu
+    return Timings(started, ended, latencies, cpu)
 
 
 def worker(jobs: Queue[Job | None], results: Queue[Timings | str]) -> None:
@@ -148,20 +154,27 @@ class ClientPool:
         for process in self.processes:
             process.start()
 
-    def run(self, kind: str, address: str, clients: int, requests: int, tokens: int) -> Stats:
+    def run(
+        self, kind: str, address: str, clients: int, requests: int, tokens: int, *, server: int
+    ) -> Stats:
+        """The case's figures; server: the pid of the process answering, for its CPU time."""
         start_at = time.monotonic() + START_DELAY
         each = max(1, requests // clients)  # redis-benchmark's -n is the total, too
         for jobs in self.jobs[:clients]:
             jobs.put(Job(kind, address, each, tokens, start_at))
         timings = []
+        server_cpu = _cpu_seconds(server)  # from the hand-out: the warm-up is counted too
         for _ in range(clients):
             result = self.results.get()
             if isinstance(result, str):
                 raise RuntimeError(result)
             timings.append(result)
+        server_cpu = _cpu_seconds(server) - server_cpu
         latencies = [t for timing in timings for t in timing.latencies]
         elapsed = max(t.ended for t in timings) - min(t.started for t in timings)
-        return Stats.of(latencies, len(latencies) / elapsed)
+        client_cpu = sum(t.cpu for t in timings) / len(latencies)
+        served = len(latencies) + WARMUP * clients
+        return Stats.of(latencies, len(latencies) / elapsed, client_cpu, server_cpu / served)
 
     def close(self) -> None:
         for jobs in self.jobs:
@@ -173,22 +186,29 @@ class ClientPool:
 # --- statistics and anchors ----------------------------------------------------------------
 
 
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 @dataclass(frozen=True)
 class Stats:
     p50: float  # seconds
     p99: float
     ops: float  # per second, all clients together
+    client_cpu: float | None = None  # seconds of client CPU per request (None: not measured)
+    server_cpu: float | None = None  # seconds of the server's CPU per request
 
     @classmethod
-    def of(cls, latencies: list[float], ops: float) -> Stats:
+    def of(cls, latencies: list[float], ops: float, client_cpu: float, server_cpu: float) -> Stats:
         cuts = statistics.quantiles(latencies, n=100)
-        return cls(statistics.median(latencies), cuts[98], ops)
+        return cls(statistics.median(latencies), cuts[98], ops, client_cpu, server_cpu)
 
 
 @contextmanager
-def redis_server(folder: str) -> Iterator[str | None]:
-    """A redis-server on a Unix socket in folder (no TCP, no persistence); its socket path,
-    or None when redis-server is not installed."""
+def redis_server(folder: str) -> Iterator[tuple[str, int] | None]:
+    """A redis-server on a Unix socket in folder (no TCP, no persistence): its socket path and
+    pid, or None when redis-server is not installed."""
     binary = shutil.which("redis-server")
     if binary is None:
         yield None
@@ -204,7 +224,7 @@ def redis_server(folder: str) -> Iterator[str | None]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("redis-server did not start")
             time.sleep(0.01)
-        yield path
+        yield path, process.pid
     finally:
         process.terminate()
         process.wait()
@@ -256,13 +276,23 @@ def main() -> None:
             put_one_entry(daemon.socket_path)
             for clients in CONCURRENCY:
                 for kind in ("kvd ping", "kvd lookup miss"):
-                    stats = pool.run(kind, daemon.socket_path, clients, args.requests, args.tokens)
+                    stats = pool.run(
+                        kind,
+                        daemon.socket_path,
+                        clients,
+                        args.requests,
+                        args.tokens,
+                        server=daemon.pid,
+                    )
                     rows.append((kind, clients, stats, True))
                 if redis is None:
                     continue
-                stats = pool.run("resp ping", redis, clients, args.requests, args.tokens)
+                redis_path, redis_pid = redis
+                stats = pool.run(
+                    "resp ping", redis_path, clients, args.requests, args.tokens, server=redis_pid
+                )
                 rows.append(("redis PING, raw Python RESP client", clients, stats, False))
-                bench = redis_benchmark(redis, clients, args.requests)
+                bench = redis_benchmark(redis_path, clients, args.requests)
                 if bench is not None:
                     rows.append(("redis PING, redis-benchmark", clients, bench, False))
     finally:
@@ -280,9 +310,10 @@ def print_table(
     )
     print(
         "| request | clients | p50 µs | p99 µs | ops/s | p50 / redis-benchmark p50 "
-        f"| p50 / raw RESP p50 | goal: p50 ≤ {GOAL:g}× redis-benchmark |"
+        f"| p50 / raw RESP p50 | goal: p50 ≤ {GOAL:g}× redis-benchmark "
+        "| client CPU µs | server CPU µs |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for name, clients, stats, kvd in rows:
         bench = anchors.get(("redis PING, redis-benchmark", clients))
         raw = anchors.get(("redis PING, raw Python RESP client", clients))
@@ -292,9 +323,11 @@ def print_table(
         if kvd and bench is not None:
             goal = "met" if stats.p50 <= GOAL * bench.p50 else "not met"
         label = name if kvd else f"{name} (anchor)"
+        client_cpu = "" if stats.client_cpu is None else f"{stats.client_cpu * 1e6:.1f}"
+        server_cpu = "" if stats.server_cpu is None else f"{stats.server_cpu * 1e6:.1f}"
         print(
             f"| {label} | {clients} | {stats.p50 * 1e6:.1f} | {stats.p99 * 1e6:.1f} "
-            f"| {stats.ops:,.0f} | {vs_bench} | {vs_raw} | {goal} |"
+            f"| {stats.ops:,.0f} | {vs_bench} | {vs_raw} | {goal} | {client_cpu} | {server_cpu} |"
         )
     if not redis_found:
         print(

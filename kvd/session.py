@@ -30,6 +30,7 @@ log = get_logger("kvd.session")
 
 RECEIVE_BYTES = 1 << 16
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
+_RECEIVE_ANCILLARY = socket_io.ancillary_bytes(RECEIVE_FDS)
 FEATURES = (
     "put",
     "lookup",
@@ -92,7 +93,7 @@ class Session:
         self.peer = peer
         self.status = status
         self.conn = Connection(Role.SERVER, tier.limits)
-        # Uncontended (the usual case: one reply at a time) it takes no trip round the loop.
+        # Held by a reply that must wait to go out whole (see socket_io.send).
         self._send_lock = anyio.Lock(fast_acquire=True)
         # One handler per op; each takes its request and returns its reply.
         self._handlers: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
@@ -170,17 +171,16 @@ class Session:
         likes; inside one (part of a frame buffered), the rest must come within frame_timeout:
         TimeoutError otherwise."""
         if not self.conn.buffered_bytes:
-            return await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
+            return await socket_io.receive(self.sock, RECEIVE_BYTES, _RECEIVE_ANCILLARY)
         with anyio.fail_after(self.tier.config.frame_timeout):
-            return await socket_io.receive(self.sock, RECEIVE_BYTES, RECEIVE_FDS)
+            return await socket_io.receive(self.sock, RECEIVE_BYTES, _RECEIVE_ANCILLARY)
 
     async def _fatal(self, exc: ProtocolError) -> None:
         """A fatal protocol error: say why, then close (the stream cannot be resynchronised)."""
         log.info("connection_error", session=self.peer.session, error=str(exc))
         frame = self.conn.send_final_error(exc.code, exc.message)
         with contextlib.suppress(socket_io.PeerGone):
-            async with self._send_lock:  # never inside another task's reply
-                await socket_io.send(self.sock, frame)
+            await socket_io.send(self.sock, frame, (), self._send_lock)
 
     async def _answer(self, request: m.Request) -> None:
         try:
@@ -195,18 +195,11 @@ class Session:
     async def _send(self, reply: m.Reply) -> None:
         fds = reply.fds
         try:
-            try:  # uncontended, the usual case: taken without the coroutine of acquire()
-                self._send_lock.acquire_nowait()
-            except anyio.WouldBlock:
-                await self._send_lock.acquire()
-            try:
-                if not self.conn.can_send:  # closing after a fatal error: nobody reads on
-                    log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
-                    return
-                frame, sent_fds = self._frame(reply)
-                await socket_io.send(self.sock, frame, sent_fds)
-            finally:
-                self._send_lock.release()
+            if not self.conn.can_send:  # closing after a fatal error: nobody reads on
+                log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
+                return
+            frame, sent_fds = self._frame(reply)
+            await socket_io.send(self.sock, frame, sent_fds, self._send_lock)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:

@@ -2,7 +2,8 @@
 
 Straight to the kernel when it can take them now, waiting (through anyio) only when it
 cannot: a request and its reply cost one trip round the event loop, not the three that a
-checkpoint before every stream read and write adds.
+checkpoint before every stream read and write adds, and a reply that goes out whole takes no
+lock.
 """
 
 from __future__ import annotations
@@ -26,17 +27,27 @@ class BadAncillary(Exception):  # noqa: N818
     """Ancillary data other than descriptors, or descriptors the kernel had to truncate."""
 
 
-async def receive(sock: socket.socket, nbytes: int, maxfds: int) -> tuple[bytes, list[int]]:
-    """Some bytes and the descriptors that came with them (never a silently dropped one)."""
+def ancillary_bytes(maxfds: int) -> int:
+    """The room recvmsg needs for maxfds descriptors (computed once per reader, not per read)."""
+    return socket.CMSG_SPACE(maxfds * _FD_BYTES)
+
+
+async def receive(sock: socket.socket, nbytes: int, ancillary: int) -> tuple[bytes, list[int]]:
+    """Some bytes and the descriptors that came with them (never a silently dropped one), in
+    ancillary bytes of room (ancillary_bytes())."""
     while True:
         try:
-            data, ancdata, flags, _ = sock.recvmsg(nbytes, socket.CMSG_SPACE(maxfds * _FD_BYTES))
+            data, ancdata, flags, _ = sock.recvmsg(nbytes, ancillary)
         except BlockingIOError:
             await anyio.wait_readable(sock)
             continue
         except (ConnectionResetError, OSError) as exc:
             raise PeerGone(str(exc)) from exc
         break
+    if not ancdata and not flags & _CTRUNC:  # the usual read: bytes alone
+        if not data:
+            raise PeerGone("end of stream")
+        return data, []
     fds = array.array("i")
     foreign = False
     for level, kind, payload in ancdata:
@@ -53,22 +64,44 @@ async def receive(sock: socket.socket, nbytes: int, maxfds: int) -> tuple[bytes,
     return data, list(fds)
 
 
-async def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
-    """All of data, the descriptors going with its first byte."""
+async def send(sock: socket.socket, data: bytes, fds: Sequence[int], lock: anyio.Lock) -> None:
+    """All of data, the descriptors going with its first byte. Several tasks send on one socket
+    and their frames never mix: a frame goes straight out while no other is part-way out (the
+    usual case, no lock taken), and one the kernel cannot take whole holds lock until it is."""
     view = memoryview(data)
+    locked = False
     try:
-        if fds:
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            while True:
-                try:
-                    view = view[sock.sendmsg([view], rights) :]
-                    break
-                except BlockingIOError:
-                    await anyio.wait_writable(sock)
-        while view:
+        if lock.locked():
+            await lock.acquire()
+            locked = True
+        while True:
             try:
-                view = view[sock.send(view) :]
+                view = _send_now(sock, view, fds)
+                fds = ()
             except BlockingIOError:
-                await anyio.wait_writable(sock)
+                pass
+            if not view:
+                return
+            if not locked:  # free: nothing was awaited since it was seen free
+                lock.acquire_nowait()
+                locked = True
+            await anyio.wait_writable(sock)
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerGone(str(exc)) from exc
+    finally:
+        if locked:
+            lock.release()
+
+
+def _send_now(sock: socket.socket, view: memoryview, fds: Sequence[int]) -> memoryview:
+    """What the kernel does not take of view now; the descriptors go with its first byte.
+    BlockingIOError when it took nothing (the descriptors were not sent either)."""
+    if fds:
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        view = view[sock.sendmsg([view], rights) :]
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            break
+    return view

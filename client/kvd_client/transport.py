@@ -19,6 +19,8 @@ RECV_BYTES = 1 << 16
 # such reply and a few more per read.
 MAX_FDS_PER_READ = MAX_BLOCK_BATCH + 8
 _CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on every read
+_FD_BYTES = array.array("i").itemsize
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_READ * _FD_BYTES)
 
 
 class TransportClosed(ConnectionError):  # noqa: N818 - reads as the state it reports
@@ -28,17 +30,17 @@ class TransportClosed(ConnectionError):  # noqa: N818 - reads as the state it re
 def receive_from(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One recvmsg: some bytes and the descriptors that came with them (never a dropped one).
     On a non-blocking socket with nothing to read, raises BlockingIOError."""
-    fds = array.array("i")
     try:
-        data, ancdata, flags, _ = sock.recvmsg(
-            RECV_BYTES, socket.CMSG_SPACE(MAX_FDS_PER_READ * fds.itemsize)
-        )
+        data, ancdata, flags, _ = sock.recvmsg(RECV_BYTES, _ANCILLARY_BYTES)
     except ConnectionResetError as exc:
         raise TransportClosed(str(exc)) from exc
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    received = list(fds)
+    received: list[int] = []
+    if ancdata:  # most replies carry no descriptor
+        fds = array.array("i")
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % _FD_BYTES])
+        received = list(fds)
     if flags & _CTRUNC:
         for fd in received:
             os.close(fd)
@@ -53,6 +55,7 @@ class BlockingTransport:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self._timeout = sock.gettimeout()
 
     @classmethod
     def connect(cls, path: str, timeout: float | None) -> BlockingTransport:
@@ -66,7 +69,9 @@ class BlockingTransport:
         return cls(sock)
 
     def settimeout(self, timeout: float | None) -> None:
-        self._sock.settimeout(timeout)
+        if timeout != self._timeout:  # each change costs system calls; most calls keep it
+            self._sock.settimeout(timeout)
+            self._timeout = timeout
 
     def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
         try:

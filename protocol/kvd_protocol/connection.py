@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Final, Literal, NoReturn, TypeAlias
 
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from .framing import FrameReader, decode_body, encode_frame
+from .framing import FrameReader, FrameWriter, decode_body
 from .limits import DEFAULT_LIMITS, Limits
 from .messages import (
     OPS,
@@ -68,6 +68,8 @@ Event: TypeAlias = Request | Reply | BadRequest | ConnectionClosed
 
 
 def _check_id(message: Message, lo: int) -> None:
+    if type(message.id) is int and lo <= message.id <= U32:  # the usual case, in one test
+        return
     if (
         not isinstance(message.id, int)
         or isinstance(message.id, bool)
@@ -85,6 +87,7 @@ class Connection:
         self.role = role
         self.limits = limits  # a client adopts the server's limits from the hello reply
         self._reader = FrameReader(limits.max_frame_bytes)
+        self._writer = FrameWriter(limits.max_frame_bytes)
         self._in_flight: dict[int, str] = {}  # request id -> op, awaiting a reply
         self._claims: dict[int, int] = {}  # request id in flight -> its reply's most descriptors
         self._claimable = 0  # the sum of _claims
@@ -131,18 +134,18 @@ class Connection:
     def send(self, message: Message) -> bytes:
         """The frame for message, after checking it is allowed now. A LocalProtocolError here
         changes nothing: the message was not sent and the connection stays usable."""
-        self._check_usable(LocalProtocolError)
+        if self._error is not None:
+            raise self._unusable(LocalProtocolError)
         if self._final_error_sent:
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
         if self.role is Role.CLIENT:
             self._check_request(message)
+            frame = self._frame(message)
+            self._hello_sent = True  # the checks let nothing but hello through before it
+            self._enter(message)  # type: ignore[arg-type]  # _check_request: a Request
         else:
             self._check_reply(message)
-        frame = _frame(message, self.limits)
-        if isinstance(message, Request):  # a client's: the checks above let no other through
-            self._hello_sent |= isinstance(message, Hello)
-            self._enter(message)
-        else:
+            frame = self._frame(message)
             self._settle(message)
         return frame
 
@@ -154,7 +157,7 @@ class Connection:
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "only a server sends a final error")
         if self._final_error_sent:
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
-        frame = _frame(ErrorReply(id=0, code=code, message=message), self.limits)
+        frame = self._frame(ErrorReply(id=0, code=code, message=message))
         self._final_error_sent = True
         return frame
 
@@ -162,9 +165,9 @@ class Connection:
         if not isinstance(message, Request):
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a client sends requests only")
         _check_id(message, 1)
-        if isinstance(message, Hello) and self._hello_sent:
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
-        if not isinstance(message, Hello) and not self._hello_sent:
+        if self._hello_sent == (type(message) is Hello):  # Hello has no subclasses
+            if self._hello_sent:
+                raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
             raise LocalProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
         if message.id in self._in_flight:
             raise LocalProtocolError(
@@ -179,21 +182,20 @@ class Connection:
     def _check_reply(self, message: Message) -> None:
         if not isinstance(message, Reply):
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
-        _check_id(message, 0 if isinstance(message, ErrorReply) else 1)
-        fds = message.fds
-        if len(fds) != message.descriptor_count() or not all(
-            isinstance(fd, int) and fd >= 0 for fd in fds
-        ):
+        is_error = type(message) is ErrorReply  # ErrorReply has no subclasses
+        _check_id(message, 0 if is_error else 1)
+        fds, count = message.fds, message.descriptor_count()
+        if len(fds) != count or (fds and not all(isinstance(fd, int) and fd >= 0 for fd in fds)):
             raise LocalProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
-                f"{message.op} reply holds {fds}, needs {message.descriptor_count()} descriptor(s)",
+                f"{message.op} reply holds {fds}, needs {count} descriptor(s)",
             )
         if len(fds) > self._claims.get(message.id, 0):
             raise LocalProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
                 f"{message.op} reply holds {len(fds)} descriptor(s), more than its request asked",
             )
-        if isinstance(message, ErrorReply):
+        if is_error:
             if message.id in self._unanswered or message.id in self._in_flight:
                 return
             if message.id == 0:  # a notice not tied to any request
@@ -207,7 +209,7 @@ class Connection:
 
     def _settle(self, reply: Message) -> None:
         """Server: the request (or bad request) reply answers is answered."""
-        if isinstance(reply, ErrorReply) and reply.id in self._unanswered:
+        if type(reply) is ErrorReply and reply.id in self._unanswered:
             self._unanswered.remove(reply.id)
         else:
             self._leave(reply.id)
@@ -233,7 +235,8 @@ class Connection:
 
         A server raises BAD_DESCRIPTORS for any descriptor and keeps none (the caller closes
         them). A client queues them first, so take_descriptors() returns them on any error."""
-        self._check_usable(RemoteProtocolError)
+        if self._error is not None:
+            raise self._unusable(RemoteProtocolError)
         if fds and self.role is Role.SERVER:
             self._fail(
                 RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors")
@@ -258,7 +261,8 @@ class Connection:
         """The next event, or NEED_DATA. Raises ProtocolError only for fatal errors: a
         RemoteProtocolError for what the peer sent; a LocalProtocolError for a server that
         left max_in_flight bad requests unanswered."""
-        self._check_usable(RemoteProtocolError)
+        if self._error is not None:
+            raise self._unusable(RemoteProtocolError)
         try:
             return self._next_event()
         except (LocalProtocolError, RemoteProtocolError) as exc:
@@ -306,11 +310,11 @@ class Connection:
             request = decode_request(body, self.limits)
         except ProtocolError as exc:
             return self._reject(request_id, exc.code, exc.message)
-        if isinstance(request, Hello) and self._hello_received:
-            return self._reject(request_id, ErrorCode.BAD_MESSAGE, "hello was already received")
-        if not isinstance(request, Hello) and not self._hello_received:
+        if self._hello_received == (type(request) is Hello):  # Hello has no subclasses
+            if self._hello_received:
+                return self._reject(request_id, ErrorCode.BAD_MESSAGE, "hello was already received")
             return self._reject(request_id, ErrorCode.HANDSHAKE_REQUIRED, "hello must come first")
-        self._hello_received |= isinstance(request, Hello)
+        self._hello_received = True
         self._enter(request)
         return request
 
@@ -326,7 +330,7 @@ class Connection:
         return BadRequest(request_id, code, message)
 
     def _reply_event(self, body: object) -> Reply:
-        if not isinstance(body, Mapping):
+        if not (type(body) is dict or isinstance(body, Mapping)):
             raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
         op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
@@ -358,25 +362,25 @@ class Connection:
         self._leave(reply_id)
         if wanted:
             reply = reply.with_fds(tuple(self._fds.popleft() for _ in range(wanted)))
-        if isinstance(reply, HelloReply):
+        if type(reply) is HelloReply:
             self._hello_received = True
             self.limits = reply.limits
             self._reader.max_frame_bytes = reply.limits.max_frame_bytes
+            self._writer.max_frame_bytes = reply.limits.max_frame_bytes
         return reply
 
     # --- failure ---
 
-    def _check_usable(self, kind: type[ProtocolError]) -> None:
-        if self._error is not None:
-            raise kind(self._error.code, f"connection unusable after: {self._error.message}")
+    def _unusable(self, kind: type[ProtocolError]) -> ProtocolError:
+        assert self._error is not None
+        return kind(self._error.code, f"connection unusable after: {self._error.message}")
 
     def _fail(self, exc: ProtocolError) -> NoReturn:
         self._error = exc
         raise exc
 
-
-def _frame(message: Message, limits: Limits) -> bytes:
-    try:
-        return encode_frame(message.to_wire(), limits.max_frame_bytes)
-    except ProtocolError as exc:  # over the frame limit: the message is this side's
-        raise LocalProtocolError(exc.code, exc.message) from None
+    def _frame(self, message: Message) -> bytes:
+        try:
+            return self._writer.frame(message.to_wire())
+        except ProtocolError as exc:  # over the frame limit: the message is this side's
+            raise LocalProtocolError(exc.code, exc.message) from None

@@ -22,19 +22,27 @@ def _no_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
 
-def encode_frame(body: Mapping[str, Any], max_frame_bytes: int) -> bytes:
-    """One frame holding body; ProtocolError(BAD_MESSAGE) if body cannot be packed,
-    ProtocolError(TOO_LARGE) if it packs to more than max_frame_bytes."""
-    try:
-        packed: bytes = msgpack.packb(body, use_bin_type=True, datetime=False)
-    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"cannot encode message: {exc}") from None
-    if len(packed) > max_frame_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE,
-            f"frame of {len(packed)} bytes, over the limit of {max_frame_bytes}",
-        )
-    return LENGTH.pack(len(packed)) + packed
+class FrameWriter:
+    """Encodes bodies into frames with a msgpack Packer made once (msgpack.packb makes one per
+    call). One per connection: a Packer holds a buffer, so it is not shared between threads."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._packer = msgpack.Packer(use_bin_type=True, datetime=False)
+
+    def frame(self, body: Mapping[str, Any]) -> bytes:
+        """One frame holding body; ProtocolError(BAD_MESSAGE) if body cannot be packed,
+        ProtocolError(TOO_LARGE) if it packs to more than max_frame_bytes."""
+        try:
+            packed: bytes = self._packer.pack(body)
+        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError: ValueError
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"cannot encode message: {exc}") from None
+        if len(packed) > self.max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"frame of {len(packed)} bytes, over the limit of {self.max_frame_bytes}",
+            )
+        return LENGTH.pack(len(packed)) + packed
 
 
 def decode_body(body: bytes | memoryview) -> object:
@@ -80,7 +88,7 @@ class FrameReader:
         The view is valid until the next call to feed() and must be released before it (use it
         in a `with` block). Raises ProtocolError(BAD_FRAME) on a length of 0 or over the limit.
         """
-        if self.buffered < LENGTH_BYTES:
+        if len(self._data) - self._pos < LENGTH_BYTES:  # not self.buffered: a call fewer
             return None
         (size,) = LENGTH.unpack_from(self._data, self._pos)
         if size == 0 or size > self.max_frame_bytes:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Final, Self, TypeAlias
+from typing import Any, ClassVar, Final, Self
 
 from . import schema
 from .blocks import HASH_BYTES, MIN_BLOCK_TOKENS, block_hashes, check_block_tokens, split_hashes
@@ -45,7 +45,12 @@ def wire(check: Check) -> dict[str, Check]:
 
 
 def _uint(lo: int = 0, hi: int = U64) -> Check:
-    return lambda value, what, limits: schema.integer(value, what, lo, hi)
+    def check(value: object, what: str, limits: Limits) -> int:
+        if type(value) is int and lo <= value <= hi:  # the usual case, without a call
+            return value
+        return schema.integer(value, what, lo, hi)
+
+    return check
 
 
 def _name(value: object, what: str, limits: Limits) -> str:
@@ -80,6 +85,8 @@ def _choice(choices: tuple[str, ...]) -> Check:
 
 def _tokens(value: object, what: str, limits: Limits) -> bytes:
     max_bytes = limits.max_tokens * TOKEN_BYTES
+    if type(value) is bytes and len(value) <= max_bytes and not len(value) % TOKEN_BYTES:
+        return value  # the usual case, without a call
     if isinstance(value, bytes) and len(value) > max_bytes:
         raise ProtocolError(
             ErrorCode.TOO_LARGE,
@@ -159,8 +166,6 @@ _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _encode(value: object) -> object:
-    if type(value) in _SCALARS:  # most fields: no isinstance chain
-        return value
     if isinstance(value, Record):
         return value.to_map()
     if isinstance(value, Identity | Limits):
@@ -170,22 +175,32 @@ def _encode(value: object) -> object:
     return value
 
 
-_WireFields: TypeAlias = tuple[tuple[tuple[str, Check], ...], frozenset[str], Mapping[str, object]]
+@dataclass(frozen=True)
+class _WireFields:
+    """A record class's wire fields, gathered once from its declarations."""
+
+    checked: tuple[tuple[str, Check], ...]  # (name, checker), in declaration order
+    required: frozenset[str]  # every key its map must hold, the envelope's included
+    # The keys it may leave out, with their defaults: fields added within a protocol version
+    # (a peer that predates one neither sends nor expects it).
+    optional: Mapping[str, object]
+    consistency: bool  # the class has rules across fields (overrides check_consistency)
+
+
 _wire_fields_cache: dict[type[Record], _WireFields] = {}
 
 
 def _wire_fields(cls: type[Record]) -> _WireFields:
-    """The (name, checker) pairs of cls's wire fields, every key its map must hold, and the
-    keys it may leave out: fields with a default, added within a protocol version (a peer that
-    predates one neither sends nor expects it)."""
-    found = _wire_fields_cache.get(cls)
-    if found is None:
-        wired = [f for f in dataclasses.fields(cls) if "check" in f.metadata]
-        checked = tuple((f.name, f.metadata["check"]) for f in wired)
-        optional = {f.name: f.default for f in wired if f.default is not dataclasses.MISSING}
-        required = frozenset(f.name for f in wired if f.name not in optional) | cls.envelope
-        found = checked, required, optional
-        _wire_fields_cache[cls] = found
+    """cls's wire fields, gathered on first use (callers look in the cache first: a call
+    fewer per message)."""
+    wired = [f for f in dataclasses.fields(cls) if "check" in f.metadata]
+    optional = {f.name: f.default for f in wired if f.default is not dataclasses.MISSING}
+    found = _wire_fields_cache[cls] = _WireFields(
+        checked=tuple((f.name, f.metadata["check"]) for f in wired),
+        required=frozenset(f.name for f in wired if f.name not in optional) | cls.envelope,
+        optional=optional,
+        consistency=cls.check_consistency is not Record.check_consistency,
+    )
     return found
 
 
@@ -198,21 +213,30 @@ class Record:
     @classmethod
     def from_map(cls, obj: object, what: str, limits: Limits) -> Self:
         """Strictly decode; raises schema.SchemaError or ProtocolError."""
-        checked, required, optional = _wire_fields(cls)
-        raw = schema.fields(obj, what, required, optional.keys())
-        record = cls(
-            **{name: check(raw[name], name, limits) for name, check in checked if name in raw}
-        )
-        record.check_consistency()
+        spec = _wire_fields_cache.get(cls) or _wire_fields(cls)
+        # A map holding exactly the required keys (the usual) needs one set comparison.
+        if type(obj) is dict and obj.keys() == spec.required:
+            raw = obj
+        else:
+            raw = schema.fields(obj, what, spec.required, spec.optional.keys())
+        values = {}
+        for name, check in spec.checked:  # a loop, not a comprehension: one call fewer
+            if name in raw:
+                values[name] = check(raw[name], name, limits)
+        record = cls(**values)
+        if spec.consistency:
+            record.check_consistency()
         return record
 
     def to_map(self) -> dict[str, object]:
-        checked, _, optional = _wire_fields(type(self))
+        spec = _wire_fields_cache.get(type(self)) or _wire_fields(type(self))
+        optional, values = spec.optional, self.__dict__
         wire_map = {}
-        for name, _ in checked:
-            value = getattr(self, name)
-            if name not in optional or value != optional[name]:
-                wire_map[name] = _encode(value)
+        for name, _ in spec.checked:
+            value = values[name]
+            if name in optional and value == optional[name]:
+                continue
+            wire_map[name] = value if type(value) in _SCALARS else _encode(value)
         return wire_map
 
     def check_consistency(self) -> None:
@@ -246,7 +270,7 @@ class Message(Record):
     @classmethod
     def from_wire(cls, obj: object, limits: Limits) -> Self:
         """Strictly decode a body of this class's op; raises ProtocolError."""
-        if not isinstance(obj, Mapping) or obj.get("op") != cls.op:
+        if not (type(obj) is dict or isinstance(obj, Mapping)) or obj.get("op") != cls.op:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a {cls.op!r} message")
         try:
             return cls.from_map(obj, cls.op, limits)
@@ -720,17 +744,17 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
 
 def peek_id(obj: object) -> int:
     """The request id of a decoded body, or 0 when it has none that could be answered."""
-    if isinstance(obj, Mapping):
+    if type(obj) is dict or isinstance(obj, Mapping):
         value = obj.get("id")
-        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= U32:
-            return value
+        if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
+            return value if 1 <= value <= U32 else 0
     return 0
 
 
 def decode_request(obj: object, limits: Limits) -> Request:
     """The request a decoded body holds; raises ProtocolError (UNKNOWN_OP, BAD_MESSAGE,
     TOO_LARGE)."""
-    op = obj.get("op") if isinstance(obj, Mapping) else None
+    op = obj.get("op") if type(obj) is dict or isinstance(obj, Mapping) else None
     if not isinstance(op, str):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a map with a string 'op'")
     spec = OPS.get(op)

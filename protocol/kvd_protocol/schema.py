@@ -40,6 +40,8 @@ def fields(
 
 
 def integer(value: object, what: str, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
+    if type(value) is int and lo <= value <= hi:  # the usual case, in one test
+        return value
     if not isinstance(value, int) or isinstance(value, bool):
         raise SchemaError(f"{what}: expected an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
@@ -62,6 +64,8 @@ def boolean(value: object, what: str) -> bool:
 
 
 def text(value: object, what: str, max_bytes: int) -> str:
+    if type(value) is str and len(value) <= max_bytes >> 2:  # UTF-8: at most 4 bytes a character
+        return value
     if not isinstance(value, str):
         raise SchemaError(f"{what}: expected a string, got {type(value).__name__}")
     if len(value.encode("utf-8", "surrogatepass")) > max_bytes:
@@ -70,6 +74,8 @@ def text(value: object, what: str, max_bytes: int) -> str:
 
 
 def binary(value: object, what: str, max_bytes: int, multiple_of: int = 1) -> bytes:
+    if type(value) is bytes and len(value) <= max_bytes and not len(value) % multiple_of:
+        return value
     if not isinstance(value, bytes):
         raise SchemaError(f"{what}: expected bytes, got {type(value).__name__}")
     if len(value) > max_bytes:
