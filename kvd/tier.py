@@ -471,7 +471,7 @@ def summary(record: EntryRecord) -> EntrySummary:
         id=record.id,
         identity=record.identity,
         tokens=record.token_count,
-        bytes=record.nbytes,
+        bytes=record.logical_bytes,  # what restoring it reads: its file and its blocks
         trimmable=record.trimmable,
         created=record.created,
         durable=record.durable,

@@ -66,6 +66,15 @@ def test_a_shared_prefix_is_stored_once_and_each_entry_served_whole(daemon: Daem
         (mine,) = [i for i in now["identities"] if i["identity"] == IDENTITY.digest()]
         assert mine["dedup_saved_bytes"] == 4 * size
         assert mine["block_bytes"] == 6 * size
+        # A list shows each entry's bytes stored alone (its file and its 5 blocks), not the
+        # manifest's file alone.
+        listed = peer.call(
+            m.ListEntries(id=peer.next_id(), identity=IDENTITY.digest(), limit=10, after=None)
+        )
+        assert isinstance(listed, m.ListEntriesReply)
+        assert sorted(e.bytes for e in listed.entries) == sorted(
+            b.manifest.entry.file_size + 5 * size for b in (first, second)
+        )
         assert now["bytes_written"] == manifests + 6 * size
         metrics = kvctl(daemon, "metrics").stdout.splitlines()
         assert f"kvd_unique_bytes {float(now['unique_bytes'])}" in metrics
