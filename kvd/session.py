@@ -1,16 +1,22 @@
 """One engine's connection: bytes through the sans-I/O Connection, requests to the tier.
 
-Each connection is a task; a request that may wait (a put under the block policy, a commit's
-validation, a ticket wait, a flush) runs as a task of its own so that other requests on the
-same connection are answered meanwhile. Whatever a connection does, the server goes on.
+Each connection is a task that serves its socket from a callback of the event loop: the
+bytes are read as they arrive and a request that never waits (a ping, a lookup, a release...)
+is answered there and then, without a task switch. A request that may wait (a put under the
+block policy, a commit's validation, a ticket wait, a flush) runs as a task of its own, so
+that other requests on the same connection are answered meanwhile; a reply the kernel cannot
+take at once, and a release that checks a file, pause the reading until they are done, so
+the replies of one connection keep the order of its requests. Whatever a connection does,
+the server goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,22 +51,26 @@ FEATURES = (
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
 )
-# Requests answered inline: they never wait, so ordering stays simple and latency low.
-INLINE = frozenset(
-    {
-        "hello",
-        "ping",
-        "lookup",
-        "find_checkpoint",
-        "forget_checkpoint",
-        "release",
-        "status",
-        "list",
-        "evict",
-        "put_abort",
-        "open_blocks",
-    }
-)
+# Requests answered in the order they came, the connection's reading paused until each is:
+# a release may check the entry's file first. Every other request that may wait runs as a
+# task of its own; those that never wait are answered at once (Session._at_once).
+IN_ORDER = frozenset({"release"})
+
+
+@dataclass
+class _Outgoing:
+    """A reply's frame that the kernel did not take at once: what is left of it, the
+    descriptors still to go with it, and those to close once it is out (or never will be)."""
+
+    rest: bytes | memoryview
+    fds: Sequence[int]
+    close_after: tuple[int, ...]
+    begun: bool  # part of it went out: it holds the sending gate
+
+    def close(self) -> None:
+        for fd in self.close_after:
+            os.close(fd)
+        self.close_after = ()
 
 
 @dataclass
@@ -75,9 +85,9 @@ class Session:
     """The daemon's side of one engine's connection, from hello to hang-up.
 
     Reads bytes and descriptors off the socket into a server Connection, hands each request
-    to its handler (inline, or as a task of its own when it may wait) and writes the replies
-    back, one at a time. When the connection ends, its leases and unfinished puts end too
-    (Tier.close_session); a fatal protocol error is said with a final error first.
+    to its handler (at once, in order, or as a task of its own when it may wait) and writes
+    the replies back, one at a time. When the connection ends, its leases and unfinished puts
+    end too (Tier.close_session); a fatal protocol error is said with a final error first.
     """
 
     def __init__(
@@ -94,121 +104,243 @@ class Session:
         self.status = status
         self.conn = Connection(Role.SERVER, tier.limits)
         # Held by a reply that must wait to go out whole (see socket_io.send).
-        self._send_lock = anyio.Lock(fast_acquire=True)
-        # One handler per op; each takes its request and returns its reply.
-        self._handlers: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
+        self._gate = socket_io.sending_gate()
+        # A reply of the callback's that waits to go out (reading is paused meanwhile).
+        self._outgoing: _Outgoing | None = None
+        self._tasks: TaskGroup | None = None  # the connection's: requests that wait
+        self._reading = False  # the reader callback is installed
+        self._ended = anyio.Event()  # the peer is gone, or the connection failed
+        self._fatal: ProtocolError | None = None  # to say before closing
+        self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
+        # The requests that never wait: each handler takes its request, returns its reply.
+        self._at_once: dict[str, Callable[[Any], m.Reply]] = {
             "hello": self._hello,
             "ping": self._ping,
-            "put_begin": self._put_begin,
-            "put_blocks": self._put_blocks,
-            "put_commit": self._put_commit,
-            "put_abort": self._put_abort,
-            "ticket": self._ticket,
             "lookup": self._lookup,
             "find_checkpoint": self._find_checkpoint,
             "forget_checkpoint": self._forget_checkpoint,
             "open_blocks": self._open_blocks,
-            "release": self._release,
-            "flush": self._flush,
+            "put_abort": self._put_abort,
             "status": self._status,
             "list": self._list,
             "evict": self._evict,
+        }
+        # The requests that may wait (IN_ORDER, or a task each).
+        self._waiting: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
+            "put_begin": self._put_begin,
+            "put_blocks": self._put_blocks,
+            "put_commit": self._put_commit,
+            "ticket": self._ticket,
+            "release": self._release,
+            "flush": self._flush,
             "verify": self._verify,
         }
 
     async def run(self) -> None:
         try:
             async with anyio.create_task_group() as tasks:
-                await self._receive_loop(tasks)
+                self._tasks = tasks
+                await self._serve()
                 tasks.cancel_scope.cancel()  # the peer is gone: nobody awaits those answers
         finally:
+            if self._outgoing is not None:  # its task never ran
+                self._outgoing.close()
             self.tier.close_session(self.peer.session)
 
-    async def _receive_loop(self, tasks: TaskGroup) -> None:
-        while True:
-            try:
-                data, fds = await self._receive()
-            except socket_io.PeerGone:
-                return
-            except TimeoutError:
-                frame_timeout = self.tier.config.frame_timeout
-                await self._fatal(
-                    RemoteProtocolError(
-                        ErrorCode.TIMEOUT, f"a frame begun and not finished in {frame_timeout:g} s"
-                    )
-                )
-                return
-            except socket_io.BadAncillary as exc:
-                await self._fatal(RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
-                return
-            try:
-                self.conn.receive_data(data, fds)
-            except ProtocolError as exc:
-                for fd in fds:
-                    os.close(fd)
-                await self._fatal(exc)
-                return
-            while True:
-                try:
-                    event = self.conn.next_event()
-                except ProtocolError as exc:
-                    await self._fatal(exc)
-                    return
+    async def _serve(self) -> None:
+        """Read from the callback until the connection ends; then say a fatal error, if any."""
+        self._resume()
+        try:
+            await self._ended.wait()
+        finally:
+            self._pause()
+        if self._fatal is not None:
+            await self._say_fatal(self._fatal)
+
+    # --- the reader callback ------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            data, fds = socket_io.receive_now(self.sock, RECEIVE_BYTES, _RECEIVE_ANCILLARY)
+        except BlockingIOError:
+            return
+        except socket_io.PeerGone:
+            self._end()
+            return
+        except socket_io.BadAncillary as exc:
+            self._end(RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, str(exc)))
+            return
+        try:
+            self.conn.receive_data(data, fds)
+        except ProtocolError as exc:
+            for fd in fds:
+                os.close(fd)
+            self._end(exc)
+            return
+        self._serve_events()
+
+    def _serve_events(self) -> None:
+        """Answer what the Connection holds, until it needs more bytes or reading is paused
+        (then what is left waits for _resume). A frame left part-way must be finished within
+        frame_timeout of each read: between frames a connection may idle as long as it likes."""
+        conn = self.conn
+        try:
+            while self._reading:
+                event = conn.next_event()
                 if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
+                    self._time_frame()
                     return
-                if isinstance(event, BadRequest):
-                    await self._send(event.reply())
+                if type(event) is BadRequest:
+                    self._reply(event.reply())
                 elif isinstance(event, m.Request):
-                    if event.op in INLINE:
-                        await self._answer(event)
+                    handler = self._at_once.get(event.op)
+                    if handler is not None:
+                        self._reply(self._answer_now(handler, event))
+                    elif event.op in IN_ORDER:
+                        self._pause_for(self._answer, event)
                     else:
-                        tasks.start_soon(self._answer, event)
+                        assert self._tasks is not None
+                        self._tasks.start_soon(self._answer, event)
+                elif isinstance(event, ConnectionClosed):
+                    self._end()
+        except ProtocolError as exc:
+            self._end(exc)
+        except Exception:  # a daemon bug: this connection only
+            log.exception("session_failed", session=self.peer.session)
+            self._end()
 
-    async def _receive(self) -> tuple[bytes, list[int]]:
-        """The next bytes from the peer. Between frames a connection may idle as long as it
-        likes; inside one (part of a frame buffered), the rest must come within frame_timeout:
-        TimeoutError otherwise."""
-        if not self.conn.buffered_bytes:
-            return await socket_io.receive(self.sock, RECEIVE_BYTES, _RECEIVE_ANCILLARY)
-        with anyio.fail_after(self.tier.config.frame_timeout):
-            return await socket_io.receive(self.sock, RECEIVE_BYTES, _RECEIVE_ANCILLARY)
+    def _time_frame(self) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+        if self.conn.buffered_bytes:
+            timeout = self.tier.config.frame_timeout
+            loop = asyncio.get_running_loop()
+            self._frame_timer = loop.call_later(timeout, self._frame_timed_out)
 
-    async def _fatal(self, exc: ProtocolError) -> None:
+    def _frame_timed_out(self) -> None:
+        self._frame_timer = None
+        frame_timeout = self.tier.config.frame_timeout
+        self._end(
+            RemoteProtocolError(
+                ErrorCode.TIMEOUT, f"a frame begun and not finished in {frame_timeout:g} s"
+            )
+        )
+
+    def _resume(self) -> None:
+        """Answer what is buffered, then read on."""
+        if self._ended.is_set():
+            return
+        self._reading = True
+        socket_io.on_readable(self.sock, self._on_readable)
+        self._serve_events()
+
+    def _pause(self) -> None:
+        if self._reading:
+            self._reading = False
+            socket_io.stop_reading(self.sock)
+        if self._frame_timer is not None:  # not the peer's delay while the daemon waits
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _pause_for(self, work: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Stop reading until work(*args), run as a task, is done."""
+        self._pause()
+        assert self._tasks is not None
+        self._tasks.start_soon(self._then_resume, work, *args)
+
+    async def _then_resume(self, work: Callable[..., Awaitable[None]], *args: Any) -> None:
+        await work(*args)
+        self._resume()
+
+    def _end(self, fatal: ProtocolError | None = None) -> None:
+        """The connection ends (after saying fatal, if given)."""
+        if not self._ended.is_set():
+            self._fatal = fatal
+            self._ended.set()
+        self._pause()
+
+    async def _say_fatal(self, exc: ProtocolError) -> None:
         """A fatal protocol error: say why, then close (the stream cannot be resynchronised)."""
         log.info("connection_error", session=self.peer.session, error=str(exc))
         frame = self.conn.send_final_error(exc.code, exc.message)
         with contextlib.suppress(socket_io.PeerGone):
-            await socket_io.send(self.sock, frame, (), self._send_lock)
+            await socket_io.send(self.sock, frame, (), self._gate)
+
+    # --- answering ----------------------------------------------------------------------------
+
+    def _answer_now(self, handler: Callable[[Any], m.Reply], request: m.Request) -> m.Reply:
+        try:
+            return handler(request)
+        except Exception as exc:
+            return _failed(request, exc)
 
     async def _answer(self, request: m.Request) -> None:
         try:
-            reply = await self._handlers[request.op](request)
-        except ProtocolError as exc:
-            reply = m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
-        except Exception as exc:  # a daemon bug or a failed file operation: this request only
-            log.exception("request_failed", op=request.op)
-            reply = m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))
+            reply = await self._waiting[request.op](request)
+        except Exception as exc:
+            reply = _failed(request, exc)
         await self._send(reply)
 
-    async def _send(self, reply: m.Reply) -> None:
+    def _reply(self, reply: m.Reply) -> None:
+        """Send a reply from the callback: at once when the kernel takes it whole (the
+        usual); else reading pauses while a task sends the rest (or all of it, after the
+        frame part-way out before it)."""
         fds = reply.fds
         try:
-            if not self.conn.can_send:  # closing after a fatal error: nobody reads on
-                log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
+            framed = self._frame(reply)
+            if framed is None:
                 return
-            frame, sent_fds = self._frame(reply)
-            await socket_io.send(self.sock, frame, sent_fds, self._send_lock)
+            frame, sent_fds = framed
+            if not self._gate.value:  # another frame is part-way out: this one after it
+                self._outgoing = _Outgoing(frame, sent_fds, fds, begun=False)
+            else:
+                rest, unsent = socket_io.send_now(self.sock, frame, sent_fds)
+                if not rest:
+                    return
+                self._gate.acquire_nowait()
+                self._outgoing = _Outgoing(rest, unsent, fds, begun=True)
+            fds = ()  # the task closes them once they are sent
+            self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
 
-    def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]]:
-        """The reply's frame and descriptors. A reply the protocol refuses (a daemon bug, or
-        one over the frame limit) is logged as an error and its request gets that error."""
+    async def _send_outgoing(self) -> None:
+        out = self._outgoing
+        assert out is not None
+        try:
+            if out.begun:
+                await socket_io.finish(self.sock, out.rest, out.fds, self._gate)
+            else:
+                await socket_io.send(self.sock, out.rest, out.fds, self._gate)
+        except socket_io.PeerGone as exc:
+            log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        finally:
+            self._outgoing = None
+            out.close()
+
+    async def _send(self, reply: m.Reply) -> None:
+        fds = reply.fds
+        try:
+            framed = self._frame(reply)
+            if framed is not None:
+                await socket_io.send(self.sock, *framed, self._gate)
+        except socket_io.PeerGone as exc:
+            log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        finally:
+            for fd in fds:
+                os.close(fd)  # the engine holds its own copy now (or never will)
+
+    def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reply's frame and descriptors; None once closing after a fatal error (nobody
+        reads on). A reply the protocol refuses (a daemon bug, or one over the frame limit) is
+        logged as an error and its request gets that error."""
+        if not self.conn.can_send:
+            log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
+            return None
         try:
             return self.conn.send(reply), reply.fds
         except LocalProtocolError as exc:
@@ -220,7 +352,7 @@ class Session:
 
     # --- handlers: each takes its request and returns its reply --------------------------
 
-    async def _hello(self, request: m.Hello) -> m.HelloReply:
+    def _hello(self, request: m.Hello) -> m.HelloReply:
         if request.protocol != m.PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_VERSION,
@@ -235,7 +367,7 @@ class Session:
             features=FEATURES,
         )
 
-    async def _ping(self, request: m.Request) -> m.PingReply:
+    def _ping(self, request: m.Request) -> m.PingReply:
         return m.PingReply(id=request.id)
 
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
@@ -261,7 +393,7 @@ class Session:
         )
         return m.PutBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
-    async def _open_blocks(self, request: m.OpenBlocks) -> m.OpenBlocksReply:
+    def _open_blocks(self, request: m.OpenBlocks) -> m.OpenBlocksReply:
         fds = self.tier.open_blocks(self.peer.session, request.lease, request.first, request.count)
         return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
@@ -269,7 +401,7 @@ class Session:
         ticket = await self.tier.commit_put(self.peer.session, request.put, request.store_ms)
         return m.PutCommitReply(id=request.id, ticket=ticket)
 
-    async def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:
+    def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:
         self.tier.abort_put(self.peer.session, request.put)
         return m.PutAbortReply(id=request.id)
 
@@ -279,7 +411,7 @@ class Session:
             id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
         )
 
-    async def _lookup(self, request: m.Lookup) -> m.LookupReply:
+    def _lookup(self, request: m.Lookup) -> m.LookupReply:
         found = self.tier.lookup(
             self.peer.session, request.identity, request.tokens, request.min_tokens
         )
@@ -294,7 +426,7 @@ class Session:
             fd=fd,
         )
 
-    async def _find_checkpoint(self, request: m.FindCheckpoint) -> m.FindCheckpointReply:
+    def _find_checkpoint(self, request: m.FindCheckpoint) -> m.FindCheckpointReply:
         found = self.tier.find_checkpoint(
             self.peer.session, request.identity, request.key, request.prompt
         )
@@ -309,7 +441,7 @@ class Session:
             fd=fd,
         )
 
-    async def _forget_checkpoint(self, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
+    def _forget_checkpoint(self, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
         removed = self.tier.forget_checkpoint(request.identity, request.key)
         return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
@@ -321,14 +453,14 @@ class Session:
         durable, pending = await self.tier.flush(request.timeout)
         return m.FlushReply(id=request.id, durable=durable, pending=pending)
 
-    async def _status(self, request: m.Request) -> m.StatusReply:
+    def _status(self, request: m.Request) -> m.StatusReply:
         return m.StatusReply(id=request.id, status=self.status())
 
-    async def _list(self, request: m.ListEntries) -> m.ListEntriesReply:
+    def _list(self, request: m.ListEntries) -> m.ListEntriesReply:
         entries, more = self.tier.list_entries(request.identity, request.limit, request.after)
         return m.ListEntriesReply(id=request.id, entries=tuple(entries), more=more)
 
-    async def _evict(self, request: m.Evict) -> m.EvictReply:
+    def _evict(self, request: m.Evict) -> m.EvictReply:
         if not self.peer.admin:
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED, "evict needs the daemon's own user or root"
@@ -343,6 +475,15 @@ class Session:
             )
         problem, quarantined = await self.tier.verify(request.entry, request.repair)
         return m.VerifyReply(id=request.id, problem=problem, quarantined=quarantined)
+
+
+def _failed(request: m.Request, exc: Exception) -> m.ErrorReply:
+    """The reply to a request whose handler raised exc: a ProtocolError's code, else (a daemon
+    bug or a failed file operation: this request only) internal, logged."""
+    if isinstance(exc, ProtocolError):
+        return m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
+    log.exception("request_failed", op=request.op)
+    return m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))
 
 
 def raw_socket(stream: anyio.abc.SocketStream) -> socket.socket:

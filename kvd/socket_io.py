@@ -1,17 +1,18 @@
 """Reads and writes on a connected Unix stream socket, with descriptors.
 
 Straight to the kernel when it can take them now, waiting (through anyio) only when it
-cannot: a request and its reply cost one trip round the event loop, not the three that a
-checkpoint before every stream read and write adds, and a reply that goes out whole takes no
-lock.
+cannot. A connection is read from a callback of the event loop (on_readable), which runs as
+soon as bytes arrive: a request and its reply cost no task switch and no registration with
+the loop per read. A reply that goes out whole waits for nothing.
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -32,18 +33,25 @@ def ancillary_bytes(maxfds: int) -> int:
     return socket.CMSG_SPACE(maxfds * _FD_BYTES)
 
 
-async def receive(sock: socket.socket, nbytes: int, ancillary: int) -> tuple[bytes, list[int]]:
+def on_readable(sock: socket.socket, callback: Callable[[], None]) -> None:
+    """Call callback from the event loop whenever sock is readable, until stop_reading(sock).
+    Needs anyio's asyncio backend (the one the daemon runs on)."""
+    asyncio.get_running_loop().add_reader(sock.fileno(), callback)
+
+
+def stop_reading(sock: socket.socket) -> None:
+    asyncio.get_running_loop().remove_reader(sock.fileno())
+
+
+def receive_now(sock: socket.socket, nbytes: int, ancillary: int) -> tuple[bytes, list[int]]:
     """Some bytes and the descriptors that came with them (never a silently dropped one), in
-    ancillary bytes of room (ancillary_bytes())."""
-    while True:
-        try:
-            data, ancdata, flags, _ = sock.recvmsg(nbytes, ancillary)
-        except BlockingIOError:
-            await anyio.wait_readable(sock)
-            continue
-        except (ConnectionResetError, OSError) as exc:
-            raise PeerGone(str(exc)) from exc
-        break
+    ancillary bytes of room (ancillary_bytes()); BlockingIOError when nothing is there."""
+    try:
+        data, ancdata, flags, _ = sock.recvmsg(nbytes, ancillary)
+    except BlockingIOError:
+        raise  # nothing there yet: the caller waits for the next callback
+    except OSError as exc:  # ConnectionResetError and the like
+        raise PeerGone(str(exc)) from exc
     if not ancdata and not flags & _CTRUNC:  # the usual read: bytes alone
         if not data:
             raise PeerGone("end of stream")
@@ -64,44 +72,60 @@ async def receive(sock: socket.socket, nbytes: int, ancillary: int) -> tuple[byt
     return data, list(fds)
 
 
-async def send(sock: socket.socket, data: bytes, fds: Sequence[int], lock: anyio.Lock) -> None:
-    """All of data, the descriptors going with its first byte. Several tasks send on one socket
-    and their frames never mix: a frame goes straight out while no other is part-way out (the
-    usual case, no lock taken), and one the kernel cannot take whole holds lock until it is."""
+def send_now(
+    sock: socket.socket, data: bytes | memoryview, fds: Sequence[int]
+) -> tuple[memoryview, Sequence[int]]:
+    """What the kernel does not take of data now, and the descriptors still to go with it: all
+    of them while it took nothing, none once it took a byte (they go with the first)."""
     view = memoryview(data)
-    locked = False
     try:
-        if lock.locked():
-            await lock.acquire()
-            locked = True
-        while True:
-            try:
-                view = _send_now(sock, view, fds)
-                fds = ()
-            except BlockingIOError:
-                pass
-            if not view:
-                return
-            if not locked:  # free: nothing was awaited since it was seen free
-                lock.acquire_nowait()
-                locked = True
-            await anyio.wait_writable(sock)
+        if fds:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            view = view[sock.sendmsg([view], rights) :]
+            fds = ()
+        while view:
+            view = view[sock.send(view) :]
+    except BlockingIOError:
+        pass
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerGone(str(exc)) from exc
+    return view, fds
+
+
+def sending_gate() -> anyio.Semaphore:
+    """What a frame part-way out holds, so that frames never mix: a semaphore of one, not a
+    lock, since a reader callback (which runs in no task) takes it too."""
+    return anyio.Semaphore(1, max_value=1, fast_acquire=True)
+
+
+async def send(
+    sock: socket.socket, data: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
+) -> None:
+    """All of data, the descriptors going with its first byte. Several senders share one
+    socket and their frames never mix: a frame goes straight out while no other is part-way
+    out (the usual case, gate not taken), and one the kernel cannot take whole holds gate
+    until it is."""
+    rest: bytes | memoryview = data
+    if not gate.value:
+        await gate.acquire()
+    else:
+        rest, fds = send_now(sock, data, fds)
+        if not rest:
+            return
+        gate.acquire_nowait()  # free: nothing was awaited since it was seen free
+    await finish(sock, rest, fds, gate)
+
+
+async def finish(
+    sock: socket.socket, rest: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
+) -> None:
+    """Send the rest of a frame (and the descriptors still to go with it) as the kernel takes
+    it, holding gate, which the caller took; given back at the end, sent or not."""
+    try:
+        while True:
+            rest, fds = send_now(sock, rest, fds)
+            if not rest:
+                return
+            await anyio.wait_writable(sock)
     finally:
-        if locked:
-            lock.release()
-
-
-def _send_now(sock: socket.socket, view: memoryview, fds: Sequence[int]) -> memoryview:
-    """What the kernel does not take of view now; the descriptors go with its first byte.
-    BlockingIOError when it took nothing (the descriptors were not sent either)."""
-    if fds:
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        view = view[sock.sendmsg([view], rights) :]
-    while view:
-        try:
-            view = view[sock.send(view) :]
-        except BlockingIOError:
-            break
-    return view
+        gate.release()

@@ -35,7 +35,7 @@ from .calls import (
     TicketState,
 )
 from .entry_io import TensorData
-from .transport import AsyncTransport
+from .transport import AsyncTransport, TransportClosed
 
 if TYPE_CHECKING:
     from .identity import Identity
@@ -285,7 +285,7 @@ class AsyncClient:
         try:
             async with asyncio.timeout(link.timeout):
                 self._transport = await AsyncTransport.connect(link.socket_path)
-            link.connected(await self._round_trip(hello, link.timeout))
+            link.connected(await self._round_trip(hello, link.timeout, hello=True))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
             link.connect_failed(now)
@@ -294,12 +294,19 @@ class AsyncClient:
             self._drop()
             raise
 
-    async def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
+    async def _round_trip(
+        self, frame: bytes, timeout: float | None, *, hello: bool = False
+    ) -> Reply:
+        """As Client._round_trip."""
         assert self._transport is not None
         transport, link = self._transport, self._link
         started = time.monotonic()
         async with asyncio.timeout(timeout):
-            await transport.send(frame)
+            try:
+                await transport.send(frame)
+            except TransportClosed:
+                if not hello:
+                    raise
             while (reply := link.next_reply()) is None:
                 link.receive(*await transport.receive())
         link.last_round_trip = time.monotonic() - started

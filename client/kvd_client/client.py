@@ -32,7 +32,7 @@ from .calls import (
     TicketState,
 )
 from .entry_io import TensorData
-from .transport import BlockingTransport
+from .transport import BlockingTransport, TransportClosed
 
 if TYPE_CHECKING:
     from .identity import Identity
@@ -289,18 +289,25 @@ class Client:
         hello = link.begin_connect(now, force=force)
         try:
             self._transport = BlockingTransport.connect(link.socket_path, link.timeout)
-            link.connected(self._round_trip(hello, link.timeout))
+            link.connected(self._round_trip(hello, link.timeout, hello=True))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
             link.connect_failed(now)
             raise DaemonUnavailable(f"cannot connect to {link.socket_path}: {exc}") from exc
 
-    def _round_trip(self, frame: bytes, timeout: float | None) -> Reply:
+    def _round_trip(self, frame: bytes, timeout: float | None, *, hello: bool = False) -> Reply:
+        """The reply to frame. hello: the connection's first frame; a daemon that turns the
+        connection away may close it before the hello arrives, and its reason is read all the
+        same."""
         assert self._transport is not None
         transport, link = self._transport, self._link
         started = time.monotonic()
         transport.settimeout(timeout)
-        transport.send(frame)
+        try:
+            transport.send(frame)
+        except TransportClosed:
+            if not hello:
+                raise
         while (reply := link.next_reply()) is None:
             if timeout is not None:
                 left = started + timeout - time.monotonic()

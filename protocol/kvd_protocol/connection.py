@@ -32,6 +32,7 @@ from .messages import (
     decode_request,
     peek_id,
 )
+from .small_messages import ENCODERS, small_reply, small_request
 
 
 class Role(Enum):
@@ -306,10 +307,12 @@ class Connection:
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
-        try:
-            request = decode_request(body, self.limits)
-        except ProtocolError as exc:
-            return self._reject(request_id, exc.code, exc.message)
+        request = small_request(body, self.limits)
+        if request is None:  # not one of the small messages, or not of their usual shape
+            try:
+                request = decode_request(body, self.limits)
+            except ProtocolError as exc:
+                return self._reject(request_id, exc.code, exc.message)
         if self._hello_received == (type(request) is Hello):  # Hello has no subclasses
             if self._hello_received:
                 return self._reject(request_id, ErrorCode.BAD_MESSAGE, "hello was already received")
@@ -334,7 +337,9 @@ class Connection:
             raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
         op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
-            error = ErrorReply.from_wire(body, self.limits)
+            error = small_reply(body, ErrorReply.op, self.limits)
+            if not isinstance(error, ErrorReply):
+                error = ErrorReply.from_wire(body, self.limits)
             if error.id and self._leave(error.id) is None:
                 raise RemoteProtocolError(
                     ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
@@ -347,7 +352,9 @@ class Connection:
             raise RemoteProtocolError(
                 ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
             )
-        reply = OPS[expected].reply.from_wire(body, self.limits)
+        reply = small_reply(body, expected, self.limits)
+        if reply is None:
+            reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
         if wanted > self._claims.get(reply_id, 0):
             raise RemoteProtocolError(
@@ -380,7 +387,9 @@ class Connection:
         raise exc
 
     def _frame(self, message: Message) -> bytes:
+        encode = ENCODERS.get(type(message))
+        body = message.to_wire() if encode is None else encode(message)
         try:
-            return self._writer.frame(message.to_wire())
+            return self._writer.frame(body)
         except ProtocolError as exc:  # over the frame limit: the message is this side's
             raise LocalProtocolError(exc.code, exc.message) from None

@@ -34,11 +34,34 @@ class Identity:
     @classmethod
     def from_wire(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Identity:
         """Strictly decode; raises schema.SchemaError."""
+        found = cls.known(obj, limits)
+        if found is not None:
+            return found
         raw = schema.fields(obj, "identity", _REQUIRED, _OPTIONAL)
         values: dict[str, Any] = {
             k: schema.text(v, f"identity.{k}", limits.max_name_bytes) for k, v in raw.items()
         }
-        return cls(**values)
+        identity = cls(**values)
+        if type(obj) is dict and len(_known) < _KNOWN_KEPT:
+            longest = max(len(v.encode("utf-8", "surrogatepass")) for v in values.values())
+            _known[tuple(obj.items())] = identity, longest
+        return identity
+
+    @classmethod
+    def known(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Identity | None:
+        """What from_wire makes of obj when an equal map was decoded before (the usual), in
+        one dict look-up; None otherwise. A map equal to a decoded one holds the same keys and
+        the same strings (no other decoded value equals a string), so it passes the same
+        checks; only the length limit may differ."""
+        if type(obj) is not dict:
+            return None
+        try:
+            found = _known.get(tuple(obj.items()))
+        except TypeError:  # an unhashable value (a list, a map): not an identity's
+            return None
+        if found is None or found[1] > limits.max_name_bytes:
+            return None
+        return found[0]
 
     def digest(self) -> str:
         """A stable 32-hex-digit name for this identity: its directory in the tier."""
@@ -49,6 +72,12 @@ _NAMES = tuple(f.name for f in fields(Identity))
 _OPTIONAL = frozenset({"namespace"})
 _REQUIRED = frozenset(_NAMES) - _OPTIONAL
 
+
+# Engines ask under a handful of identities, each sent anew with every request: the maps
+# decoded are remembered, by their items, with their longest string in bytes. Past this many
+# (a peer inventing identities), they are decoded every time.
+_KNOWN_KEPT = 256
+_known: dict[tuple[tuple[object, object], ...], tuple[Identity, int]] = {}
 
 # Engines ask under a handful of identities, each decoded anew per request: remember them.
 # Past this many (a peer inventing identities), digests are computed and not kept.

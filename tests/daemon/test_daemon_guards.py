@@ -8,10 +8,12 @@ import os
 import resource
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from daemon_e2e import (
@@ -31,6 +33,7 @@ from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
 from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.errors import ErrorCode
+from kvd_protocol.framing import FrameReader
 from kvd_protocol.tokens import pack_tokens
 
 
@@ -138,6 +141,45 @@ def test_a_stalled_frame_is_closed_after_the_timeout_and_holds_up_no_one(tmp_pat
         assert isinstance(idle.call(m.Ping(id=idle.next_id())), m.PingReply)
         idle.close()
         stalled.close()
+
+
+def test_a_peer_that_does_not_read_its_replies_holds_up_no_one_and_gets_them_whole(
+    tmp_path: Path,
+) -> None:
+    """Its replies fill the socket: the daemon stops reading it until they drain, serves
+    everyone else meanwhile, and then sends every reply whole, in the order asked."""
+    with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as greedy:
+        greedy.sock.setblocking(False)
+        asked: list[int] = []
+        pending = b""
+        while not pending and len(asked) < 1_000_000:  # until the kernel takes no more
+            request_id = greedy.next_id()
+            body = msgpack.packb({"op": "status" if request_id % 2 else "ping", "id": request_id})
+            frame = struct.pack(">I", len(body)) + body
+            try:
+                sent = greedy.sock.send(frame)
+            except BlockingIOError:
+                break  # none of it went
+            asked.append(request_id)
+            pending = frame[sent:]
+        assert len(asked) < 1_000_000, "the daemon read on while its replies could not go"
+        with Client.connect(daemon.socket_path, require=True) as other:
+            other.ping()  # answered while the greedy peer's replies wait
+            assert len(_status_via(other)["clients"]) == 2
+        greedy.sock.settimeout(SETTLE_SECONDS)
+        rest = threading.Thread(target=greedy.sock.sendall, args=(pending,))
+        rest.start()  # the rest of a frame begun, while its replies are read
+        reader, replies = FrameReader(1 << 20), list[dict[str, Any]]()
+        while len(replies) < len(asked):
+            reader.feed(greedy.sock.recv(1 << 16))
+            while (view := reader.next_frame()) is not None:
+                with view:
+                    replies.append(msgpack.unpackb(view))
+        rest.join()
+        assert [reply["id"] for reply in replies] == asked
+        assert [reply["op"] for reply in replies] == ["ping", "status"] * (len(asked) // 2) + [
+            "ping"
+        ] * (len(asked) % 2)
 
 
 # --- per-connection bounds -------------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""Ping, lookup, their replies and errors, coded by hand: most of an engine's exchanges.
+
+The generic path (messages.Record) walks each class's field table and calls a checker per
+field; for these few small messages that walk costs more than the exchange's system calls.
+Each decoder here takes a decoded body and returns its message only when the body has the
+usual shape and every field passes the test the field's checker starts with (its fast
+case); on anything else it returns None and the Connection takes the generic path, so every
+error and its text come from messages.py alone. Each encoder returns the map
+Message.to_wire() returns. tests/protocol/test_small_messages.py holds both to the generic
+path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from .errors import ErrorCode
+from .identity import Identity
+from .limits import Limits
+from .messages import (
+    U32,
+    ErrorReply,
+    Lookup,
+    LookupReply,
+    Message,
+    Ping,
+    PingReply,
+    Reply,
+    Request,
+)
+from .tokens import TOKEN_BYTES
+
+Decoder = Callable[[dict[str, Any], Limits], Any]
+
+_ENVELOPE: Final = frozenset({"op", "id"})
+_LOOKUP: Final = _ENVELOPE | {"identity", "tokens"}
+_LOOKUP_MIN: Final = _LOOKUP | {"min_tokens"}
+_LOOKUP_REPLY: Final = _ENVELOPE | {"matched", "entry", "lease"}
+_ERROR: Final = _ENVELOPE | {"code", "message"}
+_CODES: Final = {code.value: code for code in ErrorCode}
+
+
+def _ping(body: dict[str, Any], limits: Limits) -> Ping | None:
+    if body.keys() == _ENVELOPE:
+        request_id = body["id"]
+        if type(request_id) is int and 1 <= request_id <= U32:
+            return Ping.checked({"id": request_id})
+    return None
+
+
+def _ping_reply(body: dict[str, Any], limits: Limits) -> PingReply | None:
+    if body.keys() == _ENVELOPE:
+        reply_id = body["id"]
+        if type(reply_id) is int and 1 <= reply_id <= U32:
+            return PingReply.checked({"id": reply_id})
+    return None
+
+
+def _lookup(body: dict[str, Any], limits: Limits) -> Lookup | None:
+    keys = body.keys()
+    if keys == _LOOKUP:
+        min_tokens = 0
+    elif keys == _LOOKUP_MIN:
+        min_tokens = body["min_tokens"]
+        if not (type(min_tokens) is int and 0 <= min_tokens <= U32):
+            return None
+    else:
+        return None
+    request_id, tokens = body["id"], body["tokens"]
+    if not (
+        type(request_id) is int
+        and 1 <= request_id <= U32
+        and type(tokens) is bytes
+        and len(tokens) <= limits.max_tokens * TOKEN_BYTES
+        and not len(tokens) % TOKEN_BYTES
+    ):
+        return None
+    identity = Identity.known(body["identity"], limits)
+    if identity is None:
+        return None
+    values = {"id": request_id, "identity": identity, "tokens": tokens, "min_tokens": min_tokens}
+    return Lookup.checked(values)
+
+
+def _lookup_reply(body: dict[str, Any], limits: Limits) -> LookupReply | None:
+    """A miss; a hit (its entry summary to check) takes the generic path."""
+    if body.keys() != _LOOKUP_REPLY:
+        return None
+    reply_id, matched = body["id"], body["matched"]
+    if (
+        type(reply_id) is int
+        and 1 <= reply_id <= U32
+        and type(matched) is int
+        and 0 <= matched <= U32
+        and body["entry"] is None
+        and body["lease"] is None
+    ):
+        values = {"id": reply_id, "matched": matched, "entry": None, "lease": None, "fd": None}
+        return LookupReply.checked(values)
+    return None
+
+
+def _error_reply(body: dict[str, Any], limits: Limits) -> ErrorReply | None:
+    if body.keys() != _ERROR:
+        return None
+    reply_id, code, message = body["id"], body["code"], body["message"]
+    if (
+        type(reply_id) is int
+        and 0 <= reply_id <= U32
+        and type(code) is str
+        and code in _CODES
+        and type(message) is str
+        and len(message) <= limits.max_frame_bytes >> 2  # schema.text's fast case
+    ):
+        return ErrorReply.checked({"id": reply_id, "code": _CODES[code], "message": message})
+    return None
+
+
+_REQUESTS: Final[Mapping[str, Decoder]] = {"ping": _ping, "lookup": _lookup}
+_REPLIES: Final[Mapping[str, Decoder]] = {
+    "ping": _ping_reply,
+    "lookup": _lookup_reply,
+    "error": _error_reply,
+}
+
+
+def small_request(body: object, limits: Limits) -> Request | None:
+    """The small request in body (a decoded frame holding an id), or None."""
+    if type(body) is dict and type(op := body.get("op")) is str:
+        decode = _REQUESTS.get(op)
+        if decode is not None:
+            request: Request | None = decode(body, limits)
+            return request
+    return None
+
+
+def small_reply(body: object, op: str, limits: Limits) -> Reply | None:
+    """The small reply of op in body (a decoded frame holding an id), or None; op "error":
+    an error reply."""
+    decode = _REPLIES.get(op)
+    if decode is not None and type(body) is dict and body.get("op") == op:
+        reply: Reply | None = decode(body, limits)
+        return reply
+    return None
+
+
+def _ping_map(message: Ping | PingReply) -> dict[str, object]:
+    return {"op": "ping", "id": message.id}
+
+
+def _lookup_map(message: Lookup) -> dict[str, object]:
+    identity = message.identity
+    body: dict[str, object] = {
+        "op": "lookup",
+        "id": message.id,
+        "identity": {
+            "model_id": identity.model_id,
+            "config_fingerprint": identity.config_fingerprint,
+            "tokenizer_hash": identity.tokenizer_hash,
+            "codec_id": identity.codec_id,
+            "runtime": identity.runtime,
+            "namespace": identity.namespace,
+        },
+        "tokens": message.tokens,
+    }
+    if message.min_tokens:  # left out at its default, as Record.to_map does
+        body["min_tokens"] = message.min_tokens
+    return body
+
+
+def _lookup_reply_map(message: LookupReply) -> dict[str, object]:
+    entry = message.entry
+    return {
+        "op": "lookup",
+        "id": message.id,
+        "matched": message.matched,
+        "entry": None if entry is None else entry.to_map(),
+        "lease": message.lease,
+    }
+
+
+def _error_map(message: ErrorReply) -> dict[str, object]:
+    return {"op": "error", "id": message.id, "code": message.code, "message": message.message}
+
+
+# By exact class: a subclass (FindCheckpointReply) has an op of its own.
+ENCODERS: Final[Mapping[type[Message], Callable[[Any], dict[str, object]]]] = {
+    Ping: _ping_map,
+    PingReply: _ping_map,
+    Lookup: _lookup_map,
+    LookupReply: _lookup_reply_map,
+    ErrorReply: _error_map,
+}
