@@ -5,6 +5,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from daemon_process import Daemon, DaemonProcessError, running_daemon, socket_folder
+from daemon_process import OPENED, Daemon, DaemonProcessError, running_daemon, socket_folder
 
-__all__ = ["Daemon", "DaemonProcessError", "running_daemon", "socket_folder"]
+__all__ = ["OPENED", "Daemon", "DaemonProcessError", "running_daemon", "socket_folder"]

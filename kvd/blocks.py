@@ -42,7 +42,9 @@ log = get_logger("kvd.blocks")
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One block file of one identity. path: where its file is now (staging while pending)."""
+    """One block file of one identity. path: where its file is now (staging while pending).
+    mtime_ns: its file's mtime as the snapshot recorded it, while start-up has not listed the
+    directory to check that (a block taken from the snapshot); None otherwise."""
 
     hash: bytes
     identity: str
@@ -51,6 +53,7 @@ class Block:
     refs: int = 0
     pins: int = 0
     durable: bool = False
+    mtime_ns: int | None = None
 
 
 class BlockStore:
@@ -156,13 +159,18 @@ class BlockStore:
 
     # --- files ---------------------------------------------------------------------------------
 
-    def adopt(self, identity: str, block_hash: bytes, size: int, path: Path) -> Block:
-        """A durable block file found on disk (start-up, reconcile), with no ref yet: the
-        manifests that list it attach to it next, and collect_orphans() takes the rest.
-        ValueError if the store holds that hash already."""
+    def adopt(
+        self, identity: str, block_hash: bytes, size: int, path: Path, mtime_ns: int | None = None
+    ) -> Block:
+        """A durable block file found on disk (start-up, reconcile), or recorded in the
+        snapshot with its mtime_ns, with no ref yet: the manifests that list it attach to it
+        next, and collect_orphans() takes the rest. ValueError if the store holds that hash
+        already."""
         if self.get(identity, block_hash) is not None:
             raise ValueError(f"block {block_hash.hex()} of {identity} is held already")
-        return self._join(identity, block_hash, size, path, durable=True)
+        block = self._join(identity, block_hash, size, path, durable=True)
+        block.mtime_ns = mtime_ns
+        return block
 
     def placed(self, block: Block, path: Path) -> bool:
         """The writer renamed a pending block's file into place: it is durable. False when

@@ -15,8 +15,9 @@ one that left.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from types import MappingProxyType
 
@@ -82,6 +83,10 @@ class Catalog:
         # What those entries would take without shared blocks: each its manifest and blocks.
         self.logical_bytes = 0
         self.leased = 0  # entries (doomed ones included) with at least one lease
+        # Until start-up has listed the directory: the mtime the snapshot recorded for an
+        # entry taken from it unchecked (None: not one of those), compared when it is opened.
+        self._recorded_mtime: Callable[[str], int | None] | None = None
+        self._disowned: set[str] = set()  # doomed entries whose file is no longer theirs
         self.version = 0  # bumped by every change to the set of entries or their durability
         self.counters = Counters()
 
@@ -199,23 +204,88 @@ class Catalog:
             index = self._indexes.get(record.identity) or PrefixIndex()
             index.add(record)  # first: one of the two steps that may refuse
             self._indexes[record.identity] = index
+        try:
+            self._join(record, staged_blocks)
+        except KeyError:
+            if record.checkpoint_key is None:
+                self._unindex(record)
+            raise
+        if staged is not None:
+            self._staged[record.id] = staged
+
+    def add_found(self, records: Iterable[EntryRecord]) -> list[tuple[EntryRecord, str]]:
+        """Index entry files found in their places (start-up), least recently used first, each
+        the most recent as it joins: add() for each, the prompt indexes built in bulk
+        (PrefixIndex.add_all). An id the tier holds already is passed over. Returns the ones
+        refused, with why (a block missing or of another size, the same tokens as another
+        entry): their files are the caller's to quarantine."""
+        refused: list[tuple[EntryRecord, str]] = []
+        joining: list[EntryRecord] = []
+        prompts: dict[str, list[EntryRecord]] = {}
+        for record in records:
+            if record.id in self._records or record.id in self._doomed:
+                continue
+            record.last_used = next(self._clock)
+            problem = self.unservable(record)
+            if problem is not None:
+                refused.append((record, problem))
+                continue
+            if record.checkpoint_key is None:
+                prompts.setdefault(record.identity, []).append(record)
+            joining.append(record)
+        duplicates: list[EntryRecord] = []
+        for digest, batch in prompts.items():
+            index = self._indexes.get(digest) or PrefixIndex()
+            duplicates += index.add_all(batch)
+            if len(index):
+                self._indexes[digest] = index
+        refused += [(record, "a duplicate of another entry") for record in duplicates]
+        refused_ids = {record.id for record in duplicates}
+        plain: dict[str, list[EntryRecord]] = {}  # by identity: no blocks, no checkpoint
+        for record in joining:
+            if record.id in refused_ids:
+                continue
+            if record.blocks or record.checkpoint_key is not None:
+                self._join(record)  # every block is held: unservable() said so
+            else:
+                plain.setdefault(record.identity, []).append(record)
+        for digest, joined in plain.items():
+            self._join_plain(digest, joined)
+        return refused
+
+    def _join_plain(self, digest: str, records: list[EntryRecord]) -> None:
+        """_join() of many entries of one identity with no blocks and no checkpoint key, in
+        bulk (their file's bytes are their logical bytes)."""
+        ids = [record.id for record in records]
+        self._records.update(zip(ids, records, strict=True))
+        counts = self._identities.get(digest)
+        if counts is None:
+            counts = self._identities[digest] = IdentityCounts()
+        added = sum(map(attrgetter("nbytes"), records))
+        counts.entries += len(records)
+        counts.bytes += added
+        counts.ids.update(ids)
+        self._ids.update(ids)
+        self.version += len(records)
+        self.manifest_bytes += added
+        self.logical_bytes += added
+        for record in records:
+            self.eviction.add(record)
+
+    def _join(
+        self, record: EntryRecord, staged_blocks: Mapping[bytes, Path] = MappingProxyType({})
+    ) -> None:
+        """Everything of add() but the prompt index; KeyError, nothing changed, for a block
+        neither held nor staged."""
         if record.blocks:
-            try:
-                blocks = self.blocks.attach(
-                    record.identity, record.blocks, record.block_size, staged_blocks
-                )
-            except KeyError:
-                if record.checkpoint_key is None:
-                    self._unindex(record)
-                raise
-            self._blocks_of[record.id] = blocks
+            self._blocks_of[record.id] = self.blocks.attach(
+                record.identity, record.blocks, record.block_size, staged_blocks
+            )
         if record.checkpoint_key is not None:
             self._checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(
                 record
             )
         self._records[record.id] = record
-        if staged is not None:
-            self._staged[record.id] = staged
         counts = self._identities.get(record.identity)
         if counts is None:
             counts = self._identities[record.identity] = IdentityCounts()
@@ -228,8 +298,24 @@ class Catalog:
         self.logical_bytes += record.logical_bytes
         self.eviction.add(record)
 
+    def expect_mtimes(self, recorded_mtime: Callable[[str], int | None] | None) -> None:
+        """Entries were taken from the snapshot before the directory was listed: until this is
+        called again with None, an entry that recorded_mtime(id) knows is served only while
+        its file still has that mtime (open_entry checks the size in any case)."""
+        self._recorded_mtime = recorded_mtime
+
     def drop(self, record: EntryRecord) -> None:
         """Take an entry out of the tier; its file goes now, or when its last lease ends."""
+        self._leave(record)
+
+    def forget(self, record: EntryRecord) -> None:
+        """Take an entry out of the tier but leave its file: it is not the file the record
+        describes (changed since the snapshot), so it is listed and read again, not deleted."""
+        if record.id in self._records:
+            self._disowned.add(record.id)
+            self._leave(record)
+
+    def _leave(self, record: EntryRecord) -> None:
         if self._records.pop(record.id, None) is None:
             return
         self.version += 1
@@ -272,10 +358,13 @@ class Catalog:
     def _delete_file(self, record: EntryRecord) -> None:
         path = self.path_of(record)
         self._staged.pop(record.id, None)
-        try:
-            entry_files.unlink_quietly(path)
-        except OSError as exc:  # the bytes are no longer ours to count either way
-            log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
+        if record.id in self._disowned:
+            self._disowned.discard(record.id)
+        else:
+            try:
+                entry_files.unlink_quietly(path)
+            except OSError as exc:  # the bytes are no longer ours to count either way
+                log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
         self.manifest_bytes -= record.nbytes
         self.logical_bytes -= record.logical_bytes
         self.blocks.detach(self._blocks_of.pop(record.id, ()))
@@ -286,15 +375,22 @@ class Catalog:
         """Open an entry read-only, checked against its record (entry_files.open_entry); a
         file gone behind our back takes its entry with it, and so does one that is not what
         the record says (truncated, replaced), after damaged(path, reason) moved it aside.
-        One that cannot be opened now (an I/O error, no descriptor free) is only not served."""
+        One that cannot be opened now (an I/O error, no descriptor free) is only not served;
+        one taken from the snapshot whose file changed since (before start-up's listing
+        checked it) is forgotten, its file left for the listing to read again."""
         candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
             candidates.append(self.dirs.entry_path(record.identity, record.id))
+        mtime = None if self._recorded_mtime is None else self._recorded_mtime(record.id)
         for path in candidates:
             try:
-                return entry_files.open_entry(path, record.nbytes)
+                return entry_files.open_entry(path, record.nbytes, mtime)
             except FileNotFoundError:
                 continue
+            except entry_files.ChangedError as exc:  # the listing reads it again
+                log.warning("entry_changed_since_snapshot", entry=record.id, reason=str(exc))
+                self.forget(record)
+                return None
             except EntryFormatError as exc:  # never handed out
                 damaged(path, str(exc))
                 break

@@ -72,19 +72,30 @@ def read_header(path: Path, limits: Limits) -> EntryHeader:
         return parse_header(path.name, prefix, file.read(prefix.header_length), size, limits)
 
 
-def open_entry(path: Path, nbytes: int) -> int:
-    """A read-only descriptor of an entry file that still is what the index holds: a regular
-    file of nbytes (the header's size), as fstat on the descriptor itself says. A snapshot
-    or an earlier read is never trusted over the file: it may have been truncated or replaced.
+class ChangedError(Exception):
+    """The file is not the one a record was taken from (another mtime): read it again."""
 
-    Raises EntryFormatError for a file that is not the entry, OSError if it cannot be opened.
+
+def open_entry(path: Path, nbytes: int, mtime_ns: int | None = None) -> int:
+    """A read-only descriptor of an entry file that still is what the index holds: a regular
+    file of nbytes (the header's size), as fstat on the descriptor itself says. A snapshot or
+    an earlier read is never trusted over the file: it may have been truncated or replaced.
+
+    mtime_ns: the file's mtime when its record was taken, not checked since: ChangedError for
+    another size or mtime (the file is to be read again, not judged). Otherwise raises
+    EntryFormatError for a file that is not the entry, OSError if it cannot be opened.
     """
     fd = _open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
+        info = os.fstat(fd)
+        if mtime_ns is not None and (info.st_size, info.st_mtime_ns) != (nbytes, mtime_ns):
+            raise ChangedError(
+                f"{info.st_size} bytes modified at {info.st_mtime_ns} ns; recorded: {nbytes} "
+                f"bytes at {mtime_ns} ns"
+            )
+        if info.st_size != nbytes:
             raise EntryFormatError(
-                path.name, Rule.FILE_SIZE, f"{size} bytes on disk, {nbytes} in its header"
+                path.name, Rule.FILE_SIZE, f"{info.st_size} bytes on disk, {nbytes} in its header"
             )
     except BaseException:
         os.close(fd)

@@ -34,6 +34,11 @@ class IdOrder:
         self._count += 1
         self._added.append(entry_id)
 
+    def update(self, entry_ids: list[str]) -> None:
+        """add() each of entry_ids."""
+        self._count += len(entry_ids)
+        self._added += entry_ids
+
     def _settle(self) -> None:
         """Put the ids added since the last read into the blocks: one by one if they are few,
         else by sorting everything afresh into half-full blocks (timsort merges the run that

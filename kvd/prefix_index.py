@@ -4,7 +4,8 @@ A radix tree (compressed trie) over token ids. Edge labels are packed token byte
 whole number of 4-byte tokens, keyed in their parent by their first token; a node is where an
 entry ends or where entries branch. A label is a slice of the tokens of an entry below it: a
 view, for an entry whose tokens are a view (records.Tokens), so the tree copies no tokens of
-the entries loaded from the snapshot; it compares them through a bytes copy of one side.
+the entries loaded from the snapshot; it compares them through a bytes copy of one side, made
+only when there is an edge to compare.
 Lookup walks the prompt once, so its cost grows with the prompt's length and not with the
 number of entries.
 
@@ -30,6 +31,7 @@ entry's path.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -85,6 +87,10 @@ class _Node:
 
 def _sweep(candidates: Iterable[EntryRecord]) -> tuple[EntryRecord, ...]:
     """Keep, best first, each candidate whose min_reuse is below that of every better one."""
+    candidates = list(candidates)
+    best = min(candidates, key=rank, default=None)
+    if best is None or not best.min_reuse:  # the usual case, without a sort: best alone
+        return () if best is None else (best,)
     kept: list[EntryRecord] = []
     for record in sorted(candidates, key=rank):
         if not kept or record.min_reuse < kept[-1].min_reuse:
@@ -114,6 +120,14 @@ def _comparable(label: Tokens, length: int) -> bytes:
 def _check_tokens(tokens: Tokens) -> None:
     if len(tokens) % TOKEN_BYTES:
         raise ValueError(f"token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES}")
+
+
+def _check_indexable(record: EntryRecord) -> None:
+    if record.checkpoint_key is not None:
+        raise ValueError(f"entry {record.id} is a generation checkpoint, not a prompt cache")
+    _check_tokens(record.tokens)
+    if not record.tokens:
+        raise ValueError(f"entry {record.id} has no tokens")
 
 
 class PrefixIndex:
@@ -160,16 +174,14 @@ class PrefixIndex:
 
     def add(self, record: EntryRecord) -> None:
         """Index record; ValueError for a checkpoint, no tokens, or an exact duplicate."""
-        if record.checkpoint_key is not None:
-            raise ValueError(f"entry {record.id} is a generation checkpoint, not a prompt cache")
+        _check_indexable(record)
         view = record.tokens
-        _check_tokens(view)
-        if not view:
-            raise ValueError(f"entry {record.id} has no tokens")
-        tokens = bytes(view)  # a view's copy, to compare with; the labels slice the view
+        # A view's copy, to compare with, made once an edge is to be compared: an entry whose
+        # first token starts no edge yet (most of a start-up's) copies only that token.
+        tokens = view if isinstance(view, bytes) else None
         node, pos, path = self._root, 0, [self._root]
-        while pos < len(tokens):
-            key = tokens[pos : pos + TOKEN_BYTES]
+        while pos < len(view):
+            key = bytes(view[pos : pos + TOKEN_BYTES])
             children = node.children
             if children is None:
                 children = node.children = {}
@@ -178,6 +190,8 @@ class PrefixIndex:
                 node = children[key] = _Node(view[pos:] if pos else view)
                 path.append(node)
                 break
+            if tokens is None:
+                tokens = bytes(view)
             if not tokens.startswith(child.label, pos):
                 # Split the edge where tokens leave it; the new inner node has the same subtree.
                 shared = TOKEN_BYTES * common_prefix_tokens(
@@ -197,6 +211,44 @@ class PrefixIndex:
         self._count += 1
         if record.trimmable:
             self._promote(path, record)
+
+    def add_all(self, records: Iterable[EntryRecord]) -> list[EntryRecord]:
+        """add() each record, in order; the ones refused as exact duplicates are returned
+        (ValueError, as add() raises it, for a checkpoint or no tokens).
+
+        In bulk, as start-up indexes: a record whose first token starts no edge and no other
+        record of the batch becomes a leaf of the root at once, and the root's frontier is
+        swept once over them; the others are added one by one. The tree is the same either
+        way: it depends on the set of entries, not on their order.
+        """
+        batch = list(records)
+        for record in batch:
+            tokens = record.tokens
+            if record.checkpoint_key is not None or not tokens or len(tokens) % TOKEN_BYTES:
+                _check_indexable(record)  # raises
+        root = self._root
+        children = root.children or {}
+        keys = [bytes(record.tokens[:TOKEN_BYTES]) for record in batch]
+        firsts = Counter(keys)  # how many of the batch start with each first token
+        rest = []
+        for record, key in zip(batch, keys, strict=True):
+            if firsts[key] > 1 or key in children:
+                rest.append(record)
+                continue
+            leaf = children[key] = _Node(record.tokens)
+            leaf.record = record
+            if record.trimmable:
+                leaf.frontier = (record,)
+        self._count += len(batch) - len(rest)
+        root.children = children or None
+        root.frontier = _subtree_frontier(root)
+        refused = []
+        for record in rest:
+            try:
+                self.add(record)
+            except ValueError:
+                refused.append(record)
+        return refused
 
     def _promote(self, path: list[_Node], record: EntryRecord) -> None:
         """Let record (new, or ranked higher) into the frontiers along its path.

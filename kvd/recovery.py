@@ -1,4 +1,4 @@
-"""Start-up: make the directory and the index agree before the first request.
+"""Start-up: make the directory and the index agree.
 
 Staging leftovers (puts that never committed, or a writer cut off by a crash) are reaped;
 every entry file is validated (header and layout) and indexed; a file that fails, or that sits
@@ -7,7 +7,8 @@ way: a block file's header is validated (its hash against its name, its identity
 folder); the tier then keeps the blocks its manifests list, collects the others (orphans of a
 put cut off by a crash) and quarantines a manifest whose block is missing. The result is a
 tier whose accounting equals the directory. The index snapshot (snapshot.py) spares the
-header reads of unchanged files.
+header reads of unchanged files; a tier taken from it serves before the directory is listed
+against it (Tier.settle has the rules that keep that safe).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvd_protocol.limits import Limits
 
 from kvd.entry_files import read_block_header, read_header
 from kvd.records import EntryRecord, record_from_header
-from kvd.snapshot import BlockRow, load_snapshot
+from kvd.snapshot import BlockRow, Snapshot, load_snapshot
 from kvd.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX, TierDir
 
 
@@ -60,20 +61,58 @@ def reap_staging(dirs: TierDir) -> int:
 def scan(
     dirs: TierDir, limits: Limits, header_read: Callable[[], None] = lambda: None
 ) -> ScanResult:
-    """Reap staging, then index every entry file (blocking: run in a thread).
+    """Reap staging, then index every entry file (blocking: run in a thread): the start-up of
+    a tier with no snapshot, or one whose snapshot is checked before serving.
 
     A file the snapshot knows with the same size and mtime is taken from it; any other file's
-    header is read and validated (see snapshot.py for why that is safe). In an identity folder
-    unchanged since the snapshot was written (no entry added, removed or renamed: its own
-    mtime is older), the snapshot's rows need no stat at all: entry files are never modified
-    in place. header_read() is called after each header read (progress: the slow part).
+    header is read and validated (see snapshot.py for why that is safe). header_read() is
+    called after each header read (progress: the slow part).
     """
     reaped = reap_staging(dirs)
     known = load_snapshot(dirs.snapshot)
-    rows = known.rows()
-    written = dirs.snapshot.stat().st_mtime_ns if rows or known.blocks else None
+    listed = list_against(dirs, limits, known, header_read)
+    taken = list(compress(known.records, listed.matched))
+    records = [*taken, *listed.found]
+    return ScanResult(records, listed.blocks, listed.invalid, reaped, len(taken))
+
+
+@dataclass
+class Listing:
+    """The directory as it is, against a snapshot's rows."""
+
+    matched: bytearray  # per row: 1 if its file is there, unchanged
+    found: list[EntryRecord]  # valid files the snapshot does not describe, oldest first
+    blocks: list[FoundBlock]  # every valid block file, listed or not
+    invalid: list[tuple[Path, str]]
+
+
+def snapshot_written(dirs: TierDir, known: Snapshot) -> int | None:
+    """When the snapshot file was written (its mtime), or None for an empty snapshot."""
+    if not known.records and not known.blocks:
+        return None
+    try:
+        return dirs.snapshot.stat().st_mtime_ns
+    except FileNotFoundError:  # replaced meanwhile: a newer one; trust no folder's mtime
+        return None
+
+
+def list_against(
+    dirs: TierDir,
+    limits: Limits,
+    known: Snapshot,
+    header_read: Callable[[], None] = lambda: None,
+) -> Listing:
+    """List the entries folder against the snapshot's rows (blocking: run in a thread).
+
+    In an identity folder unchanged since the snapshot was written (no entry added, removed
+    or renamed: its own mtime is older), the snapshot's rows need no stat at all: entry files
+    are never modified in place. A file that goes while it is listed (the daemon may serve
+    meanwhile: eviction, the writer) is left out.
+    """
+    rows = known.rows
+    written = snapshot_written(dirs, known)
     blocks: list[FoundBlock] = []
-    matched = bytearray(len(known.records))  # 1: the row's file is there, unchanged
+    matched = bytearray(len(known.records))
     found: list[tuple[int, EntryRecord]] = []  # files it does not describe, with their mtimes
     invalid: list[tuple[Path, str]] = []
     for folder in os.scandir(dirs.entries):
@@ -90,36 +129,37 @@ def scan(
                 continue
             entry_id = entry.name[: -len(ENTRY_SUFFIX)]
             row = rows.get(entry_id)
-            if row is not None and known.records[row].identity == folder.name:
-                if unchanged:
-                    matched[row] = 1
-                    continue
-                info = entry.stat(follow_symlinks=False)
-                if (info.st_mtime_ns, info.st_size) == (
-                    known.mtime_ns[row],
-                    known.records[row].nbytes,
-                ):
-                    matched[row] = 1
-                    continue
-            path = Path(entry.path)
             try:
-                header = read_header(path, limits)
-            except EntryFormatError as exc:
-                invalid.append((path, str(exc)))
+                if row is not None and known.records[row].identity == folder.name:
+                    if unchanged:
+                        matched[row] = 1
+                        continue
+                    info = entry.stat(follow_symlinks=False)
+                    if (info.st_mtime_ns, info.st_size) == (
+                        known.mtime_ns[row],
+                        known.records[row].nbytes,
+                    ):
+                        matched[row] = 1
+                        continue
+                path = Path(entry.path)
+                try:
+                    header = read_header(path, limits)
+                except EntryFormatError as exc:
+                    invalid.append((path, str(exc)))
+                    continue
+                finally:
+                    header_read()
+                if header.identity.digest() != folder.name:
+                    invalid.append((path, "its identity does not match its folder"))
+                    continue
+                record = record_from_header(entry_id, header, last_used=0)
+                found.append((entry.stat(follow_symlinks=False).st_mtime_ns, record))
+            except FileNotFoundError:
                 continue
-            finally:
-                header_read()
-            if header.identity.digest() != folder.name:
-                invalid.append((path, "its identity does not match its folder"))
-                continue
-            record = record_from_header(entry_id, header, last_used=0)
-            found.append((entry.stat(follow_symlinks=False).st_mtime_ns, record))
-    # The snapshot's rows are least recently used first already; a file it does not know was
-    # written after it, so is more recent than all it knows (oldest of those first).
-    taken = list(compress(known.records, matched))
+    # A file the snapshot does not know was written after it, so is more recent than all it
+    # knows (oldest of those first).
     found.sort(key=itemgetter(0))
-    records = [*taken, *(record for _, record in found)]
-    return ScanResult(records, blocks, invalid, reaped, len(taken))
+    return Listing(matched, [record for _, record in found], blocks, invalid)
 
 
 def _scan_blocks(
@@ -139,16 +179,19 @@ def _scan_blocks(
         if block_hash is None or not entry.is_file(follow_symlinks=False):
             invalid.append((path, "not a block file"))
             continue
-        info = entry.stat(follow_symlinks=False)
-        row = known.get((identity, block_hash))
-        if row is None or (row.size, row.mtime_ns) != (info.st_size, info.st_mtime_ns):
-            try:
-                block = read_block_header(path, limits)
-            except EntryFormatError as exc:
-                invalid.append((path, str(exc)))
-                continue
-            if block.identity != identity:
-                invalid.append((path, "its identity does not match its folder"))
-                continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            row = known.get((identity, block_hash))
+            if row is None or (row.size, row.mtime_ns) != (info.st_size, info.st_mtime_ns):
+                try:
+                    block = read_block_header(path, limits)
+                except EntryFormatError as exc:
+                    invalid.append((path, str(exc)))
+                    continue
+                if block.identity != identity:
+                    invalid.append((path, "its identity does not match its folder"))
+                    continue
+        except FileNotFoundError:  # collected meanwhile, by a daemon serving already
+            continue
         found.append(FoundBlock(identity, block_hash, info.st_size, path))
     return found

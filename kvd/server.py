@@ -144,6 +144,7 @@ class Server:
     def _start_background(self, tasks: TaskGroup) -> None:
         """The tasks that run for the daemon's life, each kept running through failures."""
         tier, config = self.tier, self.config
+        tasks.start_soon(tier.settle)  # the watcher and the reconcile wait for it
         tasks.start_soon(keep_running, "writer", tier.run_writer)
         watcher = partial(watch_entries, tier)
         restarted_watcher = partial(watch_entries, tier, reconcile_first=True)

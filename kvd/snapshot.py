@@ -35,7 +35,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, repeat
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,13 +80,15 @@ class Snapshot:
     records: Sequence[EntryRecord]
     mtime_ns: Sequence[int]
     blocks: dict[tuple[str, bytes], BlockRow]
+    rows: dict[str, int]  # row numbers by entry id (128 random bits: unique across identities)
 
-    def rows(self) -> dict[str, int]:
-        """Row numbers by entry id (ids are 128 random bits: unique across identities)."""
-        return {record.id: row for row, record in enumerate(self.records)}
+    def mtime_of(self, entry_id: str) -> int | None:
+        """The recorded mtime of an entry's file, or None for an entry it does not hold."""
+        row = self.rows.get(entry_id)
+        return None if row is None else self.mtime_ns[row]
 
 
-EMPTY = Snapshot((), (), {})
+EMPTY = Snapshot((), (), {}, {})
 
 
 def save_snapshot(
@@ -215,11 +217,14 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     columns = {name: _unpack(array("q"), head[name], count) for name in _INTEGERS}
     lengths = columns["token_bytes"]
     ends = list(accumulate(lengths))
-    if not all(isinstance(i, str) for i in (*ids, *identities, *checkpoints.values())):
+    # Checked in C (map, set), not value by value in Python: 100k rows at start-up.
+    if not set(map(type, chain(ids, identities, checkpoints.values()))) <= {str}:
         raise ValueError("an id, identity or key that is not a string")
     if len(ids) != count or len(trimmable) != count or trimmable.strip(b"\0\1"):
         raise ValueError("ids or trimmable flags that do not match the rows")
-    if (ends[-1] if ends else 0) != len(tokens) or any(n < 0 or n % TOKEN_BYTES for n in lengths):
+    if (ends[-1] if ends else 0) != len(tokens) or (
+        lengths and (min(lengths) < 0 or any(map(TOKEN_BYTES.__rmod__, lengths)))
+    ):
         raise ValueError("token lengths that do not match the token section")
     numbers = columns["identity"]
     if numbers and not 0 <= min(numbers) <= max(numbers) < len(identities):
@@ -249,7 +254,10 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
             raise ValueError("a block list of the wrong types")
         records[row].blocks, records[row].block_size = split_hashes(hashes), block_size
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
-    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
+    rows = dict(zip(ids, range(count), strict=True))
+    if len(rows) != count:
+        raise ValueError("an id in two rows")
+    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks}, rows)
 
 
 def _sequence(value: object) -> tuple[object, ...]:

@@ -14,8 +14,11 @@ duplicate), failed (bad data, disk full), or abandoned (the putter went away bef
 from __future__ import annotations
 
 import gc
+import itertools
+import operator
 import os
 import time
+from collections.abc import Sequence
 
 import anyio
 from kvd_protocol.blocks import HASH_BYTES, block_name
@@ -89,56 +92,114 @@ class Tier:
         self._lock_fd = -1
         self._snapshot_version = -1
         self._checking: set[str] = set()  # entries reported damaged, being checked
+        self.settled = anyio.Event()  # set once start-up has listed the directory (settle)
+        self._unchecked: snapshot.Snapshot | None = None  # taken from it, not listed yet
+        self._reaped = 0
 
     # --- the directory ---------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Take the directory, reap, validate and index what is on disk (see recovery)."""
+        """Take the directory, reap staging and index what is on disk: from the snapshot, its
+        files not yet checked (settle() lists the directory against it while the daemon
+        serves), or without one by reading every header (see recovery)."""
         self.dirs.create()
         self._lock_fd = self.dirs.lock()
         # Start-up builds one long-lived object graph and frees nothing: the collector would
         # only walk it again and again (README, "Start-up", has what that cost).
         gc.disable()
-        # A full scan reads every header (minutes at 100k entries): counted on a terminal.
-        progress = Progress("reading entry headers", None)
-        try:
-            result = await anyio.to_thread.run_sync(
-                recovery.scan, self.dirs, self.limits, progress.step
-            )
-        finally:
-            progress.close()
-        for path, reason in result.invalid:
-            await self.quarantine.file(path, reason)
-        for block in result.blocks:
-            self.catalog.blocks.adopt(block.identity, block.hash, block.size, block.path)
-        for record in result.entries:  # least recently used first
-            record.last_used = self.catalog.tick()
-            problem = self.catalog.unservable(record)
-            if problem is not None:
-                await self.quarantine.file(self.catalog.path_of(record), problem)
-                continue
+        self._reaped = await anyio.to_thread.run_sync(recovery.reap_staging, self.dirs)
+        known = await anyio.to_thread.run_sync(snapshot.load_snapshot, self.dirs.snapshot)
+        if known.records or known.blocks:
+            blocks = self.catalog.blocks
+            for row in known.blocks.values():
+                path = self.dirs.block_path(row.identity, row.hash)
+                blocks.adopt(row.identity, row.hash, row.size, path, row.mtime_ns)
+            self.catalog.expect_mtimes(known.mtime_of)
+            self._unchecked = known
+            await self._index(known.records)
+            log.info("snapshot_loaded", entries=len(self.catalog), blocks=len(blocks))
+        else:
+            # A full scan reads every header (minutes at 100k entries): counted on a terminal.
+            progress = Progress("reading entry headers", None)
             try:
-                self.catalog.add(record)
-            except ValueError:  # the same tokens as an entry already indexed
-                await self.quarantine.file(
-                    self.catalog.path_of(record), "a duplicate of another entry"
+                listed = await anyio.to_thread.run_sync(
+                    recovery.list_against, self.dirs, self.limits, known, progress.step
                 )
-        orphans = self.catalog.blocks.collect_orphans()  # of puts a crash cut off
+            finally:
+                progress.close()
+            await self._take(listed, 0)
         gc.freeze()  # the index is long-lived: spare the collector from walking it again
         gc.enable()
+        self.evict_to_cap()
+        await self._name_identities()
+
+    async def settle(self) -> None:
+        """Start-up's second half, run while the daemon serves: list the directory against the
+        snapshot the tier was taken from. Its entries whose file is gone or changed leave the
+        index (a changed file is read again, as is every file the snapshot does not know), and
+        so do its blocks whose file is gone; from then on files are checked by size alone.
+        Until then a lookup serves an entry or block of the snapshot only while its file has
+        the size and mtime recorded (Catalog.expect_mtimes), so nothing is handed out that the
+        listing would refuse; files added meanwhile appear when it ends. settled is set then."""
+        known = self._unchecked
+        if known is None:
+            self.settled.set()
+            return
+        try:
+            listed = await anyio.to_thread.run_sync(
+                recovery.list_against, self.dirs, self.limits, known
+            )
+        except OSError as exc:  # the periodic reconcile adopts and drops what it finds
+            log.warning("startup_listing_failed", error=str(exc))
+            self.settled.set()
+            return
+        catalog = self.catalog
+        for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
+            if catalog.records.get(record.id) is record:
+                catalog.forget(record)
+        present = {(b.identity, b.hash): b.size for b in listed.blocks}
+        for block in list(catalog.blocks):
+            if block.mtime_ns is None:
+                continue
+            block.mtime_ns = None
+            size = present.get((block.identity, block.hash))
+            if size != block.size:
+                why = "its file is gone" if size is None else f"its file is now {size} bytes"
+                self.writer.bad_block(block, why)
+        catalog.expect_mtimes(None)
+        self._unchecked = None
+        await self._take(listed, sum(listed.matched))
+        self.evict_to_cap()
+
+    async def _take(self, listed: recovery.Listing, from_snapshot: int) -> None:
+        """Index what a listing found beside the snapshot's rows; the tier is opened."""
+        for path, reason in listed.invalid:
+            await self.quarantine.file(path, reason)
+        blocks = self.catalog.blocks
+        for block in listed.blocks:
+            if blocks.get(block.identity, block.hash) is None:
+                blocks.adopt(block.identity, block.hash, block.size, block.path)
+        await self._index(listed.found)
+        orphans = blocks.collect_orphans()  # of puts a crash cut off
         log.info(
             "tier_opened",
             dir=str(self.dirs.root),
             entries=len(self.catalog),
             bytes=self.catalog.total_bytes,
-            blocks=len(self.catalog.blocks),
+            blocks=len(blocks),
             orphan_blocks=orphans,
-            reaped=result.reaped,
-            quarantined=len(result.invalid),
-            from_snapshot=result.from_snapshot,
+            reaped=self._reaped,
+            quarantined=len(listed.invalid),
+            from_snapshot=from_snapshot,
         )
-        self.evict_to_cap()
-        await self._name_identities()
+        self.settled.set()
+
+    async def _index(self, records: Sequence[EntryRecord]) -> None:
+        """Index entries found on disk, least recently used first; those that cannot be
+        served (a block missing, the same tokens as another) are quarantined."""
+        catalog = self.catalog
+        for record, problem in catalog.add_found(records):
+            await self.quarantine.file(catalog.path_of(record), problem)
 
     async def _name_identities(self) -> None:
         """Learn each identity's names for people (model id, namespace) from one of its
@@ -313,9 +374,12 @@ class Tier:
             candidates.append(self.dirs.block_path(block.identity, block.hash))
         for path in candidates:
             try:
-                return entry_files.open_entry(path, block.size)
+                return entry_files.open_entry(path, block.size, block.mtime_ns)
             except FileNotFoundError:
                 continue
+            except entry_files.ChangedError as exc:  # start-up's listing reads it again
+                log.warning("block_changed_since_snapshot", block=block.hash.hex(), reason=str(exc))
+                return None
             except EntryFormatError as exc:  # never handed out
                 self.writer.bad_block(block, str(exc))
                 return None

@@ -51,8 +51,9 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
     """React to changes under the entries folder until cancelled.
 
     reconcile_first: catch up with the whole folder first, as a restarted watch must (the
-    first one starts right after start-up's own scan).
+    first one starts once start-up has listed the directory: Tier.settle).
     """
+    await tier.settled.wait()
     while True:
         await anyio.to_thread.run_sync(_make_folder, tier.dirs.entries)
         if reconcile_first:
@@ -68,6 +69,7 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
 
 
 async def reconcile_periodically(tier: Tier, every: float) -> None:
+    await tier.settled.wait()
     while True:
         await anyio.sleep(every)
         await reconcile(tier, None)

@@ -30,6 +30,7 @@ START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0
 POLL_SECONDS = 0.002  # between connect attempts while starting: the error on a start time
 ERROR_LEVELS = frozenset({"error", "critical"})
+OPENED = '"event": "tier_opened"'  # start-up is done (the directory listed), as logged
 # What the daemon inherits from the test's environment; everything else is left behind.
 INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
 
@@ -88,11 +89,20 @@ class Daemon:
         """Declare error-level events this test provokes on purpose (by event name)."""
         self.expected_errors.update(events)
 
-    def start(self, env: Mapping[str, str] | None = None, timeout: float = START_SECONDS) -> float:
+    def start(
+        self,
+        env: Mapping[str, str] | None = None,
+        timeout: float = START_SECONDS,
+        *,
+        settled: bool = True,
+    ) -> float:
         """Spawn the daemon and wait for its first ping answer; the seconds that took.
 
         env: variables set on top of the isolated environment (NOTIFY_SOCKET, say).
+        settled: then also wait until start-up has listed the directory (a daemon started
+        from its snapshot serves before that: its `tier_opened` event says it is done).
         """
+        opened = self.logs().count(OPENED)
         command = [sys.executable, "-m", "kvd"]
         if self.open_files:
             command[1:] = ["-c", LIMITED_START.format(open_files=self.open_files)]
@@ -114,7 +124,10 @@ class Daemon:
                 try:
                     with Client.connect(self.socket_path, timeout=5.0, require=True) as client:
                         client.ping()
-                        return time.perf_counter() - started
+                    seconds = time.perf_counter() - started
+                    if settled:
+                        self.wait_settled(opened, started + timeout - time.perf_counter())
+                    return seconds
                 except DaemonUnavailable:
                     pass
             time.sleep(POLL_SECONDS)
@@ -122,6 +135,14 @@ class Daemon:
         raise DaemonProcessError(
             f"kvd serve did not answer ping within {timeout} s:\n{self.logs()}"
         )
+
+    def wait_settled(self, opened: int, timeout: float) -> None:
+        """Wait for `tier_opened` events beyond the first `opened` of the log."""
+        deadline = time.perf_counter() + timeout
+        while self.logs().count(OPENED) <= opened:
+            if time.perf_counter() > deadline or (self.process and self.process.poll() is not None):
+                raise DaemonProcessError(f"kvd serve did not finish start-up:\n{self.logs()}")
+            time.sleep(POLL_SECONDS)
 
     @property
     def pid(self) -> int:

@@ -22,14 +22,14 @@ class FaultShimError(RuntimeError):
     """No C compiler, or the shim does not build here: the reason says which."""
 
 
-def build(folder: Path) -> Path:
-    """Compile the shim into folder; its path."""
+def build(folder: Path, source: Path = SOURCE) -> Path:
+    """Compile the shim (or another preloaded library's source) into folder; its path."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FaultShimError("no C compiler (cc or gcc) to build the fault shim")
-    library = folder / "fault_shim.so"
+    library = folder / f"{source.stem}.so"
     built = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O2", "-o", str(library), str(SOURCE), "-ldl"],
+        [compiler, "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"],
         capture_output=True,
         text=True,
         check=False,

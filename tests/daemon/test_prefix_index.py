@@ -352,3 +352,56 @@ def test_tree_agrees_with_the_scan(ops: list[_Op], probes: list[list[int]], view
                 key=lambda r: len(r.tokens),
             )
     assert set(index) == set(present)
+
+
+_batch_entry = st.tuples(_tokens, st.booleans(), st.one_of(st.just(0), st.integers(0, 6)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.lists(_batch_entry, max_size=6),
+    batch=st.lists(_batch_entry, max_size=30),
+    probes=st.lists(_tokens, min_size=1, max_size=8),
+    views=st.booleans(),
+)
+def test_adding_in_bulk_is_adding_one_by_one(
+    before: list[tuple[list[int], bool, int]],
+    batch: list[tuple[list[int], bool, int]],
+    probes: list[list[int]],
+    views: bool,
+) -> None:
+    def made(fields: tuple[list[int], bool, int]) -> EntryRecord:
+        tokens, trimmable, min_reuse = fields
+        record = entry(*tokens, trimmable=trimmable, min_reuse=min_reuse)
+        return viewed(record) if views else record
+
+    index = PrefixIndex()
+    present: list[EntryRecord] = []
+    for record in map(made, before):
+        if index.exact(record.tokens) is None:
+            index.add(record)
+            present.append(record)
+    records = [made(fields) for fields in batch]
+    refused = index.add_all(records)
+    for record in records:  # the first of equal tokens joins, as add() one by one has it
+        if any(bytes(r.tokens) == bytes(record.tokens) for r in present):
+            assert record in refused
+        else:
+            assert record not in refused
+            present.append(record)
+    assert len(index) == len(present)
+    assert set(index) == set(present)
+    for probe in probes:
+        prompt = pack_tokens(probe)
+        assert index.best_match(prompt) == scan_best_match(present, prompt)
+        assert index.covering(prompt) is _covering_by_scan(present, prompt)
+    for record in present:  # and it stays a tree that removes, as any other
+        index.remove(record)
+    assert len(index) == 0
+
+
+def test_adding_in_bulk_refuses_what_add_refuses() -> None:
+    with pytest.raises(ValueError, match="checkpoint"):
+        PrefixIndex().add_all([entry(1), entry(2, checkpoint_key="gen")])
+    with pytest.raises(ValueError, match="no tokens"):
+        PrefixIndex().add_all([entry()])

@@ -48,7 +48,7 @@ def test_round_trip_keeps_every_field_and_the_mtime(
     snapshot = tmp_path / "index.snapshot"
     assert save_snapshot(snapshot, files) == 2
     loaded = load_snapshot(snapshot)
-    rows = loaded.rows()
+    rows = loaded.rows
     assert set(rows) == {"e1", "e2"}
     for path, original in files:
         row = rows[original.id]
@@ -104,7 +104,7 @@ def test_a_vanished_file_is_left_out(tmp_path: Path, files: list[tuple[Path, Ent
     files[0][0].unlink()
     snapshot = tmp_path / "index.snapshot"
     assert save_snapshot(snapshot, files) == 1
-    assert set(load_snapshot(snapshot).rows()) == {"e2"}
+    assert set(load_snapshot(snapshot).rows) == {"e2"}
 
 
 def test_missing_snapshot_is_empty(tmp_path: Path) -> None:
