@@ -210,6 +210,7 @@ class Catalog:
             if record.checkpoint_key is None:
                 self._unindex(record)
             raise
+        self.eviction.add(record)
         if staged is not None:
             self._staged[record.id] = staged
 
@@ -241,21 +242,22 @@ class Catalog:
                 self._indexes[digest] = index
         refused += [(record, "a duplicate of another entry") for record in duplicates]
         refused_ids = {record.id for record in duplicates}
+        joined = [record for record in joining if record.id not in refused_ids]
         plain: dict[str, list[EntryRecord]] = {}  # by identity: no blocks, no checkpoint
-        for record in joining:
-            if record.id in refused_ids:
-                continue
+        for record in joined:
             if record.blocks or record.checkpoint_key is not None:
                 self._join(record)  # every block is held: unservable() said so
             else:
                 plain.setdefault(record.identity, []).append(record)
-        for digest, joined in plain.items():
-            self._join_plain(digest, joined)
+        for digest, records_of in plain.items():
+            self._join_plain(digest, records_of)
+        for record in joined:  # in their order across identities: the eviction order
+            self.eviction.add(record)
         return refused
 
     def _join_plain(self, digest: str, records: list[EntryRecord]) -> None:
-        """_join() of many entries of one identity with no blocks and no checkpoint key, in
-        bulk (their file's bytes are their logical bytes)."""
+        """_join() of entries of one identity with no blocks and no checkpoint key, in bulk
+        (their file's bytes are their logical bytes)."""
         ids = [record.id for record in records]
         self._records.update(zip(ids, records, strict=True))
         counts = self._identities.get(digest)
@@ -269,14 +271,12 @@ class Catalog:
         self.version += len(records)
         self.manifest_bytes += added
         self.logical_bytes += added
-        for record in records:
-            self.eviction.add(record)
 
     def _join(
         self, record: EntryRecord, staged_blocks: Mapping[bytes, Path] = MappingProxyType({})
     ) -> None:
-        """Everything of add() but the prompt index; KeyError, nothing changed, for a block
-        neither held nor staged."""
+        """Everything of add() but the prompt index and the eviction order; KeyError, nothing
+        changed, for a block neither held nor staged."""
         if record.blocks:
             self._blocks_of[record.id] = self.blocks.attach(
                 record.identity, record.blocks, record.block_size, staged_blocks
@@ -296,7 +296,6 @@ class Catalog:
         self.version += 1
         self.manifest_bytes += record.nbytes
         self.logical_bytes += record.logical_bytes
-        self.eviction.add(record)
 
     def expect_mtimes(self, recorded_mtime: Callable[[str], int | None] | None) -> None:
         """Entries were taken from the snapshot before the directory was listed: until this is

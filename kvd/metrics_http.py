@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import Listener, SocketAttribute, SocketStream
-from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvd.logs import get_logger
-from kvd.metrics import Status, exposition
+
+if TYPE_CHECKING:
+    from kvd.metrics import Status
 
 log = get_logger("kvd.metrics")
 
@@ -74,6 +76,11 @@ def answer(status: Callable[[], Status], head: bytes) -> bytes:
         return _response(405, "Method Not Allowed", b"GET only\n", TEXT, False)
     if target.split("?", 1)[0] != PATH:
         return _response(404, "Not Found", f"metrics are at {PATH}\n".encode(), TEXT, False)
+    # Imported by the first scrape, not at start-up: prometheus_client's import is ~40 ms.
+    from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4  # noqa: PLC0415
+
+    from kvd.metrics import exposition  # noqa: PLC0415
+
     return _response(200, "OK", exposition(status), CONTENT_TYPE_PLAIN_0_0_4, method == "HEAD")
 
 

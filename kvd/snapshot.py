@@ -285,7 +285,9 @@ def _pack(column: array[Number]) -> bytes:
     return column.tobytes()
 
 
-def _unpack(column: array[Number], packed: object, count: int) -> list[Number]:
+def _unpack(column: array[Number], packed: object, count: int) -> array[Number]:
+    """The column, kept packed (an int or float object is made only when a value is read:
+    the mtimes, say, only for the rows the listing compares)."""
     if not isinstance(packed, bytes):
         raise ValueError("a column that is not packed bytes")
     column.frombytes(packed)  # ValueError for a length that is not a whole number of values
@@ -293,4 +295,4 @@ def _unpack(column: array[Number], packed: object, count: int) -> list[Number]:
         raise ValueError("a column of another length than the rows")
     if sys.byteorder == "big":  # pragma: no cover
         column.byteswap()
-    return column.tolist()
+    return column

@@ -26,6 +26,13 @@ STEPS = st.lists(
         st.tuples(st.just("lease"), st.integers(0, 50), st.integers(1, 3)),
         st.tuples(st.just("release"), st.integers(0, 50)),
         st.tuples(st.just("close"), st.integers(1, 3)),
+        st.tuples(  # entries found on disk, indexed at once (start-up)
+            st.just("found"),
+            st.lists(
+                st.tuples(st.sampled_from(DIGESTS), st.integers(0, 30), st.integers(1, 9)),
+                max_size=8,
+            ),
+        ),
     ),
     max_size=60,
 )
@@ -87,6 +94,51 @@ def test_counts_follow_every_change(steps: list[tuple[object, ...]]) -> None:
                 case ("close", int(owner)):
                     leases.release_all(owner)
                     held = [h for h in held if h[0] != owner]
+                case ("found", list(batch)):
+                    records = [
+                        EntryRecord(new_entry_id(), digest, pack_tokens([first, 1]), size, True)
+                        for digest, first, size in batch
+                    ]
+                    seen = {(r.identity, bytes(r.tokens)) for r in live}
+                    duplicates = []
+                    for record in records:  # the first of the same tokens joins
+                        key = (record.identity, bytes(record.tokens))
+                        if key in seen:
+                            duplicates.append(record.id)
+                        seen.add(key)
+                    refused = catalog.add_found(records)
+                    assert sorted(r.id for r, _ in refused) == sorted(duplicates)
             doomed = {i: r for i, r in doomed.items() if r.leases}
             assert len(leases) == len(held)
             check(catalog, doomed)
+
+
+def test_entries_found_at_once_keep_their_order_of_use_across_identities(tmp_path: Path) -> None:
+    catalog = Catalog(TierDir(tmp_path), LruPolicy())
+    records = [
+        EntryRecord(new_entry_id(), DIGESTS[n % 3], pack_tokens([n, 1]), 10, True, durable=True)
+        for n in range(9)
+    ]
+    assert catalog.add_found(records) == []
+    assert [r.last_used for r in records] == sorted(r.last_used for r in records)
+    assert catalog.eviction.select_victims(90) == records  # least recently used first
+
+
+def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:
+    dirs = TierDir(tmp_path)
+    catalog = Catalog(dirs, LruPolicy())
+    kept, dropped = (
+        EntryRecord(new_entry_id(), DIGESTS[0], pack_tokens([n, 1]), 10, True, durable=True)
+        for n in range(2)
+    )
+    for record in (kept, dropped):
+        path = dirs.entry_path(record.identity, record.id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 10)
+        catalog.add(record)
+    catalog.forget(kept)
+    catalog.drop(dropped)
+    assert len(catalog) == 0
+    assert catalog.total_bytes == 0
+    assert dirs.entry_path(kept.identity, kept.id).exists()
+    assert not dirs.entry_path(dropped.identity, dropped.id).exists()
