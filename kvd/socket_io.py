@@ -81,8 +81,13 @@ def send_now(
     try:
         if fds:
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            view = view[sock.sendmsg([view], rights) :]
+            sent = sock.sendmsg([view], rights)
             fds = ()
+        else:
+            sent = sock.send(view)
+        if sent == len(view):  # the usual: the kernel took it whole
+            return _SENT, ()
+        view = view[sent:]
         while view:
             view = view[sock.send(view) :]
     except BlockingIOError:
@@ -90,6 +95,9 @@ def send_now(
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerGone(str(exc)) from exc
     return view, fds
+
+
+_SENT = memoryview(b"")
 
 
 def sending_gate() -> anyio.Semaphore:

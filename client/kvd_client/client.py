@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from .prompt_cache import Restored
 
 T = TypeVar("T")
+# Seconds an exchange may run past its timeout rather than set the socket's timeout anew
+# (system calls) before each read: the time its send took, when that was this short.
+TIMEOUT_SLACK = 0.001
 
 
 class Client:
@@ -313,7 +316,8 @@ class Client:
                 left = started + timeout - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("no reply in time")
-                transport.settimeout(left)
+                if left < timeout - TIMEOUT_SLACK:  # else the socket's timeout stays, unchanged
+                    transport.settimeout(left)
             link.receive(*transport.receive())
         link.last_round_trip = time.monotonic() - started
         return reply

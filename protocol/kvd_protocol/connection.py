@@ -86,6 +86,7 @@ class Connection:
 
     def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS) -> None:
         self.role = role
+        self._client = role is Role.CLIENT
         self.limits = limits  # a client adopts the server's limits from the hello reply
         self._reader = FrameReader(limits.max_frame_bytes)
         self._writer = FrameWriter(limits.max_frame_bytes)
@@ -139,7 +140,7 @@ class Connection:
             raise self._unusable(LocalProtocolError)
         if self._final_error_sent:
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
-        if self.role is Role.CLIENT:
+        if self._client:
             self._check_request(message)
             frame = self._frame(message)
             self._hello_sent = True  # the checks let nothing but hello through before it
@@ -181,6 +182,14 @@ class Connection:
             )
 
     def _check_reply(self, message: Message) -> None:
+        if (  # the usual: a reply without descriptors to a request in flight (its id valid)
+            isinstance(message, Reply)
+            and type(message.id) is int
+            and self._in_flight.get(message.id) == message.op
+            and not message.fds
+            and not message.descriptor_count()
+        ):
+            return
         if not isinstance(message, Reply):
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
         is_error = type(message) is ErrorReply  # ErrorReply has no subclasses
@@ -238,11 +247,12 @@ class Connection:
         them). A client queues them first, so take_descriptors() returns them on any error."""
         if self._error is not None:
             raise self._unusable(RemoteProtocolError)
-        if fds and self.role is Role.SERVER:
+        if fds and not self._client:
             self._fail(
                 RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors")
             )
-        self._fds.extend(fds)
+        if fds:
+            self._fds.extend(fds)
         if self._ended and (data or fds):
             self._fail(RemoteProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
         if len(self._fds) > self._claimable:
@@ -265,35 +275,38 @@ class Connection:
         if self._error is not None:
             raise self._unusable(RemoteProtocolError)
         try:
-            return self._next_event()
+            view = self._reader.next_frame()
+            if view is None:
+                if not self._fds and not self._ended:  # the usual: between frames
+                    return NEED_DATA
+                return self._no_frame()
+            with view:
+                try:
+                    body = decode_body(view)
+                except ProtocolError as exc:
+                    if self._client:
+                        raise
+                    return self._reject(0, exc.code, exc.message)
+            if self._client:
+                return self._reply_event(body)
+            return self._request_event(body)
         except (LocalProtocolError, RemoteProtocolError) as exc:
             self._fail(exc)
         except ProtocolError as exc:  # from decoding what the peer sent
             self._fail(RemoteProtocolError(exc.code, exc.message))
 
-    def _next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
-        view = self._reader.next_frame()
-        if view is None:
-            if self._fds and not self._reader.buffered:
-                raise RemoteProtocolError(
-                    ErrorCode.BAD_DESCRIPTORS,
-                    f"{len(self._fds)} descriptor(s) arrived that no reply declares",
-                )
-            if not self._ended:
-                return NEED_DATA
-            if self._reader.buffered:
-                raise RemoteProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
-            return ConnectionClosed()
-        with view:
-            try:
-                body = decode_body(view)
-            except ProtocolError as exc:
-                if self.role is Role.CLIENT:
-                    raise
-                return self._reject(0, exc.code, exc.message)
-        if self.role is Role.CLIENT:
-            return self._reply_event(body)
-        return self._request_event(body)
+    def _no_frame(self) -> ConnectionClosed | Literal[NeedData.NEED_DATA]:
+        """No complete frame is buffered, and descriptors are or the stream ended."""
+        if self._fds and not self._reader.buffered:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_DESCRIPTORS,
+                f"{len(self._fds)} descriptor(s) arrived that no reply declares",
+            )
+        if not self._ended:
+            return NEED_DATA
+        if self._reader.buffered:
+            raise RemoteProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
+        return ConnectionClosed()
 
     def _request_event(self, body: object) -> Request | BadRequest:
         request_id = peek_id(body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -65,6 +66,12 @@ class Identity:
 
     def digest(self) -> str:
         """A stable 32-hex-digit name for this identity: its directory in the tier."""
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> str:
+        # Kept in the instance once computed (a decoded identity that is known is the same
+        # instance every time), past the hash and compare of a look-up in _digests.
         return _digest(self)
 
 
