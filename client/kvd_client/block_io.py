@@ -10,9 +10,11 @@ takes the runs as an iovec, and the checksum reads each piece right after it was
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Final, TypeAlias
@@ -34,6 +36,7 @@ from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
 from .entry_io import CHUNK_BYTES  # copied per system call, checksummed right after
+from .workers import run_all
 
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
     import xxhash
@@ -219,6 +222,17 @@ def _check_size(fd: int, size: int) -> None:
 
 # --- a put: the block files and the manifest, straight from the source arrays ---------------
 
+# One file's buffered writes take turns (ext4 holds the inode's lock across the copy into
+# the page cache), but block files are inodes of their own: their copies run at once, one
+# core each. A 1 GiB put of 32 blocks on the 2-core Linux VM (loaded by other work): best
+# 546 ms on one thread, 476 on two, 364 on four; four, as the restore has readers.
+WRITERS: Final = min(4, os.cpu_count() or 1)
+
+
+@functools.cache
+def _writers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="kvd-put")
+
 
 class BlockWriter:
     """The files of a planned manifest, from the entry's tensors (a byte view of each, in the
@@ -236,16 +250,21 @@ class BlockWriter:
         }
 
     def write_blocks(self, first: int, fds: Sequence[int]) -> None:
-        """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size."""
+        """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size,
+        several at once on the writer threads; every write has ended when this returns or
+        raises (the caller closes fds)."""
+        jobs = [partial(self._write_block, index, fd) for index, fd in enumerate(fds, first)]
+        run_all(_writers(), jobs)
+
+    def _write_block(self, index: int, fd: int) -> None:
         plan = self.plan
-        for index, fd in enumerate(fds, first):
-            _check_size(fd, plan.block_size)
-            rows = (index * self._block, (index + 1) * self._block)
-            checksums = [
-                write_runs(fd, slot.start, self._cuts[i].runs([self._views[i]], *rows))
-                for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
-            ]
-            write_runs(fd, 0, [memoryview(plan.block_head(index, checksums))])
+        _check_size(fd, plan.block_size)
+        rows = (index * self._block, (index + 1) * self._block)
+        checksums = [
+            write_runs(fd, slot.start, self._cuts[i].runs([self._views[i]], *rows))
+            for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
+        ]
+        write_runs(fd, 0, [memoryview(plan.block_head(index, checksums))])
 
     def write_manifest(self, fd: int) -> None:
         """The manifest into fd, pre-sized to its planned size."""

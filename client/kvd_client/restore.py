@@ -20,12 +20,14 @@ import json
 import math
 import struct
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 import mlx.core as mx
 import numpy as np
+
+from .workers import settle
 
 STEP: Final = 256  # mlx-lm's KV growth step: restored KV gets room up to the next multiple
 
@@ -210,18 +212,12 @@ class Filling:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _settle(self._pending)
+        settle(self._pending)
 
 
 def read_on_readers(reads: Sequence[Callable[[], None]]) -> None:
     """Run reads on the reader threads and wait for them all, then raise the first failure."""
-    _settle([_readers().submit(read) for read in reads])
-
-
-def _settle(pending: Sequence[Future[None]]) -> None:
-    wait(pending)
-    for future in pending:
-        future.result()
+    settle([_readers().submit(read) for read in reads])
 
 
 # Reads from the page cache wait on the kernel's copy: more threads than cores go faster

@@ -258,3 +258,32 @@ def test_a_client_refuses_a_block_size_the_format_does_not_allow(tmp_path: Path)
         Client.connect(str(tmp_path / "kvd.sock"), block_tokens=100)
     with Client.connect(str(tmp_path / "kvd.sock"), block_tokens=0) as whole:
         assert not whole.connected  # nothing answers there: blocks off is still a client
+
+
+def test_blocks_written_at_once_are_each_whole_and_a_failed_one_waits_for_the_others(
+    tmp_path: Path,
+) -> None:
+    """The blocks of one batch go to the writer threads together; when one of them cannot
+    be written, write_blocks raises only once the others' writes have ended (the caller
+    closes their descriptors next), and those blocks are whole."""
+    layers, arrays = _entry_tensors()
+    plan = plan_manifest(
+        IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
+    )
+    writer = BlockWriter(plan, [_bytes(a) for a in arrays])
+    serial = [_file(tmp_path / f"serial{i}", plan.block_size) for i in range(3)]
+    for index, fd in enumerate(serial):
+        writer.write_blocks(index, [fd])  # one block: on this thread
+    together = [_file(tmp_path / f"together{i}", plan.block_size) for i in range(3)]
+    writer.write_blocks(0, together)
+    read_only = os.open(tmp_path / "together0", os.O_RDONLY)
+    failing = [read_only, *(_file(tmp_path / f"after{i}", plan.block_size) for i in (1, 2))]
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        writer.write_blocks(0, failing)
+    try:
+        expected = [os.pread(fd, plan.block_size, 0) for fd in serial]
+        assert [os.pread(fd, plan.block_size, 0) for fd in together] == expected
+        assert [os.pread(fd, plan.block_size, 0) for fd in failing[1:]] == expected[1:]
+    finally:
+        for fd in [*serial, *together, *failing]:
+            os.close(fd)
