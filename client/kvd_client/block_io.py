@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +31,7 @@ from kvd_protocol.entry import (
     ManifestPlan,
     Slot,
 )
-from kvd_protocol.entry_reader import check_block, parse_block_header, parse_prefix
+from kvd_protocol.entry_reader import BlockHeads, check_block, parse_block_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
@@ -145,17 +145,6 @@ def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
     return hasher.digest()
 
 
-def read_runs(
-    fd: int, offset: int, runs: Sequence[memoryview], checksum: bytes | None, name: str
-) -> None:
-    """Fill runs, in order, with the bytes at offset of fd by preadv, checked against
-    checksum unless None; raises EntryFormatError (the file ends first: truncated; the bytes
-    differ: data_checksum) or OSError. name: the file's, for errors."""
-    hasher = new_checksum() if checksum is not None else None
-    _read(fd, offset, [(run, hasher) for run in runs], name)
-    _check(hasher, checksum, offset, name)
-
-
 # Where the bytes between two slots (alignment padding) are read to: never looked at, so the
 # reader threads may all write it at once.
 _PADDING: Final = memoryview(bytearray(ALIGNMENT))
@@ -166,7 +155,8 @@ def read_slots(
 ) -> None:
     """Fill each slot's runs with its bytes (slots in file order), reading from the first
     slot's start to the last one's end in as few preadv calls as CHUNK_BYTES allows, each slot
-    checked against its checksum if verify; raises as read_runs does."""
+    checked against its checksum if verify; raises EntryFormatError (the file ends first:
+    truncated; the bytes differ: data_checksum) or OSError. name: the file's, for errors."""
     if not wanted:
         return
     pieces: list[Piece] = []
@@ -285,12 +275,12 @@ class BlockWriter:
 
 class BlockReads:
     """The cut tensors of one restore of a manifest that lists blocks: each one's destination
-    bytes, taken when the restore allocates its buffer (fill), and filled from the blocks.
+    bytes, taken when the restore allocates its buffer (fill), then filled from the blocks
+    once every buffer exists, a block at a time in one pass over its file (read_block, on
+    any thread, blocks in any order).
 
-    The first blocks are opened before any buffer is allocated (opened): each cut tensor's
-    rows of them are read as soon as its buffer exists, on a reader thread, while the next
-    buffers are allocated. The other blocks are read once every buffer exists, a block at a
-    time (read_block): a restore holds two batches of block descriptors at the most."""
+    The first block's head is parsed and checked in full; the others are compared with it
+    (BlockHeads), and parsed in full only when that finds a difference."""
 
     def __init__(self, header: EntryHeader, *, verify: bool, limits: Limits) -> None:
         self.header = header
@@ -303,39 +293,31 @@ class BlockReads:
             i: Cut.of(slots[i].dtype, full_shape(slots[i].shape, self._tokens)) for i in self._order
         }
         self._targets: dict[int, Sequence[memoryview]] = {}
-        self._open: list[tuple[int, int, BlockHeader]] = []  # (index, fd, head) of opened
+        self._heads: BlockHeads | None = None  # set by the first head parsed in full
 
     def shape(self, index: int) -> tuple[int, ...]:
         """The whole shape of tensor index (its slot's, for a tensor not cut)."""
         shape = self.header.slots[index].shape
         return full_shape(shape, self._tokens) if index in self._cuts else shape
 
-    def opened(self, first: int, fds: Sequence[int]) -> None:
-        """Blocks first, first + 1, ... are open (fds, left open until the restore ends):
-        their heads are read and checked now, their rows read by fill."""
-        self._open = [(first + k, fd, self._head(first + k, fd)) for k, fd in enumerate(fds)]
-
-    def fill(self, index: int, tail: Fill, defer: Callable[[Fill], Fill]) -> Fill:
-        """Tensor index's Fill: for a cut tensor, its destination is kept for read_block,
-        tail (the manifest slot's Fill) gets the tail rows and defer (a reader thread) its
-        rows of the opened blocks; any other tensor is tail's alone."""
+    def fill(self, index: int, tail: Fill) -> Fill:
+        """Tensor index's Fill: for a cut tensor, its destination is kept for read_block and
+        tail (the manifest slot's Fill) gets the tail rows; any other tensor is tail's alone."""
         cut = self._cuts.get(index)
         if cut is None:
             return tail
         rows = (len(self.header.blocks) * self._block, self._tokens)
-        from_opened = defer(partial(self._rows_of_opened, index))
 
         def take(pieces: Sequence[memoryview]) -> None:
             self._targets[index] = pieces
             tail(cut.runs(pieces, *rows))
-            from_opened(pieces)
 
         return take
 
     def read_block(self, index: int, fd: int) -> None:
-        """Block index from fd (left open): its head read and checked against the manifest,
-        then every cut tensor's rows in one pass over the file (preadv of CHUNK_BYTES at a
-        time); raises EntryFormatError or OSError."""
+        """Block index from fd (left open), once every cut tensor's fill has run: its head
+        read and checked against the manifest, then every cut tensor's rows in one pass over
+        the file (preadv of CHUNK_BYTES at a time); raises EntryFormatError or OSError."""
         block = self._head(index, fd)
         rows = (index * self._block, (index + 1) * self._block)
         wanted = [
@@ -344,25 +326,21 @@ class BlockReads:
         ]
         read_slots(fd, wanted, self._verify, block_name(self.header.blocks[index]))
 
-    def _rows_of_opened(self, tensor: int, pieces: Sequence[memoryview]) -> None:
-        at = self._order.index(tensor)
-        for index, fd, block in self._open:
-            self._rows(tensor, pieces, index, fd, block.slots[at])
-
-    def _rows(
-        self, tensor: int, pieces: Sequence[memoryview], index: int, fd: int, slot: Slot
-    ) -> None:
-        """Block index's rows of a cut tensor, from its slot: one preadv (per CHUNK_BYTES)."""
-        rows = (index * self._block, (index + 1) * self._block)
-        runs = self._cuts[tensor].runs(pieces, *rows)
-        name = block_name(self.header.blocks[index])
-        read_runs(fd, slot.start, runs, slot.checksum if self._verify else None, name)
-
     def _head(self, index: int, fd: int) -> BlockHeader:
-        name = block_name(self.header.blocks[index])
         size = os.fstat(fd).st_size
-        prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), self._limits)
-        head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
-        block = parse_block_header(name, prefix, head, size, self._limits)
+        heads = self._heads
+        data = os.pread(fd, PREFIX_BYTES if heads is None else heads.length, 0)
+        if heads is not None:
+            found = heads.check(index, data, size)
+            if found is not None:
+                return found
+        name = block_name(self.header.blocks[index])
+        prefix = parse_prefix(name, data, self._limits)
+        end = PREFIX_BYTES + prefix.header_length
+        if len(data) < end:
+            data += os.pread(fd, end - len(data), len(data))
+        block = parse_block_header(name, prefix, data[PREFIX_BYTES:], size, self._limits)
         check_block(self.header, index, block, name)
+        if heads is None:  # threads that get here at once each make one: any of them will do
+            self._heads = BlockHeads.of(self.header, block, data)
         return block

@@ -30,7 +30,7 @@ from .block_io import BlockReads
 from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
-from .restore import Fill, Filling, TensorSource, dtype_name, read_on_readers
+from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 
 log = logging.getLogger("kvd_client")
 
@@ -161,9 +161,7 @@ def _loaded(
     cut tensors' rows in blocks are left to blocks.read_block."""
     sources = iter(
         TensorSource(
-            filling.deferred(fill)
-            if blocks is None
-            else blocks.fill(i, filling.deferred(fill), filling.deferred),
+            filling.deferred(fill) if blocks is None else blocks.fill(i, filling.deferred(fill)),
             slot.dtype,
             slot.shape if blocks is None else blocks.shape(i),
         )
@@ -268,38 +266,42 @@ def _restore(
 
 
 def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
-    """decode, and for a manifest listing blocks, its blocks read into the buffers: the
-    first batch opened before the buffers are allocated and read as each one is (the
-    allocation of the next goes on meanwhile), the others a batch at a time once all exist:
-    a restore holds at most two batches of block descriptors whatever the entry's length."""
+    """decode, and for a manifest listing blocks, its blocks read into the buffers once all
+    are allocated, a block per read on the reader threads, each batch of descriptors asked
+    for while the one before is read: a restore holds at most two batches of them whatever
+    the entry's length."""
     header = hit.entry.header
     fills = hit.entry.fills(verify=link.verify)
     if not header.blocks:
         return decode(header, fills, hit.matched, model)
     codecs = _codecs(header, hit.matched, model)
     blocks = BlockReads(header, verify=link.verify, limits=link.limits)
-    batches = [
-        (first, min(MAX_BLOCK_BATCH, len(header.blocks) - first))
-        for first in range(0, len(header.blocks), MAX_BLOCK_BATCH)
-    ]
-    opened: tuple[int, ...] = ()
+    held: list[tuple[int, ...]] = []  # the descriptors of the batches held, oldest first
+    reading: list[Reading] = []  # their reads
     try:
         with _as_miss(), Filling() as filling:
-            opened = yield from _open_blocks(link, hit, *batches[0])
-            blocks.opened(batches[0][0], opened)
-            caches = _loaded(header, codecs, fills, filling, blocks)
-            for first, count in batches[1:]:
+            for first in range(0, len(header.blocks), MAX_BLOCK_BATCH):
+                if len(held) == 2:
+                    try:
+                        yield Blocking(reading.pop(0).wait)
+                    finally:
+                        _close(held.pop(0))
+                count = min(MAX_BLOCK_BATCH, len(header.blocks) - first)
                 fds = yield from _open_blocks(link, hit, first, count)
-                try:
-                    reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
-                    yield Blocking(partial(read_on_readers, reads))
-                finally:
-                    for fd in fds:
-                        os.close(fd)
+                held.append(fds)
+                if not first:  # the first batch is had before anything is allocated
+                    caches = _loaded(header, codecs, fills, filling, blocks)
+                reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
+                reading.append(filling.started(reads))
     finally:  # once every read of them has ended (leaving Filling waits for them)
-        for fd in opened:
-            os.close(fd)
+        for fds in held:
+            _close(fds)
     return _trimmed(caches, header.token_count - hit.matched)
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:

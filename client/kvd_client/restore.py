@@ -192,10 +192,11 @@ class _Unwritten:
 
 
 class Filling:
-    """The fills of one restore, run by a pool of reader threads while this thread goes on
-    allocating the next buffers; leaving the block waits for every fill, then raises the
-    first failure. Nothing may read the arrays before (the buffers are still being filled),
-    and nothing is left writing into them after."""
+    """The fills and reads of one restore, run by a pool of reader threads while this thread
+    goes on allocating the next buffers (or asking for the next blocks); leaving the block
+    waits for every one of them, then raises the first failure. Nothing may read the arrays
+    before (the buffers are still being filled), and nothing is left writing into them
+    after."""
 
     def __init__(self) -> None:
         self._pending: list[Future[None]] = []
@@ -208,6 +209,12 @@ class Filling:
 
         return submit
 
+    def started(self, reads: Sequence[Callable[[], None]]) -> Reading:
+        """reads, handed to the reader threads: returns at once."""
+        pending = [_readers().submit(read) for read in reads]
+        self._pending.extend(pending)
+        return Reading(pending)
+
     def __enter__(self) -> Filling:
         return self
 
@@ -215,9 +222,15 @@ class Filling:
         settle(self._pending)
 
 
-def read_on_readers(reads: Sequence[Callable[[], None]]) -> None:
-    """Run reads on the reader threads and wait for them all, then raise the first failure."""
-    settle([_readers().submit(read) for read in reads])
+@dataclass(frozen=True)
+class Reading:
+    """Reads started on the reader threads (Filling.started)."""
+
+    pending: Sequence[Future[None]]
+
+    def wait(self) -> None:
+        """Wait for every read, then raise the first failure."""
+        settle(self.pending)
 
 
 # Reads from the page cache wait on the kernel's copy: more threads than cores go faster

@@ -3,15 +3,16 @@
 A reader reads PREFIX_BYTES, calls parse_prefix (which says how many header bytes follow,
 and whether the file is a block file), reads those and calls parse_header (an entry of
 version 1 or a version 2 manifest) or parse_block_header (a block file) with the file's real
-size. check_block says whether a block is the one a manifest lists at an index. Readers that
-verify tensor bytes call verify_slot per slot. Work and memory stay within the Limits on any
-input.
+size. check_block says whether a block is the one a manifest lists at an index; BlockHeads
+says it of a manifest's other blocks by comparing their heads' bytes with one that passed.
+Readers that verify tensor bytes call verify_slot per slot. Work and memory stay within the
+Limits on any input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
 import msgpack
@@ -47,6 +48,7 @@ from .entry import (
     Slot,
     align_up,
     check_created,
+    encode_block_header,
     entry_meta,
     header_checksum,
     state_map,
@@ -238,6 +240,113 @@ def _block_mismatch(manifest: EntryHeader, index: int, block: BlockHeader) -> st
                     f"needs {tail.dtype} {list(shape)}"
                 )
     return None
+
+
+class BlockHeads:
+    """The heads of one manifest's blocks, checked against the head of one of them that
+    passed parse_block_header and check_block (the model): a head whose bytes are the
+    model's but for the parent, the tokens (those the manifest lists for its index) and the
+    slots' checksums decodes to the model with those values, so it passes every check the
+    model passed; the manifest's checks make its hash the one listed. That costs a compare
+    and the header checksum instead of a decode. A head that differs anywhere else, or a
+    model not encoded as encode_block_header encodes it, gets no verdict here (None): the
+    full parse then judges it and says what is wrong."""
+
+    def __init__(self, manifest: EntryHeader, model: BlockHeader, head: bytes) -> None:
+        self.length = len(head)  # the bytes of a head: the prefix and the header
+        self._manifest, self._model, self._head = manifest, model, head
+        self._parent_at, self._tokens_at, *checksums_at = _value_places(model, head)
+        self._checksums_at = tuple(checksums_at)
+
+    @classmethod
+    def of(cls, manifest: EntryHeader, model: BlockHeader, head: Buffer) -> BlockHeads | None:
+        """The check of the other blocks of manifest, from model, parsed from head (the
+        file's first bytes, at least its prefix and header) and found to be one of its
+        blocks; None when model's header is not in the encoding the comparison needs."""
+        prefix = PREFIX.unpack_from(head)
+        own = bytes(head[: PREFIX_BYTES + prefix[3]])
+        if encode_block_header(model) != own[PREFIX_BYTES:]:
+            return None
+        try:
+            return cls(manifest, model, own)
+        except ValueError:
+            return None
+
+    def check(self, index: int, data: Buffer, file_size: int) -> BlockHeader | None:
+        """Block index's header, if data (its file's first bytes, at least self.length) is
+        the model's head but for that block's parent and tokens and any slot checksums, and
+        the file is the model's size; else None."""
+        manifest, model = self._manifest, self._model
+        if not 0 <= index < len(manifest.blocks) or file_size != model.file_size:
+            return None
+        head = memoryview(data)[: self.length]
+        if head.nbytes != self.length:
+            return None
+        expected = bytearray(self._head)
+        expected[CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES] = head[
+            CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES
+        ]
+        parent = manifest.blocks[index - 1] if index else ZERO_HASH
+        expected[self._parent_at : self._parent_at + HASH_BYTES] = parent
+        step = len(model.tokens)
+        tokens = manifest.tokens[index * step : (index + 1) * step]
+        expected[self._tokens_at : self._tokens_at + step] = tokens
+        checksums = [bytes(head[at : at + CHECKSUM_BYTES]) for at in self._checksums_at]
+        for at, digest in zip(self._checksums_at, checksums, strict=True):
+            expected[at : at + CHECKSUM_BYTES] = digest
+        if expected != head or header_checksum(
+            head[:CHECKSUMMED_PREFIX_BYTES], head[PREFIX_BYTES:]
+        ) != bytes(head[CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES]):
+            return None
+        sums = iter(checksums)
+        return replace(
+            model,
+            hash=manifest.blocks[index],
+            parent=parent,
+            tokens=tokens,
+            layers=tuple(
+                tuple(
+                    Slot(s.dtype, s.shape, s.offset, s.nbytes, next(sums), s.start) for s in slots
+                )
+                for slots in model.layers
+            ),
+        )
+
+
+def _value_places(model: BlockHeader, head: bytes) -> list[int]:
+    """Where in head (model's prefix and header) the bytes of its parent, its tokens and each
+    slot's checksum start, in that order: the header encoded with every one of them all
+    0x00 and all 0xff differs exactly there. Raises ValueError if that is not so."""
+
+    def filled(byte: int) -> bytes:
+        return encode_block_header(
+            replace(
+                model,
+                parent=bytes([byte]) * HASH_BYTES,
+                tokens=bytes([byte]) * len(model.tokens),
+                layers=tuple(
+                    tuple(replace(s, checksum=bytes([byte]) * CHECKSUM_BYTES) for s in slots)
+                    for slots in model.layers
+                ),
+            )
+        )
+
+    low, high = filled(0), filled(0xFF)
+    size = len(head) - PREFIX_BYTES
+    if len(low) != size or len(high) != size:
+        raise ValueError("the filled header has another length")
+    differs = (int.from_bytes(low, "big") ^ int.from_bytes(high, "big")).to_bytes(size, "big")
+    places = []  # (start, length) of each run of differing (0xff) bytes
+    at = differs.find(0xFF)
+    while at >= 0:
+        end = differs.find(0, at)
+        end = size if end < 0 else end
+        places.append((at + PREFIX_BYTES, end - at))
+        at = differs.find(0xFF, end)
+    lengths = [HASH_BYTES, len(model.tokens)] + [CHECKSUM_BYTES] * len(model.slots)
+    if [length for _, length in places] != lengths:
+        raise ValueError("the values are not where the model's encoding puts them")
+    return [at for at, _ in places]
 
 
 def verify_slot(name: str, slot: Slot, data: Buffer) -> None:

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvd_client import block_io
-from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_runs, write_runs
+from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_slots, write_runs
 from kvd_client.client import Client
 from kvd_client.entry_io import CHUNK_BYTES, EntryFile
 from kvd_protocol.checksum import checksum
-from kvd_protocol.entry import LayerSpec, TensorSpec, plan_manifest
+from kvd_protocol.entry import LayerSpec, Slot, TensorSpec, plan_manifest
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
@@ -32,6 +32,15 @@ def _bytes(array: np.ndarray) -> memoryview:
 def _rows(array: np.ndarray, start: int, stop: int) -> bytes:
     """What a block's slot holds: rows start..stop of every outer index, in C order."""
     return np.ascontiguousarray(array[:, :, start:stop]).tobytes()
+
+
+def read_runs(
+    fd: int, offset: int, runs: list[memoryview], digest: bytes | None, name: str
+) -> None:
+    """read_slots of one slot at offset, as long as runs, checked against digest unless None."""
+    nbytes = sum(run.nbytes for run in runs)
+    slot = Slot("uint8", (nbytes,), 0, nbytes, digest or bytes(8), offset)
+    read_slots(fd, [(slot, runs)], digest is not None, name)
 
 
 @pytest.fixture
@@ -189,26 +198,22 @@ def stored(tmp_path: Path) -> Iterator[tuple[EntryFile, list[int], list[np.ndarr
         os.close(fd)
 
 
-def _restored(
-    entry: EntryFile, blocks: list[int], opened: int, order: list[int]
-) -> list[np.ndarray]:
+def _restored(entry: EntryFile, blocks: list[int], order: list[int]) -> list[np.ndarray]:
     """Each tensor in a buffer as a restore makes it (cut ones with room for 64 rows), filled
-    by BlockReads from the manifest and the blocks: the first opened ones before the buffers
-    exist, then those of order one by one."""
+    by BlockReads from the manifest, then from the blocks of order one by one."""
     header = entry.header
     reads = BlockReads(header, verify=True, limits=DEFAULT_LIMITS)
-    reads.opened(0, blocks[:opened])
     targets = []
     for i, fill in enumerate(entry.fills()):
         shape = reads.shape(i)
         if i == 2:
             target = np.zeros(shape, np.float32)
-            reads.fill(i, fill, lambda f: f)([_bytes(target)])
+            reads.fill(i, fill)([_bytes(target)])
         else:
             target = np.zeros((*shape[:2], 64, *shape[3:]), np.float16)
             run = 64 * 8 * 2
             pieces = [_bytes(target)[o * run : o * run + TOKENS * 8 * 2] for o in range(2)]
-            reads.fill(i, fill, lambda f: f)(pieces)  # deferred to no thread: read at once
+            reads.fill(i, fill)(pieces)
         targets.append(target)
     for index in order:
         reads.read_block(index, blocks[index])
@@ -224,7 +229,7 @@ def test_a_manifest_and_its_blocks_restore_every_tensor(
     assert len(header.blocks) == 3
     assert [layer.blocked for layer in header.layers] == [True, False, True]
     assert [slot.shape[2] for slot in header.slots] == [5, 5, 8, 5, 5]  # tails; the ring whole
-    targets = _restored(entry, blocks, 1, [2, 1])  # any order: each block has its place
+    targets = _restored(entry, blocks, [2, 0, 1])  # any order: each block has its place
     for i, (target, array) in enumerate(zip(targets, arrays, strict=True)):
         got = target if i == 2 else target[:, :, :TOKENS]
         assert np.array_equal(got, array)
@@ -236,20 +241,20 @@ def test_another_block_in_a_blocks_place_is_refused_by_its_hash(
 ) -> None:
     entry, blocks, _ = stored
     with pytest.raises(EntryFormatError) as wrong:
-        _restored(entry, [blocks[0], blocks[2], blocks[1]], 1, [1, 2])
+        _restored(entry, [blocks[0], blocks[2], blocks[1]], [0, 1, 2])
     assert wrong.value.rule is Rule.BLOCK_HASH
 
 
-@pytest.mark.parametrize("opened", [0, 2], ids=["read after", "opened before"])
+@pytest.mark.parametrize("first", [1, 0], ids=["head compared", "head parsed"])
 def test_a_block_whose_rows_changed_is_refused_by_its_checksum(
-    stored: tuple[EntryFile, list[int], list[np.ndarray]], opened: int
+    stored: tuple[EntryFile, list[int], list[np.ndarray]], first: int
 ) -> None:
     entry, blocks, _ = stored
     size = os.fstat(blocks[1]).st_size
     data_start = size - 4 * 16384  # four slots (two cut layers: keys, values), 16 KiB each
     os.pwrite(blocks[1], b"\x7f", data_start + 3)
     with pytest.raises(EntryFormatError) as changed:
-        _restored(entry, blocks, opened, list(range(opened, 3)))
+        _restored(entry, blocks, [first, 1 - first, 2])
     assert changed.value.rule is Rule.DATA_CHECKSUM
 
 
