@@ -26,7 +26,7 @@ To apply rules 2-4 without visiting every entry below a node, each node keeps a 
 trimmable entries of its subtree that some threshold m could select as "the best with
 min_reuse <= m", sorted best first (so min_reuse strictly decreases along it). With min_reuse
 0 everywhere it holds one entry. add, remove and touch keep the frontiers right along the
-entry's path.
+entry's path. A leaf's frontier is its own entry (if trimmable), so it is not stored.
 """
 
 from __future__ import annotations
@@ -76,13 +76,26 @@ def scan_best_match(records: Iterable[EntryRecord], prompt: bytes) -> Match | No
 
 
 class _Node:
-    __slots__ = ("children", "frontier", "label", "record")
+    __slots__ = ("_frontier", "children", "label", "record")
 
     def __init__(self, label: Tokens) -> None:
         self.label = label  # tokens from the parent to here
         self.children: dict[bytes, _Node] | None = None  # by first token; None at a leaf
         self.record: EntryRecord | None = None  # the entry that ends exactly here
-        self.frontier: tuple[EntryRecord, ...] = ()
+        self._frontier: tuple[EntryRecord, ...] = ()  # an inner node's
+
+    @property
+    def frontier(self) -> tuple[EntryRecord, ...]:
+        """A leaf's is its own entry if that is trimmable: made when read, not kept (most
+        nodes are leaves, and a tuple each is 48 bytes per entry)."""
+        if self.children is None:
+            record = self.record
+            return (record,) if record is not None and record.trimmable else ()
+        return self._frontier
+
+    @frontier.setter
+    def frontier(self, frontier: tuple[EntryRecord, ...]) -> None:
+        self._frontier = () if self.children is None else frontier
 
 
 def _sweep(candidates: Iterable[EntryRecord]) -> tuple[EntryRecord, ...]:
@@ -183,7 +196,8 @@ class PrefixIndex:
         while pos < len(view):
             key = bytes(view[pos : pos + TOKEN_BYTES])
             children = node.children
-            if children is None:
+            if children is None:  # a leaf becomes an inner node: its frontier is kept now
+                node._frontier = node.frontier
                 children = node.children = {}
             child = children.get(key)
             if child is None:  # the rest is a new leaf (the whole view: no new one)
@@ -237,8 +251,6 @@ class PrefixIndex:
                 continue
             leaf = children[key] = _Node(record.tokens)
             leaf.record = record
-            if record.trimmable:
-                leaf.frontier = (record,)
         self._count += len(batch) - len(rest)
         root.children = children or None
         root.frontier = _subtree_frontier(root)
@@ -285,7 +297,8 @@ class PrefixIndex:
         node = path[-1]
         node.record = None
         self._count -= 1
-        for above in reversed(path):
+        # From the node's parent when it is a leaf (its frontier is its own entry, now none).
+        for above in reversed(path if node.children else path[:-1]):
             if record not in above.frontier:
                 break  # not in this subtree's frontier, so in none above
             above.frontier = _subtree_frontier(above)
