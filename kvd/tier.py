@@ -220,7 +220,12 @@ class Tier:
         """Write the index snapshot of the durable entries (start-up reads it), unless it
         would take the disk under the free-disk floor: a start-up without it scans headers.
         The loop only lists the records; their paths and the file are a worker's (at 100k
-        entries, building the rows in the loop stalled it for a second)."""
+        entries, building the rows in the loop stalled it for a second). Not before start-up's
+        listing has checked the rows taken from the last one: it would record a changed file's
+        new mtime beside what its old header said."""
+        if self._unchecked is not None:
+            log.info("snapshot_skipped", reason="start-up's listing has not ended")
+            return
         records = list(self.catalog.durable())
         blocks = [b for b in self.catalog.blocks if b.durable]
         version = self.catalog.version

@@ -9,12 +9,20 @@ import shutil
 import sys
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 from daemon_process import OPENED, running_daemon
+from entry_samples import write
 from fault_shim import FaultShimError, build
 from kvd_client import Client, TicketState
-from kvd_protocol import Identity, LayerSpec, TensorSpec
+from kvd_protocol import Identity, LayerSpec, TensorSpec, plan_entry
+from kvd_protocol.limits import DEFAULT_LIMITS
+from kvd_protocol.tokens import pack_tokens
+
+from kvd.config import Config
+from kvd.tier import Tier
+from kvd.tier_dir import TierDir, new_entry_id
 
 IDENTITY = Identity(
     model_id="listing/model",
@@ -112,3 +120,37 @@ def test_before_the_listing_only_unchanged_files_are_served(
             status = client.status()
             assert status["entries"] == 3
             assert status["quarantined"] == 0
+
+
+def test_no_snapshot_is_written_before_the_listing_has_checked_the_last_one(
+    tmp_path: Path,
+) -> None:
+    config = Config(dir=tmp_path / "tier", socket=tmp_path / "kvd.sock", min_free=0)
+    dirs = TierDir(config.dir)
+    dirs.create()
+    spec = TensorSpec("float16", (1, 2, 16, 8))
+    layer = LayerSpec("kv", (spec, spec), trimmable=False)
+    plan = plan_entry(IDENTITY, pack_tokens(range(16)), [layer], created=1.0, min_reuse=0)
+    path = dirs.entry_path(IDENTITY.digest(), new_entry_id())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(write(plan)[0])
+
+    async def scenario() -> None:
+        first = Tier(config, DEFAULT_LIMITS)
+        await first.open()  # a full scan: settled at once
+        await first.save_snapshot()
+        first.close()
+        written = dirs.snapshot.stat().st_ino
+        tier = Tier(config, DEFAULT_LIMITS)
+        await tier.open()  # from the snapshot, its rows not checked yet
+        try:
+            await tier.save_snapshot()
+            assert dirs.snapshot.stat().st_ino == written  # not replaced
+            await tier.settle()
+            await tier.save_snapshot()
+            assert dirs.snapshot.stat().st_ino != written
+            assert len(tier.catalog) == 1
+        finally:
+            tier.close()
+
+    anyio.run(scenario)
