@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -66,13 +65,13 @@ class Identity:
 
     def digest(self) -> str:
         """A stable 32-hex-digit name for this identity: its directory in the tier."""
-        return self._digest
-
-    @cached_property
-    def _digest(self) -> str:
         # Kept in the instance once computed (a decoded identity that is known is the same
-        # instance every time), past the hash and compare of a look-up in _digests.
-        return _digest(self)
+        # instance every time): no hash and compare of a look-up in _digests. Not a field, so
+        # equality, hashing and the wire ignore it.
+        found: str | None = self.__dict__.get("_digest")
+        if found is None:
+            found = self.__dict__["_digest"] = _digest(self)
+        return found
 
 
 _NAMES = tuple(f.name for f in fields(Identity))
