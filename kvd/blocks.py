@@ -23,7 +23,8 @@ Policies:
 - Bytes: every block the store holds counts once (the tier's unique bytes), and once more in
   its identity's share.
 
-Synchronous, owned by the event loop; the only file work here is unlinking what is collected.
+Synchronous, owned by the event loop; the only file work here is handing what is collected
+to the deleter (deleter.py: moved out of its place now, unlinked off the loop).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from kvd_protocol.errors import Rule
 
-from kvd import entry_files
+from kvd.deleter import Deleter
 from kvd.logs import get_logger
 
 log = get_logger("kvd.blocks")
@@ -59,7 +60,8 @@ class Block:
 class BlockStore:
     """Every block the tier holds, per identity, with its refs, pins and bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, deleter: Deleter) -> None:
+        self._deleter = deleter  # removes collected block files off the event loop
         self._blocks: dict[str, dict[bytes, Block]] = {}  # identity digest -> hash -> block
         self._identity_bytes: dict[str, int] = {}
         self.bytes = 0  # every block held: the tier's unique block bytes
@@ -146,7 +148,7 @@ class BlockStore:
         for block_hash, path in staged.items():
             held = known.get(block_hash)
             if held is None or held.path != path:  # held already (by another put's commit)
-                _unlink(path)
+                self._delete(path)
         return tuple(listed)
 
     def detach(self, blocks: Sequence[Block]) -> None:
@@ -217,7 +219,13 @@ class BlockStore:
             return
         self._leave(block)
         self.collected += 1
-        _unlink(block.path)
+        self._delete(block.path)
+
+    def _delete(self, path: Path) -> None:
+        try:
+            self._deleter.delete(path)
+        except OSError as exc:  # the bytes are no longer ours to count either way
+            log.warning("unlink_failed", path=str(path), error=str(exc))
 
     def _leave(self, block: Block) -> None:
         blocks = self._blocks[block.identity]
@@ -227,10 +235,3 @@ class BlockStore:
             del self._blocks[block.identity]
             del self._identity_bytes[block.identity]
         self.bytes -= block.size
-
-
-def _unlink(path: Path) -> None:
-    try:
-        entry_files.unlink_quietly(path)
-    except OSError as exc:  # the bytes are no longer ours to count either way
-        log.warning("unlink_failed", path=str(path), error=str(exc))

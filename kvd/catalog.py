@@ -8,8 +8,8 @@ its bytes still counted. A v2 entry (a manifest) lists shared blocks (blocks.py)
 their refs from add until its file goes, so the blocks of a leased manifest stay too. The
 tier's bytes are its manifests and its unique blocks; eviction removes manifests, the blocks
 they alone listed go with them, and the cap is held by the bytes really freed. Synchronous,
-owned by the event loop: the only file work here is opening an entry to serve and unlinking
-one that left.
+owned by the event loop: the only file work here is opening an entry to serve and handing one
+that left to the deleter (moved out of its place now, unlinked off the loop).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvd_protocol.errors import EntryFormatError
 
 from kvd import entry_files
 from kvd.blocks import Block, BlockStore
+from kvd.deleter import Deleter
 from kvd.durability import disk_free
 from kvd.eviction import EvictionPolicy, bytes_over
 from kvd.id_order import IdOrder
@@ -77,7 +78,8 @@ class Catalog:
         self._identities: dict[str, IdentityCounts] = {}
         self._ids = IdOrder()
         self._clock = itertools.count(1)
-        self.blocks = BlockStore()
+        self.deleter = Deleter(dirs.deleting)  # unlinks off the event loop
+        self.blocks = BlockStore(self.deleter)
         self._blocks_of: dict[str, tuple[Block, ...]] = {}  # entry id -> the blocks it keeps
         self.manifest_bytes = 0  # every entry file the tier holds: pending, stored, doomed
         # What those entries would take without shared blocks: each its manifest and blocks.
@@ -361,7 +363,7 @@ class Catalog:
             self._disowned.discard(record.id)
         else:
             try:
-                entry_files.unlink_quietly(path)
+                self.deleter.delete(path)
             except OSError as exc:  # the bytes are no longer ours to count either way
                 log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
         self.manifest_bytes -= record.nbytes

@@ -108,6 +108,7 @@ class Tier:
         # only walk it again and again (README, "Start-up", has what that cost).
         gc.disable()
         self._reaped = await anyio.to_thread.run_sync(recovery.reap_staging, self.dirs)
+        self.catalog.deleter.reap()
         known = await anyio.to_thread.run_sync(snapshot.load_snapshot, self.dirs.snapshot)
         if known.records or known.blocks:
             blocks = self.catalog.blocks

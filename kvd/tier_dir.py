@@ -5,6 +5,7 @@
 <dir>/entries/<identity>/<id>.kve    durable entries, one folder per identity digest
 <dir>/entries/<identity>/blocks/<hash>.kvb   their shared blocks (format v2), by hash
 <dir>/quarantine/<id>.kve            files that failed validation, capped in bytes
+<dir>/deleting/<random>.gone         files taken out of the tier, being unlinked (deleter.py)
 <dir>/index.snapshot                 the index as of the last snapshot (a start-up shortcut)
 """
 
@@ -45,6 +46,10 @@ class TierDir:
         return self.root / "quarantine"
 
     @property
+    def deleting(self) -> Path:
+        return self.root / "deleting"
+
+    @property
     def snapshot(self) -> Path:
         return self.root / "index.snapshot"
 
@@ -71,7 +76,7 @@ class TierDir:
                 f"{self.root} is shared with other users; the tier needs a folder of its own, "
                 f"such as {self.root / 'kvd'}"
             )
-        for path in (self.root, self.staging, self.entries, self.quarantine):
+        for path in (self.root, self.staging, self.entries, self.quarantine, self.deleting):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path, 0o700)
 

@@ -13,6 +13,7 @@ from kvd_protocol.tokens import pack_tokens
 
 from kvd.blocks import Block, BlockStore
 from kvd.catalog import Catalog
+from kvd.deleter import Deleter
 from kvd.eviction import LruPolicy
 from kvd.leases import Leases
 from kvd.records import EntryRecord
@@ -218,7 +219,7 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
 def test_a_forgotten_block_is_not_the_one_of_its_hash_that_joins_later(tmp_path: Path) -> None:
     """A block quarantined while a doomed manifest still lists it: the manifest's last lease
     later takes no ref from a new block of the same hash."""
-    store = BlockStore()
+    store = BlockStore(Deleter(tmp_path / "deleting"))
     (block_hash,) = chain(0, 1)
     old_path, new_path = tmp_path / "old", tmp_path / "new"
     old_path.write_bytes(b"x")
