@@ -426,12 +426,17 @@ class Catalog:
 
         def over() -> int:
             try:
-                free = disk_free(self.dirs.root)
+                free = self.disk_free()
             except OSError:
                 free = min_free  # unknown: act on the cap alone
             return bytes_over(self.total_bytes, max_bytes, free, min_free)
 
         self._evict_while(over)
+
+    def disk_free(self) -> int:
+        """The disk's free bytes, counting those of files the deleter has yet to unlink (they
+        are no longer the tier's). Raises OSError when the disk cannot say."""
+        return disk_free(self.dirs.root) + self.deleter.pending_bytes
 
     def identity_bytes(self, digest: str) -> int:
         """One identity's share of the tier: its entry files and its unique blocks."""

@@ -8,7 +8,9 @@ random name (a rename within one file system is quick and atomic, and frees the 
 at once: entries and blocks are named by content, so a put of the same prompt straight after
 its eviction reuses the path), and one thread of the deleter's own unlinks it there.
 
-What a crash or a stop leaves in the folder is deleted by reap() at the next start. A rename
+Until its thread has unlinked them, the files moved count as pending_bytes (their allocated
+size): what the free-disk floor may count on as freed, and wait_idle() waits for them. What a
+crash or a stop leaves in the folder is deleted by reap() at the next start. A rename
 is not synced, like the unlink it replaces: after a power cut a deleted file may be found in
 its old place again, where start-up treats it as any file it finds.
 """
@@ -33,8 +35,11 @@ class Deleter:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._queue: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Path, int]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._changed = threading.Condition()  # guards pending_bytes and _pending
+        self.pending_bytes = 0  # allocated bytes moved here and not unlinked yet
+        self._pending = 0  # files moved here and not unlinked yet
 
     def delete(self, path: Path) -> None:
         """Take path out of its place now (a path already gone is no error); its bytes are
@@ -60,18 +65,35 @@ class Deleter:
             self._unlink_later(path)
         return len(left)
 
+    def wait_idle(self) -> None:
+        """Blocking: wait until every file moved so far is unlinked (the free-disk floor needs
+        the room now)."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._pending)
+
     def _unlink_later(self, path: Path) -> None:
+        try:
+            size = os.lstat(path).st_blocks * 512
+        except OSError:
+            size = 0
+        with self._changed:
+            self.pending_bytes += size
+            self._pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvd-deleter", daemon=True)
             self._thread.start()
-        self._queue.put(path)
+        self._queue.put((path, size))
 
     def _run(self) -> None:
         while True:
-            path = self._queue.get()
+            path, size = self._queue.get()
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:  # left for the next start's reap()
                 log.warning("unlink_failed", path=str(path), error=str(exc))
+            with self._changed:
+                self.pending_bytes -= size
+                self._pending -= 1
+                self._changed.notify_all()

@@ -191,7 +191,7 @@ class Puts:
             if not await self._writer.make_room(adds, lambda: self.staged_bytes):
                 self.refused += 1
                 raise ProtocolError(ErrorCode.REFUSED, self._no_room(adds))
-            self._keep_floor(adds)
+            await self._keep_floor(adds)
             put_id = next(self._ids)
             path = self._catalog.dirs.staging_path(f"{put_id}-{new_entry_id()}")
             self.staged_bytes += adds  # held from here: another begin may run while this waits
@@ -236,27 +236,29 @@ class Puts:
             f"{self.staged_bytes}, of {queue.cap_bytes}: no room for {size} more"
         )
 
-    def _keep_floor(self, size: int) -> None:
+    async def _keep_floor(self, size: int) -> None:
         """Evict (in the policy's order) so that size more bytes keep the free-disk floor;
-        NO_SPACE when even that leaves too little."""
+        NO_SPACE when even that leaves too little. The reservation that follows needs the room
+        on the disk: files the deleter has yet to unlink are waited for (off the loop)."""
         floor = self._config.min_free
         if not floor:
             return
+        catalog = self._catalog
         try:
-            free = disk_free(self._catalog.dirs.root)
+            free = catalog.disk_free()
         except OSError:
             return  # unknown: the reservation itself will say
-        if free - size >= floor:
-            return
-        if free + self._catalog.total_bytes - size >= floor:  # evicting can make the room
-            self._catalog.evict_to_cap(self._config.max_bytes, floor + size)
-            free = disk_free(self._catalog.dirs.root)
+        if free - size < floor and free + catalog.total_bytes - size >= floor:
+            catalog.evict_to_cap(self._config.max_bytes, floor + size)  # can make the room
+            free = catalog.disk_free()
         if free - size < floor:
             raise ProtocolError(
                 ErrorCode.NO_SPACE,
                 f"{size} bytes would leave {max(0, free - size)} bytes free on the disk, under "
                 f"the floor of {floor}",
             )
+        if catalog.deleter.pending_bytes and disk_free(catalog.dirs.root) - size < floor:
+            await anyio.to_thread.run_sync(catalog.deleter.wait_idle)
 
     def _owned(self, owner: int, put_id: int) -> Put:
         put = self._puts.get(put_id)

@@ -129,3 +129,22 @@ def test_a_daemon_evicts_through_the_deleter_and_reaps_at_start(tmp_path: Path) 
         assert settled(lambda: not left.exists())
         with Client.connect(daemon.socket_path, require=True) as client:
             assert client.status()["entries"] == 1
+
+
+def test_moved_files_count_as_pending_until_unlinked(tmp_path: Path) -> None:
+    """pending_bytes is what the free-disk floor counts on as freed; wait_idle() returns once
+    every moved file is unlinked."""
+    folder = tmp_path / "deleting"
+    folder.mkdir()
+    deleter = Deleter(folder)
+    assert deleter.pending_bytes == 0
+    paths = [tmp_path / f"{i}.kve" for i in range(20)]
+    for path in paths:
+        path.write_bytes(b"x" * (1 << 20))
+    allocated = sum(path.stat().st_blocks * 512 for path in paths)
+    for path in paths:
+        deleter.delete(path)
+    assert 0 <= deleter.pending_bytes <= allocated
+    deleter.wait_idle()
+    assert deleter.pending_bytes == 0
+    assert not any(folder.iterdir())
