@@ -40,6 +40,7 @@ class Deleter:
         self._changed = threading.Condition()  # guards pending_bytes and _pending
         self.pending_bytes = 0  # allocated bytes moved here and not unlinked yet
         self._pending = 0  # files moved here and not unlinked yet
+        self.deleted = 0  # files unlinked since start
 
     def delete(self, path: Path) -> None:
         """Take path out of its place now (a path already gone is no error); its bytes are
@@ -96,4 +97,5 @@ class Deleter:
             with self._changed:
                 self.pending_bytes -= size
                 self._pending -= 1
+                self.deleted += 1
                 self._changed.notify_all()

@@ -30,6 +30,7 @@ GAUGES = (
     ("bytes_written_24h", "kvd_written_24h_bytes", "bytes written in the last 24 hours"),
     ("unique_bytes", "kvd_unique_bytes", "bytes on disk: entry files and unique blocks"),
     ("logical_bytes", "kvd_logical_bytes", "bytes the entries would take without shared blocks"),
+    ("deleting_bytes", "kvd_deleting_bytes", "bytes of files taken out, not yet unlinked"),
 )
 COUNTERS = (
     ("hits", "kvd_hits", "lookups that found an entry"),
@@ -40,6 +41,7 @@ COUNTERS = (
     ("duplicates", "kvd_duplicates", "puts of an entry already held"),
     ("quarantined", "kvd_quarantined", "files moved to quarantine"),
     ("abandoned_puts", "kvd_abandoned_puts", "puts aborted or expired"),
+    ("deleted_files", "kvd_deleted_files", "files unlinked by the deleter"),
     ("bytes_written", "kvd_written_bytes", "bytes written to the tier"),
     ("restores", "kvd_restores", "restores the engines reported"),
     ("tokens_restored", "kvd_tokens_restored", "prefill tokens restored, not computed"),

@@ -311,10 +311,19 @@ class Puts:
         self._catalog.blocks.unpin(put.pinned)
         self._writer.pulse_changed()  # room, for a put that waits for it
 
+    def _remove_files(self, put: Put) -> None:
+        """The staging files of a put that was not queued, its manifest's and its blocks', to
+        the deleter (an aborted 1 GiB put would otherwise stop the loop while it unlinks)."""
+        for path in (put.path, *put.block_files.values()):
+            try:
+                self._catalog.deleter.delete(path)
+            except OSError as exc:  # its bytes already left the staged count
+                log.warning("unlink_failed", path=str(path), error=str(exc))
+
     def abort(self, put: Put) -> None:
         """A taken put ends uncommitted: its bytes return, its files go."""
         self._release(put)
-        _remove_files(put)
+        self._remove_files(put)
 
     def abandon_all(self, owner: int) -> None:
         """The owner's connection ended: its uncommitted staging files go."""
@@ -397,7 +406,7 @@ class Puts:
         finally:
             self._release(put)  # in the same step as the enqueue: the bytes are never uncounted
             if not queued:
-                _remove_files(put)
+                self._remove_files(put)
 
     async def _read_header(self, put: Put) -> EntryHeader:
         """The staging file's validated header; a bad file is quarantined (INVALID_ENTRY)."""
@@ -450,13 +459,6 @@ def _staging_error(exc: OSError, size: int) -> OSError | ProtocolError:
             ErrorCode.REFUSED, "kvd has no file descriptor free for a staging file"
         )
     return exc
-
-
-def _remove_files(put: Put) -> None:
-    """The staging files of a put that was not queued: its manifest's and its blocks'."""
-    entry_files.unlink_quietly(put.path)
-    for path in put.block_files.values():
-        entry_files.unlink_quietly(path)
 
 
 def _ranges(indexes: list[int]) -> str:

@@ -51,6 +51,9 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "duplicates": counters.duplicates,
         "quarantined": counters.quarantined,
         "abandoned_puts": counters.abandoned,
+        # Files taken out of the tier: being unlinked off the event loop, and unlinked.
+        "deleting_bytes": catalog.deleter.pending_bytes,
+        "deleted_files": catalog.deleter.deleted,
         "bytes_written": counters.bytes_written,
         "leased_entries": catalog.leased,
         "admission": {

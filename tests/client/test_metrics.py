@@ -33,6 +33,8 @@ TOP_LEVEL = {
     "kvd_evicted_bytes_total": ("evicted_bytes",),
     "kvd_superseded_total": ("superseded",),
     "kvd_quarantined_total": ("quarantined",),
+    "kvd_deleting_bytes": ("deleting_bytes",),
+    "kvd_deleted_files_total": ("deleted_files",),
     "kvd_written_bytes_total": ("bytes_written",),
     "kvd_restores_total": ("restores",),
     "kvd_tokens_restored_total": ("tokens_restored",),

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from daemon_e2e import IDENTITY as RAW_IDENTITY
+from daemon_e2e import RawPeer, staging_files
 from daemon_process import running_daemon
 from kvd_client import Client, TicketState
 from kvd_protocol import Identity, LayerSpec, TensorSpec
+from kvd_protocol import messages as m
 
 from kvd.deleter import SUFFIX, Deleter
 
@@ -148,3 +151,17 @@ def test_moved_files_count_as_pending_until_unlinked(tmp_path: Path) -> None:
     deleter.wait_idle()
     assert deleter.pending_bytes == 0
     assert not any(folder.iterdir())
+
+
+def test_an_aborted_puts_staging_file_goes_through_the_deleter(tmp_path: Path) -> None:
+    """Out of staging at once, then unlinked from deleting/ by the deleter's thread."""
+    with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
+        put = peer.begin(RAW_IDENTITY, [1, 2, 3], seed=1)
+        assert len(staging_files(daemon.tier)) == 1
+        reply = peer.call(m.PutAbort(id=peer.next_id(), put=put))
+        assert isinstance(reply, m.PutAbortReply)
+        assert staging_files(daemon.tier) == []
+        with Client.connect(daemon.socket_path, require=True) as client:
+            assert settled(lambda: client.status()["deleted_files"] == 1)
+            assert client.status()["deleting_bytes"] == 0
+        assert not any((daemon.tier / "deleting").iterdir())
