@@ -36,9 +36,6 @@ from pathlib import Path
 from kvd_protocol.errors import Rule
 
 from kvd.deleter import Deleter
-from kvd.logs import get_logger
-
-log = get_logger("kvd.blocks")
 
 
 @dataclass(slots=True, eq=False)
@@ -148,7 +145,7 @@ class BlockStore:
         for block_hash, path in staged.items():
             held = known.get(block_hash)
             if held is None or held.path != path:  # held already (by another put's commit)
-                self._delete(path)
+                self._deleter.delete(path)
         return tuple(listed)
 
     def detach(self, blocks: Sequence[Block]) -> None:
@@ -219,13 +216,7 @@ class BlockStore:
             return
         self._leave(block)
         self.collected += 1
-        self._delete(block.path)
-
-    def _delete(self, path: Path) -> None:
-        try:
-            self._deleter.delete(path)
-        except OSError as exc:  # the bytes are no longer ours to count either way
-            log.warning("unlink_failed", path=str(path), error=str(exc))
+        self._deleter.delete(block.path)
 
     def _leave(self, block: Block) -> None:
         blocks = self._blocks[block.identity]

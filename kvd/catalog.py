@@ -362,10 +362,7 @@ class Catalog:
         if record.id in self._disowned:
             self._disowned.discard(record.id)
         else:
-            try:
-                self.deleter.delete(path)
-            except OSError as exc:  # the bytes are no longer ours to count either way
-                log.warning("unlink_failed", entry=record.id, path=str(path), error=str(exc))
+            self.deleter.delete(path)
         self.manifest_bytes -= record.nbytes
         self.logical_bytes -= record.logical_bytes
         self.blocks.detach(self._blocks_of.pop(record.id, ()))

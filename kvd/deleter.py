@@ -37,22 +37,27 @@ class Deleter:
         self.folder = folder
         self._queue: queue.SimpleQueue[tuple[Path, int]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._changed = threading.Condition()  # guards pending_bytes and _pending
+        self._changed = threading.Condition()  # guards the counts below
         self.pending_bytes = 0  # allocated bytes moved here and not unlinked yet
-        self._pending = 0  # files moved here and not unlinked yet
-        self.deleted = 0  # files unlinked since start
+        self._queued = 0  # files handed to the thread since start
+        self.deleted = 0  # files the thread is done with since start
 
     def delete(self, path: Path) -> None:
         """Take path out of its place now (a path already gone is no error); its bytes are
-        freed soon after. Raises OSError, and moves nothing, when path cannot be moved."""
+        freed soon after. A path that cannot be moved stays, with a log line: the tier has
+        let go of it either way."""
         target = self.folder / f"{secrets.token_hex(8)}{SUFFIX}"
         try:
-            os.rename(path, target)
-        except FileNotFoundError:
-            if not os.path.lexists(path):
-                return  # gone already
-            self.folder.mkdir(mode=0o700, exist_ok=True)  # made by TierDir.create, unless not
-            os.rename(path, target)
+            try:
+                os.rename(path, target)
+            except FileNotFoundError:
+                if not os.path.lexists(path):
+                    return  # gone already
+                self.folder.mkdir(mode=0o700, exist_ok=True)  # made by TierDir.create, unless not
+                os.rename(path, target)
+        except OSError as exc:
+            log.warning("unlink_failed", path=str(path), error=str(exc))
+            return
         self._unlink_later(target)
 
     def reap(self) -> int:
@@ -67,10 +72,11 @@ class Deleter:
         return len(left)
 
     def wait_idle(self) -> None:
-        """Blocking: wait until every file moved so far is unlinked (the free-disk floor needs
-        the room now)."""
+        """Blocking: wait until every file moved before this call is unlinked (the free-disk
+        floor needs the room now); files moved meanwhile are not waited for."""
         with self._changed:
-            self._changed.wait_for(lambda: not self._pending)
+            target = self._queued
+            self._changed.wait_for(lambda: self.deleted >= target)
 
     def _unlink_later(self, path: Path) -> None:
         try:
@@ -79,7 +85,7 @@ class Deleter:
             size = 0
         with self._changed:
             self.pending_bytes += size
-            self._pending += 1
+            self._queued += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvd-deleter", daemon=True)
             self._thread.start()
@@ -88,6 +94,10 @@ class Deleter:
     def _run(self) -> None:
         while True:
             path, size = self._queue.get()
+            # Uncounted before the unlink: never counted as both pending and free on the disk
+            # (for a moment the floor sees less room than there is, the safe side).
+            with self._changed:
+                self.pending_bytes -= size
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -95,7 +105,5 @@ class Deleter:
             except OSError as exc:  # left for the next start's reap()
                 log.warning("unlink_failed", path=str(path), error=str(exc))
             with self._changed:
-                self.pending_bytes -= size
-                self._pending -= 1
                 self.deleted += 1
                 self._changed.notify_all()

@@ -315,10 +315,7 @@ class Puts:
         """The staging files of a put that was not queued, its manifest's and its blocks', to
         the deleter (an aborted 1 GiB put would otherwise stop the loop while it unlinks)."""
         for path in (put.path, *put.block_files.values()):
-            try:
-                self._catalog.deleter.delete(path)
-            except OSError as exc:  # its bytes already left the staged count
-                log.warning("unlink_failed", path=str(path), error=str(exc))
+            self._catalog.deleter.delete(path)
 
     def abort(self, put: Put) -> None:
         """A taken put ends uncommitted: its bytes return, its files go."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
 from operator import itemgetter
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from kvd_protocol.limits import Limits
 
 from kvd.entry_files import read_block_header, read_header
 from kvd.records import EntryRecord, record_from_header
-from kvd.snapshot import BlockRow, Snapshot, load_snapshot
+from kvd.snapshot import BlockRow, Snapshot
 from kvd.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX, TierDir
 
 
@@ -40,15 +39,6 @@ class FoundBlock:
     path: Path
 
 
-@dataclass
-class ScanResult:
-    entries: list[EntryRecord]  # least recently used first; each file in its place
-    blocks: list[FoundBlock]  # every valid block file, listed or not
-    invalid: list[tuple[Path, str]]
-    reaped: int
-    from_snapshot: int  # entries taken from the snapshot rather than read
-
-
 def reap_staging(dirs: TierDir) -> int:
     count = 0
     for entry in os.scandir(dirs.staging):
@@ -56,24 +46,6 @@ def reap_staging(dirs: TierDir) -> int:
             os.unlink(entry.path)
             count += 1
     return count
-
-
-def scan(
-    dirs: TierDir, limits: Limits, header_read: Callable[[], None] = lambda: None
-) -> ScanResult:
-    """Reap staging, then index every entry file (blocking: run in a thread): the start-up of
-    a tier with no snapshot, or one whose snapshot is checked before serving.
-
-    A file the snapshot knows with the same size and mtime is taken from it; any other file's
-    header is read and validated (see snapshot.py for why that is safe). header_read() is
-    called after each header read (progress: the slow part).
-    """
-    reaped = reap_staging(dirs)
-    known = load_snapshot(dirs.snapshot)
-    listed = list_against(dirs, limits, known, header_read)
-    taken = list(compress(known.records, listed.matched))
-    records = [*taken, *listed.found]
-    return ScanResult(records, listed.blocks, listed.invalid, reaped, len(taken))
 
 
 @dataclass

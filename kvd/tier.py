@@ -49,6 +49,7 @@ from kvd.writer import Writer
 log = get_logger("kvd.tier")
 
 SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
+LISTING_RETRY_S = 5.0  # start-up's listing failed (an I/O error): tried again after this
 
 
 class Tier:
@@ -146,14 +147,15 @@ class Tier:
         if known is None:
             self.settled.set()
             return
-        try:
-            listed = await anyio.to_thread.run_sync(
-                recovery.list_against, self.dirs, self.limits, known
-            )
-        except OSError as exc:  # the periodic reconcile adopts and drops what it finds
-            log.warning("startup_listing_failed", error=str(exc))
-            self.settled.set()
-            return
+        while True:
+            try:
+                listed = await anyio.to_thread.run_sync(
+                    recovery.list_against, self.dirs, self.limits, known
+                )
+                break
+            except OSError as exc:  # files stay checked by mtime too until a listing succeeds
+                log.warning("startup_listing_failed", error=str(exc), retry_s=LISTING_RETRY_S)
+                await anyio.sleep(LISTING_RETRY_S)
         catalog = self.catalog
         for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
             if catalog.records.get(record.id) is record:

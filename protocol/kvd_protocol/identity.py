@@ -29,7 +29,14 @@ class Identity:
 
     def to_wire(self) -> dict[str, str]:
         # By hand: dataclasses.asdict deep-copies, and this is on every lookup's path.
-        return {name: getattr(self, name) for name in _NAMES}
+        return {
+            "model_id": self.model_id,
+            "config_fingerprint": self.config_fingerprint,
+            "tokenizer_hash": self.tokenizer_hash,
+            "codec_id": self.codec_id,
+            "runtime": self.runtime,
+            "namespace": self.namespace,
+        }
 
     @classmethod
     def from_wire(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Identity:
@@ -66,11 +73,13 @@ class Identity:
     def digest(self) -> str:
         """A stable 32-hex-digit name for this identity: its directory in the tier."""
         # Kept in the instance once computed (a decoded identity that is known is the same
-        # instance every time): no hash and compare of a look-up in _digests. Not a field, so
-        # equality, hashing and the wire ignore it.
+        # instance every time). Not a field, so equality, hashing and the wire ignore it.
         found: str | None = self.__dict__.get("_digest")
         if found is None:
-            found = self.__dict__["_digest"] = _digest(self)
+            canonical = msgpack.packb(sorted(self.to_wire().items()), use_bin_type=True)
+            found = self.__dict__["_digest"] = hashlib.blake2b(
+                canonical, digest_size=16
+            ).hexdigest()
         return found
 
 
@@ -84,18 +93,3 @@ _REQUIRED = frozenset(_NAMES) - _OPTIONAL
 # (a peer inventing identities), they are decoded every time.
 _KNOWN_KEPT = 256
 _known: dict[tuple[tuple[object, object], ...], tuple[Identity, int]] = {}
-
-# Engines ask under a handful of identities, each decoded anew per request: remember them.
-# Past this many (a peer inventing identities), digests are computed and not kept.
-_DIGESTS_KEPT = 256
-_digests: dict[Identity, str] = {}
-
-
-def _digest(identity: Identity) -> str:
-    found = _digests.get(identity)
-    if found is None:
-        canonical = msgpack.packb(sorted(identity.to_wire().items()), use_bin_type=True)
-        found = hashlib.blake2b(canonical, digest_size=16).hexdigest()
-        if len(_digests) < _DIGESTS_KEPT:
-            _digests[identity] = found
-    return found

@@ -150,18 +150,10 @@ def _ping_map(message: Ping | PingReply) -> dict[str, object]:
 
 
 def _lookup_map(message: Lookup) -> dict[str, object]:
-    identity = message.identity
     body: dict[str, object] = {
         "op": "lookup",
         "id": message.id,
-        "identity": {
-            "model_id": identity.model_id,
-            "config_fingerprint": identity.config_fingerprint,
-            "tokenizer_hash": identity.tokenizer_hash,
-            "codec_id": identity.codec_id,
-            "runtime": identity.runtime,
-            "namespace": identity.namespace,
-        },
+        "identity": message.identity.to_wire(),
         "tokens": message.tokens,
     }
     if message.min_tokens:  # left out at its default, as Record.to_map does

@@ -16,7 +16,7 @@ from daemon_process import isolated_environment, running_daemon, socket_folder
 from kvd_client.client import Client
 from kvd_protocol.limits import DEFAULT_LIMITS
 
-from kvd import recovery
+from kvd import recovery, snapshot
 from kvd.tier_dir import TierDir
 
 
@@ -35,8 +35,10 @@ def _tier_of_three(tmp_path: Path) -> Path:
 def test_the_scan_reports_each_header_it_reads(tmp_path: Path) -> None:
     tier = _tier_of_three(tmp_path)
     counted: list[None] = []
-    result = recovery.scan(TierDir(tier), DEFAULT_LIMITS, lambda: counted.append(None))
-    assert (len(result.entries), len(counted)) == (3, 3)
+    listed = recovery.list_against(
+        TierDir(tier), DEFAULT_LIMITS, snapshot.EMPTY, lambda: counted.append(None)
+    )
+    assert (len(listed.found), len(counted)) == (3, 3)
 
 
 def test_a_daemon_on_a_terminal_counts_the_headers_it_reads(tmp_path: Path) -> None:
