@@ -144,7 +144,7 @@ class Server:
     def _start_background(self, tasks: TaskGroup) -> None:
         """The tasks that run for the daemon's life, each kept running through failures."""
         tier, config = self.tier, self.config
-        tasks.start_soon(tier.settle)  # the watcher and the reconcile wait for it
+        tasks.start_soon(_settle, tier)  # the watcher and the reconcile wait for it
         tasks.start_soon(keep_running, "writer", tier.run_writer)
         watcher = partial(watch_entries, tier)
         restarted_watcher = partial(watch_entries, tier, reconcile_first=True)
@@ -213,6 +213,17 @@ class Server:
         async for signum in signals:
             log.warning("exiting_now", signal=signal.Signals(signum).name)
             os._exit(1)
+
+
+async def _settle(tier: Tier) -> None:
+    """Start-up's listing (Tier.settle), once: a failure is logged, never the daemon's end,
+    and what waits for it goes on (files stay checked by mtime as well)."""
+    try:
+        await tier.settle()
+    except Exception:
+        log.exception("task_failed", task="settle")
+    finally:
+        tier.settled.set()
 
 
 async def keep_running(

@@ -153,7 +153,7 @@ class Session:
         try:
             await self._ended.wait()
         finally:
-            self._pause()
+            self._end()  # also when cancelled: no task's _resume reads on after this
         if self._fatal is not None:
             await self._say_fatal(self._fatal)
 
@@ -172,10 +172,14 @@ class Session:
             return
         try:
             self.conn.receive_data(data, fds)
-        except ProtocolError as exc:
+        except Exception as exc:
             for fd in fds:
                 os.close(fd)
-            self._end(exc)
+            if isinstance(exc, ProtocolError):
+                self._end(exc)
+            else:  # a daemon bug: this connection only (asyncio would log it and read on)
+                log.exception("session_failed", session=self.peer.session)
+                self._end()
             return
         self._serve_events()
 

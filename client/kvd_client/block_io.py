@@ -35,7 +35,7 @@ from kvd_protocol.entry_reader import BlockHeads, check_block, parse_block_heade
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
-from .entry_io import CHUNK_BYTES  # copied per system call, checksummed right after
+from .entry_io import CHUNK_BYTES, write_all  # CHUNK_BYTES: copied per call, then checksummed
 from .workers import run_all
 
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
@@ -254,7 +254,7 @@ class BlockWriter:
             write_runs(fd, slot.start, self._cuts[i].runs([self._views[i]], *rows))
             for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
         ]
-        write_runs(fd, 0, [memoryview(plan.block_head(index, checksums))])
+        write_all(fd, memoryview(plan.block_head(index, checksums)), 0)  # heads: no checksum
 
     def write_manifest(self, fd: int) -> None:
         """The manifest into fd, pre-sized to its planned size."""
@@ -267,7 +267,7 @@ class BlockWriter:
             )
             for i, (slot, view) in enumerate(zip(entry.slots, self._views, strict=True))
         ]
-        write_runs(fd, 0, [memoryview(entry.head(checksums))])
+        write_all(fd, memoryview(entry.head(checksums)), 0)
 
 
 # --- a restore: the block files into the grown buffers ---------------------------------------

@@ -97,19 +97,20 @@ def write_entry(fd: int, plan: EntryPlan, views: Sequence[memoryview]) -> None:
         _write_checksummed(fd, slot.start, view)
         for slot, view in zip(plan.slots, views, strict=True)
     ]
-    _write_all(fd, memoryview(plan.head(checksums)), 0)
+    write_all(fd, memoryview(plan.head(checksums)), 0)
 
 
 def _write_checksummed(fd: int, start: int, view: memoryview) -> bytes:
     hasher = new_checksum()
     for pos in range(0, view.nbytes, CHUNK_BYTES):
         piece = view[pos : pos + CHUNK_BYTES]
-        _write_all(fd, piece, start + pos)
+        write_all(fd, piece, start + pos)
         hasher.update(piece)  # while the chunk is still in the CPU's cache
     return hasher.digest()
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of data at offset of fd (pwrite until done); no checksum."""
     while data:
         written = os.pwrite(fd, data, offset)
         if not written:

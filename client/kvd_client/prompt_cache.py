@@ -282,10 +282,11 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
         with _as_miss(), Filling() as filling:
             for first in range(0, len(header.blocks), MAX_BLOCK_BATCH):
                 if len(held) == 2:
-                    try:
-                        yield Blocking(reading.pop(0).wait)
-                    finally:
-                        _close(held.pop(0))
+                    # Closed only once read: a failure, or the call closed at this yield
+                    # (cancelled), leaves them to the finally, after Filling waited for them.
+                    yield Blocking(reading[0].wait)
+                    reading.pop(0)
+                    _close(held.pop(0))
                 count = min(MAX_BLOCK_BATCH, len(header.blocks) - first)
                 fds = yield from _open_blocks(link, hit, first, count)
                 held.append(fds)

@@ -41,20 +41,17 @@ _ERROR: Final = _ENVELOPE | {"code", "message"}
 _CODES: Final = {code.value: code for code in ErrorCode}
 
 
-def _ping(body: dict[str, Any], limits: Limits) -> Ping | None:
-    if body.keys() == _ENVELOPE:
-        request_id = body["id"]
-        if type(request_id) is int and 1 <= request_id <= U32:
-            return Ping.checked({"id": request_id})
-    return None
+def _id_only(kind: type[Ping] | type[PingReply]) -> Decoder:
+    """The decoder of a message that holds its id alone (a ping, its reply)."""
 
+    def decode(body: dict[str, Any], limits: Limits) -> Ping | PingReply | None:
+        if body.keys() == _ENVELOPE:
+            message_id = body["id"]
+            if type(message_id) is int and 1 <= message_id <= U32:
+                return kind.checked({"id": message_id})
+        return None
 
-def _ping_reply(body: dict[str, Any], limits: Limits) -> PingReply | None:
-    if body.keys() == _ENVELOPE:
-        reply_id = body["id"]
-        if type(reply_id) is int and 1 <= reply_id <= U32:
-            return PingReply.checked({"id": reply_id})
-    return None
+    return decode
 
 
 def _lookup(body: dict[str, Any], limits: Limits) -> Lookup | None:
@@ -117,9 +114,9 @@ def _error_reply(body: dict[str, Any], limits: Limits) -> ErrorReply | None:
     return None
 
 
-_REQUESTS: Final[Mapping[str, Decoder]] = {"ping": _ping, "lookup": _lookup}
+_REQUESTS: Final[Mapping[str, Decoder]] = {"ping": _id_only(Ping), "lookup": _lookup}
 _REPLIES: Final[Mapping[str, Decoder]] = {
-    "ping": _ping_reply,
+    "ping": _id_only(PingReply),
     "lookup": _lookup_reply,
     "error": _error_reply,
 }
