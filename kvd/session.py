@@ -51,10 +51,14 @@ FEATURES = (
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
 )
-# Requests answered in the order they came, the connection's reading paused until each is:
-# a release may check the entry's file first. Every other request that may wait runs as a
-# task of its own; those that never wait are answered at once (Session._at_once).
-IN_ORDER = frozenset({"release"})
+
+
+def _checks_a_file(request: m.Request) -> bool:
+    """A release that reports damage: the entry's file is checked before the answer, with
+    the connection's reading paused meanwhile, so that its answer keeps its place among the
+    others. Every other request that may wait runs as a task of its own; those that never
+    wait (a plain release too) are answered at once (Session._at_once)."""
+    return type(request) is m.Release and request.damaged is not None
 
 
 @dataclass
@@ -120,18 +124,19 @@ class Session:
             "find_checkpoint": self._find_checkpoint,
             "forget_checkpoint": self._forget_checkpoint,
             "open_blocks": self._open_blocks,
+            "release": self._release,
             "put_abort": self._put_abort,
             "status": self._status,
             "list": self._list,
             "evict": self._evict,
         }
-        # The requests that may wait (IN_ORDER, or a task each).
+        # The requests that may wait (a task each, or in order: _checks_a_file).
         self._waiting: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
             "put_begin": self._put_begin,
             "put_blocks": self._put_blocks,
             "put_commit": self._put_commit,
             "ticket": self._ticket,
-            "release": self._release,
+            "release": self._release_damaged,  # one that reports damage (_checks_a_file)
             "flush": self._flush,
             "verify": self._verify,
         }
@@ -198,10 +203,10 @@ class Session:
                     self._reply(event.reply())
                 elif isinstance(event, m.Request):
                     handler = self._at_once.get(event.op)
-                    if handler is not None:
-                        self._reply(self._answer_now(handler, event))
-                    elif event.op in IN_ORDER:
+                    if _checks_a_file(event):
                         self._pause_for(self._answer, event)
+                    elif handler is not None:
+                        self._reply(self._answer_now(handler, event))
                     else:
                         assert self._tasks is not None
                         self._tasks.start_soon(self._answer, event)
@@ -449,8 +454,14 @@ class Session:
         removed = self.tier.forget_checkpoint(request.identity, request.key)
         return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
-    async def _release(self, request: m.Release) -> m.ReleaseReply:
-        await self.tier.release(self.peer.session, request.lease, request.damaged, request.report)
+    def _release(self, request: m.Release) -> m.ReleaseReply:
+        self.tier.end_lease(self.peer.session, request.lease, request.report)
+        return m.ReleaseReply(id=request.id)
+
+    async def _release_damaged(self, request: m.Release) -> m.ReleaseReply:
+        record = self.tier.end_lease(self.peer.session, request.lease, request.report)
+        assert request.damaged is not None
+        await self.tier.check_reported(record, request.damaged)
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:

@@ -431,20 +431,21 @@ class Tier:
                 f"{self.config.max_leases} leases held on this connection: release some first",
             )
 
-    async def release(
-        self,
-        owner: int,
-        lease_id: int,
-        damaged: str | None = None,
-        report: RestoreReport | None = None,
-    ) -> None:
-        """End a lease. damaged: why the client could not use the entry's file; the file is
-        checked and quarantined if it fails (a client's word alone never removes an entry).
-        report: how the engine's restore went, for the telemetry."""
+    def end_lease(
+        self, owner: int, lease_id: int, report: RestoreReport | None = None
+    ) -> EntryRecord:
+        """End a lease; its entry's record. report: how the engine's restore went, for the
+        telemetry."""
         record = self.leases.release(owner, lease_id)
         if report is not None:
             self.telemetry.restored(record.identity, report)
-        if damaged is not None and record.durable:  # a pending one is verified by the writer
+        return record
+
+    async def check_reported(self, record: EntryRecord, damaged: str) -> None:
+        """A client could not use the entry's file (damaged: why): the file is checked and
+        quarantined if it fails (a client's word alone never removes an entry). A pending
+        entry is verified by the writer."""
+        if record.durable:
             await self._check_reported(record, damaged)
 
     async def _check_reported(self, record: EntryRecord, damaged: str) -> None:
