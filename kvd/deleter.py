@@ -94,16 +94,17 @@ class Deleter:
     def _run(self) -> None:
         while True:
             path, size = self._queue.get()
-            # Uncounted before the unlink: never counted as both pending and free on the disk
-            # (for a moment the floor sees less room than there is, the safe side).
-            with self._changed:
-                self.pending_bytes -= size
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:  # left for the next start's reap()
                 log.warning("unlink_failed", path=str(path), error=str(exc))
+            # Uncounted once unlinked: while one file is being unlinked its bytes may show
+            # as pending and already free, a floor overstated by that file for that moment.
+            # Uncounted before, they would show as neither, and an eviction for the floor
+            # would take further entries for room that is on its way.
             with self._changed:
+                self.pending_bytes -= size
                 self.deleted += 1
                 self._changed.notify_all()
