@@ -48,6 +48,7 @@ from _daemon import running_daemon
 from kvd_client.block_io import BlockWriter
 from kvd_client.client import Client
 from kvd_client.entry_io import tensor_views, views_of, write_entry
+from kvd_client.workers import Descriptors
 from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import LayerSpec, TensorSpec, plan_entry, plan_manifest
 from kvd_protocol.identity import Identity
@@ -129,8 +130,8 @@ def staging_write(putter: Putter, folder: Path) -> Timing:
             )
             whole = [tensor for layer in putter.layers for tensor in layer.tensors]
             writer = BlockWriter(manifest, views_of(whole, putter.tensors))
-            fds.extend(staging(manifest.block_size) for _ in manifest.hashes)
-            writer.write_blocks(0, fds)
+            with Descriptors([staging(manifest.block_size) for _ in manifest.hashes]) as blocks:
+                writer.write_blocks(0, blocks)
             fds.append(staging(manifest.entry.file_size))
             writer.write_manifest(fds[-1])
         else:

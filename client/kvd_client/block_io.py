@@ -36,7 +36,7 @@ from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
 from .entry_io import CHUNK_BYTES, write_all  # CHUNK_BYTES: copied per call, then checksummed
-from .workers import run_all
+from .workers import Descriptors, run_all
 
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
     import xxhash
@@ -239,11 +239,15 @@ class BlockWriter:
             for i in plan.blocked_tensors
         }
 
-    def write_blocks(self, first: int, fds: Sequence[int]) -> None:
+    def write_blocks(self, first: int, fds: Descriptors) -> None:
         """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size,
-        several at once on the writer threads; every write has ended when this returns or
-        raises (the caller closes fds)."""
-        jobs = [partial(self._write_block, index, fd) for index, fd in enumerate(fds, first)]
+        several at once on the writer threads, each write lent the descriptors (they stay
+        open until it ends, whatever the holder does meanwhile); every write has ended when
+        this returns or raises."""
+        jobs = [
+            fds.lent(partial(self._write_block, index, fd))
+            for index, fd in enumerate(fds.fds, first)
+        ]
         run_all(_writers(), jobs)
 
     def _write_block(self, index: int, fd: int) -> None:

@@ -86,6 +86,7 @@ from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 from . import block_io, entry_io
 from .entry_io import TensorData
 from .transport import TransportClosed
+from .workers import Descriptors
 
 log = logging.getLogger("kvd_client")
 
@@ -556,15 +557,16 @@ def put_entry(
     if begin.skip is not None:
         return PutOutcome(None, TicketState("stored", begin.skip), epoch)
     assert begin.fd is not None  # the Connection delivers the descriptor a begin declares
+    staging = Descriptors([begin.fd])
     try:
         try:
             if isinstance(plan, ManifestPlan):
                 link.stats.blocks_held += begin.held
                 yield from put_blocks(link, begin.put, epoch, begin.held, writer)
-            yield Blocking(partial(write, begin.fd))
+            yield Blocking(staging.lent(partial(write, begin.fd)))
             link.stats.bytes_written += size
         finally:
-            os.close(begin.fd)
+            staging.release()  # a put given up mid-write: closed when the write ends
         took = (time.perf_counter() - started) * 1000
         store_ms = took if link.offers("restore_report") else None
         commit = PutCommit(id=link.next_id(), put=begin.put, store_ms=store_ms)
@@ -598,19 +600,17 @@ def put_blocks(
     link: Link, put: int, epoch: int, held: int, writer: block_io.BlockWriter
 ) -> Call[None]:
     """Write blocks held.. of a begun put: their staging files asked for in batches, each
-    batch written (Blocking) and closed before the next is asked for."""
+    batch written (Blocking) and closed before the next is asked for (or, when the put is
+    given up mid-batch, once its last write has ended)."""
     count = len(writer.plan.hashes)
     for first in range(held, count, MAX_BLOCK_BATCH):
         batch = min(MAX_BLOCK_BATCH, count - first)
         request = PutBlocks(id=link.next_id(), put=put, first=first, count=batch)
-        fds = _claimed(expect((yield Exchange(request, epoch=epoch)), PutBlocksReply), batch)
-        try:
+        reply = expect((yield Exchange(request, epoch=epoch)), PutBlocksReply)
+        with Descriptors(_claimed(reply, batch)) as fds:
             yield Blocking(partial(writer.write_blocks, first, fds))
             link.stats.blocks_written += batch
             link.stats.bytes_written += batch * writer.plan.block_size
-        finally:
-            for fd in fds:
-                os.close(fd)
 
 
 def open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:

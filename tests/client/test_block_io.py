@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +19,7 @@ from kvd_client import block_io
 from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_slots, write_runs
 from kvd_client.client import Client
 from kvd_client.entry_io import CHUNK_BYTES, EntryFile
+from kvd_client.workers import Descriptors
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import LayerSpec, Slot, TensorSpec, plan_manifest
 from kvd_protocol.errors import EntryFormatError, Rule
@@ -186,9 +189,12 @@ def stored(tmp_path: Path) -> Iterator[tuple[EntryFile, list[int], list[np.ndarr
         IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
     )
     writer = BlockWriter(plan, [_bytes(a) for a in arrays])
-    blocks = [_file(tmp_path / f"block{i}", plan.block_size) for i in range(len(plan.hashes))]
-    writer.write_blocks(0, blocks[:2])
-    writer.write_blocks(2, blocks[2:])
+    paths = [tmp_path / f"block{i}" for i in range(len(plan.hashes))]
+    with Descriptors([_file(path, plan.block_size) for path in paths[:2]]) as first:
+        writer.write_blocks(0, first)
+    with Descriptors([_file(path, plan.block_size) for path in paths[2:]]) as rest:
+        writer.write_blocks(2, rest)
+    blocks = [os.open(path, os.O_RDWR) for path in paths]
     manifest = _file(tmp_path / "manifest", plan.entry.file_size)
     writer.write_manifest(manifest)
     entry = EntryFile.open(manifest, "manifest")
@@ -269,26 +275,68 @@ def test_blocks_written_at_once_are_each_whole_and_a_failed_one_waits_for_the_ot
     tmp_path: Path,
 ) -> None:
     """The blocks of one batch go to the writer threads together; when one of them cannot
-    be written, write_blocks raises only once the others' writes have ended (the caller
-    closes their descriptors next), and those blocks are whole."""
+    be written, write_blocks raises only once the others' writes have ended, and those blocks
+    are whole."""
     layers, arrays = _entry_tensors()
     plan = plan_manifest(
         IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
     )
     writer = BlockWriter(plan, [_bytes(a) for a in arrays])
-    serial = [_file(tmp_path / f"serial{i}", plan.block_size) for i in range(3)]
-    for index, fd in enumerate(serial):
-        writer.write_blocks(index, [fd])  # one block: on this thread
-    together = [_file(tmp_path / f"together{i}", plan.block_size) for i in range(3)]
-    writer.write_blocks(0, together)
-    read_only = os.open(tmp_path / "together0", os.O_RDONLY)
-    failing = [read_only, *(_file(tmp_path / f"after{i}", plan.block_size) for i in (1, 2))]
-    with pytest.raises(OSError, match="Bad file descriptor"):
+    serial = [tmp_path / f"serial{i}" for i in range(3)]
+    for index, path in enumerate(serial):
+        with Descriptors([_file(path, plan.block_size)]) as one:
+            writer.write_blocks(index, one)  # one block: on this thread
+    together = [tmp_path / f"together{i}" for i in range(3)]
+    with Descriptors([_file(path, plan.block_size) for path in together]) as fds:
+        writer.write_blocks(0, fds)
+    after = [tmp_path / f"after{i}" for i in (1, 2)]
+    read_only = os.open(together[0], os.O_RDONLY)
+    with (
+        Descriptors([read_only, *(_file(path, plan.block_size) for path in after)]) as failing,
+        pytest.raises(OSError, match="Bad file descriptor"),
+    ):
         writer.write_blocks(0, failing)
+    expected = [path.read_bytes() for path in serial]
+    assert [path.read_bytes() for path in together] == expected
+    assert [path.read_bytes() for path in after] == expected[1:]
+
+
+def test_descriptors_close_when_the_holder_and_every_job_lent_them_are_done(
+    tmp_path: Path,
+) -> None:
+    """The holder's release closes at once when no job is under way; with one under way the
+    job closes them as it ends; a job that starts after the release never sees them."""
+    first = Descriptors([_file(tmp_path / "a", 0)])
+    first.release()
+    first.release()  # twice: nothing more
+    assert not _names(first.fds[0], tmp_path / "a")
+
+    b = tmp_path / "b"
+    held = Descriptors([_file(b, 0)])
+    started, go_on = threading.Event(), threading.Event()
+
+    def write() -> bool:
+        started.set()
+        go_on.wait()
+        os.pwrite(held.fds[0], b"after the release", 0)
+        return _names(held.fds[0], b)
+
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(held.lent(write))
+        started.wait()
+        held.release()  # the holder gives up mid-write
+        assert _names(held.fds[0], b)
+        go_on.set()
+        assert job.result()  # still open for the whole write
+    assert not _names(held.fds[0], b)  # closed by the job as it ended
+    assert b.read_bytes() == b"after the release"
+    with pytest.raises(OSError, match="given up"):
+        held.lent(write)()
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether fd is open on path's file (a closed number may have been reused since)."""
     try:
-        expected = [os.pread(fd, plan.block_size, 0) for fd in serial]
-        assert [os.pread(fd, plan.block_size, 0) for fd in together] == expected
-        assert [os.pread(fd, plan.block_size, 0) for fd in failing[1:]] == expected[1:]
-    finally:
-        for fd in [*serial, *together, *failing]:
-            os.close(fd)
+        return os.path.samestat(os.fstat(fd), path.stat())
+    except OSError:
+        return False
