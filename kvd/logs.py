@@ -15,13 +15,36 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import TextIO
-
-import structlog
-from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, TextIO
 
 from kvd.config import LogFormat
+
+if TYPE_CHECKING:
+    from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+
+@contextmanager
+def _not_importable(name: str) -> Iterator[None]:
+    """Within, `import name` fails as if it were not installed (None in sys.modules is the
+    import system's own "not there"), unless it is imported already; put back on the way out."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del sys.modules[name]
+
+
+# structlog's package imports structlog.dev and structlog.tracebacks, which import rich when
+# it is installed (mlx-lm's dependencies bring it along): a fifth of the daemon's imports,
+# paid before its first ping, and structlog has no setting to skip it. kvd uses none of it
+# (plain tracebacks, never their locals: see _renderer), so rich stays out of that import.
+with _not_importable("rich"):
+    import structlog
 
 # structlog level -> syslog priority (journald's PRIORITY=)
 SYSLOG_PRIORITIES = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}

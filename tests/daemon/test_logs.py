@@ -7,6 +7,8 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -151,6 +153,40 @@ def test_json_traceback_is_structured() -> None:
     (exception,) = event["exception"]
     assert exception["exc_type"] == "RuntimeError"
     assert all("locals" not in frame for frame in exception["frames"])
+
+
+# What a daemon process does: kvd.logs imported first, then an exception logged both ways.
+FRESH_PROCESS = """
+import io, json, sys
+from kvd.logs import configure_logging, get_logger
+def fail(secret):
+    raise RuntimeError("no space")
+for fmt in ("json", "console"):
+    out = io.StringIO()
+    configure_logging(fmt, stream=out, environ={})
+    try:
+        fail("-".join(["prompt", "token", "secret"]))
+    except RuntimeError:
+        get_logger("kvd").exception("write failed")
+    print(json.dumps(out.getvalue()))
+print("rich" in sys.modules)
+import rich
+"""
+
+
+def test_structlog_is_imported_without_rich_and_tracebacks_stay_plain() -> None:
+    """rich (installed with mlx-lm) is left out of structlog's import, a large part of the
+    daemon's start; tracebacks still render without locals, and rich stays importable."""
+    pytest.importorskip("rich")
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, check=True
+    )
+    *renders, rich_imported = done.stdout.splitlines()
+    assert rich_imported == "False"
+    for text in map(json.loads, renders):
+        assert "no space" in text
+        assert "fail" in text
+        assert "prompt-token-secret" not in text
 
 
 def test_other_libraries_warnings_share_the_format(tmp_path: Path) -> None:
