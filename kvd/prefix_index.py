@@ -33,11 +33,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from itertools import repeat
+from operator import attrgetter, is_not, itemgetter
 from typing import NamedTuple
 
 from kvd_protocol.tokens import TOKEN_BYTES, common_prefix_tokens, token_count
 
 from kvd.records import EntryRecord, Tokens
+
+_FIRST_TOKEN = slice(0, TOKEN_BYTES)
 
 
 class Match(NamedTuple):
@@ -78,10 +82,10 @@ def scan_best_match(records: Iterable[EntryRecord], prompt: bytes) -> Match | No
 class _Node:
     __slots__ = ("_frontier", "children", "label", "record")
 
-    def __init__(self, label: Tokens) -> None:
+    def __init__(self, label: Tokens, record: EntryRecord | None = None) -> None:
         self.label = label  # tokens from the parent to here
         self.children: dict[bytes, _Node] | None = None  # by first token; None at a leaf
-        self.record: EntryRecord | None = None  # the entry that ends exactly here
+        self.record = record  # the entry that ends exactly here
         self._frontier: tuple[EntryRecord, ...] = ()  # an inner node's
 
     @property
@@ -232,28 +236,41 @@ class PrefixIndex:
 
         In bulk, as start-up indexes: a record whose first token starts no edge and no other
         record of the batch becomes a leaf of the root at once, and the root's frontier is
-        swept once over them; the others are added one by one. The tree is the same either
-        way: it depends on the set of entries, not on their order.
+        swept once over its own and theirs; the others are added one by one. The tree is the
+        same either way: it depends on the set of entries, not on their order. When every
+        first token is new (the usual start-up), the checks, keys and leaves are made by C
+        loops (map), without a Python step per record.
         """
         batch = list(records)
-        for record in batch:
-            tokens = record.tokens
-            if record.checkpoint_key is not None or not tokens or len(tokens) % TOKEN_BYTES:
+        tokens = list(map(attrgetter("tokens"), batch))
+        lengths = list(map(len, tokens))
+        if (
+            any(map(is_not, map(attrgetter("checkpoint_key"), batch), repeat(None)))
+            or not all(lengths)
+            or any(map(TOKEN_BYTES.__rmod__, lengths))
+        ):
+            for record in batch:
                 _check_indexable(record)  # raises
         root = self._root
         children = root.children or {}
-        keys = [bytes(record.tokens[:TOKEN_BYTES]) for record in batch]
-        firsts = Counter(keys)  # how many of the batch start with each first token
-        rest = []
-        for record, key in zip(batch, keys, strict=True):
-            if firsts[key] > 1 or key in children:
-                rest.append(record)
-                continue
-            leaf = children[key] = _Node(record.tokens)
-            leaf.record = record
-        self._count += len(batch) - len(rest)
+        keys = list(map(bytes, map(itemgetter(_FIRST_TOKEN), tokens)))
+        leaves, rest = batch, []
+        if len(set(keys)) == len(keys) and children.keys().isdisjoint(keys):
+            children.update(zip(keys, map(_Node, tokens, batch), strict=True))
+        else:
+            firsts = Counter(keys)  # how many of the batch start with each first token
+            leaves = []
+            for record, key in zip(batch, keys, strict=True):
+                if firsts[key] > 1 or key in children:
+                    rest.append(record)
+                else:
+                    leaves.append(record)
+                    children[key] = _Node(record.tokens, record)
+        self._count += len(leaves)
+        # The root's subtree is the whole tree: its frontier so far, and the new leaves'.
+        frontier = [*root.frontier, *filter(attrgetter("trimmable"), leaves)]
         root.children = children or None
-        root.frontier = _subtree_frontier(root)
+        root.frontier = _sweep(frontier)
         refused = []
         for record in rest:
             try:
