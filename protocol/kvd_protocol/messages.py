@@ -204,11 +204,28 @@ def _wire_fields(cls: type[Record]) -> _WireFields:
     return found
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Record:
-    """A msgpack map with exactly the fields declared with wire()."""
+    """A msgpack map with exactly the fields declared with wire().
+
+    Every record class is declared with eq=False and repr=False and shares the three methods
+    below: dataclass compiles each generated method for each class, and those of the classes
+    here were half of this module's import, paid by every start of the daemon.
+    """
 
     envelope: ClassVar[frozenset[str]] = frozenset()  # keys checked by a subclass, not here
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.__dict__ == other.__dict__  # every field, as a dataclass's __eq__ has it
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    def __repr__(self) -> str:
+        values = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__qualname__}({', '.join(values)})"
 
     @classmethod
     def from_map(cls, obj: object, what: str, limits: Limits) -> Self:
@@ -251,7 +268,7 @@ class Record:
         """Rules across fields; raises schema.SchemaError."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class EntrySummary(Record):
     """What the daemon tells about one stored entry (lookup and list replies)."""
 
@@ -267,7 +284,7 @@ class EntrySummary(Record):
     leases: int = field(default=0, metadata=wire(_uint()))  # readers holding it now
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Message(Record):
     """One frame's body: {"op": op, "id": id, ...fields}."""
 
@@ -289,7 +306,7 @@ class Message(Record):
         return {"op": self.op, **self.to_map()}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Request(Message):
     """Client to server. Requests never carry descriptors."""
 
@@ -298,7 +315,7 @@ class Request(Message):
         return 0
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Reply(Message):
     """Server to client, answering the request with the same id and op."""
 
@@ -316,7 +333,7 @@ class Reply(Message):
         return self
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class _OneDescriptorReply(Reply):
     fd: int | None = None  # travels beside the frame (SCM_RIGHTS), never in the body
 
@@ -328,7 +345,7 @@ class _OneDescriptorReply(Reply):
         return dataclasses.replace(self, fd=fds[0] if fds else None)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class _BlockFilesReply(Reply):
     """count block files, as count descriptors in block order (first, first + 1, ...)."""
 
@@ -346,7 +363,7 @@ class _BlockFilesReply(Reply):
         return dataclasses.replace(self, descriptors=tuple(fds))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class _BlockRange(Request):
     """Blocks first..first + count - 1 of an entry; the reply carries one descriptor each."""
 
@@ -357,7 +374,7 @@ class _BlockRange(Request):
         return self.count
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ErrorReply(Reply):
     """The answer to a request that failed; id 0 when the request's id could not be read."""
 
@@ -370,7 +387,7 @@ class ErrorReply(Reply):
 # --- operations -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Hello(Request):
     op: ClassVar[str] = "hello"
     protocol: int = field(metadata=wire(_uint(0, U32)))
@@ -378,7 +395,7 @@ class Hello(Request):
     pid: int = field(metadata=wire(_uint(1, U32)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class HelloReply(Reply):
     op: ClassVar[str] = "hello"
     protocol: int = field(metadata=wire(_uint(0, U32)))
@@ -387,17 +404,17 @@ class HelloReply(Reply):
     features: tuple[str, ...] = field(metadata=wire(_features))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Ping(Request):
     op: ClassVar[str] = "ping"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PingReply(Reply):
     op: ClassVar[str] = "ping"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutBegin(Request):
     """With blocks (feature "blocks"): the entry is a version 2 manifest listing blocks, the
     chained hashes of its T // block_tokens whole blocks, each a file of block_size bytes."""
@@ -443,7 +460,7 @@ class PutBegin(Request):
         return split_hashes(self.blocks)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutBeginReply(_OneDescriptorReply):
     """skip None: fd is the pre-sized staging file to write; else the entry is already held.
     held: the request's first held blocks are the daemon's already, pinned for this put; the
@@ -462,7 +479,7 @@ class PutBeginReply(_OneDescriptorReply):
             raise schema.SchemaError(f"{self.op}: a skipped put holds no blocks for the client")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutBlocks(_BlockRange):
     """The staging files of blocks first.. of a put begun with blocks; first >= held."""
 
@@ -470,14 +487,14 @@ class PutBlocks(_BlockRange):
     put: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutBlocksReply(_BlockFilesReply):
     """The staging files, read-write, each pre-sized to the put's block_size."""
 
     op: ClassVar[str] = "put_blocks"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class OpenBlocks(_BlockRange):
     """The files of blocks first.. of a leased entry (a version 2 manifest)."""
 
@@ -485,14 +502,14 @@ class OpenBlocks(_BlockRange):
     lease: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class OpenBlocksReply(_BlockFilesReply):
     """The block files, read-only."""
 
     op: ClassVar[str] = "open_blocks"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutCommit(Request):
     """store_ms: the engine's time from handing the caches over to this commit (snapshot
     and write), for the daemon's telemetry (feature "restore_report")."""
@@ -502,24 +519,24 @@ class PutCommit(Request):
     store_ms: float | None = field(default=None, metadata=wire(_optional(_seconds)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutCommitReply(Reply):
     op: ClassVar[str] = "put_commit"
     ticket: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutAbort(Request):
     op: ClassVar[str] = "put_abort"
     put: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutAbortReply(Reply):
     op: ClassVar[str] = "put_abort"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class WaitTicket(Request):
     """Op "ticket": wait for a put's ticket to settle, up to timeout."""
 
@@ -529,7 +546,7 @@ class WaitTicket(Request):
     timeout: float | None = field(metadata=wire(_optional(_seconds)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class TicketReply(Reply):
     op: ClassVar[str] = "ticket"
     ticket: int = field(metadata=wire(_uint()))
@@ -537,7 +554,7 @@ class TicketReply(Reply):
     reason: str | None = field(metadata=wire(_optional(_prose)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Lookup(Request):
     """min_tokens: a match shorter than this is a miss (the engine holds as much in memory);
     a daemon announces it with the "lookup_min_tokens" feature."""
@@ -551,7 +568,7 @@ class Lookup(Request):
         return 1
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class LookupReply(_OneDescriptorReply):
     """A hit holds the entry, a lease to release, and fd: the entry file, read-only."""
 
@@ -568,7 +585,7 @@ class LookupReply(_OneDescriptorReply):
             raise schema.SchemaError(f"{self.op}: entry and lease must be both set or both nil")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FindCheckpoint(Request):
     """A generation checkpoint: the newest entry stored under key whose tokens extend prompt.
 
@@ -585,14 +602,14 @@ class FindCheckpoint(Request):
         return 1
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FindCheckpointReply(LookupReply):
     """As a lookup reply; matched is the checkpoint's whole token count (no trim)."""
 
     op: ClassVar[str] = "find_checkpoint"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ForgetCheckpoint(Request):
     """The generation finished: its checkpoints under key can go."""
 
@@ -601,13 +618,13 @@ class ForgetCheckpoint(Request):
     key: str = field(metadata=wire(_name))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ForgetCheckpointReply(Reply):
     op: ClassVar[str] = "forget_checkpoint"
     removed: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class RestoreReport(Record):
     """How an engine's restore from a leased entry went, for the daemon's telemetry: restored
     (miss nil: tokens restored from bytes read) or not (miss: the engine's reason)."""
@@ -618,7 +635,7 @@ class RestoreReport(Record):
     tokens: int = field(metadata=wire(_uint(0, U32)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Release(Request):
     """damaged: why the client could not use the leased entry's file (a truncated file, a
     checksum that differs); the daemon checks the file and quarantines it if it fails. A
@@ -631,37 +648,37 @@ class Release(Request):
     report: RestoreReport | None = field(default=None, metadata=wire(_optional(_report)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ReleaseReply(Reply):
     op: ClassVar[str] = "release"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Flush(Request):
     op: ClassVar[str] = "flush"
     # None: wait as long as it takes
     timeout: float | None = field(metadata=wire(_optional(_seconds)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FlushReply(Reply):
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))
     pending: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Status(Request):
     op: ClassVar[str] = "status"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class StatusReply(Reply):
     op: ClassVar[str] = "status"
     status: dict[str, Any] = field(metadata=wire(_status))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ListEntries(Request):
     op: ClassVar[str] = "list"
     # an identity digest, or None for all identities
@@ -671,14 +688,14 @@ class ListEntries(Request):
     after: str | None = field(metadata=wire(_optional(_name)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ListEntriesReply(Reply):
     op: ClassVar[str] = "list"
     entries: tuple[EntrySummary, ...] = field(metadata=wire(_entries))
     more: bool = field(metadata=wire(_bool))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Evict(Request):
     """Exactly one selector: an entry id, an identity digest, or all=True."""
 
@@ -692,14 +709,14 @@ class Evict(Request):
             raise schema.SchemaError("evict: set exactly one of entry, identity, all")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class EvictReply(Reply):
     op: ClassVar[str] = "evict"
     evicted: int = field(metadata=wire(_uint()))
     bytes: int = field(metadata=wire(_uint()))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Verify(Request):
     """Check a durable entry's file whole (head and every tensor's checksum); with repair, a
     damaged one is quarantined. Repair needs the daemon's uid or root."""
@@ -709,7 +726,7 @@ class Verify(Request):
     repair: bool = field(metadata=wire(_bool))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class VerifyReply(Reply):
     """problem nil: the file is intact."""
 

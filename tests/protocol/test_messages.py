@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, fields, replace
 from typing import Any
 
 import msgpack
@@ -71,6 +71,25 @@ def test_wire_map_is_the_envelope_plus_fields_and_never_a_descriptor(message: Me
     assert wire["op"] == message.op
     assert wire["id"] == message.id
     assert "fd" not in wire
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=_ids(MESSAGES))
+def test_a_message_compares_hashes_and_shows_by_every_field_and_stays_frozen(
+    message: Message,
+) -> None:
+    """Record's shared __eq__, __hash__ and __repr__ are what a dataclass would generate."""
+    names = [f.name for f in fields(message)]
+    twin = replace(message)
+    assert twin == message
+    assert twin is not message
+    if not isinstance(message, StatusReply):  # a dict field: unhashable, as a dataclass's
+        assert hash(twin) == hash(message)
+    shown = ", ".join(f"{name}={getattr(message, name)!r}" for name in names)
+    assert repr(message) == f"{type(message).__qualname__}({shown})"
+    assert replace(message, id=message.id + 1) != message
+    assert message != Ping(id=message.id) or type(message) is Ping
+    with pytest.raises(FrozenInstanceError):
+        message.id = 0  # type: ignore[misc]
 
 
 def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
