@@ -26,7 +26,6 @@ from kvd_protocol.entry import (
     ALIGNMENT,
     PREFIX_BYTES,
     TOKEN_AXIS,
-    BlockHeader,
     EntryHeader,
     ManifestPlan,
     Slot,
@@ -151,29 +150,40 @@ _PADDING: Final = memoryview(bytearray(ALIGNMENT))
 
 
 def read_slots(
-    fd: int, wanted: Sequence[tuple[Slot, Sequence[memoryview]]], verify: bool, name: str
+    fd: int,
+    slots: Sequence[Slot],
+    runs: Sequence[Sequence[memoryview]],
+    checksums: Sequence[bytes] | None,
+    name: str,
 ) -> None:
-    """Fill each slot's runs with its bytes (slots in file order), reading from the first
-    slot's start to the last one's end in as few preadv calls as CHUNK_BYTES allows, each slot
-    checked against its checksum if verify; raises EntryFormatError (the file ends first:
-    truncated; the bytes differ: data_checksum) or OSError. name: the file's, for errors."""
-    if not wanted:
-        return
+    """Fill each slot's runs with its bytes, reading from the first slot's start to the last
+    one's end (in file order, whatever the order given) in as few preadv calls as
+    CHUNK_BYTES allows, each slot checked against its checksum in checksums unless None;
+    raises EntryFormatError (the file ends first: truncated; the bytes differ:
+    data_checksum) or OSError. name: the file's, for errors."""
     pieces: list[Piece] = []
-    checks: list[tuple[Hasher, Slot]] = []
-    at = wanted[0][0].start
-    for slot, runs in wanted:
+    checks: list[tuple[Hasher, Slot, bytes]] = []
+    at = -1
+    for k in sorted(range(len(slots)), key=lambda k: slots[k].start):
+        slot = slots[k]
+        hasher: Hasher = None
+        if checksums is not None:
+            hasher = new_checksum()
+            checks.append((hasher, slot, checksums[k]))
+        if not slot.nbytes:  # no bytes to read, wherever it starts
+            continue
+        if at < 0:
+            start = at = slot.start
         if slot.start < at:
             raise ValueError(f"slot at {slot.start} overlaps the one before it, ending at {at}")
         gap = range(at, slot.start, ALIGNMENT)
         pieces.extend((_PADDING[: min(ALIGNMENT, slot.start - p)], None) for p in gap)
-        hasher = new_checksum() if verify else None
-        pieces.extend((run, hasher) for run in runs)
-        checks.append((hasher, slot))
+        pieces.extend((run, hasher) for run in runs[k])
         at = slot.end
-    _read(fd, wanted[0][0].start, pieces, name)
-    for hasher, slot in checks:
-        _check(hasher, slot.checksum, slot.start, name)
+    if pieces:
+        _read(fd, start, pieces, name)
+    for hasher, slot, checksum in checks:
+        _check(hasher, checksum, slot.start, name)
 
 
 def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
@@ -192,7 +202,7 @@ def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
                 hasher.update(piece)  # while the piece is still in the CPU's cache
 
 
-def _check(hasher: Hasher, checksum: bytes | None, start: int, name: str) -> None:
+def _check(hasher: Hasher, checksum: bytes, start: int, name: str) -> None:
     if hasher is not None and hasher.digest() != checksum:
         raise EntryFormatError(
             name, Rule.DATA_CHECKSUM, f"slot at {start}: bytes do not match its checksum"
@@ -297,6 +307,9 @@ class BlockReads:
             i: Cut.of(slots[i].dtype, full_shape(slots[i].shape, self._tokens)) for i in self._order
         }
         self._targets: dict[int, Sequence[memoryview]] = {}
+        # Per cut tensor whose destination is one view per outer run (a grown buffer's), those
+        # views: a block's rows of it are then a slice of each.
+        self._outer_runs: dict[int, list[memoryview]] = {}
         self._heads: BlockHeads | None = None  # set by the first head parsed in full
 
     def shape(self, index: int) -> tuple[int, ...]:
@@ -314,6 +327,9 @@ class BlockReads:
 
         def take(pieces: Sequence[memoryview]) -> None:
             self._targets[index] = pieces
+            outer = cut.runs(pieces, 0, cut.length)
+            if len(outer) == cut.outer:
+                self._outer_runs[index] = outer
             tail(cut.runs(pieces, *rows))
 
         return take
@@ -322,22 +338,29 @@ class BlockReads:
         """Block index from fd (left open), once every cut tensor's fill has run: its head
         read and checked against the manifest, then every cut tensor's rows in one pass over
         the file (preadv of CHUNK_BYTES at a time); raises EntryFormatError or OSError."""
-        block = self._head(index, fd)
-        rows = (index * self._block, (index + 1) * self._block)
-        wanted = [
-            (slot, self._cuts[i].runs(self._targets[i], *rows))
-            for slot, i in zip(block.slots, self._order, strict=True)
-        ]
-        read_slots(fd, wanted, self._verify, block_name(self.header.blocks[index]))
+        slots, checksums = self._head(index, fd)
+        first, end = index * self._block, (index + 1) * self._block
+        runs = [self._rows(i, first, end) for i in self._order]
+        name = block_name(self.header.blocks[index])
+        read_slots(fd, slots, runs, checksums if self._verify else None, name)
 
-    def _head(self, index: int, fd: int) -> BlockHeader:
+    def _rows(self, index: int, first: int, end: int) -> list[memoryview]:
+        """Rows [first, end) of cut tensor index, as views into its destination."""
+        outer = self._outer_runs.get(index)
+        if outer is None:
+            return self._cuts[index].runs(self._targets[index], first, end)
+        row = self._cuts[index].row
+        return [run[first * row : end * row] for run in outer]
+
+    def _head(self, index: int, fd: int) -> tuple[Sequence[Slot], Sequence[bytes]]:
+        """Block index's slots and their checksums, once its head passed the checks."""
         size = os.fstat(fd).st_size
         heads = self._heads
         data = os.pread(fd, PREFIX_BYTES if heads is None else heads.length, 0)
         if heads is not None:
-            found = heads.check(index, data, size)
-            if found is not None:
-                return found
+            checksums = heads.check(index, data, size)
+            if checksums is not None:
+                return heads.slots, checksums
         name = block_name(self.header.blocks[index])
         prefix = parse_prefix(name, data, self._limits)
         end = PREFIX_BYTES + prefix.header_length
@@ -345,6 +368,7 @@ class BlockReads:
             data += os.pread(fd, end - len(data), len(data))
         block = parse_block_header(name, prefix, data[PREFIX_BYTES:], size, self._limits)
         check_block(self.header, index, block, name)
+        slots = block.slots
         if heads is None:  # threads that get here at once each make one: any of them will do
             self._heads = BlockHeads.of(self.header, block, data)
-        return block
+        return slots, [slot.checksum for slot in slots]

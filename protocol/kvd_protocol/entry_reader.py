@@ -254,9 +254,11 @@ class BlockHeads:
 
     def __init__(self, manifest: EntryHeader, model: BlockHeader, head: bytes) -> None:
         self.length = len(head)  # the bytes of a head: the prefix and the header
+        self.slots = model.slots  # those of every block that passes check, but for checksums
         self._manifest, self._model, self._head = manifest, model, head
         self._parent_at, self._tokens_at, *checksums_at = _value_places(model, head)
         self._checksums_at = tuple(checksums_at)
+        self._step = len(model.tokens)  # token bytes of a block
 
     @classmethod
     def of(cls, manifest: EntryHeader, model: BlockHeader, head: Buffer) -> BlockHeads | None:
@@ -272,45 +274,39 @@ class BlockHeads:
         except ValueError:
             return None
 
-    def check(self, index: int, data: Buffer, file_size: int) -> BlockHeader | None:
-        """Block index's header, if data (its file's first bytes, at least self.length) is
-        the model's head but for that block's parent and tokens and any slot checksums, and
-        the file is the model's size; else None."""
-        manifest, model = self._manifest, self._model
-        if not 0 <= index < len(manifest.blocks) or file_size != model.file_size:
+    def check(self, index: int, data: Buffer, file_size: int) -> tuple[bytes, ...] | None:
+        """The slot checksums of block index, in the model's slot order (its slots' places),
+        if data (its file's first bytes, at least self.length) is the model's head but for
+        that block's parent and tokens and any slot checksums, and the file is the model's
+        size; else None. A block that passes is the model with those values: a restore reads
+        it by the model's slots, and builds no header of its own."""
+        manifest = self._manifest
+        if not 0 <= index < len(manifest.blocks) or file_size != self._model.file_size:
             return None
-        head = memoryview(data)[: self.length]
-        if head.nbytes != self.length:
+        head = bytes(memoryview(data)[: self.length])
+        if len(head) != self.length:
             return None
         expected = bytearray(self._head)
         expected[CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES] = head[
             CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES
         ]
-        parent = manifest.blocks[index - 1] if index else ZERO_HASH
-        expected[self._parent_at : self._parent_at + HASH_BYTES] = parent
-        step = len(model.tokens)
-        tokens = manifest.tokens[index * step : (index + 1) * step]
-        expected[self._tokens_at : self._tokens_at + step] = tokens
-        checksums = [bytes(head[at : at + CHECKSUM_BYTES]) for at in self._checksums_at]
+        expected[self._parent_at : self._parent_at + HASH_BYTES] = (
+            manifest.blocks[index - 1] if index else ZERO_HASH
+        )
+        step = self._step
+        expected[self._tokens_at : self._tokens_at + step] = manifest.tokens[
+            index * step : (index + 1) * step
+        ]
+        checksums = tuple(head[at : at + CHECKSUM_BYTES] for at in self._checksums_at)
         for at, digest in zip(self._checksums_at, checksums, strict=True):
             expected[at : at + CHECKSUM_BYTES] = digest
-        if expected != head or header_checksum(
-            head[:CHECKSUMMED_PREFIX_BYTES], head[PREFIX_BYTES:]
-        ) != bytes(head[CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES]):
+        if (
+            expected != head
+            or header_checksum(head[:CHECKSUMMED_PREFIX_BYTES], head[PREFIX_BYTES:])
+            != head[CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES]
+        ):
             return None
-        sums = iter(checksums)
-        return replace(
-            model,
-            hash=manifest.blocks[index],
-            parent=parent,
-            tokens=tokens,
-            layers=tuple(
-                tuple(
-                    Slot(s.dtype, s.shape, s.offset, s.nbytes, next(sums), s.start) for s in slots
-                )
-                for slots in model.layers
-            ),
-        )
+        return checksums
 
 
 def _value_places(model: BlockHeader, head: bytes) -> list[int]:

@@ -21,7 +21,7 @@ from kvd_client.client import Client
 from kvd_client.entry_io import CHUNK_BYTES, EntryFile
 from kvd_client.workers import Descriptors
 from kvd_protocol.checksum import checksum
-from kvd_protocol.entry import LayerSpec, Slot, TensorSpec, plan_manifest
+from kvd_protocol.entry import ALIGNMENT, LayerSpec, Slot, TensorSpec, plan_manifest
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
@@ -43,7 +43,7 @@ def read_runs(
     """read_slots of one slot at offset, as long as runs, checked against digest unless None."""
     nbytes = sum(run.nbytes for run in runs)
     slot = Slot("uint8", (nbytes,), 0, nbytes, digest or bytes(8), offset)
-    read_slots(fd, [(slot, runs)], digest is not None, name)
+    read_slots(fd, [slot], [runs], None if digest is None else [digest], name)
 
 
 @pytest.fixture
@@ -148,6 +148,31 @@ def test_a_short_file_and_changed_bytes_are_refused_by_rule(fd: int) -> None:
     unchecked = memoryview(bytearray(64))
     read_runs(fd, 0, [unchecked], None, "block")  # verification off: the bytes as they are
     assert unchecked[10] == 0xFF
+
+
+def test_slots_given_out_of_file_order_are_each_read_and_checked(fd: int) -> None:
+    """A valid block may list its slots in any order of offsets (the format asks only that
+    none overlap); an empty slot may start anywhere."""
+    rng = np.random.default_rng(5)
+    first, second = (rng.integers(0, 255, n, np.uint8) for n in (5000, 300))
+    at = [ALIGNMENT, 3 * ALIGNMENT]  # apart by a gap, read into padding
+    sums = [
+        write_runs(fd, offset, [_bytes(a)]) for offset, a in zip(at, (first, second), strict=True)
+    ]
+    empty = Slot("uint8", (0,), 0, 0, checksum(b""), 2 * ALIGNMENT + 7)
+    slots = [
+        Slot("uint8", (300,), 0, 300, sums[1], at[1]),
+        empty,
+        Slot("uint8", (5000,), 0, 5000, sums[0], at[0]),
+    ]
+    back = [bytearray(300), bytearray(0), bytearray(5000)]
+    runs = [[memoryview(b)[:100], memoryview(b)[100:]] for b in back]
+    read_slots(fd, slots, runs, [slot.checksum for slot in slots], "block")
+    assert bytes(back[0]) == second.tobytes()
+    assert bytes(back[2]) == first.tobytes()
+    with pytest.raises(EntryFormatError) as changed:
+        read_slots(fd, slots, runs, [sums[1], checksum(b""), sums[1]], "block")
+    assert changed.value.rule is Rule.DATA_CHECKSUM
 
 
 # --- a manifest and its blocks on real files, written and read back -------------------------

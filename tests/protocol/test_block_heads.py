@@ -4,6 +4,8 @@ or judge apart."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -11,8 +13,17 @@ import pytest
 from entry_samples import header_of, read_block, sample_manifest, write, write_blocks
 from hypothesis import given
 from hypothesis import strategies as st
-from kvd_protocol.entry import CHECKSUMMED_PREFIX_BYTES, PREFIX, PREFIX_BYTES, header_checksum
+from kvd_protocol.blocks import ZERO_HASH
+from kvd_protocol.entry import (
+    CHECKSUMMED_PREFIX_BYTES,
+    PREFIX,
+    PREFIX_BYTES,
+    BlockHeader,
+    encode_block_header,
+    header_checksum,
+)
 from kvd_protocol.entry_reader import BlockHeads, check_block
+from kvd_protocol.errors import EntryFormatError, Rule
 
 PLAN = sample_manifest(tokens=88)  # blocks of 16: 5 blocks and an 8-token tail
 _, MANIFEST = write(PLAN.entry)
@@ -42,12 +53,30 @@ def _fully_checked(index: int, blob: bytes | bytearray, name: str) -> Any:
     return block
 
 
+def _vouched(model: BlockHeader, index: int, checksums: Sequence[bytes]) -> BlockHeader:
+    """What a check that found checksums vouches for: the model's header with block index's
+    parent, tokens and hash (the manifest's) and those slot checksums."""
+    step = len(model.tokens)
+    sums = iter(checksums)
+    return replace(
+        model,
+        hash=MANIFEST.blocks[index],
+        parent=MANIFEST.blocks[index - 1] if index else ZERO_HASH,
+        tokens=MANIFEST.tokens[index * step : (index + 1) * step],
+        layers=tuple(
+            tuple(replace(slot, checksum=next(sums)) for slot in slots) for slots in model.layers
+        ),
+    )
+
+
 def test_every_block_is_what_the_full_checks_make_of_it() -> None:
     assert len(BLOCKS) == 5
     assert _heads().length == HEAD_BYTES
+    assert _heads().slots == MODEL.slots
     for index, (name, blob, header) in enumerate(BLOCKS):
         found = _heads().check(index, blob, len(blob))
-        assert found == header == _fully_checked(index, blob, name)
+        assert found is not None
+        assert _vouched(MODEL, index, found) == header == _fully_checked(index, blob, name)
 
 
 def test_a_block_in_another_place_or_of_another_size_gets_no_verdict() -> None:
@@ -81,8 +110,44 @@ def test_a_changed_and_resealed_head_is_what_the_full_checks_make_of_it(at: int,
     blob[at] ^= flip
     found = _heads().check(3, _resealed(blob), len(blob))
     if found is not None:  # else the full checks judge it (refused, or not the model's bytes)
-        assert found == _fully_checked(3, blob, name)
-        assert [s.checksum for s in found.slots] != [s.checksum for s in header.slots]
+        assert _vouched(MODEL, 3, found) == _fully_checked(3, blob, name)
+        assert list(found) != [s.checksum for s in header.slots]
+
+
+def _rewritten(header: BlockHeader) -> bytearray:
+    """Block 3's file with its head encoding header instead (of the same length), resealed."""
+    _, original, _ = BLOCKS[3]
+    head = encode_block_header(header)
+    assert len(head) == HEAD_BYTES - PREFIX_BYTES
+    blob = bytearray(original)
+    blob[PREFIX_BYTES:HEAD_BYTES] = head
+    return _resealed(blob)
+
+
+def test_a_resealed_head_with_other_slot_checksums_is_accepted_with_them() -> None:
+    """A fixed case of the property above that is sure to pass the compare."""
+    name, _, header = BLOCKS[3]
+    other = [bytes(8), b"\xff" * 8, *[s.checksum for s in header.slots[2:]]]
+    changed = _vouched(header, 3, other)
+    found = _heads().check(3, _rewritten(changed), len(BLOCKS[3][1]))
+    assert found == tuple(other)
+    assert _vouched(MODEL, 3, found) == changed == _fully_checked(3, _rewritten(changed), name)
+
+
+def test_a_resealed_head_with_another_shape_is_left_to_the_full_checks() -> None:
+    """The same bytes for the same count of a slot's elements but another shape: the compare
+    gives no verdict, and the full checks refuse the block as not the manifest's."""
+    name, _, header = BLOCKS[3]
+    first, *rest = header.layers[0]
+    assert first.shape == (1, 2, 16, 8)
+    reshaped = replace(
+        header, layers=((replace(first, shape=(2, 1, 16, 8)), *rest), *header.layers[1:])
+    )
+    blob = _rewritten(reshaped)
+    assert _heads().check(3, blob, len(blob)) is None
+    with pytest.raises(EntryFormatError) as refused:
+        _fully_checked(3, blob, name)
+    assert refused.value.rule is Rule.BLOCK_MISMATCH
 
 
 def test_a_model_in_another_encoding_makes_no_check() -> None:
@@ -105,4 +170,6 @@ def test_the_model_may_be_any_block(index: int) -> None:
     heads = BlockHeads.of(MANIFEST, header, bytes(blob))
     assert heads is not None
     for other, (_, other_blob, other_header) in enumerate(BLOCKS):
-        assert heads.check(other, other_blob, len(other_blob)) == other_header
+        found = heads.check(other, other_blob, len(other_blob))
+        assert found is not None
+        assert _vouched(header, other, found) == other_header
