@@ -25,6 +25,8 @@ from kvd_protocol.entry_reader import parse_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 
+from .read_ahead import will_read
+
 # Each tensor is copied and checksummed a piece at a time (written, or read), so the checksum
 # reads bytes the copy has just brought into the cache instead of reading them twice. Read
 # and checksummed, 512 MiB cost the least CPU in pieces of 0.5-2 MiB on the Linux VM (112 ms
@@ -203,7 +205,7 @@ class EntryFile:
 
     def fills(self, *, verify: bool = True) -> list[Callable[[Sequence[memoryview]], None]]:
         """Per slot, read_slot of it (the restore's Fill); the whole file is about to be read."""
-        _will_read(self._fd)
+        will_read(self._fd)
         return [partial(self.read_slot, i, verify=verify) for i in range(len(self.header.slots))]
 
     def verify(self) -> None:
@@ -252,14 +254,6 @@ class EntryFile:
                     f"slot at {slot.start}: the file ends at {offset}, the slot at {slot.end}",
                 )
             target, offset = target[got:], offset + got
-
-
-def _will_read(fd: int) -> None:
-    """Start reading the whole file from disk now, in one sequential stream, rather than as
-    the readers' interleaved preads reach each part (Linux; elsewhere they read as they go)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
 
 def _pread(fd: int, length: int, offset: int) -> bytes:

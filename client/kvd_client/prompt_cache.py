@@ -30,6 +30,7 @@ from .block_io import BlockReads
 from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
 from .identity import Identity
+from .read_ahead import will_read
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 
 log = logging.getLogger("kvd_client")
@@ -292,7 +293,9 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
                 held.append(fds)
                 if not first:  # the first batch is had before anything is allocated
                     caches = _loaded(header, codecs, fills, filling, blocks)
-                reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
+                # The batch's files asked from disk all at once, on a reader, as the others read.
+                reads = [partial(will_read, *fds)]
+                reads.extend(partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds))
                 reading.append(filling.started(reads))
     finally:  # once every read of them has ended (leaving Filling waits for them)
         for fds in held:
