@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import TYPE_CHECKING, Final
 
 from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import new_checksum
@@ -34,15 +34,20 @@ from kvd_protocol.entry_reader import BlockHeads, check_block, parse_block_heade
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
-from .entry_io import CHUNK_BYTES, write_all  # CHUNK_BYTES: copied per call, then checksummed
+from .entry_io import (  # CHUNK_BYTES: copied per call, then checksummed
+    CHUNK_BYTES,
+    Hasher,
+    Piece,
+    Pieces,
+    advanced,
+    calls_of,
+    write_all,
+    write_runs,
+)
 from .workers import Descriptors, run_all
 
 if TYPE_CHECKING:  # restore.py needs MLX; the raw put path (calls.py) must not
-    import xxhash
-
     from .restore import Fill
-
-IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 @dataclass(frozen=True)
@@ -100,50 +105,6 @@ def _cut(pieces: Sequence[memoryview], ranges: Iterator[tuple[int, int]]) -> lis
     return out
 
 
-Hasher: TypeAlias = "xxhash.xxh3_64 | None"
-Piece: TypeAlias = tuple[memoryview, Hasher]  # a view and the checksum its bytes go to
-
-
-def _calls(pieces: Iterable[Piece], limit: int) -> Iterator[list[Piece]]:
-    """pieces in iovecs of at most limit bytes (a longer view is split) and IOV_MAX entries."""
-    group: list[Piece] = []
-    size = 0
-    for view, hasher in pieces:
-        for pos in range(0, view.nbytes, limit):
-            piece = view[pos : pos + limit]
-            if group and (size + piece.nbytes > limit or len(group) == IOV_MAX):
-                yield group
-                group, size = [], 0
-            group.append((piece, hasher))
-            size += piece.nbytes
-    if group:
-        yield group
-
-
-def _advanced(group: list[memoryview], done: int) -> list[memoryview]:
-    """What is left of group after its first done bytes."""
-    while done and done >= group[0].nbytes:
-        done -= group[0].nbytes
-        group = group[1:]
-    return [group[0][done:], *group[1:]] if done else group
-
-
-def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
-    """Write runs back to back at offset of fd by pwritev; their checksum, computed as each
-    piece is written."""
-    hasher = new_checksum()
-    for group in _calls(((run, hasher) for run in runs), CHUNK_BYTES):
-        pending = [piece for piece, _ in group]
-        while pending:
-            written = os.pwritev(fd, pending, offset)
-            if not written:
-                raise OSError(f"no progress writing at offset {offset}")
-            pending, offset = _advanced(pending, written), offset + written
-        for piece, _ in group:
-            hasher.update(piece)  # while the piece is still in the CPU's cache
-    return hasher.digest()
-
-
 # Where the bytes between two slots (alignment padding) are read to: never looked at, so the
 # reader threads may all write it at once.
 _PADDING: Final = memoryview(bytearray(ALIGNMENT))
@@ -188,7 +149,7 @@ def read_slots(
 
 def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
     start = offset
-    for group in _calls(pieces, CHUNK_BYTES):
+    for group in calls_of(pieces, CHUNK_BYTES):
         pending = [piece for piece, _ in group]
         while pending:
             got = os.preadv(fd, pending, offset)
@@ -196,7 +157,7 @@ def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
                 raise EntryFormatError(
                     name, Rule.TRUNCATED, f"slot at {start}: the file ends at {offset}"
                 )
-            pending, offset = _advanced(pending, got), offset + got
+            pending, offset = advanced(pending, got), offset + got
         for piece, hasher in group:
             if hasher is not None:
                 hasher.update(piece)  # while the piece is still in the CPU's cache
@@ -239,7 +200,7 @@ class BlockWriter:
     plan's tensor order): each block's rows of every cut tensor, then its head; the
     manifest's tails of the cut tensors and the other tensors whole, then its head."""
 
-    def __init__(self, plan: ManifestPlan, views: Sequence[memoryview]) -> None:
+    def __init__(self, plan: ManifestPlan, views: Sequence[Pieces]) -> None:
         header = plan.entry.header
         self.plan = plan
         self._views = views
@@ -265,7 +226,7 @@ class BlockWriter:
         _check_size(fd, plan.block_size)
         rows = (index * self._block, (index + 1) * self._block)
         checksums = [
-            write_runs(fd, slot.start, self._cuts[i].runs([self._views[i]], *rows))
+            write_runs(fd, slot.start, self._cuts[i].runs(self._views[i], *rows))
             for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
         ]
         write_all(fd, memoryview(plan.block_head(index, checksums)), 0)  # heads: no checksum
@@ -277,9 +238,9 @@ class BlockWriter:
         tail = (len(self.plan.hashes) * self._block, self._tokens)
         checksums = [
             write_runs(
-                fd, slot.start, self._cuts[i].runs([view], *tail) if i in self._cuts else [view]
+                fd, slot.start, self._cuts[i].runs(pieces, *tail) if i in self._cuts else pieces
             )
-            for i, (slot, view) in enumerate(zip(entry.slots, self._views, strict=True))
+            for i, (slot, pieces) in enumerate(zip(entry.slots, self._views, strict=True))
         ]
         write_all(fd, memoryview(entry.head(checksums)), 0)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.dtypes import tensor_nbytes
@@ -27,15 +27,24 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 
 from .read_ahead import will_read
 
+if TYPE_CHECKING:
+    import xxhash
+
 # Each tensor is copied and checksummed a piece at a time (written, or read), so the checksum
 # reads bytes the copy has just brought into the cache instead of reading them twice. Read
 # and checksummed, 512 MiB cost the least CPU in pieces of 0.5-2 MiB on the Linux VM (112 ms
 # against 128 ms in the 256 KiB pieces that stay in its L2, and 133 ms in 8 MiB ones).
 CHUNK_BYTES: Final = 1 << 20
+IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
-# Anything exposing the buffer protocol: numpy and MLX arrays, bytes, memoryviews. Checked at
-# run time (tensor_views); Python 3.11's type stubs of the array libraries do not declare it.
+# Anything exposing the buffer protocol: numpy and MLX arrays, bytes, memoryviews; or a list
+# of such buffers, the tensor's bytes in C order in pieces (a tensor that is not contiguous
+# in memory, as a cache's live rows: codecs.tensor_pieces). Checked at run time
+# (tensor_views); Python 3.11's type stubs of the array libraries do not declare it.
 TensorData: TypeAlias = Any
+
+# Byte views of one tensor, in order: together its bytes in C order.
+Pieces: TypeAlias = Sequence[memoryview]
 
 
 class TensorLayoutError(ValueError):
@@ -52,41 +61,52 @@ class Expected(Protocol):
     def shape(self) -> tuple[int, ...]: ...
 
 
-def tensor_views(plan: EntryPlan, tensors: Sequence[TensorData]) -> list[memoryview]:
-    """A flat byte view of each tensor, checked against its slot; raises TensorLayoutError."""
+def tensor_views(plan: EntryPlan, tensors: Sequence[TensorData]) -> list[Pieces]:
+    """The byte views of each tensor, checked against its slot; raises TensorLayoutError."""
     return views_of(plan.slots, tensors)
 
 
-def views_of(expected: Sequence[Expected], tensors: Sequence[TensorData]) -> list[memoryview]:
-    """A flat byte view of each tensor, checked against what is expected of it (size,
-    contiguity, count); raises TensorLayoutError."""
+def views_of(expected: Sequence[Expected], tensors: Sequence[TensorData]) -> list[Pieces]:
+    """The flat byte views of each tensor (one, or its pieces), checked against what is
+    expected of it (size, contiguity, count); raises TensorLayoutError."""
     if len(tensors) != len(expected):
         raise TensorLayoutError(f"{len(tensors)} tensors for {len(expected)} planned slots")
-    views: list[memoryview] = []
+    views: list[Pieces] = []
     for i, (tensor, slot) in enumerate(zip(tensors, expected, strict=True)):
-        try:
-            view = memoryview(tensor)
-        except TypeError:
-            raise TensorLayoutError(
-                f"tensor {i}: {type(tensor).__name__} does not expose the buffer protocol"
-            ) from None
-        if not view.c_contiguous:
-            raise TensorLayoutError(f"tensor {i}: not C-contiguous; make a contiguous copy first")
+        parts = tensor if isinstance(tensor, list | tuple) else [tensor]
+        pieces = [
+            _flat(f"tensor {i}" if part is tensor else f"tensor {i}, piece {j}", part)
+            for j, part in enumerate(parts)
+        ]
+        found = sum(piece.nbytes for piece in pieces)
         nbytes = tensor_nbytes(slot.dtype, slot.shape)
-        if view.nbytes != nbytes:
+        if found != nbytes:
             raise TensorLayoutError(
-                f"tensor {i}: {view.nbytes} bytes, its slot ({slot.dtype} {list(slot.shape)}) "
+                f"tensor {i}: {found} bytes, its slot ({slot.dtype} {list(slot.shape)}) "
                 f"holds {nbytes}"
             )
-        if view.nbytes == 0:
-            view = memoryview(b"")  # cast() refuses shapes with a zero in them
-        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+        views.append([piece for piece in pieces if piece.nbytes])
     return views
 
 
-def write_entry(fd: int, plan: EntryPlan, views: Sequence[memoryview]) -> None:
-    """Write the entry into fd (read-write, sized to plan.file_size): each tensor to its slot,
-    checksummed while copied, then the head at offset 0.
+def _flat(what: str, buffer: TensorData) -> memoryview:
+    """A flat byte view of a C-contiguous buffer; raises TensorLayoutError."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TensorLayoutError(
+            f"{what}: {type(buffer).__name__} does not expose the buffer protocol"
+        ) from None
+    if not view.c_contiguous:
+        raise TensorLayoutError(f"{what}: not C-contiguous; make a contiguous copy first")
+    if view.nbytes == 0:
+        return memoryview(b"")  # cast() refuses shapes with a zero in them
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def write_entry(fd: int, plan: EntryPlan, views: Sequence[Pieces]) -> None:
+    """Write the entry into fd (read-write, sized to plan.file_size): each tensor's pieces
+    back to back in its slot, checksummed while copied, then the head at offset 0.
 
     With pwrite, not through a mapping: the kernel copies into the page cache at about twice
     the speed of faulting in a fresh mapping page by page (256 MiB: 1.7x memcpy against 3.1x),
@@ -96,18 +116,52 @@ def write_entry(fd: int, plan: EntryPlan, views: Sequence[memoryview]) -> None:
     if size != plan.file_size:
         raise ValueError(f"staging file is {size} bytes, the entry needs {plan.file_size}")
     checksums = [
-        _write_checksummed(fd, slot.start, view)
-        for slot, view in zip(plan.slots, views, strict=True)
+        write_runs(fd, slot.start, pieces) for slot, pieces in zip(plan.slots, views, strict=True)
     ]
     write_all(fd, memoryview(plan.head(checksums)), 0)
 
 
-def _write_checksummed(fd: int, start: int, view: memoryview) -> bytes:
+Hasher: TypeAlias = "xxhash.xxh3_64 | None"
+Piece: TypeAlias = tuple[memoryview, Hasher]  # a view and the checksum its bytes go to
+
+
+def calls_of(pieces: Iterable[Piece], limit: int) -> Iterator[list[Piece]]:
+    """pieces in iovecs of at most limit bytes (a longer view is split) and IOV_MAX entries."""
+    group: list[Piece] = []
+    size = 0
+    for view, hasher in pieces:
+        for pos in range(0, view.nbytes, limit):
+            piece = view[pos : pos + limit]
+            if group and (size + piece.nbytes > limit or len(group) == IOV_MAX):
+                yield group
+                group, size = [], 0
+            group.append((piece, hasher))
+            size += piece.nbytes
+    if group:
+        yield group
+
+
+def advanced(group: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of group after its first done bytes."""
+    while done and done >= group[0].nbytes:
+        done -= group[0].nbytes
+        group = group[1:]
+    return [group[0][done:], *group[1:]] if done else group
+
+
+def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
+    """Write runs back to back at offset of fd by pwritev, CHUNK_BYTES a call; their
+    checksum, computed as each call's pieces are written."""
     hasher = new_checksum()
-    for pos in range(0, view.nbytes, CHUNK_BYTES):
-        piece = view[pos : pos + CHUNK_BYTES]
-        write_all(fd, piece, start + pos)
-        hasher.update(piece)  # while the chunk is still in the CPU's cache
+    for group in calls_of(((run, hasher) for run in runs), CHUNK_BYTES):
+        pending = [piece for piece, _ in group]
+        while pending:
+            written = os.pwritev(fd, pending, offset)
+            if not written:
+                raise OSError(f"no progress writing at offset {offset}")
+            pending, offset = advanced(pending, written), offset + written
+        for piece, _ in group:
+            hasher.update(piece)  # while the piece is still in the CPU's cache
     return hasher.digest()
 
 

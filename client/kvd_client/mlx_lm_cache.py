@@ -74,7 +74,7 @@ class ColdTierStats:
 class _Snapshot:
     tokens: list[int]
     layers: list[LayerSpec]
-    views: list[memoryview]  # each holds its array: MLX will not write into it meanwhile
+    views: list[list[memoryview]]  # each holds its buffer: MLX will not write into it meanwhile
     meta: dict[str, MetaValue]
 
 
@@ -259,9 +259,7 @@ class ColdTier:
 
     def _snapshot(self, tokens: Sequence[int], cache: Sequence[Any]) -> _Snapshot:
         layers, tensors, meta = prompt_cache.encode(cache, len(tokens))
-        # MLX arrays export the buffer protocol; their type stubs do not declare it.
-        views = [memoryview(cast(Any, tensor)) for tensor in tensors]
-        return _Snapshot(list(tokens), layers, views, meta)
+        return _Snapshot(list(tokens), layers, tensors, meta)
 
     def _send_forever(self) -> None:
         while True:

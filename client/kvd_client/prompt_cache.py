@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import calls
 from .block_io import BlockReads
 from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
-from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named
+from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
 from .identity import Identity
 from .read_ahead import will_read
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
@@ -56,9 +56,10 @@ class Restored:
 
 def encode(
     cache: Sequence[Any], token_count: int, meta: Mapping[str, MetaValue] | None = None
-) -> tuple[list[LayerSpec], list[mx.array], dict[str, MetaValue]]:
-    """The layers, tensors and entry meta of a put; raises CodecError for a cache without a
-    codec, or one holding a different number of tokens than the entry's."""
+) -> tuple[list[LayerSpec], list[list[memoryview]], dict[str, MetaValue]]:
+    """The layers, tensors (each as byte views of the caches' buffers: tensor_pieces) and
+    entry meta of a put; raises CodecError for a cache without a codec, or one holding a
+    different number of tokens than the entry's."""
     layers: list[LayerSpec] = []
     tensors: list[mx.array] = []
     for i, layer in enumerate(cache):
@@ -71,10 +72,10 @@ def encode(
         layers.append(
             LayerSpec(codec.kind, specs, codec.trimmable(state), state, blocked=codec.blocked)
         )
-        # The buffer protocol of a bfloat16 array has a format memoryview cannot cast.
-        tensors.extend(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays)
+        tensors.extend(arrays)
     mx.eval(tensors)
-    return layers, tensors, {**(meta or {}), MLX_LM_META: mlx_lm.__version__}
+    pieces = [tensor_pieces(tensor) for tensor in tensors]
+    return layers, pieces, {**(meta or {}), MLX_LM_META: mlx_lm.__version__}
 
 
 def put(

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvd_client import block_io
-from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_slots, write_runs
+from kvd_client import entry_io
+from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_slots
 from kvd_client.client import Client
-from kvd_client.entry_io import CHUNK_BYTES, EntryFile
+from kvd_client.entry_io import CHUNK_BYTES, EntryFile, write_runs
 from kvd_client.workers import Descriptors
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ALIGNMENT, LayerSpec, Slot, TensorSpec, plan_manifest
@@ -126,7 +126,7 @@ def test_the_rows_of_an_mlx_array_are_written_as_its_block_and_read_into_a_longe
 
 def test_runs_longer_than_a_call_and_more_runs_than_an_iovec_holds(fd: int) -> None:
     long = np.random.default_rng(1).integers(0, 255, CHUNK_BYTES * 2 + 7, np.uint8)
-    many = np.arange(block_io.IOV_MAX + 50, dtype=np.uint8).reshape(1, -1, 1, 1)
+    many = np.arange(entry_io.IOV_MAX + 50, dtype=np.uint8).reshape(1, -1, 1, 1)
     runs = [_bytes(long), *Cut.of("uint8", many.shape).runs([_bytes(many)], 0, 1)]
     expected = long.tobytes() + many.tobytes()
     assert write_runs(fd, 0, runs) == checksum(expected)
@@ -213,7 +213,7 @@ def stored(tmp_path: Path) -> Iterator[tuple[EntryFile, list[int], list[np.ndarr
     plan = plan_manifest(
         IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
     )
-    writer = BlockWriter(plan, [_bytes(a) for a in arrays])
+    writer = BlockWriter(plan, [[_bytes(a)] for a in arrays])
     paths = [tmp_path / f"block{i}" for i in range(len(plan.hashes))]
     with Descriptors([_file(path, plan.block_size) for path in paths[:2]]) as first:
         writer.write_blocks(0, first)
@@ -306,7 +306,7 @@ def test_blocks_written_at_once_are_each_whole_and_a_failed_one_waits_for_the_ot
     plan = plan_manifest(
         IDENTITY, pack_tokens(range(TOKENS)), layers, block_tokens=BLOCK, created=1.0, min_reuse=0
     )
-    writer = BlockWriter(plan, [_bytes(a) for a in arrays])
+    writer = BlockWriter(plan, [[_bytes(a)] for a in arrays])
     serial = [tmp_path / f"serial{i}" for i in range(3)]
     for index, path in enumerate(serial):
         with Descriptors([_file(path, plan.block_size)]) as one:

@@ -7,12 +7,21 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from kvd_client import entry_io
-from kvd_client.codecs import CODEC_ID, CodecError, KVCodec, codec_for, mlc, register_codec
+from kvd_client.codecs import (
+    CODEC_ID,
+    CodecError,
+    KVCodec,
+    codec_for,
+    mlc,
+    register_codec,
+    tensor_pieces,
+)
 from kvd_client.identity import Identity
 from kvd_client.prompt_cache import Miss, decode, encode
 from kvd_protocol.entry import EntryHeader, plan_entry
@@ -278,3 +287,108 @@ def test_the_layers_cut_into_blocks_hold_every_token_on_axis_two() -> None:
     assert [layer.blocked for layer in layers] == [True, True, *[False] * 5, True]
     for layer in layers:
         assert not layer.blocked or all(t.shape[2] == 9 for t in layer.tensors)
+
+
+# --- the live rows written from the caches' own buffers ----------------------------------------
+
+LONG = 300  # tokens: off mlx-lm's 256 step, and runs of LONG * 64 elements above MIN_RUN
+
+
+def _long_kv(dtype: mx.Dtype, seed: int = 0) -> tuple[mx.array, mx.array]:
+    keys = mx.random.normal((1, 2, LONG, 64), key=mx.random.key(seed)).astype(dtype)
+    return keys, keys * 2 + 1
+
+
+def _view(array: mx.array) -> memoryview:
+    """The bytes of an evaluated contiguous array (through uint8: bfloat16 has no format)."""
+    return memoryview(cast(Any, array.view(mx.uint8)))
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_live_rows_are_views_of_the_buffer_one_per_head(dtype: mx.Dtype) -> None:
+    cache = mlc.KVCache()
+    cache.update_and_fetch(*_long_kv(dtype))
+    mx.eval(cache.state)
+    assert cache.keys.shape[2] == 512  # room beyond the live rows: they are strided
+    _, [keys, _], _ = encode([cache], LONG)
+    start, row = _address(_view(cache.keys)), 64 * dtype.size
+    assert [_address(piece) for piece in keys] == [start, start + 512 * row]  # not copied
+    assert [piece.nbytes for piece in keys] == [LONG * row] * 2
+    live = _view(mx.contiguous(cache.keys[..., :LONG, :]))
+    assert b"".join(bytes(piece) for piece in keys) == live.tobytes()
+
+
+def test_a_snapshot_keeps_its_bytes_while_the_cache_goes_on() -> None:
+    """The pieces hold the buffers, so the next decode steps write into copies, in a
+    KVCache (rows appended into the room) and in a wrapped RotatingKVCache (its ring
+    overwritten in place), and the snapshot still has the bytes it was taken with."""
+    kv = mlc.KVCache()
+    kv.update_and_fetch(*_long_kv(mx.float16))
+    ring = mlc.RotatingKVCache(max_size=LONG, keep=4)
+    ring.update_and_fetch(*_long_kv(mx.float16, seed=1))
+    ring.update_and_fetch(*(a[..., :1, :] for a in _long_kv(mx.float16, seed=2)))
+    mx.eval(kv.state, ring.state)
+    tensors = encode([kv], LONG)[1] + encode([ring], LONG + 1)[1]
+    before = [b"".join(bytes(p) for p in pieces) for pieces in tensors]
+    for step in range(3):
+        new = [a[..., :1, :] for a in _long_kv(mx.float16, seed=10 + step)]
+        kv.update_and_fetch(*new)
+        ring.update_and_fetch(*new)
+        mx.eval(kv.state, ring.state)
+    assert [b"".join(bytes(p) for p in pieces) for pieces in tensors] == before
+
+
+def test_a_buffer_is_updated_in_place_again_once_its_snapshot_is_gone() -> None:
+    cache = mlc.KVCache()
+    cache.update_and_fetch(*_long_kv(mx.float16))
+    mx.eval(cache.state)
+    _, tensors, _ = encode([cache], LONG)
+    held = _address(tensors[0][0])
+    step = [a[..., :1, :] for a in _long_kv(mx.float16, seed=5)]
+    cache.update_and_fetch(*step)
+    mx.eval(cache.state)
+    copied = _address(_view(cache.keys))
+    assert copied != held  # written into a copy while the snapshot held the buffer
+    del tensors
+    cache.update_and_fetch(*step)
+    mx.eval(cache.state)
+    assert _address(_view(cache.keys)) == copied  # in place again
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_caches_written_from_their_buffers_round_trip(tmp_path: Path, dtype: mx.Dtype) -> None:
+    kv = mlc.KVCache()
+    kv.update_and_fetch(*_long_kv(dtype))
+    quantized = mlc.QuantizedKVCache(group_size=32, bits=8)
+    quantized.update_and_fetch(*_long_kv(mx.float32, seed=1))
+    rotating = mlc.RotatingKVCache(max_size=1024)
+    rotating.update_and_fetch(*_long_kv(dtype, seed=2))
+    batch = mlc.BatchKVCache(left_padding=[3])  # extract(0) starts 3 rows into the buffer
+    batch.update_and_fetch(*_long_kv(dtype, seed=3))
+    batch_tokens = batch.extract(0).offset
+    caches = [kv, quantized, rotating]
+    _, restored = _round_trip(tmp_path, caches, LONG)
+    for got, want in zip(restored, caches, strict=True):
+        for g, w in zip(got.state, want.state, strict=True):
+            if isinstance(w, mx.array | tuple):
+                for a, b in zip(
+                    *(x if isinstance(x, tuple) else (x,) for x in (g, w)), strict=True
+                ):
+                    assert _same(a[..., :LONG, :], b[..., :LONG, :])
+    _, [restored_batch] = _round_trip(tmp_path, [batch], batch_tokens)
+    assert _same(
+        restored_batch.keys[..., :batch_tokens, :], batch.extract(0).keys[..., :batch_tokens, :]
+    )
+
+
+def test_tensors_whose_runs_are_short_are_copied_first() -> None:
+    source = mx.random.normal((2, 3, 40, 16), key=mx.random.key(7))
+    for array in (source.transpose(0, 1, 3, 2), source[..., :5, :], source[:, ::-1]):
+        mx.eval(array)
+        [piece] = tensor_pieces(array)
+        assert bytes(piece) == np.array(array).tobytes()
+    assert tensor_pieces(source[..., :0, :]) == []
