@@ -29,6 +29,7 @@ from kvd_protocol.entry import (
     EntryHeader,
     ManifestPlan,
     Slot,
+    with_rows,
 )
 from kvd_protocol.entry_reader import BlockHeads, check_block, parse_block_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
@@ -170,11 +171,6 @@ def _check(hasher: Hasher, checksum: bytes, start: int, name: str) -> None:
         )
 
 
-def full_shape(shape: Sequence[int], tokens: int) -> tuple[int, ...]:
-    """The shape of a cut tensor of tokens rows whose tail (or block) slot has shape."""
-    return (*shape[:TOKEN_AXIS], tokens, *shape[TOKEN_AXIS + 1 :])
-
-
 def _check_size(fd: int, size: int) -> None:
     found = os.fstat(fd).st_size
     if found != size:
@@ -206,7 +202,7 @@ class BlockWriter:
         self._views = views
         self._tokens, self._block = header.token_count, header.block_tokens
         self._cuts = {
-            i: Cut.of(header.slots[i].dtype, full_shape(header.slots[i].shape, self._tokens))
+            i: Cut.of(header.slots[i].dtype, with_rows(header.slots[i].shape, self._tokens))
             for i in plan.blocked_tensors
         }
 
@@ -265,7 +261,7 @@ class BlockReads:
         cut = [layer.blocked for layer in header.layers for _ in layer.slots]
         self._order = [i for i, blocked in enumerate(cut) if blocked]  # as a block lists them
         self._cuts = {
-            i: Cut.of(slots[i].dtype, full_shape(slots[i].shape, self._tokens)) for i in self._order
+            i: Cut.of(slots[i].dtype, with_rows(slots[i].shape, self._tokens)) for i in self._order
         }
         self._targets: dict[int, Sequence[memoryview]] = {}
         # Per cut tensor whose destination is one view per outer run (a grown buffer's), those
@@ -276,7 +272,7 @@ class BlockReads:
     def shape(self, index: int) -> tuple[int, ...]:
         """The whole shape of tensor index (its slot's, for a tensor not cut)."""
         shape = self.header.slots[index].shape
-        return full_shape(shape, self._tokens) if index in self._cuts else shape
+        return with_rows(shape, self._tokens) if index in self._cuts else shape
 
     def fill(self, index: int, tail: Fill) -> Fill:
         """Tensor index's Fill: for a cut tensor, its destination is kept for read_block and

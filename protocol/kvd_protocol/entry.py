@@ -622,7 +622,7 @@ def plan_manifest(
                     f"layers[{i}]: a blocked tensor of shape {list(tensor.shape)} does not "
                     f"have the {count} tokens on axis {TOKEN_AXIS}"
                 )
-        shapes.append(tuple(_rows(tensor.shape, tail) for tensor in spec.tensors))
+        shapes.append(tuple(with_rows(tensor.shape, tail) for tensor in spec.tensors))
     draft = _draft(
         identity,
         tokens,
@@ -643,8 +643,9 @@ def plan_manifest(
     return _block_plan(entry, hashes, blocked, [i for i, cut in enumerate(flat) if cut])
 
 
-def _rows(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
-    """shape with rows on the token axis."""
+def with_rows(shape: Sequence[int], rows: int) -> tuple[int, ...]:
+    """shape with rows on the token axis: a cut tensor's whole shape from its tail (or
+    block) slot's, and back."""
     return (*shape[:TOKEN_AXIS], rows, *shape[TOKEN_AXIS + 1 :])
 
 
@@ -661,7 +662,7 @@ def _block_plan(
     cursor = 0
     relative: list[tuple[Slot, ...]] = []
     for i, spec in enumerate(blocked):
-        shapes = [_rows(tensor.shape, block_tokens) for tensor in spec.tensors]
+        shapes = [with_rows(tensor.shape, block_tokens) for tensor in spec.tensors]
         slots, cursor = _slots(spec.tensors, shapes, cursor, f"blocked layer {i}")
         relative.append(slots)
     draft = BlockHeader(
