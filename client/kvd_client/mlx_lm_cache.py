@@ -258,7 +258,7 @@ class ColdTier:
         return [int(t) for t in prompt]
 
     def _snapshot(self, tokens: Sequence[int], cache: Sequence[Any]) -> _Snapshot:
-        layers, tensors, meta = prompt_cache.encode(cache, len(tokens))
+        layers, tensors, meta = prompt_cache.encode(cache, len(tokens), copy=True)
         return _Snapshot(list(tokens), layers, tensors, meta)
 
     def _send_forever(self) -> None:

@@ -359,6 +359,23 @@ def test_a_buffer_is_updated_in_place_again_once_its_snapshot_is_gone() -> None:
     assert _address(_view(cache.keys)) == copied  # in place again
 
 
+def test_a_copied_snapshot_leaves_the_buffers_to_the_cache() -> None:
+    """encode(copy=True), for a put written while the engine decodes: its tensors are
+    copies, and the cache's next step still writes into its buffer in place."""
+    cache = mlc.KVCache()
+    cache.update_and_fetch(*_long_kv(mx.float16))
+    mx.eval(cache.state)
+    buffer = _address(_view(cache.keys))
+    _, tensors, _ = encode([cache], LONG, copy=True)
+    assert [len(pieces) for pieces in tensors] == [1, 1]
+    assert _address(tensors[0][0]) != buffer
+    before = [bytes(pieces[0]) for pieces in tensors]
+    cache.update_and_fetch(*(a[..., :1, :] for a in _long_kv(mx.float16, seed=5)))
+    mx.eval(cache.state)
+    assert _address(_view(cache.keys)) == buffer
+    assert [bytes(pieces[0]) for pieces in tensors] == before
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_caches_written_from_their_buffers_round_trip(tmp_path: Path, dtype: mx.Dtype) -> None:
     kv = mlc.KVCache()
