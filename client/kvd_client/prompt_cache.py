@@ -30,7 +30,6 @@ from .block_io import BlockReads
 from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
 from .identity import Identity
-from .read_ahead import will_read
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 
 log = logging.getLogger("kvd_client")
@@ -303,9 +302,7 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
                 held.append(fds)
                 if not first:  # the first batch is had before anything is allocated
                     caches = _loaded(header, codecs, fills, filling, blocks)
-                # The batch's files asked from disk all at once, on a reader, as the others read.
-                reads = [partial(will_read, *fds)]
-                reads.extend(partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds))
+                reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
                 reading.append(filling.started(reads))
     finally:  # once every read of them has ended (leaving Filling waits for them)
         for fds in held:
