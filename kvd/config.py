@@ -19,7 +19,6 @@ import argparse
 import fnmatch
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
@@ -347,6 +346,8 @@ def _config_file(
 
 
 def _read_file(path: Path, named_by: str | None) -> dict[str, Any] | None:
+    import tomllib  # noqa: PLC0415 - most starts read no file, and it costs ~10 ms
+
     try:
         with path.open("rb") as file:
             return tomllib.load(file)

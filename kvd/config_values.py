@@ -11,7 +11,6 @@ import grp
 import math
 import re
 from collections.abc import Callable, Mapping
-from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
 
@@ -35,7 +34,10 @@ def parse_size(value: object) -> int:
             "(powers of 1024), such as '4096', '512M', '1.5T' or '16KiB'"
         )
     number, prefix, _, _ = match.groups()
-    return int(Decimal(number) * 1024 ** _POWERS[(prefix or "").lower()])
+    whole, _, fraction = number.partition(".")  # in integers, exact: no Decimal to import
+    scale = 1 << 10 * _POWERS[(prefix or "").lower()]
+    tenths: int = 10 ** len(fraction)  # typed: int ** int is Any to mypy
+    return (int(whole or "0") * tenths + int(fraction or "0")) * scale // tenths
 
 
 def positive_size(value: object) -> int:

@@ -308,6 +308,9 @@ def test_flag_and_environment_paths_are_relative_to_the_working_directory(
         ("2P", 2 << 50),
         (".5K", 512),
         ("1.1K", 1126),  # 1126.4 bytes, rounded down
+        ("3.", 3),
+        ("0.0009765625K", 1),  # 2**-10 K, exactly one byte
+        ("123456789012345678901234567890.5P", (123456789012345678901234567890 << 50) + (1 << 49)),
         ("0", 0),
     ],
 )
