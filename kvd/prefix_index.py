@@ -27,6 +27,10 @@ trimmable entries of its subtree that some threshold m could select as "the best
 min_reuse <= m", sorted best first (so min_reuse strictly decreases along it). With min_reuse
 0 everywhere it holds one entry. add, remove and touch keep the frontiers right along the
 entry's path. A leaf's frontier is its own entry (if trimmable), so it is not stored.
+
+A leaf of the root that a bulk add made (start-up's, where nearly every entry is one) is kept
+as its bare record, whose whole tokens are its label: the first walk to reach it makes its
+node (_node). A start-up so makes no object per entry here beyond a key.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class _Node:
 
     def __init__(self, label: Tokens, record: EntryRecord | None = None) -> None:
         self.label = label  # tokens from the parent to here
-        self.children: dict[bytes, _Node] | None = None  # by first token; None at a leaf
+        self.children: dict[bytes, _Child] | None = None  # by first token; None at a leaf
         self.record = record  # the entry that ends exactly here
         self._frontier: tuple[EntryRecord, ...] = ()  # an inner node's
 
@@ -100,6 +104,25 @@ class _Node:
     @frontier.setter
     def frontier(self, frontier: tuple[EntryRecord, ...]) -> None:
         self._frontier = () if self.children is None else frontier
+
+
+# A child: a node, or a leaf of the root kept as its bare record (see the module docstring).
+_Child = _Node | EntryRecord
+
+
+def _node(children: dict[bytes, _Child], key: bytes) -> _Node | None:
+    """The child by key, as a node: a bare record's is made now, in its place."""
+    child = children.get(key)
+    if child is None or isinstance(child, _Node):
+        return child
+    node = children[key] = _Node(child.tokens, child)
+    return node
+
+
+def _frontier_of(child: _Child) -> tuple[EntryRecord, ...]:
+    if isinstance(child, _Node):
+        return child.frontier
+    return (child,) if child.trimmable else ()
 
 
 def _sweep(candidates: Iterable[EntryRecord]) -> tuple[EntryRecord, ...]:
@@ -125,7 +148,7 @@ def _first_usable(frontier: tuple[EntryRecord, ...], matched: int) -> EntryRecor
 def _subtree_frontier(node: _Node) -> tuple[EntryRecord, ...]:
     candidates = [node.record] if node.record is not None and node.record.trimmable else []
     for child in (node.children or {}).values():
-        candidates.extend(child.frontier)
+        candidates.extend(_frontier_of(child))
     return _sweep(candidates)
 
 
@@ -163,9 +186,12 @@ class PrefixIndex:
         return self._count
 
     def __iter__(self) -> Iterator[EntryRecord]:
-        stack = [self._root]
+        stack: list[_Child] = [self._root]
         while stack:
             node = stack.pop()
+            if not isinstance(node, _Node):
+                yield node
+                continue
             if node.record is not None:
                 yield node.record
             if node.children:
@@ -177,7 +203,7 @@ class PrefixIndex:
         tokens = bytes(tokens)  # a view's copy, to compare with
         node, pos, path = self._root, 0, [self._root]
         while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + TOKEN_BYTES]) if node.children else None
+            child = _node(node.children, tokens[pos : pos + TOKEN_BYTES]) if node.children else None
             if child is None or not tokens.startswith(child.label, pos):
                 return None
             node, pos = child, pos + len(child.label)
@@ -203,7 +229,7 @@ class PrefixIndex:
             if children is None:  # a leaf becomes an inner node: its frontier is kept now
                 node._frontier = node.frontier
                 children = node.children = {}
-            child = children.get(key)
+            child = _node(children, key)
             if child is None:  # the rest is a new leaf (the whole view: no new one)
                 node = children[key] = _Node(view[pos:] if pos else view)
                 path.append(node)
@@ -256,7 +282,7 @@ class PrefixIndex:
         keys = list(map(bytes, map(itemgetter(_FIRST_TOKEN), tokens)))
         leaves, rest = batch, []
         if len(set(keys)) == len(keys) and children.keys().isdisjoint(keys):
-            children.update(zip(keys, map(_Node, tokens, batch), strict=True))
+            children.update(zip(keys, batch, strict=True))
         else:
             firsts = Counter(keys)  # how many of the batch start with each first token
             leaves = []
@@ -265,7 +291,7 @@ class PrefixIndex:
                     rest.append(record)
                 else:
                     leaves.append(record)
-                    children[key] = _Node(record.tokens, record)
+                    children[key] = record
         self._count += len(leaves)
         # The root's subtree is the whole tree: its frontier so far, and the new leaves'.
         frontier = [*root.frontier, *filter(attrgetter("trimmable"), leaves)]
@@ -338,6 +364,7 @@ class PrefixIndex:
         if node.children and len(node.children) == 1:
             # A node with no entry and one child has that child's frontier already.
             (child,) = node.children.values()
+            assert isinstance(child, _Node)  # only the root keeps bare records
             child.label = b"".join((node.label, child.label))
             siblings = path[-1].children
             assert siblings is not None
@@ -364,7 +391,7 @@ class PrefixIndex:
         positions: list[tuple[_Node, int, bool]] = []  # (node, depth in tokens, passed whole)
         node, pos = self._root, 0
         while pos < len(prompt) and node.children:
-            child = node.children.get(prompt[pos : pos + TOKEN_BYTES])
+            child = _node(node.children, prompt[pos : pos + TOKEN_BYTES])
             if child is None:
                 break
             if prompt.startswith(child.label, pos):
@@ -404,7 +431,7 @@ class PrefixIndex:
         found: list[EntryRecord] = []
         node, pos = self._root, 0
         while node.children:
-            child = node.children.get(tokens[pos : pos + TOKEN_BYTES])
+            child = _node(node.children, tokens[pos : pos + TOKEN_BYTES])
             if child is None or not tokens.startswith(child.label, pos):
                 break
             node, pos = child, pos + len(child.label)
@@ -426,7 +453,7 @@ class PrefixIndex:
             return None
         node, pos = self._root, 0
         while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + TOKEN_BYTES]) if node.children else None
+            child = _node(node.children, tokens[pos : pos + TOKEN_BYTES]) if node.children else None
             if child is None:
                 return None
             if not tokens.startswith(child.label, pos):
@@ -437,5 +464,5 @@ class PrefixIndex:
                 return None
             node, pos = child, pos + len(child.label)
         # Ending on a node: its own entry is no strict extension; its children's entries are.
-        below = (_first_usable(c.frontier, needed) for c in (node.children or {}).values())
+        below = (_first_usable(_frontier_of(c), needed) for c in (node.children or {}).values())
         return min((r for r in below if r is not None), key=rank, default=None)

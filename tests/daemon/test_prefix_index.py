@@ -317,15 +317,30 @@ def _covering_by_scan(records: list[EntryRecord], tokens: bytes) -> EntryRecord 
     return min(found, key=rank, default=None)
 
 
+# (tokens, trimmable, min_reuse) of an entry added in bulk (PrefixIndex.add_all).
+_batch_entry = st.tuples(_tokens, st.booleans(), st.one_of(st.just(0), st.integers(0, 6)))
+
+
 @settings(max_examples=500, deadline=None)
 @given(
+    bulk=st.lists(_batch_entry, max_size=4),
     ops=st.lists(_ops, max_size=40),
     probes=st.lists(_tokens, min_size=1, max_size=8),
     views=st.booleans(),
 )
-def test_tree_agrees_with_the_scan(ops: list[_Op], probes: list[list[int]], views: bool) -> None:
+def test_tree_agrees_with_the_scan(
+    bulk: list[tuple[list[int], bool, int]],
+    ops: list[_Op],
+    probes: list[list[int]],
+    views: bool,
+) -> None:
+    """From an empty tree, or one a bulk add began (its root's leaves bare records until a
+    walk reaches them)."""
     index = PrefixIndex()
-    present: list[EntryRecord] = []
+    batch = [entry(*t, trimmable=trim, min_reuse=reuse) for t, trim, reuse in bulk]
+    batch = [viewed(record) for record in batch] if views else batch
+    refused = index.add_all(batch)
+    present = [record for record in batch if record not in refused]
     clock = itertools.count(1)
     for kind, tokens, trimmable, min_reuse, pick in ops:
         if kind == "add":
@@ -352,9 +367,6 @@ def test_tree_agrees_with_the_scan(ops: list[_Op], probes: list[list[int]], view
                 key=lambda r: len(r.tokens),
             )
     assert set(index) == set(present)
-
-
-_batch_entry = st.tuples(_tokens, st.booleans(), st.one_of(st.just(0), st.integers(0, 6)))
 
 
 @settings(max_examples=300, deadline=None)
