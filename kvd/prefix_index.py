@@ -26,7 +26,8 @@ To apply rules 2-4 without visiting every entry below a node, each node keeps a 
 trimmable entries of its subtree that some threshold m could select as "the best with
 min_reuse <= m", sorted best first (so min_reuse strictly decreases along it). With min_reuse
 0 everywhere it holds one entry. add, remove and touch keep the frontiers right along the
-entry's path. A leaf's frontier is its own entry (if trimmable), so it is not stored.
+entry's path. A leaf's frontier is its own entry (if trimmable), so it is not stored; the
+root keeps none, as every match is of one token at least: no lookup reads the root's.
 
 A leaf of the root that a bulk add made (start-up's, where nearly every entry is one) is kept
 as its bare record, whose whole tokens are its label: the first walk to reach it makes its
@@ -261,11 +262,10 @@ class PrefixIndex:
         (ValueError, as add() raises it, for a checkpoint or no tokens).
 
         In bulk, as start-up indexes: a record whose first token starts no edge and no other
-        record of the batch becomes a leaf of the root at once, and the root's frontier is
-        swept once over its own and theirs; the others are added one by one. The tree is the
-        same either way: it depends on the set of entries, not on their order. When every
-        first token is new (the usual start-up), the checks, keys and leaves are made by C
-        loops (map), without a Python step per record.
+        record of the batch becomes a leaf of the root at once (its bare record); the others
+        are added one by one. The tree is the same either way: it depends on the set of
+        entries, not on their order. When every first token is new (the usual start-up), the
+        checks, keys and leaves are made by C loops (map), without a Python step per record.
         """
         batch = list(records)
         tokens = list(map(attrgetter("tokens"), batch))
@@ -293,10 +293,7 @@ class PrefixIndex:
                     leaves.append(record)
                     children[key] = record
         self._count += len(leaves)
-        # The root's subtree is the whole tree: its frontier so far, and the new leaves'.
-        frontier = [*root.frontier, *filter(attrgetter("trimmable"), leaves)]
         root.children = children or None
-        root.frontier = _sweep(frontier)
         refused = []
         for record in rest:
             try:
@@ -313,7 +310,7 @@ class PrefixIndex:
         """
         key = rank(record)
         alone = (record,)
-        for node in reversed(path):
+        for node in reversed(path[1:]):  # not the root: it keeps no frontier
             frontier = node.frontier
             # The common case when entries arrive (or are used) in turn, O(1): record ranks
             # first and reuses as short a prefix as any in the frontier, so it alone remains.
@@ -340,8 +337,9 @@ class PrefixIndex:
         node = path[-1]
         node.record = None
         self._count -= 1
-        # From the node's parent when it is a leaf (its frontier is its own entry, now none).
-        for above in reversed(path if node.children else path[:-1]):
+        # From the node's parent when it is a leaf (its frontier is its own entry, now none),
+        # up to the root's child.
+        for above in reversed(path[1:] if node.children else path[1:-1]):
             if record not in above.frontier:
                 break  # not in this subtree's frontier, so in none above
             above.frontier = _subtree_frontier(above)
