@@ -35,7 +35,9 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate, chain, repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,7 +82,13 @@ class Snapshot:
     records: Sequence[EntryRecord]
     mtime_ns: Sequence[int]
     blocks: dict[tuple[str, bytes], BlockRow]
-    rows: dict[str, int]  # row numbers by entry id (128 random bits: unique across identities)
+
+    @cached_property
+    def rows(self) -> dict[str, int]:
+        """Row numbers by entry id (128 random bits: unique across identities), made when
+        first read: by start-up's listing, off the path to the first ping."""
+        ids = map(attrgetter("id"), self.records)
+        return dict(zip(ids, range(len(self.records)), strict=True))
 
     def mtime_of(self, entry_id: str) -> int | None:
         """The recorded mtime of an entry's file, or None for an entry it does not hold."""
@@ -88,7 +96,7 @@ class Snapshot:
         return None if row is None else self.mtime_ns[row]
 
 
-EMPTY = Snapshot((), (), {}, {})
+EMPTY = Snapshot((), (), {})
 
 
 def save_snapshot(
@@ -254,10 +262,9 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
             raise ValueError("a block list of the wrong types")
         records[row].blocks, records[row].block_size = split_hashes(hashes), block_size
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
-    rows = dict(zip(ids, range(count), strict=True))
-    if len(rows) != count:
+    if len(set(ids)) != count:
         raise ValueError("an id in two rows")
-    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks}, rows)
+    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
 
 
 def _sequence(value: object) -> tuple[object, ...]:

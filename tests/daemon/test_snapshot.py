@@ -162,6 +162,7 @@ def _short_tokens(head: dict[str, Any], tokens: bytes) -> bytes:
         _set("rows", 3),
         _set("ids", ["e1"]),
         _set("ids", ["e1", 2]),
+        _set("ids", ["e1", "e1"]),  # an id in two rows
         _set("identities", []),
         _set("identity", (5).to_bytes(8, "little") * 2),
         _set("identity", (-1).to_bytes(8, "little", signed=True) * 2),
