@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 # Seconds an exchange may run past its timeout rather than set the socket's timeout anew
-# (system calls) before each read: the time its send took, when that was this short.
-TIMEOUT_SLACK = 0.001
+# (two system calls, and two more to set it back) before a read: the time its send took, when
+# that was this short. A loaded machine's scheduler alone can hold a send for a millisecond.
+TIMEOUT_SLACK = 0.01
 
 
 class Client:
@@ -262,29 +263,29 @@ class Client:
             call.close()
 
     def _exchange(self, step: Exchange) -> Reply:
+        """The reply to step's request, over the current connection or a new one; once more
+        on a new one when calls.may_retry says so (never when it was new already)."""
+        link = self._link
         with self._lock:
-            connected_now = False
+            retry = True
             if step.epoch is None:
                 if self._transport is None:
                     self._connect()
-                    connected_now = True
-            elif step.epoch != self._link.epoch or self._transport is None:
+                    retry = False
+            elif step.epoch != link.epoch or self._transport is None:
                 raise DaemonUnavailable("the connection this request belongs to was lost")
-            try:
-                return self._request(step)
-            except DaemonUnavailable as exc:
-                if connected_now or not calls.may_retry(step, exc):
-                    raise
-            self._connect()
-            return self._request(step)
-
-    def _request(self, step: Exchange) -> Reply:
-        frame = self._link.send(step.request)
-        try:
-            return self._round_trip(frame, self._link.deadline(step.wait))
-        except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
-            self._drop()
-            raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
+            while True:
+                frame = link.send(step.request)
+                try:
+                    return self._round_trip(frame, link.deadline(step.wait))
+                except (OSError, ProtocolError) as exc:  # timeouts, broken sockets: OSErrors
+                    self._drop()
+                    failure = DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
+                    failure.__cause__ = exc
+                    if not retry or not calls.may_retry(step, failure):
+                        raise failure from exc
+                retry = False
+                self._connect()
 
     def _connect(self, *, force: bool = False) -> None:
         link = self._link
@@ -305,7 +306,8 @@ class Client:
         assert self._transport is not None
         transport, link = self._transport, self._link
         started = time.monotonic()
-        transport.settimeout(timeout)
+        if timeout != transport.timeout:
+            transport.settimeout(timeout)
         try:
             transport.send(frame)
         except TransportClosed:

@@ -32,7 +32,7 @@ from .messages import (
     decode_request,
     peek_id,
 )
-from .small_messages import ENCODERS, small_reply, small_request
+from .small_messages import ENCODERS, REPLY_DECODERS, REQUEST_DECODERS
 
 
 class Role(Enum):
@@ -141,7 +141,16 @@ class Connection:
         if self._final_error_sent:
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
         if self._client:
-            self._check_request(message)
+            if not (  # the usual: a request after hello, its id valid and free (one test)
+                isinstance(message, Request)
+                and self._hello_sent
+                and type(message) is not Hello
+                and type(message.id) is int
+                and 1 <= message.id <= U32
+                and message.id not in self._in_flight
+                and len(self._in_flight) < self.limits.max_in_flight
+            ):
+                self._check_request(message)
             frame = self._frame(message)
             self._hello_sent = True  # the checks let nothing but hello through before it
             self._enter(message)  # type: ignore[arg-type]  # _check_request: a Request
@@ -245,6 +254,9 @@ class Connection:
 
         A server raises BAD_DESCRIPTORS for any descriptor and keeps none (the caller closes
         them). A client queues them first, so take_descriptors() returns them on any error."""
+        if data and not fds and not self._fds and not self._ended and self._error is None:
+            self._reader.feed(data)  # the usual: bytes alone, none of the checks below apply
+            return
         if self._error is not None:
             raise self._unusable(RemoteProtocolError)
         if fds and not self._client:
@@ -309,7 +321,9 @@ class Connection:
         return ConnectionClosed()
 
     def _request_event(self, body: object) -> Request | BadRequest:
-        request_id = peek_id(body)
+        op, request_id = (body.get("op"), body.get("id")) if type(body) is dict else (None, 0)
+        if not (type(request_id) is int and 1 <= request_id <= U32):  # else as peek_id says
+            request_id = peek_id(body)
         if not request_id:
             return self._reject(0, ErrorCode.BAD_MESSAGE, f"no request id in 1..{U32}")
         if request_id in self._in_flight or request_id in self._unanswered:
@@ -320,7 +334,10 @@ class Connection:
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
-        request = small_request(body, self.limits)
+        decode = REQUEST_DECODERS.get(op) if type(op) is str else None  # as small_request does
+        request: Request | None = None
+        if decode is not None:  # then body is a dict: op came from it
+            request = decode(body, self.limits)  # type: ignore[arg-type]
         if request is None:  # not one of the small messages, or not of their usual shape
             try:
                 request = decode_request(body, self.limits)
@@ -348,9 +365,11 @@ class Connection:
     def _reply_event(self, body: object) -> Reply:
         if not (type(body) is dict or isinstance(body, Mapping)):
             raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
-        op, reply_id = body.get("op"), peek_id(body)
+        op, reply_id = body.get("op"), body.get("id")
+        if type(reply_id) is not int:  # an int out of range is in flight no more than 0 is
+            reply_id = peek_id(body)
         if op == ErrorReply.op:
-            error = small_reply(body, ErrorReply.op, self.limits)
+            error = REPLY_DECODERS[op](body, self.limits) if type(body) is dict else None
             if not isinstance(error, ErrorReply):
                 error = ErrorReply.from_wire(body, self.limits)
             if error.id and self._leave(error.id) is None:
@@ -365,9 +384,14 @@ class Connection:
             raise RemoteProtocolError(
                 ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
             )
-        reply = small_reply(body, expected, self.limits)
-        if reply is None:
-            reply = OPS[expected].reply.from_wire(body, self.limits)
+        decode = REPLY_DECODERS.get(expected)
+        small: Reply | None = (
+            None if decode is None or type(body) is not dict else decode(body, self.limits)
+        )
+        if small is not None:  # it declares no descriptors
+            self._leave(reply_id)
+            return small
+        reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
         if wanted > self._claims.get(reply_id, 0):
             raise RemoteProtocolError(

@@ -73,7 +73,7 @@ class FrameReader:
         return len(self._data) - self._pos
 
     def feed(self, data: bytes) -> None:
-        if not self.buffered:
+        if self._pos == len(self._data):  # nothing buffered (not self.buffered: a call fewer)
             # Common case: keep the caller's bytes without copying (a bytearray could change).
             self._data, self._pos = (data if isinstance(data, bytes) else bytes(data)), 0
             return

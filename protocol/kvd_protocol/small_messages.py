@@ -114,8 +114,11 @@ def _error_reply(body: dict[str, Any], limits: Limits) -> ErrorReply | None:
     return None
 
 
-_REQUESTS: Final[Mapping[str, Decoder]] = {"ping": _id_only(Ping), "lookup": _lookup}
-_REPLIES: Final[Mapping[str, Decoder]] = {
+# By op: each takes a dict body of that op (what small_request checks first), as do these:
+REQUEST_DECODERS: Final[Mapping[str, Decoder]] = {"ping": _id_only(Ping), "lookup": _lookup}
+# ("error": an error reply). A reply decoded here declares no descriptors: a lookup's is a
+# miss.
+REPLY_DECODERS: Final[Mapping[str, Decoder]] = {
     "ping": _id_only(PingReply),
     "lookup": _lookup_reply,
     "error": _error_reply,
@@ -125,7 +128,7 @@ _REPLIES: Final[Mapping[str, Decoder]] = {
 def small_request(body: object, limits: Limits) -> Request | None:
     """The small request in body (a decoded frame holding an id), or None."""
     if type(body) is dict and type(op := body.get("op")) is str:
-        decode = _REQUESTS.get(op)
+        decode = REQUEST_DECODERS.get(op)
         if decode is not None:
             request: Request | None = decode(body, limits)
             return request
@@ -135,7 +138,7 @@ def small_request(body: object, limits: Limits) -> Request | None:
 def small_reply(body: object, op: str, limits: Limits) -> Reply | None:
     """The small reply of op in body (a decoded frame holding an id), or None; op "error":
     an error reply."""
-    decode = _REPLIES.get(op)
+    decode = REPLY_DECODERS.get(op)
     if decode is not None and type(body) is dict and body.get("op") == op:
         reply: Reply | None = decode(body, limits)
         return reply

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import numpy as np
@@ -97,6 +99,28 @@ def test_operator_calls(daemon: Daemon) -> None:
         assert evicted.entries == 1
         assert client.list_entries() == []
         assert client.lookup(IDENTITY, [*PROMPT, 1]) is None
+
+
+def test_a_daemon_that_stops_answering_times_the_exchange_out(daemon: Daemon) -> None:
+    """The socket's timeout is the kernel's (SO_RCVTIMEO): it still ends a wait for a reply
+    that never comes, with the text a Python socket timeout gives."""
+    timeout = 0.3
+    with Client.connect(daemon.socket_path, timeout=timeout, require=True) as client:
+        client.ping()
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match=r"^ping: timed out$"):
+                client.ping()
+            waited = time.monotonic() - started
+            assert not client.connected
+            assert client.lookup(IDENTITY, PROMPT) is None
+            assert client.stats.misses["unavailable"] == 1
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert timeout <= waited < timeout + 5  # generous: a loaded machine's scheduling
+        assert client.ping() >= 0  # a new connection, once the daemon answers again
+        assert client.stats.reconnects == 1
 
 
 def test_client_survives_a_daemon_restart(daemon: Daemon) -> None:
