@@ -251,32 +251,30 @@ class AsyncClient:
             call.close()
 
     async def _exchange(self, step: Exchange) -> Reply:
+        """As Client._exchange."""
+        link = self._link
         async with self._lock:
-            connected_now = False
+            fresh = False  # a connection made for this exchange
             if step.epoch is None:
                 if self._transport is None:
                     await self._connect()
-                    connected_now = True
-            elif step.epoch != self._link.epoch or self._transport is None:
+                    fresh = True
+            elif step.epoch != link.epoch or self._transport is None:
                 raise DaemonUnavailable("the connection this request belongs to was lost")
-            try:
-                return await self._request(step)
-            except DaemonUnavailable as exc:
-                if connected_now or not calls.may_retry(step, exc):
+            while True:
+                frame = link.send(step.request)
+                try:
+                    return await self._round_trip(frame, link.deadline(step.wait))
+                except (OSError, ProtocolError) as exc:  # timeouts, broken sockets: OSErrors
+                    self._drop()
+                    failure = calls.broken(step, exc, fresh=fresh)
+                    if failure is not None:
+                        raise failure from exc
+                except BaseException:
+                    self._drop()  # cancelled halfway through an exchange: the stream is out of step
                     raise
-            await self._connect()
-            return await self._request(step)
-
-    async def _request(self, step: Exchange) -> Reply:
-        frame = self._link.send(step.request)
-        try:
-            return await self._round_trip(frame, self._link.deadline(step.wait))
-        except (OSError, ProtocolError) as exc:  # timeouts and broken sockets are OSErrors
-            self._drop()
-            raise DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}") from exc
-        except BaseException:
-            self._drop()  # cancelled halfway through an exchange: the stream is out of step
-            raise
+                fresh = True
+                await self._connect()
 
     async def _connect(self, *, force: bool = False) -> None:
         link = self._link

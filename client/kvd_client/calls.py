@@ -150,11 +150,18 @@ def expect(reply: object, kind: type[R]) -> R:
     raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
 
 
-def may_retry(step: Exchange, failure: DaemonUnavailable) -> bool:
-    """Whether a failed exchange is worth one more try on a new connection: the first request
-    of a call, on a connection that had broken since the last call (a restarted daemon).
-    Never after a timeout: a slow daemon would cost the engine twice the wait."""
-    return step.epoch is None and isinstance(failure.__cause__, TransportClosed)
+def broken(step: Exchange, exc: Exception, *, fresh: bool) -> DaemonUnavailable | None:
+    """What a driver raises when step's request failed with exc (an OSError, timeouts
+    included, or a ProtocolError) and the connection was dropped: DaemonUnavailable, caused
+    by exc; or None to try once more on a new connection. That is worth it for the first
+    request of a call, on a connection that had broken since the last call (a restarted
+    daemon), unless the connection was made for this request (fresh). Never after a timeout:
+    a slow daemon would cost the engine twice the wait."""
+    if not fresh and step.epoch is None and isinstance(exc, TransportClosed):
+        return None
+    failure = DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
+    failure.__cause__ = exc
+    return failure
 
 
 # --- link --------------------------------------------------------------------------------

@@ -264,14 +264,14 @@ class Client:
 
     def _exchange(self, step: Exchange) -> Reply:
         """The reply to step's request, over the current connection or a new one; once more
-        on a new one when calls.may_retry says so (never when it was new already)."""
+        on a new one when calls.broken says so."""
         link = self._link
         with self._lock:
-            retry = True
+            fresh = False  # a connection made for this exchange
             if step.epoch is None:
                 if self._transport is None:
                     self._connect()
-                    retry = False
+                    fresh = True
             elif step.epoch != link.epoch or self._transport is None:
                 raise DaemonUnavailable("the connection this request belongs to was lost")
             while True:
@@ -280,11 +280,10 @@ class Client:
                     return self._round_trip(frame, link.deadline(step.wait))
                 except (OSError, ProtocolError) as exc:  # timeouts, broken sockets: OSErrors
                     self._drop()
-                    failure = DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
-                    failure.__cause__ = exc
-                    if not retry or not calls.may_retry(step, failure):
+                    failure = calls.broken(step, exc, fresh=fresh)
+                    if failure is not None:
                         raise failure from exc
-                retry = False
+                fresh = True
                 self._connect()
 
     def _connect(self, *, force: bool = False) -> None:
