@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,23 +53,21 @@ FEATURES = (
 )
 
 
-def _checks_a_file(request: m.Request) -> bool:
+def _checks_a_file(release: m.Release) -> bool:
     """A release that reports damage: the entry's file is checked before the answer, with
     the connection's reading paused meanwhile, so that its answer keeps its place among the
     others. Every other request that may wait runs as a task of its own; those that never
     wait (a plain release too) are answered at once (Session._at_once)."""
-    return type(request) is m.Release and request.damaged is not None
+    return release.damaged is not None
 
 
 @dataclass
 class _Outgoing:
-    """A reply's frame that the kernel did not take at once: what is left of it, the
-    descriptors still to go with it, and those to close once it is out (or never will be)."""
+    """A reply's frame that the kernel did not take at once, and the descriptors to close
+    once it is out (or never will be)."""
 
-    rest: bytes | memoryview
-    fds: Sequence[int]
+    unsent: socket_io.Unsent
     close_after: tuple[int, ...]
-    begun: bool  # part of it went out: it holds the sending gate
 
     def close(self) -> None:
         for fd in self.close_after:
@@ -191,22 +189,32 @@ class Session:
     def _serve_events(self) -> None:
         """Answer what the Connection holds, until it needs more bytes or reading is paused
         (then what is left waits for _resume). A frame left part-way must be finished within
-        frame_timeout of each read: between frames a connection may idle as long as it likes."""
-        conn = self.conn
+        frame_timeout of each read: between frames a connection may idle as long as it likes.
+        What only counts a request (Tier.book_lookups) waits until its reply is sent."""
+        conn, tier = self.conn, self.tier
         try:
             while self._reading:
                 event = conn.next_event()
                 if event is NEED_DATA:
-                    self._time_frame()
+                    if self._frame_timer is not None or conn.buffered_bytes:
+                        self._time_frame()
                     return
                 if type(event) is BadRequest:
                     self._reply(event.reply())
                 elif isinstance(event, m.Request):
                     handler = self._at_once.get(event.op)
-                    if _checks_a_file(event):
+                    if type(event) is m.Release and _checks_a_file(event):
                         self._pause_for(self._answer, event)
                     elif handler is not None:
-                        self._reply(self._answer_now(handler, event))
+                        try:
+                            reply = handler(event)
+                        except Exception as exc:
+                            reply = _failed(event, exc)
+                        try:
+                            self._reply(reply)
+                        finally:
+                            if tier.unbooked:
+                                tier.book_lookups()
                     else:
                         assert self._tasks is not None
                         self._tasks.start_soon(self._answer, event)
@@ -278,12 +286,6 @@ class Session:
 
     # --- answering ----------------------------------------------------------------------------
 
-    def _answer_now(self, handler: Callable[[Any], m.Reply], request: m.Request) -> m.Reply:
-        try:
-            return handler(request)
-        except Exception as exc:
-            return _failed(request, exc)
-
     async def _answer(self, request: m.Request) -> None:
         try:
             reply = await self._waiting[request.op](request)
@@ -297,18 +299,13 @@ class Session:
         frame part-way out before it)."""
         fds = reply.fds
         try:
-            framed = self._frame(reply)
+            framed = self._frame(reply, fds)
             if framed is None:
                 return
-            frame, sent_fds = framed
-            if not self._gate.value:  # another frame is part-way out: this one after it
-                self._outgoing = _Outgoing(frame, sent_fds, fds, begun=False)
-            else:
-                rest, unsent = socket_io.send_now(self.sock, frame, sent_fds)
-                if not rest:
-                    return
-                self._gate.acquire_nowait()
-                self._outgoing = _Outgoing(rest, unsent, fds, begun=True)
+            unsent = socket_io.start(self.sock, *framed, self._gate)
+            if unsent is None:
+                return
+            self._outgoing = _Outgoing(unsent, fds)
             fds = ()  # the task closes them once they are sent
             self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
@@ -321,10 +318,7 @@ class Session:
         out = self._outgoing
         assert out is not None
         try:
-            if out.begun:
-                await socket_io.finish(self.sock, out.rest, out.fds, self._gate)
-            else:
-                await socket_io.send(self.sock, out.rest, out.fds, self._gate)
+            await socket_io.finish(self.sock, out.unsent, self._gate)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
         finally:
@@ -334,7 +328,7 @@ class Session:
     async def _send(self, reply: m.Reply) -> None:
         fds = reply.fds
         try:
-            framed = self._frame(reply)
+            framed = self._frame(reply, fds)
             if framed is not None:
                 await socket_io.send(self.sock, *framed, self._gate)
         except socket_io.PeerGone as exc:
@@ -343,15 +337,16 @@ class Session:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
 
-    def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]] | None:
-        """The reply's frame and descriptors; None once closing after a fatal error (nobody
-        reads on). A reply the protocol refuses (a daemon bug, or one over the frame limit) is
-        logged as an error and its request gets that error."""
+    def _frame(self, reply: m.Reply, fds: tuple[int, ...]) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reply's frame and the descriptors to go with it (fds: the reply's own); None
+        once closing after a fatal error (nobody reads on). A reply the protocol refuses (a
+        daemon bug, or one over the frame limit) is logged as an error and its request gets
+        that error."""
         if not self.conn.can_send:
             log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
             return None
         try:
-            return self.conn.send(reply), reply.fds
+            return self.conn.send(reply), fds
         except LocalProtocolError as exc:
             log.error("reply_refused", session=self.peer.session, op=reply.op, error=str(exc))
             if isinstance(reply, m.ErrorReply):

@@ -13,6 +13,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 
@@ -106,29 +107,39 @@ def sending_gate() -> anyio.Semaphore:
     return anyio.Semaphore(1, max_value=1, fast_acquire=True)
 
 
-async def send(
+@dataclass
+class Unsent:
+    """What start() could not send of a frame at once: the rest, the descriptors still to go
+    with it, and whether it holds the gate (part of it went out), or waits for it."""
+
+    rest: bytes | memoryview
+    fds: Sequence[int]
+    holds_gate: bool
+
+
+def start(
     sock: socket.socket, data: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
-) -> None:
-    """All of data, the descriptors going with its first byte. Several senders share one
-    socket and their frames never mix: a frame goes straight out while no other is part-way
-    out (the usual case, gate not taken), and one the kernel cannot take whole holds gate
-    until it is."""
-    rest: bytes | memoryview = data
-    if not gate.value:
+) -> Unsent | None:
+    """Send data (the descriptors going with its first byte) as far as the kernel takes it
+    now, without waiting; None when it all went (the usual), else what finish() must send.
+    Several senders share one socket and their frames never mix: a frame goes straight out
+    while no other is part-way out (gate free), and one the kernel cannot take whole takes
+    gate until it is."""
+    if not gate.value:  # another frame is part-way out: this one after it
+        return Unsent(data, fds, holds_gate=False)
+    rest, fds = send_now(sock, data, fds)
+    if not rest:
+        return None
+    gate.acquire_nowait()  # free: nothing was awaited since it was seen free
+    return Unsent(rest, fds, holds_gate=True)
+
+
+async def finish(sock: socket.socket, unsent: Unsent, gate: anyio.Semaphore) -> None:
+    """Send what start() left of a frame as the kernel takes it, holding gate (taken first
+    if start() did not); given back at the end, sent or not."""
+    if not unsent.holds_gate:
         await gate.acquire()
-    else:
-        rest, fds = send_now(sock, data, fds)
-        if not rest:
-            return
-        gate.acquire_nowait()  # free: nothing was awaited since it was seen free
-    await finish(sock, rest, fds, gate)
-
-
-async def finish(
-    sock: socket.socket, rest: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
-) -> None:
-    """Send the rest of a frame (and the descriptors still to go with it) as the kernel takes
-    it, holding gate, which the caller took; given back at the end, sent or not."""
+    rest, fds = unsent.rest, unsent.fds
     try:
         while True:
             rest, fds = send_now(sock, rest, fds)
@@ -137,3 +148,12 @@ async def finish(
             await anyio.wait_writable(sock)
     finally:
         gate.release()
+
+
+async def send(
+    sock: socket.socket, data: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
+) -> None:
+    """All of data, the descriptors going with its first byte (start(), then finish())."""
+    unsent = start(sock, data, fds, gate)
+    if unsent is not None:
+        await finish(sock, unsent, gate)

@@ -36,7 +36,7 @@ from kvd.durability import disk_free
 from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
 from kvd.logs import get_logger
-from kvd.prefix_index import Match
+from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
 from kvd.puts import NO_BLOCKS, DeclaredBlocks, Put, Puts
 from kvd.quarantine import Quarantine
@@ -96,6 +96,9 @@ class Tier:
         self.settled = anyio.Event()  # set once start-up has listed the directory (settle)
         self._unchecked: snapshot.Snapshot | None = None  # taken from it, not listed yet
         self._reaped = 0
+        # Lookups answered and not yet counted (see lookup): identity, tokens, and the hit's
+        # index and record, or the miss's reason.
+        self.unbooked: list[tuple[Identity, bytes, tuple[PrefixIndex, EntryRecord] | str]] = []
 
     # --- the directory ---------------------------------------------------------------------
 
@@ -322,29 +325,46 @@ class Tier:
         self, owner: int, identity: Identity, tokens: bytes, min_tokens: int = 0
     ) -> tuple[Match, int, int] | None:
         """The best usable entry, its read-only descriptor and a lease; None on a miss, also
-        when the best match is shorter than min_tokens."""
+        when the best match is shorter than min_tokens.
+
+        What only counts the lookup (hit and miss counters, telemetry, the entry's place in
+        the eviction order, the admission policy's sighting) waits in unbooked, so that the
+        reply goes first: call book_lookups() next, before anything else changes the
+        catalog (the session does once the reply is sent)."""
         self._check_leases(owner)
-        digest = identity.digest()
-        self.admission.looked_up(digest, tokens, time.time())
-        counters = self.catalog.counters
         reason = "no entry"
-        while (index := self.catalog.index(digest)) and (match := index.best_match(tokens)):
+        while (index := self.catalog.index(identity.digest())) is not None and (
+            match := index.best_match(tokens)
+        ):
             if match.matched < min_tokens:
                 reason = "below min_tokens"
                 break
             fd = self.catalog.open(match.record, self.quarantine.now)
             if fd is not None:
-                counters.hits += 1
-                self.telemetry.lookup(identity, hit=True)
-                match.record.used_at = time.time()
-                index.touch(match.record, self.catalog.tick())
-                return match, self.leases.take(owner, match.record), fd
+                match.record.used_at = time.time()  # before the reply: its summary says it
+                lease = self.leases.take(owner, match.record)
+                self.unbooked.append((identity, tokens, (index, match.record)))
+                return match, lease, fd
             if match.record.id in self.catalog.records:  # kept, but unreadable now
                 reason = "unreadable"
                 break
-        counters.misses += 1
-        self.telemetry.lookup(identity, hit=False, reason=reason)
+        self.unbooked.append((identity, tokens, reason))
         return None
+
+    def book_lookups(self) -> None:
+        """Count the lookups answered since the last call (see lookup)."""
+        counters, now = self.catalog.counters, time.time()
+        for identity, tokens, outcome in self.unbooked:
+            self.admission.looked_up(identity.digest(), tokens, now)
+            if isinstance(outcome, str):
+                counters.misses += 1
+                self.telemetry.lookup(identity, hit=False, reason=outcome)
+            else:
+                index, record = outcome
+                counters.hits += 1
+                self.telemetry.lookup(identity, hit=True)
+                index.touch(record, self.catalog.tick())
+        self.unbooked.clear()
 
     def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
         """Read-only descriptors of blocks first.. of the entry under the owner's lease, each

@@ -154,6 +154,15 @@ class Connection:
             frame = self._frame(message)
             self._hello_sent = True  # the checks let nothing but hello through before it
             self._enter(message)  # type: ignore[arg-type]  # _check_request: a Request
+        elif (  # the usual: a reply without descriptors to a request in flight (one test)
+            isinstance(message, Reply)
+            and type(message.id) is int
+            and self._in_flight.get(message.id) == message.op
+            and not message.descriptor_count()
+            and not message.fds
+        ):
+            frame = self._frame(message)
+            self._leave(message.id)  # as _settle does: not an answer to a bad request
         else:
             self._check_reply(message)
             frame = self._frame(message)
@@ -191,14 +200,6 @@ class Connection:
             )
 
     def _check_reply(self, message: Message) -> None:
-        if (  # the usual: a reply without descriptors to a request in flight (its id valid)
-            isinstance(message, Reply)
-            and type(message.id) is int
-            and self._in_flight.get(message.id) == message.op
-            and not message.fds
-            and not message.descriptor_count()
-        ):
-            return
         if not isinstance(message, Reply):
             raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
         is_error = type(message) is ErrorReply  # ErrorReply has no subclasses

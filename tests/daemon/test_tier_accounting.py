@@ -45,6 +45,7 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
             assert set(tier.catalog.records) == {kept.stem, leased.stem, removed.stem}
             # A reader holds `leased` while it is evicted: its file stays, out of the index.
             found = tier.lookup(1, IDENTITY, pack_tokens([2, *range(15), 99]))
+            tier.book_lookups()
             assert found is not None
             match, _, fd = found
             os.close(fd)
