@@ -231,7 +231,9 @@ def phase_seconds(tier: TierDir) -> list[tuple[str, float]]:
         run()
         return time.process_time() - started
 
-    load = cpu(lambda: snapshot.load_snapshot(tier.snapshot))
+    # The least of three: the first touches the mapped file's pages, and a shared machine
+    # varies; the catalog's part is the rest of Tier.open, which loads it once more.
+    load = min(cpu(lambda: snapshot.load_snapshot(tier.snapshot)) for _ in range(3))
     config = Config(dir=tier.root, socket=tier.root / "unused.sock", max_bytes=2**50, min_free=0)
     opened = Tier(config, DEFAULT_LIMITS)
     parts: list[float] = []
@@ -245,8 +247,9 @@ def phase_seconds(tier: TierDir) -> list[tuple[str, float]]:
     anyio.run(start)
     opened.close()
     return [
-        ("loading the snapshot", load),
-        ("building the catalog from it (the rest of Tier.open)", parts[0] - load),
+        ("Tier.open in all", parts[0]),
+        ("of which loading the snapshot (the least of three loads)", load),
+        ("and building the catalog from it (the rest)", parts[0] - load),
         ("then, while serving: listing the directory against it (Tier.settle)", parts[1]),
     ]
 

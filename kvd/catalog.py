@@ -159,6 +159,16 @@ class Catalog:
         chosen = [self._records[i] for i in itertools.islice(ids, limit)]
         return chosen, next(ids, None) is not None
 
+    def an_entry(self, digest: str) -> EntryRecord | None:
+        """One entry of an identity, the quickest found: a start-up reads one header of each
+        for its names, before the first list page has sorted the ids."""
+        index = self._indexes.get(digest)
+        if index is not None and len(index):
+            return next(iter(index))
+        counts = self._identities.get(digest)
+        first = None if counts is None else next(counts.ids.after(None), None)
+        return None if first is None else self._records[first]
+
     def of_identity(self, digest: str) -> list[EntryRecord]:
         """The entries of one identity, in id order."""
         counts = self._identities.get(digest)

@@ -210,11 +210,11 @@ class Tier:
     async def _name_identities(self) -> None:
         """Learn each identity's names for people (model id, namespace) from one of its
         entries' headers: status names models, not digests, before any engine comes."""
-        for digest, counts in self.catalog.identities():
-            first = next(counts.ids.after(None), None)
-            if first is None:
+        for digest, _ in self.catalog.identities():
+            record = self.catalog.an_entry(digest)
+            if record is None:
                 continue
-            path = self.catalog.path_of(self.catalog.records[first])
+            path = self.catalog.path_of(record)
             try:
                 header = await anyio.to_thread.run_sync(entry_files.read_header, path, self.limits)
             except (OSError, EntryFormatError) as exc:

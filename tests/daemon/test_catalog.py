@@ -59,6 +59,8 @@ def check(catalog: Catalog, doomed: dict[str, EntryRecord]) -> None:
         assert [r.id for r in page] == mine[:2]
         assert more == (len(mine) > 2)
         assert [r.id for r in catalog.of_identity(digest)] == mine
+        one = catalog.an_entry(digest)
+        assert one.id in mine if one is not None else not mine
 
 
 @settings(max_examples=150, deadline=None)
@@ -142,3 +144,16 @@ def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:
     assert catalog.total_bytes == 0
     assert dirs.entry_path(kept.identity, kept.id).exists()
     assert not dirs.entry_path(dropped.identity, dropped.id).exists()
+
+
+def test_an_entry_of_an_identity_of_checkpoints_only_is_its_first(tmp_path: Path) -> None:
+    catalog = Catalog(TierDir(tmp_path), LruPolicy())
+    records = [
+        EntryRecord(
+            entry_id, DIGESTS[0], pack_tokens([n]), 10, False, durable=True, checkpoint_key="g"
+        )
+        for n, entry_id in enumerate(sorted(new_entry_id() for _ in range(3)))
+    ]
+    catalog.add_found(records[::-1])
+    assert catalog.an_entry(DIGESTS[0]) is records[0]
+    assert catalog.an_entry(DIGESTS[1]) is None
