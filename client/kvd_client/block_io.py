@@ -43,7 +43,7 @@ from .entry_io import (  # CHUNK_BYTES: copied per call, then checksummed
     advanced,
     calls_of,
     write_all,
-    write_runs,
+    write_slots,
 )
 from .workers import Descriptors, run_all
 
@@ -192,8 +192,8 @@ def _writers() -> ThreadPoolExecutor:
 
 
 class BlockWriter:
-    """The files of a planned manifest, from the entry's tensors (a byte view of each, in the
-    plan's tensor order): each block's rows of every cut tensor, then its head; the
+    """The files of a planned manifest, from the entry's tensors (the byte views of each, in
+    the plan's tensor order): each block's rows of every cut tensor, then its head; the
     manifest's tails of the cut tensors and the other tensors whole, then its head."""
 
     def __init__(self, plan: ManifestPlan, views: Sequence[Pieces]) -> None:
@@ -201,8 +201,9 @@ class BlockWriter:
         self.plan = plan
         self._views = views
         self._tokens, self._block = header.token_count, header.block_tokens
+        slots = header.slots  # a tuple made on each access
         self._cuts = {
-            i: Cut.of(header.slots[i].dtype, with_rows(header.slots[i].shape, self._tokens))
+            i: Cut.of(slots[i].dtype, with_rows(slots[i].shape, self._tokens))
             for i in plan.blocked_tensors
         }
 
@@ -221,10 +222,13 @@ class BlockWriter:
         plan = self.plan
         _check_size(fd, plan.block_size)
         rows = (index * self._block, (index + 1) * self._block)
-        checksums = [
-            write_runs(fd, slot.start, self._cuts[i].runs(self._views[i], *rows))
-            for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
-        ]
+        checksums = write_slots(
+            fd,
+            [
+                (slot, self._cuts[i].runs(self._views[i], *rows))
+                for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
+            ],
+        )
         write_all(fd, memoryview(plan.block_head(index, checksums)), 0)  # heads: no checksum
 
     def write_manifest(self, fd: int) -> None:
@@ -232,12 +236,13 @@ class BlockWriter:
         entry = self.plan.entry
         _check_size(fd, entry.file_size)
         tail = (len(self.plan.hashes) * self._block, self._tokens)
-        checksums = [
-            write_runs(
-                fd, slot.start, self._cuts[i].runs(pieces, *tail) if i in self._cuts else pieces
-            )
-            for i, (slot, pieces) in enumerate(zip(entry.slots, self._views, strict=True))
-        ]
+        checksums = write_slots(
+            fd,
+            [
+                (slot, self._cuts[i].runs(pieces, *tail) if i in self._cuts else pieces)
+                for i, (slot, pieces) in enumerate(zip(entry.slots, self._views, strict=True))
+            ],
+        )
         write_all(fd, memoryview(entry.head(checksums)), 0)
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.dtypes import tensor_nbytes
-from kvd_protocol.entry import PREFIX_BYTES, EntryHeader, EntryPlan, Slot
+from kvd_protocol.entry import ALIGNMENT, PREFIX_BYTES, EntryHeader, EntryPlan, Slot
 from kvd_protocol.entry_reader import parse_header, parse_prefix
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
@@ -115,9 +115,7 @@ def write_entry(fd: int, plan: EntryPlan, views: Sequence[Pieces]) -> None:
     size = os.fstat(fd).st_size
     if size != plan.file_size:
         raise ValueError(f"staging file is {size} bytes, the entry needs {plan.file_size}")
-    checksums = [
-        write_runs(fd, slot.start, pieces) for slot, pieces in zip(plan.slots, views, strict=True)
-    ]
+    checksums = write_slots(fd, list(zip(plan.slots, views, strict=True)))
     write_all(fd, memoryview(plan.head(checksums)), 0)
 
 
@@ -149,20 +147,46 @@ def advanced(group: list[memoryview], done: int) -> list[memoryview]:
     return [group[0][done:], *group[1:]] if done else group
 
 
-def write_runs(fd: int, offset: int, runs: Sequence[memoryview]) -> bytes:
-    """Write runs back to back at offset of fd by pwritev, CHUNK_BYTES a call; their
-    checksum, computed as each call's pieces are written."""
-    hasher = new_checksum()
-    for group in calls_of(((run, hasher) for run in runs), CHUNK_BYTES):
+# What goes between two slots (their alignment padding): zeros, as the file reads there.
+_ZEROS: Final = memoryview(bytes(ALIGNMENT))
+
+
+def write_slots(fd: int, slots: Sequence[tuple[Slot, Pieces]]) -> list[bytes]:
+    """Each slot's pieces at its start (slots in file order), and zeros between slots, in as
+    few pwritev calls as CHUNK_BYTES allows (a small tensor's slot needs no call of its
+    own); each slot's checksum, computed as its pieces are written."""
+    if not slots:
+        return []
+    pieces: list[Piece] = []
+    hashers = []
+    at = slots[0][0].start
+    for slot, runs in slots:
+        hashers.append(new_checksum())
+        if not slot.nbytes:  # an empty slot may start anywhere: nothing to write
+            continue
+        if slot.start < at:
+            raise ValueError(f"slot at {slot.start} overlaps the one before it, ending at {at}")
+        pieces.extend(
+            (_ZEROS[: min(ALIGNMENT, slot.start - p)], None)
+            for p in range(at, slot.start, ALIGNMENT)
+        )
+        pieces.extend((run, hashers[-1]) for run in runs)
+        at = slot.end
+    _write(fd, slots[0][0].start, pieces)
+    return [hasher.digest() for hasher in hashers]
+
+
+def _write(fd: int, offset: int, pieces: Sequence[Piece]) -> None:
+    for group in calls_of(pieces, CHUNK_BYTES):
         pending = [piece for piece, _ in group]
         while pending:
             written = os.pwritev(fd, pending, offset)
             if not written:
                 raise OSError(f"no progress writing at offset {offset}")
             pending, offset = advanced(pending, written), offset + written
-        for piece, _ in group:
-            hasher.update(piece)  # while the piece is still in the CPU's cache
-    return hasher.digest()
+        for piece, hasher in group:
+            if hasher is not None:
+                hasher.update(piece)  # while the piece is still in the CPU's cache
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:

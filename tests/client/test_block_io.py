@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvd_client import entry_io
 from kvd_client.block_io import BlockReads, BlockWriter, Cut, read_slots
 from kvd_client.client import Client
-from kvd_client.entry_io import CHUNK_BYTES, EntryFile, write_runs
+from kvd_client.entry_io import CHUNK_BYTES, EntryFile, write_slots
 from kvd_client.workers import Descriptors
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ALIGNMENT, LayerSpec, Slot, TensorSpec, plan_manifest
@@ -103,6 +103,41 @@ def test_runs_refuse_pieces_that_are_not_the_tensor() -> None:
         cut.runs([memoryview(bytes(64))], 3, 5)
 
 
+def _write_runs(fd: int, offset: int, runs: list[memoryview]) -> bytes:
+    """runs written back to back as one slot at offset; its checksum."""
+    size = sum(run.nbytes for run in runs)
+    return write_slots(fd, [(Slot("uint8", (size,), 0, size, b"", offset), runs)])[0]
+
+
+def test_slots_are_written_in_one_pass_with_zeros_between_them(fd: int) -> None:
+    rng = np.random.default_rng(9)
+    parts = [rng.integers(1, 255, n, np.uint8) for n in (5000, 70000, 300)]
+    starts = [ALIGNMENT, 2 * ALIGNMENT, 8 * ALIGNMENT]
+    os.pwrite(fd, b"\xee" * 9 * ALIGNMENT, 0)  # not zero: the gaps must be written
+    slots = [
+        Slot("uint8", (a.size,), 0, a.size, b"", at) for a, at in zip(parts, starts, strict=True)
+    ]
+    empty = Slot("uint8", (0,), 0, 0, b"", 3)  # may start anywhere
+    wanted = [
+        (slots[0], [_bytes(parts[0])]),
+        (empty, []),
+        *((s, [_bytes(a)]) for s, a in zip(slots[1:], parts[1:], strict=True)),
+    ]
+    sums = write_slots(fd, wanted)
+    assert sums == [
+        checksum(parts[0].tobytes()),
+        checksum(b""),
+        *(checksum(a.tobytes()) for a in parts[1:]),
+    ]
+    data = os.pread(fd, 9 * ALIGNMENT, 0)
+    assert data[:ALIGNMENT] == b"\xee" * ALIGNMENT  # before the first slot: untouched
+    for slot, a in zip(slots, parts, strict=True):
+        assert data[slot.start : slot.end] == a.tobytes()
+    gaps = [(slots[0].end, slots[1].start), (slots[1].end, slots[2].start)]
+    assert all(data[low:high] == bytes(high - low) for low, high in gaps)
+    assert data[slots[2].end :] == b"\xee" * (9 * ALIGNMENT - slots[2].end)
+
+
 def test_the_rows_of_an_mlx_array_are_written_as_its_block_and_read_into_a_longer_buffer(
     fd: int,
 ) -> None:
@@ -111,7 +146,7 @@ def test_the_rows_of_an_mlx_array_are_written_as_its_block_and_read_into_a_longe
     source = np.array(keys)
     cut = Cut.of("float16", keys.shape)
     view = memoryview(keys).cast("B")  # type: ignore[arg-type]
-    written = write_runs(fd, 4096, cut.runs([view], 256, 300))
+    written = _write_runs(fd, 4096, cut.runs([view], 256, 300))
     assert written == checksum(_rows(source, 256, 300))
     assert os.pread(fd, 1 << 20, 4096) == _rows(source, 256, 300)
     # Back into rows 256..300 of a buffer with room for 512 tokens, as a restore grows it.
@@ -129,7 +164,7 @@ def test_runs_longer_than_a_call_and_more_runs_than_an_iovec_holds(fd: int) -> N
     many = np.arange(entry_io.IOV_MAX + 50, dtype=np.uint8).reshape(1, -1, 1, 1)
     runs = [_bytes(long), *Cut.of("uint8", many.shape).runs([_bytes(many)], 0, 1)]
     expected = long.tobytes() + many.tobytes()
-    assert write_runs(fd, 0, runs) == checksum(expected)
+    assert _write_runs(fd, 0, runs) == checksum(expected)
     back = [memoryview(bytearray(run.nbytes)) for run in runs]
     read_runs(fd, 0, back, checksum(expected), "entry")
     assert b"".join(bytes(piece) for piece in back) == expected
@@ -137,7 +172,7 @@ def test_runs_longer_than_a_call_and_more_runs_than_an_iovec_holds(fd: int) -> N
 
 def test_a_short_file_and_changed_bytes_are_refused_by_rule(fd: int) -> None:
     data = np.arange(64, dtype=np.uint8)
-    digest = write_runs(fd, 0, [_bytes(data)])
+    digest = _write_runs(fd, 0, [_bytes(data)])
     with pytest.raises(EntryFormatError) as short:
         read_runs(fd, 32, [memoryview(bytearray(64))], digest, "block")
     assert short.value.rule is Rule.TRUNCATED
@@ -157,7 +192,7 @@ def test_slots_given_out_of_file_order_are_each_read_and_checked(fd: int) -> Non
     first, second = (rng.integers(0, 255, n, np.uint8) for n in (5000, 300))
     at = [ALIGNMENT, 3 * ALIGNMENT]  # apart by a gap, read into padding
     sums = [
-        write_runs(fd, offset, [_bytes(a)]) for offset, a in zip(at, (first, second), strict=True)
+        _write_runs(fd, offset, [_bytes(a)]) for offset, a in zip(at, (first, second), strict=True)
     ]
     empty = Slot("uint8", (0,), 0, 0, checksum(b""), 2 * ALIGNMENT + 7)
     slots = [
