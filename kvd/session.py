@@ -213,8 +213,7 @@ class Session:
                         try:
                             self._reply(reply)
                         finally:
-                            if tier.unbooked:
-                                tier.book_lookups()
+                            tier.book_lookups()
                     else:
                         assert self._tasks is not None
                         self._tasks.start_soon(self._answer, event)

@@ -352,9 +352,13 @@ class Tier:
         return None
 
     def book_lookups(self) -> None:
-        """Count the lookups answered since the last call (see lookup)."""
+        """Count the lookups answered since the last call (see lookup). Each is booked once,
+        even if booking one fails."""
+        if not self.unbooked:
+            return
+        pending, self.unbooked = self.unbooked, []
         counters, now = self.catalog.counters, time.time()
-        for identity, tokens, outcome in self.unbooked:
+        for identity, tokens, outcome in pending:
             self.admission.looked_up(identity.digest(), tokens, now)
             if isinstance(outcome, str):
                 counters.misses += 1
@@ -364,7 +368,6 @@ class Tier:
                 counters.hits += 1
                 self.telemetry.lookup(identity, hit=True)
                 index.touch(record, self.catalog.tick())
-        self.unbooked.clear()
 
     def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
         """Read-only descriptors of blocks first.. of the entry under the owner's lease, each

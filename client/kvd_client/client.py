@@ -283,6 +283,9 @@ class Client:
                     failure = calls.broken(step, exc, fresh=fresh)
                     if failure is not None:
                         raise failure from exc
+                except BaseException:
+                    self._drop()  # interrupted mid-exchange: the stream is out of step
+                    raise
                 fresh = True
                 self._connect()
 

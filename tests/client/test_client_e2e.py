@@ -123,6 +123,36 @@ def test_a_daemon_that_stops_answering_times_the_exchange_out(daemon: Daemon) ->
         assert client.stats.reconnects == 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # as Ctrl-C would, in the middle of an exchange
+
+
+def test_an_exchange_interrupted_before_its_reply_never_answers_the_next_one(
+    daemon: Daemon,
+) -> None:
+    """A lookup interrupted while its reply is on the way leaves that reply unread: the client
+    drops the connection, so the next lookup gets its own answer (a miss), not the hit."""
+    with Client.connect(daemon.socket_path, require=True) as client:
+        _put_stored(client, PROMPT, seed=1)
+        assert client.flush(SETTLE_SECONDS)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        previous = signal.signal(signal.SIGALRM, _interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(KeyboardInterrupt):
+                client.lookup(IDENTITY, [*PROMPT, 1])  # a hit, once the daemon goes on
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert not client.connected
+        assert client.lookup(OTHER_IDENTITY, [*PROMPT, 1]) is None
+        hit = client.lookup(IDENTITY, [*PROMPT, 1])
+        assert hit is not None
+        assert hit.matched == len(PROMPT)
+        hit.release()
+
+
 def test_client_survives_a_daemon_restart(daemon: Daemon) -> None:
     with Client.connect(daemon.socket_path, require=True) as client:
         _put_stored(client, PROMPT, seed=1)

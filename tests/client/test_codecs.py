@@ -376,6 +376,25 @@ def test_a_copied_snapshot_leaves_the_buffers_to_the_cache() -> None:
     assert [bytes(pieces[0]) for pieces in tensors] == before
 
 
+def test_a_copied_snapshot_of_a_whole_buffer_leaves_it_to_the_cache() -> None:
+    """The same for a full sliding window, whose snapshot is its whole ring buffer (already
+    contiguous, which MLX's contiguous would hand back uncopied)."""
+    cache = mlc.RotatingKVCache(max_size=8)
+    for step in range(12):
+        token = mx.random.normal((1, 2, 1, 64), key=mx.random.key(step)).astype(mx.float16)
+        cache.update_and_fetch(token, token * 2)
+    mx.eval(cache.state)
+    buffer = _address(_view(cache.keys))
+    _, tensors, _ = encode([cache], 12, copy=True)
+    assert all(_address(pieces[0]) != buffer for pieces in tensors)
+    before = [bytes(pieces[0]) for pieces in tensors]
+    token = mx.ones((1, 2, 1, 64), dtype=mx.float16)
+    cache.update_and_fetch(token, token)
+    mx.eval(cache.state)
+    assert _address(_view(cache.keys)) == buffer
+    assert [bytes(pieces[0]) for pieces in tensors] == before
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_caches_written_from_their_buffers_round_trip(tmp_path: Path, dtype: mx.Dtype) -> None:
     kv = mlc.KVCache()
