@@ -36,8 +36,8 @@ def parse_size(value: object) -> int:
     number, prefix, _, _ = match.groups()
     whole, _, fraction = number.partition(".")  # in integers, exact: no Decimal to import
     scale = 1 << 10 * _POWERS[(prefix or "").lower()]
-    tenths: int = 10 ** len(fraction)  # typed: int ** int is Any to mypy
-    return (int(whole or "0") * tenths + int(fraction or "0")) * scale // tenths
+    denominator: int = 10 ** len(fraction)  # typed: int ** int is Any to mypy
+    return (int(whole or "0") * denominator + int(fraction or "0")) * scale // denominator
 
 
 def positive_size(value: object) -> int:

@@ -8,7 +8,10 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 OPS = ("open", "read", "write", "pread", "pwrite", "fsync", "rename", "mkdir", "fallocate")
 ERRNOS = ("EIO", "ENOSPC")
@@ -37,6 +40,17 @@ def build(folder: Path, source: Path = SOURCE) -> Path:
     if built.returncode != 0:
         raise FaultShimError(f"the fault shim does not build: {built.stderr.strip()}")
     return library
+
+
+def built_or_skip(folder: Path, source: Path, what: str) -> Path:
+    """build, for a test fixture: the test named by what skips, saying why, off Linux (the
+    shims are preloaded with LD_PRELOAD) or where the shim does not build."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"{what} NOT RUN: the LD_PRELOAD shim is for Linux")
+    try:
+        return build(folder, source)
+    except FaultShimError as exc:
+        pytest.skip(f"{what} NOT RUN: {exc}")
 
 
 class Faults:

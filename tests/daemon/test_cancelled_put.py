@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from daemon_e2e import wait_until
 from daemon_process import Daemon
-from fault_shim import FaultShimError, build
+from fault_shim import built_or_skip
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
 from kvd_client.identity import Identity
@@ -37,12 +37,7 @@ CHILD_SECONDS = 300.0
 
 @pytest.fixture
 def shim(tmp_path: Path) -> Path:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("CANCELLED PUT NOT RUN: the LD_PRELOAD shim is for Linux")
-    try:
-        return build(tmp_path, SHIM)
-    except FaultShimError as exc:
-        pytest.skip(f"CANCELLED PUT NOT RUN: {exc}")
+    return built_or_skip(tmp_path, SHIM, "CANCELLED PUT")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from blocks_e2e import (
 )
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, report
 from daemon_process import Daemon, socket_folder
-from fault_shim import Faults, FaultShimError, build
+from fault_shim import SOURCE, Faults, built_or_skip
 from kvd_client.client import Client
 from kvd_protocol import messages as m
 from kvd_protocol.identity import Identity
@@ -52,12 +51,7 @@ ERRNO_WORDS = ("Input/output error", "No space left on device", "no_space")
 
 @pytest.fixture
 def shim(tmp_path: Path) -> Path:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("FAULT INJECTION NOT RUN: the LD_PRELOAD fault shim is for Linux")
-    try:
-        return build(tmp_path)
-    except FaultShimError as exc:
-        pytest.skip(f"FAULT INJECTION NOT RUN: {exc}")
+    return built_or_skip(tmp_path, SOURCE, "FAULT INJECTION")
 
 
 @dataclass

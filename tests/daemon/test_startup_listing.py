@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import anyio
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 from daemon_process import OPENED, running_daemon
 from entry_samples import write
-from fault_shim import FaultShimError, build
+from fault_shim import built_or_skip
 from kvd_client import Client, TicketState
 from kvd_protocol import Identity, LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.limits import DEFAULT_LIMITS
@@ -36,12 +35,7 @@ HOLD_SHIM = Path(__file__).with_name("hold_shim.c")
 
 @pytest.fixture
 def hold_shim(tmp_path: Path) -> Path:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("HELD LISTING NOT RUN: the LD_PRELOAD shim is for Linux")
-    try:
-        return build(tmp_path, HOLD_SHIM)
-    except FaultShimError as exc:
-        pytest.skip(f"HELD LISTING NOT RUN: {exc}")
+    return built_or_skip(tmp_path, HOLD_SHIM, "HELD LISTING")
 
 
 def prompt(first: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, fields, replace
+import copy
+from dataclasses import FrozenInstanceError, astuple, fields, replace
 from typing import Any
 
 import msgpack
@@ -90,6 +91,38 @@ def test_a_message_compares_hashes_and_shows_by_every_field_and_stays_frozen(
     assert message != Ping(id=message.id) or type(message) is Ping
     with pytest.raises(FrozenInstanceError):
         message.id = 0  # type: ignore[misc]
+
+
+def test_messages_are_equal_exactly_when_their_type_and_every_field_are() -> None:
+    """Across every pair of sample messages, and each message against a copy with any one
+    field changed: an __eq__ that compared less than every field would let one through."""
+    for a in MESSAGES:
+        for b in MESSAGES:
+            assert (a == b) == (type(a) is type(b) and astuple(a) == astuple(b))
+        for field in fields(a):
+            value = getattr(a, field.name)
+            other = _another(value)
+            if other is not None:
+                changed = copy.copy(a)
+                object.__setattr__(changed, field.name, other)
+                assert changed != a, field.name
+
+
+def _another(value: object) -> object | None:
+    """A value unequal to value, of a kind a field may hold (None when there is none)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, bytes):
+        return value + b"x"
+    if isinstance(value, tuple):
+        return (*value, value[0]) if value else None
+    if value is None:
+        return 0
+    return None
 
 
 def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
