@@ -335,7 +335,7 @@ class Connection:
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
-        decode = REQUEST_DECODERS.get(op) if type(op) is str else None  # as small_request does
+        decode = REQUEST_DECODERS.get(op) if type(op) is str else None
         request: Request | None = None
         if decode is not None:  # then body is a dict: op came from it
             request = decode(body, self.limits)  # type: ignore[arg-type]

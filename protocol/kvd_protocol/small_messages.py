@@ -26,8 +26,6 @@ from .messages import (
     Message,
     Ping,
     PingReply,
-    Reply,
-    Request,
 )
 from .tokens import TOKEN_BYTES
 
@@ -114,7 +112,7 @@ def _error_reply(body: dict[str, Any], limits: Limits) -> ErrorReply | None:
     return None
 
 
-# By op: each takes a dict body of that op (what small_request checks first), as do these:
+# By op: each takes a dict body of that op (what the Connection checks first), as do these:
 REQUEST_DECODERS: Final[Mapping[str, Decoder]] = {"ping": _id_only(Ping), "lookup": _lookup}
 # ("error": an error reply). A reply decoded here declares no descriptors: a lookup's is a
 # miss.
@@ -123,26 +121,6 @@ REPLY_DECODERS: Final[Mapping[str, Decoder]] = {
     "lookup": _lookup_reply,
     "error": _error_reply,
 }
-
-
-def small_request(body: object, limits: Limits) -> Request | None:
-    """The small request in body (a decoded frame holding an id), or None."""
-    if type(body) is dict and type(op := body.get("op")) is str:
-        decode = REQUEST_DECODERS.get(op)
-        if decode is not None:
-            request: Request | None = decode(body, limits)
-            return request
-    return None
-
-
-def small_reply(body: object, op: str, limits: Limits) -> Reply | None:
-    """The small reply of op in body (a decoded frame holding an id), or None; op "error":
-    an error reply."""
-    decode = REPLY_DECODERS.get(op)
-    if decode is not None and type(body) is dict and body.get("op") == op:
-        reply: Reply | None = decode(body, limits)
-        return reply
-    return None
 
 
 def _ping_map(message: Ping | PingReply) -> dict[str, object]:
