@@ -56,6 +56,7 @@ def test_engine_library_does_not_pull_daemon_dependencies() -> None:
     names = _requirement_names("kvd-client")
     assert not names & DAEMON_ONLY
     assert "mlx" in names
+    assert "numpy" in names  # imported without the mlx-lm extra (restore.py)
     assert "kvd-protocol" in names
 
 
