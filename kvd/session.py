@@ -53,12 +53,12 @@ FEATURES = (
 )
 
 
-def _checks_a_file(release: m.Release) -> bool:
+def _checks_a_file(request: m.Request) -> bool:
     """A release that reports damage: the entry's file is checked before the answer, with
     the connection's reading paused meanwhile, so that its answer keeps its place among the
     others. Every other request that may wait runs as a task of its own; those that never
     wait (a plain release too) are answered at once (Session._at_once)."""
-    return release.damaged is not None
+    return type(request) is m.Release and request.damaged is not None
 
 
 @dataclass
@@ -203,7 +203,7 @@ class Session:
                     self._reply(event.reply())
                 elif isinstance(event, m.Request):
                     handler = self._at_once.get(event.op)
-                    if type(event) is m.Release and _checks_a_file(event):
+                    if _checks_a_file(event):
                         self._pause_for(self._answer, event)
                     elif handler is not None:
                         try:
@@ -299,7 +299,7 @@ class Session:
         frame part-way out before it)."""
         fds = reply.fds
         try:
-            framed = self._frame(reply, fds)
+            framed = self._frame(reply)
             if framed is None:
                 return
             unsent = socket_io.start(self.sock, *framed, self._gate)
@@ -328,7 +328,7 @@ class Session:
     async def _send(self, reply: m.Reply) -> None:
         fds = reply.fds
         try:
-            framed = self._frame(reply, fds)
+            framed = self._frame(reply)
             if framed is not None:
                 await socket_io.send(self.sock, *framed, self._gate)
         except socket_io.PeerGone as exc:
@@ -337,8 +337,8 @@ class Session:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
 
-    def _frame(self, reply: m.Reply, fds: tuple[int, ...]) -> tuple[bytes, tuple[int, ...]] | None:
-        """The reply's frame and the descriptors to go with it (fds: the reply's own); None
+    def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reply's frame and the descriptors to go with it (the reply's own); None
         once closing after a fatal error (nobody reads on). A reply the protocol refuses (a
         daemon bug, or one over the frame limit) is logged as an error and its request gets
         that error."""
@@ -346,7 +346,7 @@ class Session:
             log.debug("reply_not_sent", session=self.peer.session, op=reply.op)
             return None
         try:
-            return self.conn.send(reply), fds
+            return self.conn.send(reply), reply.fds
         except LocalProtocolError as exc:
             log.error("reply_refused", session=self.peer.session, op=reply.op, error=str(exc))
             if isinstance(reply, m.ErrorReply):

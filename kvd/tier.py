@@ -354,8 +354,6 @@ class Tier:
     def book_lookups(self) -> None:
         """Count the lookups answered since the last call (see lookup). Each is booked once,
         even if booking one fails."""
-        if not self.unbooked:
-            return
         pending, self.unbooked = self.unbooked, []
         counters, now = self.catalog.counters, time.time()
         for identity, tokens, outcome in pending:

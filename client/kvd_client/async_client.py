@@ -254,25 +254,18 @@ class AsyncClient:
         """As Client._exchange."""
         link = self._link
         async with self._lock:
-            fresh = False  # a connection made for this exchange
-            if step.epoch is None:
-                if self._transport is None:
-                    await self._connect()
-                    fresh = True
-            elif step.epoch != link.epoch or self._transport is None:
-                raise DaemonUnavailable("the connection this request belongs to was lost")
+            fresh = calls.must_connect(link, step, connected=self._transport is not None)
+            if fresh:  # a connection made for this exchange
+                await self._connect()
             while True:
                 frame = link.send(step.request)
                 try:
                     return await self._round_trip(frame, link.deadline(step.wait))
-                except (OSError, ProtocolError) as exc:  # timeouts, broken sockets: OSErrors
-                    self._drop()
+                except BaseException as exc:
+                    self._drop()  # whatever broke the exchange, the stream is out of step
                     failure = calls.broken(step, exc, fresh=fresh)
                     if failure is not None:
                         raise failure from exc
-                except BaseException:
-                    self._drop()  # cancelled halfway through an exchange: the stream is out of step
-                    raise
                 fresh = True
                 await self._connect()
 

@@ -42,6 +42,7 @@ from .entry_io import (  # CHUNK_BYTES: copied per call, then checksummed
     Pieces,
     advanced,
     calls_of,
+    slot_pieces,
     write_all,
     write_slots,
 )
@@ -123,29 +124,14 @@ def read_slots(
     CHUNK_BYTES allows, each slot checked against its checksum in checksums unless None;
     raises EntryFormatError (the file ends first: truncated; the bytes differ:
     data_checksum) or OSError. name: the file's, for errors."""
-    pieces: list[Piece] = []
-    checks: list[tuple[Hasher, Slot, bytes]] = []
-    at = -1
-    for k in sorted(range(len(slots)), key=lambda k: slots[k].start):
-        slot = slots[k]
-        hasher: Hasher = None
-        if checksums is not None:
-            hasher = new_checksum()
-            checks.append((hasher, slot, checksums[k]))
-        if not slot.nbytes:  # no bytes to read, wherever it starts
-            continue
-        if at < 0:
-            start = at = slot.start
-        if slot.start < at:
-            raise ValueError(f"slot at {slot.start} overlaps the one before it, ending at {at}")
-        gap = range(at, slot.start, ALIGNMENT)
-        pieces.extend((_PADDING[: min(ALIGNMENT, slot.start - p)], None) for p in gap)
-        pieces.extend((run, hasher) for run in runs[k])
-        at = slot.end
+    in_order = sorted(range(len(slots)), key=lambda k: slots[k].start)
+    hashers: list[Hasher] = [None if checksums is None else new_checksum() for _ in slots]
+    start, pieces = slot_pieces(((slots[k], runs[k], hashers[k]) for k in in_order), _PADDING)
     if pieces:
         _read(fd, start, pieces, name)
-    for hasher, slot, checksum in checks:
-        _check(hasher, checksum, slot.start, name)
+    if checksums is not None:
+        for slot, hasher, checksum in zip(slots, hashers, checksums, strict=True):
+            _check(hasher, checksum, slot.start, name)
 
 
 def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
@@ -273,6 +259,7 @@ class BlockReads:
         # views: a block's rows of it are then a slice of each.
         self._outer_runs: dict[int, list[memoryview]] = {}
         self._heads: BlockHeads | None = None  # set by the first head parsed in full
+        self._heads_tried = False  # once: a writer whose heads differ is parsed in full
 
     def shape(self, index: int) -> tuple[int, ...]:
         """The whole shape of tensor index (its slot's, for a tensor not cut)."""
@@ -331,6 +318,7 @@ class BlockReads:
         block = parse_block_header(name, prefix, data[PREFIX_BYTES:], size, self._limits)
         check_block(self.header, index, block, name)
         slots = block.slots
-        if heads is None:  # threads that get here at once each make one: any of them will do
+        if not self._heads_tried:  # threads that get here at once each try: any will do
+            self._heads_tried = True
             self._heads = BlockHeads.of(self.header, block, data)
         return slots, [slot.checksum for slot in slots]

@@ -150,18 +150,30 @@ def expect(reply: object, kind: type[R]) -> R:
     raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
 
 
-def broken(step: Exchange, exc: Exception, *, fresh: bool) -> DaemonUnavailable | None:
-    """What a driver raises when step's request failed with exc (an OSError, timeouts
-    included, or a ProtocolError) and the connection was dropped: DaemonUnavailable, caused
-    by exc; or None to try once more on a new connection. That is worth it for the first
-    request of a call, on a connection that had broken since the last call (a restarted
-    daemon), unless the connection was made for this request (fresh). Never after a timeout:
-    a slow daemon would cost the engine twice the wait."""
+def must_connect(link: Link, step: Exchange, *, connected: bool) -> bool:
+    """Whether a driver connects before sending step's request: the first request of a call
+    when no connection is up. A later request belongs to its call's connection (epoch):
+    DaemonUnavailable if that was lost."""
+    if step.epoch is None:
+        return not connected
+    if step.epoch != link.epoch or not connected:
+        raise DaemonUnavailable("the connection this request belongs to was lost")
+    return False
+
+
+def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavailable | None:
+    """What a driver raises (from exc) when step's exchange failed with exc and the
+    connection was dropped: DaemonUnavailable for an OSError (timeouts included) or a
+    ProtocolError, or None to try once more on a new connection. That is worth it for the
+    first request of a call, on a connection that had broken since the last call (a
+    restarted daemon), unless the connection was made for this request (fresh). Never after
+    a timeout: a slow daemon would cost the engine twice the wait. Anything else (an
+    interruption, a cancellation) the driver raises as it is."""
+    if not isinstance(exc, OSError | ProtocolError):
+        raise exc
     if not fresh and step.epoch is None and isinstance(exc, TransportClosed):
         return None
-    failure = DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
-    failure.__cause__ = exc
-    return failure
+    return DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
 
 
 # --- link --------------------------------------------------------------------------------

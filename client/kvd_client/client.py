@@ -267,25 +267,18 @@ class Client:
         on a new one when calls.broken says so."""
         link = self._link
         with self._lock:
-            fresh = False  # a connection made for this exchange
-            if step.epoch is None:
-                if self._transport is None:
-                    self._connect()
-                    fresh = True
-            elif step.epoch != link.epoch or self._transport is None:
-                raise DaemonUnavailable("the connection this request belongs to was lost")
+            fresh = calls.must_connect(link, step, connected=self._transport is not None)
+            if fresh:  # a connection made for this exchange
+                self._connect()
             while True:
                 frame = link.send(step.request)
                 try:
                     return self._round_trip(frame, link.deadline(step.wait))
-                except (OSError, ProtocolError) as exc:  # timeouts, broken sockets: OSErrors
-                    self._drop()
+                except BaseException as exc:
+                    self._drop()  # whatever broke the exchange, the stream is out of step
                     failure = calls.broken(step, exc, fresh=fresh)
                     if failure is not None:
                         raise failure from exc
-                except BaseException:
-                    self._drop()  # interrupted mid-exchange: the stream is out of step
-                    raise
                 fresh = True
                 self._connect()
 

@@ -155,25 +155,35 @@ def write_slots(fd: int, slots: Sequence[tuple[Slot, Pieces]]) -> list[bytes]:
     """Each slot's pieces at its start (slots in file order), and zeros between slots, in as
     few pwritev calls as CHUNK_BYTES allows (a small tensor's slot needs no call of its
     own); each slot's checksum, computed as its pieces are written."""
-    if not slots:
-        return []
+    hashers = [new_checksum() for _ in slots]
+    laid = ((slot, runs, hasher) for (slot, runs), hasher in zip(slots, hashers, strict=True))
+    start, pieces = slot_pieces(laid, _ZEROS)
+    if pieces:
+        _write(fd, start, pieces)
+    return [hasher.digest() for hasher in hashers]
+
+
+def slot_pieces(
+    slots: Iterable[tuple[Slot, Pieces, Hasher]], gap: memoryview
+) -> tuple[int, list[Piece]]:
+    """Where the bytes of slots (in file order) start, and their pieces from there to the
+    last slot's end: each slot's runs tagged with its hasher, and views of gap (ALIGNMENT
+    bytes) between slots. An empty slot has no bytes, wherever it starts."""
     pieces: list[Piece] = []
-    hashers = []
-    at = slots[0][0].start
-    for slot, runs in slots:
-        hashers.append(new_checksum())
-        if not slot.nbytes:  # an empty slot may start anywhere: nothing to write
+    start = at = -1
+    for slot, runs, hasher in slots:
+        if not slot.nbytes:
             continue
+        if at < 0:
+            start = at = slot.start
         if slot.start < at:
             raise ValueError(f"slot at {slot.start} overlaps the one before it, ending at {at}")
         pieces.extend(
-            (_ZEROS[: min(ALIGNMENT, slot.start - p)], None)
-            for p in range(at, slot.start, ALIGNMENT)
+            (gap[: min(ALIGNMENT, slot.start - p)], None) for p in range(at, slot.start, ALIGNMENT)
         )
-        pieces.extend((run, hashers[-1]) for run in runs)
+        pieces.extend((run, hasher) for run in runs)
         at = slot.end
-    _write(fd, slots[0][0].start, pieces)
-    return [hasher.digest() for hasher in hashers]
+    return start, pieces
 
 
 def _write(fd: int, offset: int, pieces: Sequence[Piece]) -> None:

@@ -125,6 +125,7 @@ def test_a_daemon_evicts_through_the_deleter_and_reaps_at_start(tmp_path: Path) 
             assert hit is not None
             with hit:
                 assert hit.summary.tokens == len(tokens)
+            assert settled(lambda: client.status()["deleted_files"] == 3)  # through deleting/
         assert settled(lambda: not any(deleting.iterdir()))
         assert daemon.stop() == 0
         left = deleting / f"left{SUFFIX}"
