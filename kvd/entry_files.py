@@ -7,18 +7,20 @@ applies the results on the event loop.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 from pathlib import Path
+from typing import Final
 
+from kvd_protocol.checksum import new_checksum
 from kvd_protocol.entry import PREFIX_BYTES, BlockHeader, EntryHeader, Slot
 from kvd_protocol.entry_reader import (
     check_block,
+    check_slot_digest,
+    check_slot_length,
     parse_block_header,
     parse_header,
     parse_prefix,
-    verify_slot,
 )
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
@@ -66,10 +68,19 @@ def read_header(path: Path, limits: Limits) -> EntryHeader:
     Raises EntryFormatError for a bad file (a symbolic link included), OSError if it cannot
     be read.
     """
-    with open(_open_regular(path), "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        prefix = parse_prefix(path.name, file.read(PREFIX_BYTES), limits)
-        return parse_header(path.name, prefix, file.read(prefix.header_length), size, limits)
+    fd = _open_regular(path)
+    try:
+        return entry_head(fd, path.name, limits)
+    finally:
+        os.close(fd)
+
+
+def entry_head(fd: int, name: str, limits: Limits) -> EntryHeader:
+    """read_header of an open file; name: for errors only."""
+    size = os.fstat(fd).st_size
+    prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), limits)
+    head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
+    return parse_header(name, prefix, head, size, limits)
 
 
 class ChangedError(Exception):
@@ -124,7 +135,11 @@ def _open_regular(path: Path) -> int:
 def read_block_header(path: Path, limits: Limits) -> BlockHeader:
     """Parse and validate a block file's prefix and header against its real size (its hash
     against its name included); EntryFormatError for a bad file, OSError if unreadable."""
-    return _block_head(path, path.name, limits)
+    fd = _open_regular(path)
+    try:
+        return block_head(fd, path.name, limits)
+    finally:
+        os.close(fd)
 
 
 def verify_block(
@@ -133,44 +148,65 @@ def verify_block(
     """Validate block file path whole as block index of manifest: its head, that it belongs
     there (check_block) and every slot's checksum. name: the file's name in blocks/ (its
     hash), which a staging file does not have. Raises EntryFormatError."""
-    block = _block_head(path, name, limits)
+    fd = _open_regular(path)
+    try:
+        return verify_block_at(fd, name, manifest, index, limits)
+    finally:
+        os.close(fd)
+
+
+def verify_block_at(
+    fd: int, name: str, manifest: EntryHeader, index: int, limits: Limits
+) -> BlockHeader:
+    """verify_block of an open file."""
+    block = block_head(fd, name, limits)
     check_block(manifest, index, block, name)
-    _verify_slots(path, block.slots)
+    verify_slots(fd, name, block.slots)
     return block
 
 
-def _block_head(path: Path, name: str, limits: Limits) -> BlockHeader:
-    with open(_open_regular(path), "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        prefix = parse_prefix(name, file.read(PREFIX_BYTES), limits)
-        return parse_block_header(name, prefix, file.read(prefix.header_length), size, limits)
+def block_head(fd: int, name: str, limits: Limits) -> BlockHeader:
+    """read_block_header of an open file, named name (its hash) in blocks/."""
+    size = os.fstat(fd).st_size
+    prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), limits)
+    head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
+    return parse_block_header(name, prefix, head, size, limits)
 
 
 def verify_data(path: Path, header: EntryHeader | BlockHeader) -> None:
     """Check every tensor's bytes (of an entry or a block file) against its slot checksum;
     raises EntryFormatError."""
-    _verify_slots(path, header.slots)
+    fd = _open_regular(path)
+    try:
+        verify_slots(fd, path.name, header.slots)
+    finally:
+        os.close(fd)
 
 
-def _verify_slots(path: Path, slots: tuple[Slot, ...]) -> None:
+# Slots are checked in pieces of this size, read into one buffer: never through a mapping,
+# since a file can shrink behind the daemon's back (a client may still hold a staging file)
+# and a mapping read past its end kills the reader (SIGBUS) where pread only comes up short.
+VERIFY_CHUNK: Final = 1 << 20
+
+
+def verify_slots(fd: int, name: str, slots: tuple[Slot, ...]) -> None:
+    """Check every slot's bytes in file fd against its checksum; EntryFormatError for one that
+    differs or a file too short to hold it (name: for errors only)."""
     if not slots:
         return
-    with (
-        open(path, "rb", buffering=0) as file,
-        mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-    ):
-        view = memoryview(mapped)
-        try:
-            for slot in slots:
-                part = view[slot.start : slot.end]
-                try:
-                    verify_slot(path.name, slot, part)
-                finally:
-                    # A failure's traceback still holds the slice: released by hand, or
-                    # closing the mapping raises BufferError in place of the failure.
-                    part.release()
-        finally:
-            view.release()
+    buffer = memoryview(bytearray(min(VERIFY_CHUNK, max(slot.nbytes for slot in slots))))
+    for slot in slots:
+        digest = new_checksum()
+        done = 0
+        while done < slot.nbytes:
+            piece = buffer[: min(len(buffer), slot.nbytes - done)]
+            n = os.preadv(fd, [piece], slot.start + done)
+            if not n:
+                break  # the end of the file: too short
+            digest.update(piece[:n])
+            done += n
+        check_slot_length(name, slot, done)
+        check_slot_digest(name, slot, digest.digest())
 
 
 def verify_entry(path: Path, limits: Limits) -> EntryHeader:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
@@ -159,3 +160,26 @@ def get_logger(name: str) -> FilteringBoundLogger:
     takes its configuration on first use."""
     logger: FilteringBoundLogger = structlog.get_logger(name)
     return logger
+
+
+class RateLimited:
+    """Warnings a client can provoke at will, at most one line per event every `every`
+    seconds: the next line says how many were left out meanwhile (`suppressed`)."""
+
+    def __init__(self, logger: FilteringBoundLogger, every: float = 10.0) -> None:
+        self._logger = logger
+        self._every = every
+        self._last: dict[str, float] = {}  # event -> when its last line went out
+        self._left_out: dict[str, int] = {}
+
+    def warning(self, event: str, **fields: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(event)
+        if last is not None and now - last < self._every:
+            self._left_out[event] = self._left_out.get(event, 0) + 1
+            return
+        self._last[event] = now
+        left_out = self._left_out.pop(event, 0)
+        if left_out:
+            fields["suppressed"] = left_out
+        self._logger.warning(event, **fields)

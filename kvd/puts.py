@@ -11,6 +11,12 @@ the engine writes only the blocks after it, into staging files blocks() hands ou
 first asking, pre-sized; asked again, the same file). At commit every one of those must have
 been handed out; they join the block store with the manifest.
 
+Commit seals the put's files (sealing.py: no client can change them from then on) and checks
+them whole against the declaration on a worker thread: the manifest's header, each block
+file's size, head and place in the manifest, every tensor's checksum. A put that lies fails
+alone, at its own commit (INVALID_ENTRY), before anything of it is indexed or offered to
+another put as held: held means committed and checked.
+
 A staging file is pre-sized, so a put holds its bytes from begin on (the manifest's and its
 new blocks'). They count against the
 write-behind cap (staged and queued bytes together stay under it; drop-oldest can make room
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,13 +42,13 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 
-from kvd import entry_files
+from kvd import entry_files, sealing
 from kvd.admission import Admission
 from kvd.blocks import Block
 from kvd.catalog import Catalog
 from kvd.config import Config, quota_for
 from kvd.durability import disk_free
-from kvd.logs import get_logger
+from kvd.logs import RateLimited, get_logger
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.tickets import Tickets
@@ -49,6 +56,7 @@ from kvd.tier_dir import new_entry_id
 from kvd.writer import Writer
 
 log = get_logger("kvd.puts")
+refusals = RateLimited(log)  # a client may lie at every commit
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 T = TypeVar("T")
 
@@ -131,6 +139,9 @@ class Puts:
         # and per identity digest.
         self.dedup_saved_bytes = 0
         self.dedup_saved: dict[str, int] = {}
+        self._checks = anyio.CapacityLimiter(COMMIT_CHECKS)
+        self.sealed_by_copy = 0  # files a client still held writable at commit: copied
+        self.refused_at_commit = 0  # puts whose files were not what they declared
 
     def __len__(self) -> int:
         return len(self._puts)
@@ -361,7 +372,7 @@ class Puts:
                     f"blocks {_ranges(unwritten)} of put {put.id} were never handed out "
                     "(put_blocks): the entry would lack them",
                 )
-            header = await self._read_header(put)
+            header = await self._checked(put)
             await self._writer.make_room(put.reserved)  # if none, the queue refuses below
             # No await from here on: the index cannot change between the check and the add.
             digest = put.identity.digest()
@@ -394,7 +405,7 @@ class Puts:
                 block_size=put.block_size,
             )
             new_blocks = {put.blocks[i]: path for i, path in put.block_files.items()}
-            ticket = self._writer.enqueue(record, header, put.path, put.reserved, new_blocks)
+            ticket = self._writer.enqueue(record, put.path, put.reserved, new_blocks)
             queued = True
             saved = put.held * put.block_size
             self.dedup_saved_bytes += saved
@@ -405,17 +416,76 @@ class Puts:
             if not queued:
                 self._remove_files(put)
 
-    async def _read_header(self, put: Put) -> EntryHeader:
-        """The staging file's validated header; a bad file is quarantined (INVALID_ENTRY)."""
+    async def _checked(self, put: Put) -> EntryHeader:
+        """The put's files sealed and checked whole against its declaration; its header.
+        INVALID_ENTRY (with a warning) for a put that is not what it declared."""
+        copies: dict[Path, Path] = {}  # a client's file -> the daemon's copy, as made
         try:
-            # On the loop: the head was just written (it is in the page cache), and parsing it
-            # is Python, which holds the interpreter lock on a worker thread all the same.
-            header = entry_files.read_header(put.path, self._limits)
-            _check_matches_put(header, put)
+            return await anyio.to_thread.run_sync(
+                self._seal_and_check, put, copies, limiter=self._checks
+            )
         except EntryFormatError as exc:
-            await self._quarantine.file(put.path, str(exc))
+            self.refused_at_commit += 1
+            refusals.warning("put_refused", put=put.id, owner=put.owner, reason=str(exc))
             raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from None
+        finally:
+            self._adopt(put, copies)
+
+    def _adopt(self, put: Put, copies: dict[Path, Path]) -> None:
+        """The put goes on with the daemon's copies; the client's files (truncated) go."""
+        for held, copy in copies.items():
+            self.sealed_by_copy += 1
+            self._catalog.deleter.delete(held)
+            if held == put.path:
+                put.path = copy
+            for index, path in put.block_files.items():
+                if path == held:
+                    put.block_files[index] = copy
+
+    def _seal_and_check(self, put: Put, copies: dict[Path, Path]) -> EntryHeader:
+        """On a worker thread: seal the manifest, check its header against the declaration,
+        then each new block file (sealed, its size, head and place in the manifest, its
+        checksums), then the manifest's own checksums. Raises EntryFormatError."""
+        dirs = self._catalog.dirs
+        fd = self._seal(put.path, put.size, dirs.staging_path(f"{put.id}-{new_entry_id()}"), copies)
+        try:
+            header = entry_files.entry_head(fd, put.path.name, self._limits)
+            _check_matches_put(header, put, time.time())
+            digest = put.identity.digest()
+            for index, path in sorted(put.block_files.items()):
+                copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
+                block = self._seal(path, put.block_size, copy_to, copies)
+                try:
+                    name = dirs.block_path(digest, put.blocks[index]).name
+                    _check_block_size(block, name, put.block_size)
+                    entry_files.verify_block_at(block, name, header, index, self._limits)
+                finally:
+                    os.close(block)
+            entry_files.verify_slots(fd, put.path.name, header.slots)
+        finally:
+            os.close(fd)
         return header
+
+    @staticmethod
+    def _seal(path: Path, size: int, copy_to: Path, copies: dict[Path, Path]) -> int:
+        """A read-only descriptor of path sealed (of its copy, noted in copies, if need be)."""
+        sealed = sealing.seal(path, size, copy_to)
+        if sealed.copied:
+            copies[path] = sealed.path
+        return sealed.fd
+
+
+# Commits checked at once, each on a worker thread of its own: one reads and checksums its
+# files whole, and many clients committing together must not take every thread of anyio's
+# default limiter, which the writer's syncs, the quarantine and the scans share. Two keep
+# both cores of a small machine busy; more would only queue on the disk and the cores.
+COMMIT_CHECKS: Final = 2
+
+# An entry's creation time (eviction ages entries by it) is not before 2020 (no entry file
+# was written then) nor ahead of the daemon's clock by more than this: engines run on the
+# daemon's machine, under its clock.
+CREATED_FIRST: Final = 1577836800.0  # 2020-01-01 UTC
+CREATED_SKEW_SECONDS: Final = 3600.0
 
 
 # Staging files up to this size in all are made on the event loop: open and fallocate of 32
@@ -431,9 +501,12 @@ async def _on_loop_if_small(size: int, make: Callable[..., T], *args: object) ->
     return await anyio.to_thread.run_sync(make, *args)
 
 
-def _check_matches_put(header: EntryHeader, put: Put) -> None:
-    """The file must hold what its put_begin declared: the daemon indexes by the declaration."""
+def _check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
+    """The file must hold what its put_begin declared: the daemon indexes by the declaration.
+    Its creation time must be one the daemon can age it by."""
     problems = []
+    if not CREATED_FIRST <= header.created <= now + CREATED_SKEW_SECONDS:
+        problems.append(f"its creation time {header.created} is not between 2020 and now")
     if header.identity != put.identity:
         problems.append("its identity differs from the one declared at put_begin")
     if header.tokens != put.tokens:
@@ -444,6 +517,15 @@ def _check_matches_put(header: EntryHeader, put: Put) -> None:
         problems.append("its blocks differ from the ones declared at put_begin")
     if problems:
         raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
+
+
+def _check_block_size(fd: int, name: str, declared: int) -> None:
+    """A block file must be of the size its put_begin declared: the tier counts it so."""
+    size = os.fstat(fd).st_size
+    if size != declared:
+        raise EntryFormatError(
+            name, Rule.FILE_SIZE, f"{size} bytes, where put_begin declared {declared} a block"
+        )
 
 
 def _staging_error(exc: OSError, size: int) -> OSError | ProtocolError:

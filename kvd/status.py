@@ -63,6 +63,12 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         },
         "staged_bytes": tier.puts.staged_bytes,
         "staged_puts": len(tier.puts),
+        "puts": {
+            # Files a client still held writable at commit (the daemon went on with a copy),
+            # and commits refused for files that were not what their put_begin declared.
+            "sealed_by_copy": tier.puts.sealed_by_copy,
+            "refused_at_commit": tier.puts.refused_at_commit,
+        },
         "writeback": {
             "pending_bytes": queue.pending_bytes,
             "pending_count": queue.pending_count,

@@ -73,7 +73,6 @@ class Tier:
         )
         self.writer = Writer(
             config,
-            limits,
             self.catalog,
             tickets=self.tickets,
             quarantine=self.quarantine,

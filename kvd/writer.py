@@ -1,12 +1,13 @@
 """The writer: committed entries made durable, one at a time, in commit order.
 
 A committed entry joins the write-behind queue (writeback.py) and the catalog at once, so it
-is readable before it is durable. The writer verifies its data, syncs it and renames it into
-place; then the entry supersedes its ancestors and the tier evicts down to its cap. A v2
-entry's blocks not yet durable go first, in order, each validated whole as that block of that
-manifest, synced and renamed into its blocks folder, the folder synced once after them: a
-manifest is durable only after its blocks are. A block that fails takes with it every pending
-manifest that lists it (blocks are shared: another put may have been told it was held). Every
+is readable before it is durable. Its files were sealed and checked whole at commit (puts.py):
+the writer syncs it and renames it into place; then the entry supersedes its ancestors and
+the tier evicts down to its cap. A v2 entry's blocks not yet durable go first, in order, each
+synced and renamed into its blocks folder, the folder synced once after them: a manifest is
+durable only after its blocks are. A block found damaged later (a lookup, a scan) takes with
+it every manifest that lists it (blocks are shared: another put may have been told it was
+held). Every
 queued entry leaves through finish(), whatever ends it (stored, failed, dropped by the overflow
 policy, cancelled by a successor or a forgotten generation): its record follows the outcome
 and its ticket gets its answer there.
@@ -21,9 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import anyio
-from kvd_protocol.entry import EntryHeader
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
-from kvd_protocol.limits import Limits
+from kvd_protocol.errors import ErrorCode, ProtocolError, Rule
 
 from kvd import entry_files
 from kvd.blocks import Block
@@ -52,7 +51,6 @@ class Queued:
     """The payload of a write-behind item: a committed entry waiting to be made durable."""
 
     record: EntryRecord
-    header: EntryHeader
     staging: Path
     blocks_written: int = 0  # bytes of its blocks the writer made durable
 
@@ -63,7 +61,6 @@ class Writer:
     def __init__(
         self,
         config: Config,
-        limits: Limits,
         catalog: Catalog,
         *,
         tickets: Tickets,
@@ -71,7 +68,6 @@ class Writer:
         telemetry: Telemetry,
     ) -> None:
         self._config = config
-        self._limits = limits
         self._catalog = catalog
         self._tickets = tickets
         self._quarantine = quarantine
@@ -128,7 +124,6 @@ class Writer:
     def enqueue(
         self,
         record: EntryRecord,
-        header: EntryHeader,
         staging: Path,
         nbytes: int,
         new_blocks: Mapping[bytes, Path] = MappingProxyType({}),
@@ -140,7 +135,7 @@ class Writer:
         REFUSED, with nothing changed, when the overflow policy has no room for it.
         """
         ticket = self._tickets.issue()
-        admission = self.queue.enqueue(WriteItem(ticket, nbytes, Queued(record, header, staging)))
+        admission = self.queue.enqueue(WriteItem(ticket, nbytes, Queued(record, staging)))
         if not admission.accepted:
             raise ProtocolError(ErrorCode.REFUSED, self.no_room(nbytes))
         self._tickets.mark_pending(ticket)
@@ -182,14 +177,8 @@ class Writer:
         record, staging = item.payload.record, item.payload.staging
         final = self._catalog.dirs.entry_path(record.identity, record.id)
         try:
-            if not await self._write_blocks(item.payload):
-                self.finish(item, Outcome.FAILED, "one of its blocks failed validation")
-                return
-            await anyio.to_thread.run_sync(entry_files.verify_data, staging, item.payload.header)
+            await self._write_blocks(item.payload)
             await anyio.to_thread.run_sync(entry_files.persist, staging, final)
-        except EntryFormatError as exc:
-            await self._quarantine.file(staging, str(exc))  # first: dropping would unlink it
-            self.finish(item, Outcome.FAILED, str(exc))
         except Exception as exc:  # a disk error, or a bug: this entry fails, the writer goes on
             bug = not isinstance(exc, OSError)
             log.error("write_failed", entry=record.id, error=str(exc), exc_info=bug)
@@ -197,26 +186,13 @@ class Writer:
         else:
             self.finish(item, Outcome.STORED, None)
 
-    async def _write_blocks(self, queued: Queued) -> bool:
-        """Make the entry's blocks that are not durable yet durable, in order; False when one
-        failed validation (it is quarantined, and every other manifest listing it dropped).
-        OSError as persist() raises it."""
+    async def _write_blocks(self, queued: Queued) -> None:
+        """Make the entry's blocks that are not durable yet durable, in order. OSError as
+        persist() raises it."""
         record, dirs = queued.record, self._catalog.dirs
-        pending = [(i, b) for i, b in enumerate(self._catalog.blocks_of(record)) if not b.durable]
-        for index, block in pending:
+        pending = [b for b in self._catalog.blocks_of(record) if not b.durable]
+        for block in pending:
             final = dirs.block_path(record.identity, block.hash)
-            try:
-                await anyio.to_thread.run_sync(
-                    entry_files.verify_block,
-                    block.path,
-                    final.name,
-                    queued.header,
-                    index,
-                    self._limits,
-                )
-            except EntryFormatError as exc:
-                self.bad_block(block, str(exc), but=record)
-                return False
             await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
             if not self._catalog.blocks.placed(block, final):
                 entry_files.unlink_quietly(final)  # collected while it was being placed
@@ -226,21 +202,18 @@ class Writer:
             folders = (dirs.blocks_folder(record.identity), dirs.staging)
             for folder in folders:
                 await anyio.to_thread.run_sync(sync_directory, folder)
-        return True
 
-    def bad_block(self, block: Block, reason: str, but: EntryRecord | None = None) -> None:
+    def bad_block(self, block: Block, reason: str) -> None:
         """A block is damaged or gone: its file (if any) quarantined, the block out of the
         store, and every manifest that lists it out of the tier: a stored one quarantined, a
-        queued one withdrawn (but: the one whose write found it, failed by the caller). On
-        the event loop (a lookup's open may find it): a rename or two in small folders."""
+        queued one withdrawn. On the event loop (a lookup's open may find it): a rename or two
+        in small folders."""
         catalog = self._catalog
         listing = catalog.listing(block)
         self._quarantine.now(block.path, reason)
         catalog.blocks.forget(block)
         why = f"{Rule.BLOCK_MISSING.value}: block {block.hash.hex()}: {reason}"
         for record in listing:
-            if record is but:
-                continue
             if record.durable:
                 self._quarantine.now(catalog.path_of(record), why)
             else:

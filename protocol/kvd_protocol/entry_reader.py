@@ -347,9 +347,19 @@ def _value_places(model: BlockHeader, head: bytes) -> list[int]:
 
 def verify_slot(name: str, slot: Slot, data: Buffer) -> None:
     """Check one slot's bytes (data = file[slot.start:slot.end]) against its checksum."""
-    if len(data) != slot.nbytes:
-        _fail(name, Rule.TRUNCATED, f"slot at {slot.start}: {len(data)} of {slot.nbytes} bytes")
-    if checksum(data) != slot.checksum:
+    check_slot_length(name, slot, len(data))
+    check_slot_digest(name, slot, checksum(data))
+
+
+def check_slot_length(name: str, slot: Slot, nbytes: int) -> None:
+    """A slot read (whole or in pieces) came to nbytes: all of it, or the file is too short."""
+    if nbytes != slot.nbytes:
+        _fail(name, Rule.TRUNCATED, f"slot at {slot.start}: {nbytes} of {slot.nbytes} bytes")
+
+
+def check_slot_digest(name: str, slot: Slot, digest: bytes) -> None:
+    """A slot's checksum, computed whole or in pieces (new_checksum), against its own."""
+    if digest != slot.checksum:
         _fail(name, Rule.DATA_CHECKSUM, f"slot at {slot.start}: bytes do not match its checksum")
 
 

@@ -153,8 +153,8 @@ def test_bad_block_requests_are_refused_and_lose_nothing(daemon: Daemon) -> None
 
 
 def test_a_block_that_disagrees_with_its_manifest_fails_its_put_only(tmp_path: Path) -> None:
-    """The put wrote block 4's head and data for another index: the writer finds it, the
-    block is quarantined, its ticket fails, and the entries the tier had are untouched."""
+    """The put wrote block 4's head and data for another index: its commit finds it and is
+    refused, its files go, and the entries the tier had are untouched."""
     with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
         stored = put_v2(peer, IDENTITY, conversation(1))
         bad = begin(peer, IDENTITY, conversation(2))
@@ -163,14 +163,14 @@ def test_a_block_that_disagrees_with_its_manifest_fails_its_put_only(tmp_path: P
         assert not isinstance(fds, m.ErrorReply), fds
         write_block(fds[0], bad.manifest, bad.tensors, 3)  # block 3's rows and head, at 4
         os.close(fds[0])
-        ticket = commit(peer, bad.put)
-        assert isinstance(ticket, int)
-        failed = wait(peer, ticket)
-        assert failed.state == "failed", failed
+        refused = commit(peer, bad.put)
+        assert isinstance(refused, m.ErrorReply), refused
+        assert refused.code == ErrorCode.INVALID_ENTRY
+        assert "block_hash" in refused.message
         assert not serves(look_up(peer, IDENTITY, [*conversation(2), 7]), bad)
         assert same(look_up(peer, IDENTITY, [*conversation(1), 7]), stored)
-        assert status(peer)["quarantined"] == 1
-        assert len(os.listdir(daemon.tier / "quarantine")) == 1
+        wait_until(lambda: not os.listdir(daemon.tier / "staging"), "its files are gone")
+        assert status(peer)["staged_bytes"] == 0
         assert_counts_equal_the_directory(peer, daemon.tier)
 
 

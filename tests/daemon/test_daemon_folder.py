@@ -16,11 +16,13 @@ from daemon_e2e import (
     RawPeer,
     put_stored,
     report,
+    staging_files,
     wait_until,
 )
 from daemon_process import Daemon, running_daemon
 from kvd_client.client import Client
 from kvd_protocol import messages as m
+from kvd_protocol.errors import ErrorCode
 from kvd_protocol.tokens import pack_tokens
 
 DATA_START = 16384  # the first tensor's offset in these small entries
@@ -252,7 +254,7 @@ def test_a_failing_background_task_is_restarted_and_the_daemon_goes_on(watched: 
         accounting_matches_directory(client, watched)
 
 
-def test_tensor_bytes_spoiled_before_the_write_fail_the_ticket_and_the_writer_goes_on(
+def test_tensor_bytes_spoiled_before_the_commit_fail_it_and_the_writer_goes_on(
     daemon: Daemon,
 ) -> None:
     with RawPeer(daemon.socket_path) as peer:
@@ -261,13 +263,11 @@ def test_tensor_bytes_spoiled_before_the_write_fail_the_ticket_and_the_writer_go
         with staging.open("r+b") as file:  # the header stays valid; a tensor's bytes do not
             file.seek(DATA_START)
             file.write(b"\xff\xff\xff\xff")
-        commit = peer.call(m.PutCommit(id=peer.next_id(), put=put))
-        assert isinstance(commit, m.PutCommitReply), commit
-        state = peer.call(m.WaitTicket(id=peer.next_id(), ticket=commit.ticket, timeout=30.0))
-        assert isinstance(state, m.TicketReply), state
-        assert state.state == "failed"
-        assert "data_checksum" in str(state.reason)
-    assert staging.name in quarantined(daemon)
+        refused = peer.call(m.PutCommit(id=peer.next_id(), put=put))
+        assert isinstance(refused, m.ErrorReply), refused
+        assert refused.code == ErrorCode.INVALID_ENTRY
+        assert "data_checksum" in refused.message
+    assert staging_files(daemon.tier) == []
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, LONG, seed=2)  # the writer still writes
         accounting_matches_directory(client, daemon)
