@@ -34,23 +34,26 @@ BLOCK_TOKENS = 16  # the smallest block: tiny entries still have several
 WIDTH = 8
 
 
-def kv_tensors(tokens: Sequence[int]) -> tuple[list[LayerSpec], list[np.ndarray]]:
+def kv_tensors(
+    tokens: Sequence[int], width: int = WIDTH
+) -> tuple[list[LayerSpec], list[np.ndarray]]:
     """Two blocked KV layers whose every row depends only on its position and token: entries
-    that share a prefix share its blocks' bytes, as a model's KV does."""
+    that share a prefix share its blocks' bytes, as a model's KV does. width: the values per
+    head and token (4 bytes a block's token per unit)."""
     count = len(tokens)
     position = np.arange(count, dtype=np.float32)[:, None]
     token = np.asarray(tokens, dtype=np.float32)[:, None]
-    lane = np.arange(WIDTH, dtype=np.float32)[None, :]
+    lane = np.arange(width, dtype=np.float32)[None, :]
     tensors = []
     for k in range(4):
         rows = ((token * 7 + position * 3 + lane + k * 11) % 97).astype(np.float16)
-        tensors.append(np.ascontiguousarray(np.broadcast_to(rows, (1, 2, count, WIDTH))))
-    spec = TensorSpec("float16", (1, 2, count, WIDTH))
+        tensors.append(np.ascontiguousarray(np.broadcast_to(rows, (1, 2, count, width))))
+    spec = TensorSpec("float16", (1, 2, count, width))
     return [LayerSpec("kv", (spec, spec), trimmable=True, blocked=True)] * 2, tensors
 
 
-def manifest_plan(identity: Identity, tokens: Sequence[int]) -> ManifestPlan:
-    layers, _ = kv_tensors(tokens)
+def manifest_plan(identity: Identity, tokens: Sequence[int], width: int = WIDTH) -> ManifestPlan:
+    layers, _ = kv_tensors(tokens, width)
     return plan(
         identity,
         pack_tokens(tokens),
@@ -90,10 +93,18 @@ class Begun:
     tensors: list[np.ndarray]
 
 
-def begin(peer: RawPeer, identity: Identity, tokens: Sequence[int]) -> Begun | m.ErrorReply:
-    """put_begin naming the blocks, and the manifest written into its staging file."""
-    manifest = manifest_plan(identity, tokens)
-    _, tensors = kv_tensors(tokens)
+def begin(
+    peer: RawPeer,
+    identity: Identity,
+    tokens: Sequence[int],
+    *,
+    width: int = WIDTH,
+    block_size: int | None = None,
+) -> Begun | m.ErrorReply:
+    """put_begin naming the blocks, and the manifest written into its staging file.
+    block_size: the size declared for each block file, if not its true one."""
+    manifest = manifest_plan(identity, tokens, width)
+    _, tensors = kv_tensors(tokens, width)
     reply = peer.call(
         m.PutBegin(
             id=peer.next_id(),
@@ -102,7 +113,7 @@ def begin(peer: RawPeer, identity: Identity, tokens: Sequence[int]) -> Begun | m
             size=manifest.entry.file_size,
             blocks=b"".join(manifest.hashes),
             block_tokens=BLOCK_TOKENS,
-            block_size=manifest.block_size,
+            block_size=manifest.block_size if block_size is None else block_size,
         )
     )
     if isinstance(reply, m.ErrorReply):

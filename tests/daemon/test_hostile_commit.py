@@ -1,0 +1,264 @@
+"""Clients that lie at commit or touch their staging files after it, against a real daemon:
+each put is sealed and checked whole at its commit, so a lie fails alone, there, and what the
+tier stores and serves is what was committed, whatever the client does to its descriptors."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+from blocks_e2e import (
+    BLOCK_TOKENS,
+    Begun,
+    assert_counts_equal_the_directory,
+    begin,
+    commit,
+    kv_tensors,
+    look_up,
+    manifest_plan,
+    put_blocks,
+    put_v2,
+    same,
+    status,
+    wait,
+    write_block,
+    write_blocks,
+)
+from daemon_e2e import IDENTITY, RawPeer, entry, plan_for, put_stored, staging_files
+from daemon_process import Daemon
+from kvd_client.client import Client
+from kvd_client.entry_io import tensor_views, write_entry
+from kvd_protocol import messages as m
+from kvd_protocol.entry import plan_entry
+from kvd_protocol.errors import ErrorCode
+from kvd_protocol.tokens import pack_tokens
+
+WITNESS = list(range(1000, 1064))
+PROMPT = list(range(1, 257))
+BIG_WIDTH = 8192  # 32 MiB an entry of PROMPT: still being read when the client strikes
+BLOCKS = list(range(2000, 2000 + 4 * BLOCK_TOKENS + 5))  # four blocks and a tail
+BIG_BLOCK_WIDTH = 32768  # 8 MiB a block
+
+
+@pytest.fixture
+def witness(daemon: Daemon) -> Iterator[list[np.ndarray]]:
+    """An honest client's entry stored before the trouble, served exactly after it; the
+    daemon still up at the end, and its counts those of its directory."""
+    with Client.connect(daemon.socket_path, require=True) as client:
+        kept = put_stored(client, IDENTITY, WITNESS, seed=1)
+    yield kept
+    with Client.connect(daemon.socket_path, require=True) as client:
+        hit = client.lookup(IDENTITY, [*WITNESS, 7])
+        assert hit is not None
+        with hit:
+            assert [bytes(v) for v in hit.tensors] == [t.tobytes() for t in kept]
+    with RawPeer(daemon.socket_path) as peer:
+        assert status(peer)["staged_bytes"] == 0
+        assert_counts_equal_the_directory(peer, daemon.tier)
+    assert daemon.stop() == 0  # it never died (a SIGBUS is -7)
+
+
+def begun_open(
+    peer: RawPeer, tokens: Sequence[int], seed: int, *, width: int = 8, created: float | None = None
+) -> tuple[int, int, list[np.ndarray]]:
+    """put_begin and the entry written into its staging file, whose descriptor the client
+    keeps: (put, descriptor, tensors). created: the header's creation time, if not now."""
+    layers, tensors = entry(len(tokens), seed, width=width)
+    if created is None:
+        plan = plan_for(IDENTITY, tokens, layers)
+    else:
+        plan = plan_entry(IDENTITY, pack_tokens(tokens), layers, created=created, min_reuse=0)
+    reply = peer.call(
+        m.PutBegin(
+            id=peer.next_id(), identity=IDENTITY, tokens=plan.header.tokens, size=plan.file_size
+        )
+    )
+    assert isinstance(reply, m.PutBeginReply), reply
+    assert reply.fd is not None
+    write_entry(reply.fd, plan, tensor_views(plan, tensors))
+    return reply.put, reply.fd, tensors
+
+
+def served(daemon: Daemon, tokens: Sequence[int]) -> list[bytes] | None:
+    """The tensors a lookup of tokens serves, checked against their checksums; None: a miss."""
+    with Client.connect(daemon.socket_path, require=True) as client:
+        hit = client.lookup(IDENTITY, [*tokens, 7])
+        if hit is None:
+            return None
+        with hit:
+            assert hit.header.token_count == len(tokens)
+            return [bytes(v) for v in hit.tensors]
+
+
+def begun_blocks_open(peer: RawPeer, tokens: Sequence[int], width: int) -> tuple[Begun, list[int]]:
+    """A v2 put begun, its manifest and every block not held written, the blocks'
+    descriptors kept (the first is block begun.held's)."""
+    begun = begin(peer, IDENTITY, tokens, width=width)
+    assert isinstance(begun, Begun), begun
+    count = len(begun.manifest.hashes) - begun.held
+    fds = put_blocks(peer, begun.put, begun.held, count)
+    assert not isinstance(fds, m.ErrorReply), fds
+    for index, fd in enumerate(fds, start=begun.held):
+        write_block(fd, begun.manifest, begun.tensors, index)
+    return begun, fds
+
+
+def assert_refused(reply: int | m.Reply, rule: str) -> None:
+    """The commit was refused as an invalid entry, for the rule named."""
+    assert isinstance(reply, m.ErrorReply), f"the commit was taken: {reply}"
+    assert reply.code == ErrorCode.INVALID_ENTRY, reply
+    assert rule in reply.message, reply.message
+
+
+@pytest.mark.parametrize("after_reply", [False, True], ids=["before-the-reply", "after-the-reply"])
+def test_a_staging_file_truncated_at_its_commit_takes_nothing_down(
+    daemon: Daemon, witness: list[np.ndarray], after_reply: bool
+) -> None:
+    with RawPeer(daemon.socket_path) as peer:
+        put, fd, tensors = begun_open(peer, PROMPT, seed=2, width=BIG_WIDTH)
+        try:
+            peer.send(m.PutCommit(id=peer.next_id(), put=put))
+            if after_reply:
+                reply = peer.receive()
+                os.ftruncate(fd, 16384)
+            else:
+                os.ftruncate(fd, 16384)
+                reply = peer.receive()
+        finally:
+            os.close(fd)
+        if isinstance(reply, m.PutCommitReply):  # sealed before the truncation: intact
+            assert wait(peer, reply.ticket).state == "stored"
+            assert served(daemon, PROMPT) == [t.tobytes() for t in tensors]
+        else:
+            assert isinstance(reply, m.ErrorReply), reply
+            assert reply.code == ErrorCode.INVALID_ENTRY, reply
+            assert served(daemon, PROMPT) is None
+
+
+def test_a_block_file_truncated_after_its_commit_takes_nothing_down(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    with RawPeer(daemon.socket_path) as peer:
+        begun, fds = begun_blocks_open(peer, BLOCKS, BIG_BLOCK_WIDTH)
+        try:
+            reply = commit(peer, begun.put)
+            os.ftruncate(fds[0], 16384)  # the block the writer makes durable first
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert isinstance(reply, int), reply  # every file was whole at its commit
+        assert wait(peer, reply).state == "stored"
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), begun)
+
+
+def test_a_client_that_keeps_its_descriptors_cannot_change_what_is_stored(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """Entry and blocks overwritten through the descriptors the client kept, once stored:
+    the tier serves what was committed, from the copies the daemon made at commit; an
+    honest put through the engine library (descriptors closed before its commit) takes no
+    copy."""
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+        tokens = list(range(3000, 3040))  # two blocks and a tail
+        layers, tensors = kv_tensors(tokens)
+        assert client.put_entry(IDENTITY, tokens, layers, tensors).wait(30).state == "stored"
+        assert client.stats.blocks_written == 2
+    with RawPeer(daemon.socket_path) as peer:
+        assert status(peer)["puts"] == {"sealed_by_copy": 0, "refused_at_commit": 0}
+        put, fd, kept = begun_open(peer, PROMPT, seed=3)
+        begun, fds = begun_blocks_open(peer, BLOCKS, 8)
+        try:
+            for put_id in (put, begun.put):
+                ticket = commit(peer, put_id)
+                assert isinstance(ticket, int), ticket
+                assert wait(peer, ticket).state == "stored"
+            for held in (fd, *fds):
+                size = os.fstat(held).st_size
+                os.pwrite(held, b"\xa5" * size, 0)  # header and data, all of it
+                os.pwrite(held, b"\x5a" * 4096, size)  # and more
+        finally:
+            for held in (fd, *fds):
+                os.close(held)
+        assert served(daemon, PROMPT) == [t.tobytes() for t in kept]
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), begun)
+        assert status(peer)["puts"]["sealed_by_copy"] == 1 + len(fds)
+        assert staging_files(daemon.tier) == []  # the client's files went to be deleted
+
+
+@pytest.mark.parametrize("lie", [1, 16384], ids=["one-byte", "a-page-too-many"])
+def test_a_put_that_lies_about_its_block_size_is_refused_at_its_commit(
+    daemon: Daemon, witness: list[np.ndarray], lie: int
+) -> None:
+    with RawPeer(daemon.socket_path) as peer:
+        true_size = manifest_plan(IDENTITY, BLOCKS).block_size
+        declared = lie if lie == 1 else true_size + lie
+        liar = begin(peer, IDENTITY, BLOCKS, block_size=declared)
+        assert isinstance(liar, Begun), liar
+        write_blocks(peer, liar)  # each block at its true size
+        assert_refused(commit(peer, liar.put), "file_size")
+        assert staging_files(daemon.tier) == []
+        assert status(peer)["puts"]["refused_at_commit"] == 1
+        assert status(peer)["staged_bytes"] == 0
+        assert_counts_equal_the_directory(peer, daemon.tier)
+        honest = put_v2(peer, IDENTITY, BLOCKS)
+        assert honest.held == 0  # nothing of the liar's was kept
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+    assert '"event": "put_refused"' in daemon.logs()
+
+
+def spoil_a_block(fd: int, begun: Begun) -> None:
+    """Bytes of a block's first slot changed behind its valid head (its checksum no longer
+    matches)."""
+    os.pwrite(fd, b"\xff" * 64, begun.manifest.block_slots[0].start)
+
+
+def test_a_block_of_garbage_behind_a_valid_head_fails_its_put_alone(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """A liar's spoiled block, committed while an honest put of the same prefix is under
+    way, and before one begins: the liar is refused, the honest puts are never told its
+    blocks are held, and they store and serve their own."""
+    with RawPeer(daemon.socket_path) as liar_peer, RawPeer(daemon.socket_path) as peer:
+        liar, fds = begun_blocks_open(liar_peer, BLOCKS, 8)
+        spoil_a_block(fds[1], liar)
+        for fd in fds:
+            os.close(fd)
+        honest = begin(peer, IDENTITY, BLOCKS)  # while the liar is pending
+        assert isinstance(honest, Begun), honest
+        assert honest.held == 0
+        write_blocks(peer, honest)
+        assert_refused(commit(liar_peer, liar.put), "data_checksum")
+        ticket = commit(peer, honest.put)
+        assert isinstance(ticket, int), ticket
+        assert wait(peer, ticket).state == "stored"
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+
+        other = [*BLOCKS[: 2 * BLOCK_TOKENS], *range(5000, 5000 + 2 * BLOCK_TOKENS + 3)]
+        liar, fds = begun_blocks_open(liar_peer, other, 8)
+        spoil_a_block(fds[1], liar)  # block 3: blocks 0 and 1 are held
+        for fd in fds:
+            os.close(fd)
+        assert_refused(commit(liar_peer, liar.put), "data_checksum")
+        after = put_v2(peer, IDENTITY, other)  # begun after the liar's commit
+        assert after.held == 2  # the prefix the honest put stored, none of the liar's
+        assert same(look_up(peer, IDENTITY, [*other, 7]), after)
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+
+
+@pytest.mark.parametrize(
+    "created",
+    [time.time() + 365 * 86400, 1e9, 0.0],
+    ids=["a-year-ahead", "in-2001", "in-1970"],
+)
+def test_a_header_with_a_creation_time_out_of_range_is_refused(
+    daemon: Daemon, witness: list[np.ndarray], created: float
+) -> None:
+    with RawPeer(daemon.socket_path) as peer:
+        put, fd, _ = begun_open(peer, PROMPT, seed=4, created=created)
+        os.close(fd)
+        assert_refused(peer.call(m.PutCommit(id=peer.next_id(), put=put)), "creation time")
+        assert served(daemon, PROMPT) is None
+        assert staging_files(daemon.tier) == []
