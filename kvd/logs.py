@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
@@ -166,14 +166,20 @@ class RateLimited:
     """Warnings a client can provoke at will, at most one line per event every `every`
     seconds: the next line says how many were left out meanwhile (`suppressed`)."""
 
-    def __init__(self, logger: FilteringBoundLogger, every: float = 10.0) -> None:
+    def __init__(
+        self,
+        logger: FilteringBoundLogger,
+        every: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._every = every
+        self._clock = clock
         self._last: dict[str, float] = {}  # event -> when its last line went out
         self._left_out: dict[str, int] = {}
 
     def warning(self, event: str, **fields: object) -> None:
-        now = time.monotonic()
+        now = self._clock()
         last = self._last.get(event)
         if last is not None and now - last < self._every:
             self._left_out[event] = self._left_out.get(event, 0) + 1

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 enum op { OP_OPEN, OP_READ, OP_WRITE, OP_PREAD, OP_PWRITE, OP_FSYNC, OP_RENAME, OP_MKDIR,
@@ -48,6 +49,8 @@ static ssize_t (*real_write)(int, const void *, size_t);
 static ssize_t (*real_pread)(int, void *, size_t, off_t);
 static ssize_t (*real_pwrite)(int, const void *, size_t, off_t);
 static ssize_t (*real_pread64)(int, void *, size_t, off_t);
+static ssize_t (*real_preadv)(int, const struct iovec *, int, off_t);
+static ssize_t (*real_preadv64)(int, const struct iovec *, int, off_t);
 static ssize_t (*real_pwrite64)(int, const void *, size_t, off_t);
 static int (*real_fsync)(int);
 static int (*real_fdatasync)(int);
@@ -66,6 +69,8 @@ __attribute__((constructor)) static void start(void) {
     real_pread = dlsym(RTLD_NEXT, "pread");
     real_pwrite = dlsym(RTLD_NEXT, "pwrite");
     real_pread64 = dlsym(RTLD_NEXT, "pread64");
+    real_preadv = dlsym(RTLD_NEXT, "preadv");
+    real_preadv64 = dlsym(RTLD_NEXT, "preadv64");
     real_pwrite64 = dlsym(RTLD_NEXT, "pwrite64");
     real_fsync = dlsym(RTLD_NEXT, "fsync");
     real_fdatasync = dlsym(RTLD_NEXT, "fdatasync");
@@ -158,6 +163,17 @@ ssize_t pread(int fd, void *buffer, size_t count, off_t offset) {
 ssize_t pread64(int fd, void *buffer, size_t count, off_t offset) {
     if (is_tracked(fd) && fault(OP_PREAD)) return -1;
     return real_pread64(fd, buffer, count, offset);
+}
+
+/* preadv counts as pread: the daemon checks slots by preadv into one buffer. */
+ssize_t preadv(int fd, const struct iovec *iov, int count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PREAD)) return -1;
+    return real_preadv(fd, iov, count, offset);
+}
+
+ssize_t preadv64(int fd, const struct iovec *iov, int count, off_t offset) {
+    if (is_tracked(fd) && fault(OP_PREAD)) return -1;
+    return real_preadv64(fd, iov, count, offset);
 }
 
 ssize_t pwrite(int fd, const void *buffer, size_t count, off_t offset) {

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import pytest
 import structlog
 
-from kvd.logs import configure_logging, get_logger, writes_to_journal
+from kvd.logs import RateLimited, configure_logging, get_logger, writes_to_journal
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +49,24 @@ def test_json_events_carry_level_logger_and_time() -> None:
     assert event["entry"] == "abc"
     assert event["path"] == "/t/abc.kve"  # paths as plain strings
     assert event["timestamp"].endswith("Z")
+
+
+def test_a_rate_limited_warning_goes_out_once_a_period_and_counts_the_rest() -> None:
+    out = io.StringIO()
+    configure_logging("json", stream=out, environ={})
+    now = [0.0]
+    limited = RateLimited(get_logger("kvd.puts"), every=10.0, clock=lambda: now[0])
+    for second in (0.0, 1.0, 9.9, 10.0, 12.0, 25.0):
+        now[0] = second
+        limited.warning("put_refused", reason=f"at {second}")
+    limited.warning("another_event")  # each event has its own period
+    events = json_lines(out.getvalue())
+    assert [(e["event"], e["reason"], e.get("suppressed")) for e in events[:3]] == [
+        ("put_refused", "at 0.0", None),
+        ("put_refused", "at 10.0", 2),
+        ("put_refused", "at 25.0", 1),
+    ]
+    assert [(e["event"], e["level"]) for e in events[3:]] == [("another_event", "warning")]
 
 
 def test_auto_is_json_off_a_terminal() -> None:
