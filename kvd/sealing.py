@@ -106,18 +106,20 @@ def copy_bytes(source: int, target: int, size: int) -> None:
     """Copy the first size bytes of source into target (fewer if source is shorter now):
     copy_file_range where there is one, else pread and pwrite."""
     copied = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            copied = copy_range(source, target, size)
-        except OSError as exc:
-            if exc.errno not in _NO_FAST_WAY:
-                raise
+    try:
+        copied = copy_range(source, target, size)
+    except OSError as exc:
+        if exc.errno not in _NO_FAST_WAY:
+            raise
     copy_plain(source, target, size, copied)
 
 
 def copy_range(source: int, target: int, size: int) -> int:
     """copy_file_range up to size bytes from offset 0 (the kernel copies, or shares extents
-    on file systems that can); how many it copied before the end of source."""
+    on file systems that can); how many it copied before the end of source. ENOSYS off
+    Linux."""
+    if sys.platform != "linux":
+        raise OSError(errno.ENOSYS, "copy_file_range is Linux's")
     done = 0
     while done < size:
         n = os.copy_file_range(source, target, min(COPY_CHUNK, size - done), done, done)
