@@ -165,6 +165,21 @@ def verify_block_at(
     return block
 
 
+def held_block_head(paths: tuple[Path, ...], name: str, limits: Limits) -> BlockHeader | None:
+    """The head of a block file at the first of paths it is found at (a pending block moves
+    from staging into blocks/ once durable); None when it is at none of them (gone)."""
+    for path in paths:
+        try:
+            fd = _open_regular(path)
+        except FileNotFoundError:
+            continue
+        try:
+            return block_head(fd, name, limits)
+        finally:
+            os.close(fd)
+    return None
+
+
 def block_head(fd: int, name: str, limits: Limits) -> BlockHeader:
     """read_block_header of an open file, named name (its hash) in blocks/."""
     size = os.fstat(fd).st_size

@@ -12,8 +12,9 @@ first asking, pre-sized; asked again, the same file). At commit every one of tho
 been handed out; they join the block store with the manifest.
 
 Commit seals the put's files (sealing.py: no client can change them from then on) and checks
-them whole against the declaration on a worker thread: the manifest's header, each block
-file's size, head and place in the manifest, every tensor's checksum. A put that lies fails
+them whole against the declaration on a worker thread: the manifest's header (and that the
+blocks held for it are the ones it lists), each block file's size, head and place in the
+manifest, every tensor's checksum. A put that lies fails
 alone, at its own commit (INVALID_ENTRY), before anything of it is indexed or offered to
 another put as held: held means committed and checked.
 
@@ -37,7 +38,9 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 import anyio
+from kvd_protocol.blocks import block_name
 from kvd_protocol.entry import EntryHeader
+from kvd_protocol.entry_reader import check_block
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
@@ -443,15 +446,18 @@ class Puts:
                     put.block_files[index] = copy
 
     def _seal_and_check(self, put: Put, copies: dict[Path, Path]) -> EntryHeader:
-        """On a worker thread: seal the manifest, check its header against the declaration,
-        then each new block file (sealed, its size, head and place in the manifest, its
-        checksums), then the manifest's own checksums. Raises EntryFormatError."""
+        """On a worker thread: seal the manifest, check its header against the declaration
+        and the heads of the blocks held for it, then each new block file (sealed, its size,
+        head and place in the manifest, its checksums), then the manifest's own checksums.
+        Raises EntryFormatError."""
         dirs = self._catalog.dirs
         fd = self._seal(put.path, put.size, dirs.staging_path(f"{put.id}-{new_entry_id()}"), copies)
         try:
             header = entry_files.entry_head(fd, put.path.name, self._limits)
             _check_matches_put(header, put, time.time())
             digest = put.identity.digest()
+            for index, held in enumerate(put.pinned):
+                self._check_held(held, header, index)
             for index, path in sorted(put.block_files.items()):
                 copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
                 block = self._seal(path, put.block_size, copy_to, copies)
@@ -465,6 +471,17 @@ class Puts:
         finally:
             os.close(fd)
         return header
+
+    def _check_held(self, block: Block, manifest: EntryHeader, index: int) -> None:
+        """A block the put was told is held must be the one its manifest lists there: else a
+        reader of the manifest would report the block damaged, and the daemon's check would
+        take it, with every other manifest listing it. Its head is enough: the block itself
+        was checked whole at its own put's commit. One gone since is the caller's to see."""
+        name = block_name(block.hash)
+        final = self._catalog.dirs.block_path(block.identity, block.hash)
+        head = entry_files.held_block_head((block.path, final), name, self._limits)
+        if head is not None:
+            check_block(manifest, index, head, name)
 
     @staticmethod
     def _seal(path: Path, size: int, copy_to: Path, copies: dict[Path, Path]) -> int:

@@ -262,3 +262,25 @@ def test_a_header_with_a_creation_time_out_of_range_is_refused(
         assert_refused(peer.call(m.PutCommit(id=peer.next_id(), put=put)), "creation time")
         assert served(daemon, PROMPT) is None
         assert staging_files(daemon.tier) == []
+
+
+def test_a_manifest_that_disagrees_with_the_blocks_it_holds_is_refused(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """A liar's manifest over an honest put's blocks (the same tokens, so the same hashes,
+    held) declares other shapes for them: refused at its commit. Stored, a reader of it would
+    report the blocks damaged, and the daemon's check would quarantine them with the honest
+    entry."""
+    with RawPeer(daemon.socket_path) as liar_peer, RawPeer(daemon.socket_path) as peer:
+        honest = put_v2(peer, IDENTITY, BLOCKS)
+        longer = [*BLOCKS, 9, 9, 9]
+        liar = begin(liar_peer, IDENTITY, longer, width=16)  # honest blocks are 8 wide
+        assert isinstance(liar, Begun), liar
+        assert liar.held == len(liar.manifest.hashes)  # nothing of its own to write
+        assert_refused(commit(liar_peer, liar.put), "block_mismatch")
+        found = look_up(liar_peer, IDENTITY, [*longer, 7])  # a damage report, if it served one
+        assert found is not None
+        assert found.header.tokens == honest.manifest.entry.header.tokens
+        assert found.problem is None
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+        assert status(peer)["quarantined"] == 0
