@@ -14,9 +14,9 @@ been handed out; they join the block store with the manifest.
 Commit seals the put's files (sealing.py: no client can change them from then on) and checks
 them whole against the declaration on a worker thread: the manifest's header (and that the
 blocks held for it are the ones it lists), each block file's size, head and place in the
-manifest, every tensor's checksum. A put that lies fails
-alone, at its own commit (INVALID_ENTRY), before anything of it is indexed or offered to
-another put as held: held means committed and checked.
+manifest, every tensor's checksum. A put that lies fails alone, at its own commit
+(INVALID_ENTRY), before anything of it is indexed or offered to another put as held: held
+means committed and checked.
 
 A staging file is pre-sized, so a put holds its bytes from begin on (the manifest's and its
 new blocks'). They count against the
@@ -52,7 +52,6 @@ from kvd.catalog import Catalog
 from kvd.config import Config, quota_for
 from kvd.durability import disk_free
 from kvd.logs import RateLimited, get_logger
-from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.tickets import Tickets
 from kvd.tier_dir import new_entry_id
@@ -121,7 +120,6 @@ class Puts:
         catalog: Catalog,
         writer: Writer,
         tickets: Tickets,
-        quarantine: Quarantine,
         admission: Admission,
     ) -> None:
         self._config = config
@@ -130,7 +128,6 @@ class Puts:
         self._catalog = catalog
         self._writer = writer
         self._tickets = tickets
-        self._quarantine = quarantine
         self._puts: dict[int, Put] = {}  # in the order they began
         self._by_owner: dict[int, dict[int, None]] = {}
         self._ids = itertools.count(1)

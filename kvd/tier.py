@@ -84,7 +84,6 @@ class Tier:
             catalog=self.catalog,
             writer=self.writer,
             tickets=self.tickets,
-            quarantine=self.quarantine,
             admission=self.admission,
         )
         self.leases = Leases(self.catalog)

@@ -7,10 +7,9 @@ the tier evicts down to its cap. A v2 entry's blocks not yet durable go first, i
 synced and renamed into its blocks folder, the folder synced once after them: a manifest is
 durable only after its blocks are. A block found damaged later (a lookup, a scan) takes with
 it every manifest that lists it (blocks are shared: another put may have been told it was
-held). Every
-queued entry leaves through finish(), whatever ends it (stored, failed, dropped by the overflow
-policy, cancelled by a successor or a forgotten generation): its record follows the outcome
-and its ticket gets its answer there.
+held). Every queued entry leaves through finish(), whatever ends it (stored, failed, dropped
+by the overflow policy, cancelled by a successor or a forgotten generation): its record
+follows the outcome and its ticket gets its answer there.
 """
 
 from __future__ import annotations
