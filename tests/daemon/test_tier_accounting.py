@@ -4,6 +4,7 @@ back, files of entries waiting for their last lease, entries dropped mid-write."
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -76,7 +77,7 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
         IDENTITY,
         pack_tokens(range(16)),
         [LayerSpec("kv", (spec, spec), trimmable=True)],
-        created=1.0,
+        created=time.time(),  # committed: a creation time the daemon can age it by
         min_reuse=0,
     )
     blob, _ = write(plan)
