@@ -13,10 +13,11 @@ Two measurements per put:
 
 - engine side: from the put_entry call to the commit answer (plan, put_begin, [put_blocks],
   one copy of every tensor into the daemon's staging files, checksummed on the way, the
-  heads, commit: the daemon seals the files and checks every checksum before it answers). Anchor: a memcpy of the same tensors into a preallocated buffer
-  (memoryview slice assignment), in the same run. Goal: put within 1.5× memcpy. To tell the
-  daemon's part from the file system's, the same writes without the daemon are also timed
-  ("staging write alone": plan, new preallocated files, kvd_client's writers into them).
+  heads, commit: the daemon seals the files and checks every checksum before it answers).
+  Anchor: a memcpy of the same tensors into a preallocated buffer (memoryview slice
+  assignment), in the same run. Goal: put within 1.5× memcpy. To tell the daemon's part from
+  the file system's, the same writes without the daemon are also timed ("staging write
+  alone": plan, new preallocated files, kvd_client's writers into them).
 - daemon side: from the commit answer to the ticket answering stored (the writer syncs,
   renames into place, syncs the folder). Anchor: a dd-style write of
   the same bytes to a new file in the tier's directory, then fsync, in the same run.
