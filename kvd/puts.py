@@ -428,6 +428,8 @@ class Puts:
             self.refused_at_commit += 1
             refusals.warning("put_refused", put=put.id, owner=put.owner, reason=str(exc))
             raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from None
+        except OSError as exc:  # a copy that found no room, say: the engine is told so
+            raise _staging_error(exc, put.reserved) from None
         finally:
             self._adopt(put, copies)
 
