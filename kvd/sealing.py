@@ -18,11 +18,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 COPY_CHUNK: Final = 8 << 20  # bytes per copy_file_range or pread/pwrite call
 _FICLONE: Final = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
@@ -147,13 +148,18 @@ def copy_plain(source: int, target: int, size: int, start: int = 0) -> int:
 def clone_file(source: Path, target: Path) -> bool:
     """macOS: clonefile(2), target a new file sharing source's blocks copy-on-write (APFS);
     False where the file system cannot clone."""
-    libc = ctypes.CDLL(None, use_errno=True)  # libSystem
-    clonefile = libc.clonefile
-    clonefile.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32)
-    clonefile.restype = ctypes.c_int
-    if clonefile(os.fsencode(source), os.fsencode(target), _CLONE_NOFOLLOW) == 0:
+    if _clonefile()(os.fsencode(source), os.fsencode(target), _CLONE_NOFOLLOW) == 0:
         return True
     code = ctypes.get_errno()
     if code in _NO_FAST_WAY:
         return False
     raise OSError(code, os.strerror(code), str(target))
+
+
+@functools.cache
+def _clonefile() -> Any:
+    """libSystem's clonefile(2), bound once."""
+    clonefile = ctypes.CDLL(None, use_errno=True).clonefile
+    clonefile.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32)
+    clonefile.restype = ctypes.c_int
+    return clonefile
