@@ -36,9 +36,9 @@ _NO_FAST_WAY: Final = frozenset(
 
 @dataclass(frozen=True)
 class Sealed:
-    """The file the daemon goes on with, and a read-only descriptor of it (the caller's to
-    close). copied: it is a copy at another path; the client's file, truncated, is the
-    caller's to delete."""
+    """The file the daemon goes on with, and a descriptor of it that only the daemon holds
+    (the caller's to close). copied: it is a copy at another path; the client's file,
+    truncated, is the caller's to delete."""
 
     path: Path
     fd: int
@@ -46,9 +46,10 @@ class Sealed:
 
 
 def seal(path: Path, size: int, copy_to: Path) -> Sealed:
-    """Seal staging file path, of size bytes as declared (a copy takes no more than that):
-    as it is when no writer of it is left, else as a copy made at copy_to. OSError when it
-    can be neither opened nor copied."""
+    """Seal staging file path, of size bytes as declared (a byte copy takes no more than
+    that; a clone is the file whole, and the checks that follow see its size): as it is when
+    no writer of it is left, else as a copy made at copy_to. OSError when it can be neither
+    opened nor copied."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         if sys.platform == "linux" and no_writer_left(fd):
@@ -77,7 +78,7 @@ def no_writer_left(fd: int) -> bool:
 
 
 def _copy(source: int, path: Path, size: int, copy_to: Path) -> int:
-    """The daemon's own copy of source at copy_to; a read-only descriptor of it."""
+    """The daemon's own copy of source at copy_to; a descriptor of it."""
     if sys.platform == "darwin" and clone_file(path, copy_to):
         return os.open(copy_to, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     fd = os.open(copy_to, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
