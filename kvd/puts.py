@@ -484,7 +484,7 @@ class Puts:
 
     @staticmethod
     def _seal(path: Path, size: int, copy_to: Path, copies: dict[Path, Path]) -> int:
-        """A read-only descriptor of path sealed (of its copy, noted in copies, if need be)."""
+        """A descriptor of path sealed (of its copy, noted in copies, if need be)."""
         sealed = sealing.seal(path, size, copy_to)
         if sealed.copied:
             copies[path] = sealed.path
