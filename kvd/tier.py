@@ -5,10 +5,11 @@ order), puts (puts.py), the writer (writer.py: the write-behind queue and its ta
 (tickets.py) and leases (leases.py). No locks: only the event loop touches this state;
 blocking file work (validation, fsync, rename, scans) runs in worker threads via entry_files.
 
-An entry's life: put_begin creates a staging file -> commit validates its header, indexes it
-(readable at once: read-your-writes) and queues it -> the writer verifies its data, syncs and
-renames it into place -> stored (durable). Or: dropped (queue overflow, superseded,
-duplicate), failed (bad data, disk full), or abandoned (the putter went away before commit).
+An entry's life: put_begin creates a staging file -> commit seals it and checks it whole,
+indexes it (readable at once: read-your-writes) and queues it -> the writer syncs it and
+renames it into place -> stored (durable). Or: refused at commit (bad data), dropped (queue
+overflow, superseded, duplicate), failed (disk full), or abandoned (the putter went away
+before commit).
 """
 
 from __future__ import annotations
@@ -514,7 +515,7 @@ class Tier:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
         if not record.durable:
             raise ProtocolError(
-                ErrorCode.NOT_FOUND, f"entry {entry} is pending: the writer verifies it"
+                ErrorCode.NOT_FOUND, f"entry {entry} is pending: its commit checked it"
             )
         try:
             problem = await self.check_entry(record, repair=repair)
