@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
@@ -159,3 +160,21 @@ def get_logger(name: str) -> FilteringBoundLogger:
     takes its configuration on first use."""
     logger: FilteringBoundLogger = structlog.get_logger(name)
     return logger
+
+
+# A rule a client breaks is logged at most once per this many seconds per event: a client
+# breaking it in a loop must not fill the disk with the log.
+WARN_EVERY_SECONDS = 10.0
+_warned: dict[str, tuple[float, int]] = {}  # event -> (when last logged, suppressed since)
+
+
+def warn_limited(logger: FilteringBoundLogger, event: str, **fields: object) -> None:
+    """Log event at warning, unless it was logged less than WARN_EVERY_SECONDS ago; the next
+    line that goes out says how many were left out meanwhile (`suppressed`)."""
+    now = time.monotonic()
+    last, suppressed = _warned.get(event, (-WARN_EVERY_SECONDS, 0))
+    if now - last < WARN_EVERY_SECONDS:
+        _warned[event] = (last, suppressed + 1)
+        return
+    _warned[event] = (now, 0)
+    logger.warning(event, suppressed=suppressed, **fields)

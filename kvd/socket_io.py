@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import os
 import socket
+import sys
+import termios
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import anyio
 
@@ -157,3 +161,20 @@ async def send(
     unsent = start(sock, data, fds, gate)
     if unsent is not None:
         await finish(sock, unsent, gate)
+
+
+# What the peer has yet to read of what was sent to it. Linux: SIOCOUTQ (TIOCOUTQ), the
+# memory of the messages it has not read yet. macOS: SO_NWRITE, the bytes in the send buffer;
+# a Unix socket there hands its bytes straight to the peer's receive buffer, so this may stay
+# 0 (then a connection's unread descriptors are bounded by its socket buffer alone): only a
+# Mac can say.
+_SO_NWRITE: Final = 0x1024
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on sock that the peer has not read yet (0: it read everything)."""
+    if sys.platform == "darwin":
+        return sock.getsockopt(socket.SOL_SOCKET, _SO_NWRITE)
+    queued = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    return queued[0]
