@@ -258,10 +258,11 @@ class Session:
             self._end()
 
     def _frame_partway(self) -> None:
-        """A frame is part-way in (or was, and the peer's bytes ran out): its bytes are held
-        against the budget of every connection's partial frames, and the time it may take is
+        """A frame is part-way in (or was, and the peer's bytes ran out): the bytes it will
+        take once whole (its declared length) are held against the budget of every
+        connection's partial frames from its first read on, and the time it may take is
         counted from its first byte, not from each read (a byte at a time holds no more)."""
-        held = self.conn.buffered_bytes
+        held = self.conn.partial_frame_bytes
         fits = self.frames.hold(self._buffered, held)
         self._buffered = held
         if not fits:
