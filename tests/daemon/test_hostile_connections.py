@@ -292,6 +292,39 @@ def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
         assert report(honest)["entries"] == 3  # the one released made room
 
 
+def test_an_entry_evicted_as_soon_as_it_is_stored_is_not_answered_stored(tmp_path: Path) -> None:
+    """Leases taken between a put's begin and its store fill the cap: holding the cap takes
+    the new entry itself, and its ticket says so (it used to say stored)."""
+    flags = ["--max-bytes", str(2 * ENTRY_BYTES), "--min-free", "0"]
+    prompts = [[i, *range(100, 110)] for i in range(2)]
+    with (
+        running_daemon(tmp_path, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as honest,
+        RawPeer(daemon.socket_path) as reader,
+        RawPeer(daemon.socket_path) as putter,
+    ):
+        for seed, prompt in enumerate(prompts):
+            put_stored(honest, IDENTITY, prompt, seed=seed)
+        first = reader.call(
+            m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompts[0], 1]))
+        )
+        put = putter.begin(IDENTITY, [9, 9, 9], seed=9)  # room: one entry is leased
+        second = reader.call(
+            m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompts[1], 1]))
+        )
+        assert _close_all([first, second]) == 2
+        commit = putter.call(m.PutCommit(id=putter.next_id(), put=put))
+        assert isinstance(commit, m.PutCommitReply)
+        answer = putter.call(
+            m.WaitTicket(id=putter.next_id(), ticket=commit.ticket, timeout=SETTLE_SECONDS)
+        )
+        assert isinstance(answer, m.TicketReply)
+        assert answer.state == "dropped"
+        assert answer.reason is not None
+        assert f"leased entries hold {2 * ENTRY_BYTES} bytes" in answer.reason
+        assert report(honest)["entries"] == 2
+
+
 def test_a_lease_held_past_lease_max_age_ends_and_frees_the_tier(tmp_path: Path) -> None:
     """A reader that never releases keeps its entries from eviction for lease_max_age at
     most; its descriptor stays readable, and its release is told why it is gone."""
