@@ -202,7 +202,7 @@ class Config:
         metadata=setting(
             values.duration,
             "SECONDS",
-            "a connection that sends part of a frame and stalls this long is closed",
+            "a frame not whole this long after its first byte closes its connection",
         ),
     )
     max_open_puts: int = field(
