@@ -387,6 +387,8 @@ class Session:
             self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
@@ -398,6 +400,8 @@ class Session:
             await socket_io.finish(self.sock, out.unsent, self._gate)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             self._outgoing = None
             out.close()
@@ -410,9 +414,21 @@ class Session:
                 await socket_io.send(self.sock, *framed, self._gate)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
+
+    def _descriptors_refused(self, exc: socket_io.DescriptorsRefused) -> None:
+        """A reply's descriptors could not be passed (none of it went out): the connection,
+        whose replies no longer follow its requests, ends with an error that says why."""
+        warn_limited(log, "descriptors_not_passed", session=self.peer.session, error=str(exc))
+        self._end(
+            ProtocolError(
+                ErrorCode.REFUSED, f"kvd could not pass a reply's descriptors now ({exc})"
+            )
+        )
 
     def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]] | None:
         """The reply's frame and the descriptors to go with it (the reply's own); None
@@ -568,8 +584,11 @@ class Session:
 
 def _failed(request: m.Request, exc: Exception) -> m.ErrorReply:
     """The reply to a request whose handler raised exc: a ProtocolError's code, else (a daemon
-    bug or a failed file operation: this request only) internal, logged."""
+    bug or a failed file operation: this request only) internal, logged. A bound of the
+    connection's that the request broke (over_limit) is logged too, at most every so often."""
     if isinstance(exc, ProtocolError):
+        if exc.code is ErrorCode.OVER_LIMIT:
+            warn_limited(log, "request_over_limit", op=request.op, error=exc.message)
         return m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
     log.exception("request_failed", op=request.op)
     return m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import errno
 import fcntl
 import os
 import socket
@@ -27,6 +28,16 @@ _CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on e
 
 class PeerGone(Exception):  # noqa: N818 - an event, not a failure
     """The peer closed its end, or the connection broke."""
+
+
+class DescriptorsRefused(Exception):  # noqa: N818 - an event, not a failure
+    """The kernel would not pass the descriptors (none of the frame went): too many are in
+    flight (ETOOMANYREFS: they count against the sender's open-file limit) or no room."""
+
+
+_NO_ROOM_FOR_DESCRIPTORS: Final = frozenset(
+    {errno.ETOOMANYREFS, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+)
 
 
 class BadAncillary(Exception):  # noqa: N818
@@ -99,6 +110,10 @@ def send_now(
         pass
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerGone(str(exc)) from exc
+    except OSError as exc:
+        if fds and exc.errno in _NO_ROOM_FOR_DESCRIPTORS:  # fds: the sendmsg that failed
+            raise DescriptorsRefused(exc.strerror or str(exc)) from exc
+        raise
     return view, fds
 
 
