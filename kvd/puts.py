@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final, NoReturn, TypeVar
 
 import anyio
 from kvd_protocol.entry import EntryHeader
@@ -331,12 +332,31 @@ class Puts:
         paths = [put.block_files[i] for i in wanted]
         put.handed += count  # before the wait: put_blocks pipelined see each other's
         try:
-            return await _on_loop_if_small(
+            fds = await _on_loop_if_small(
                 count * put.block_size, entry_files.open_staging_files, paths, put.block_size
             )
         except OSError as exc:
             put.handed -= count
             raise _staging_error(exc, put.block_size) from None
+        if self._puts.get(put_id) is not put:  # committed or aborted while a thread made them
+            self._let_go(put, wanted, fds)
+        return fds
+
+    def _let_go(self, put: Put, indexes: range, fds: list[int]) -> NoReturn:
+        """Block files made for a put that ended meanwhile: their descriptors closed, and the
+        files no queued entry holds (the put was aborted: its files went before these were
+        made) removed, rather than left in staging uncounted until a restart."""
+        for fd in fds:
+            os.close(fd)
+        digest = put.identity.digest()
+        for index in indexes:
+            block = self._catalog.blocks.get(digest, put.blocks[index])
+            path = put.block_files[index]
+            if block is None or block.path != path:
+                self._catalog.deleter.delete(path)
+        raise ProtocolError(
+            ErrorCode.NOT_FOUND, f"put {put.id} ended while its block files were being made"
+        )
 
     def _forget(self, put: Put) -> None:
         del self._puts[put.id]

@@ -27,14 +27,17 @@ from daemon_e2e import (
     wait_until,
 )
 from daemon_process import running_daemon
+from fault_shim import built_or_skip
 from kvd_client.client import Client
 from kvd_protocol import messages as m
+from kvd_protocol.blocks import block_hashes
 from kvd_protocol.errors import ErrorCode
 from kvd_protocol.tokens import pack_tokens
 
 from kvd.session import MAX_UNREAD_DESCRIPTORS
 
 BATCH = m.MAX_BLOCK_BATCH
+FALLOCATE_HOLD_SHIM = Path(__file__).with_name("fallocate_hold_shim.c")
 HELLO = {"op": "hello", "id": 1, "protocol": 1, "client": "hostile", "pid": 1}
 
 
@@ -105,6 +108,46 @@ def test_a_puts_block_files_are_handed_out_at_most_twice(tmp_path: Path) -> None
         commit = peer.call(m.PutCommit(id=peer.next_id(), put=began.put))
         assert isinstance(commit, m.PutCommitReply)
         assert wait(peer, commit.ticket).state == "stored"
+
+
+def test_block_files_made_for_a_put_aborted_meanwhile_leave_no_staging_file(
+    tmp_path: Path,
+) -> None:
+    """A batch of block files over 32 MiB is made on a worker thread: a put_abort while it is
+    removed the put's files before they were made, and they stayed in staging, uncounted,
+    until a restart (a loop of them fills the disk). The shim holds the thread."""
+    shim = built_or_skip(tmp_path, FALLOCATE_HOLD_SHIM, "HELD STAGING")
+    tokens = list(range(40 * BLOCK_TOKENS + 1))
+    packed = pack_tokens(tokens)
+    hold = tmp_path / "hold"
+    with running_daemon(tmp_path, ["--min-free", "0"]) as daemon:
+        daemon.stop()
+        held = {"LD_PRELOAD": str(shim), "HOLD_SHIM_FILE": str(hold), "HOLD_SHIM_SIZE": "1048576"}
+        daemon.start(held)
+        with RawPeer(daemon.socket_path) as peer:
+            began = peer.call(
+                m.PutBegin(
+                    id=peer.next_id(),
+                    identity=IDENTITY,
+                    tokens=packed,
+                    size=ENTRY_BYTES,
+                    blocks=b"".join(block_hashes(packed, BLOCK_TOKENS)),
+                    block_tokens=BLOCK_TOKENS,
+                    block_size=1 << 20,
+                )
+            )
+            assert isinstance(began, m.PutBeginReply)
+            _close_all([began])
+            hold.touch()
+            peer.send(m.PutBlocks(id=peer.next_id(), put=began.put, first=0, count=40))
+            wait_until(lambda: len(staging_files(daemon.tier)) == 2, "a block file begun")
+            aborted = peer.call(m.PutAbort(id=peer.next_id(), put=began.put))
+            assert isinstance(aborted, m.PutAbortReply)
+            hold.unlink()
+            late = peer.receive()
+            assert isinstance(late, m.ErrorReply), late
+            assert late.code is ErrorCode.NOT_FOUND
+            wait_until(lambda: staging_files(daemon.tier) == [], "no staging file left")
 
 
 def test_open_blocks_asked_and_never_read_hand_out_a_bounded_number(tmp_path: Path) -> None:
