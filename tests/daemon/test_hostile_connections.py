@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from blocks_e2e import BLOCK_TOKENS, Begun, begin, look_up, put_v2, wait, write_block
+from blocks_e2e import status as report_of
 from daemon_e2e import (
     ENTRY_BYTES,
     IDENTITY,
@@ -333,6 +334,28 @@ def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
             assert isinstance(answer, m.TicketReply)
             assert answer.state == "stored"
         assert report(honest)["entries"] == 3  # the one released made room
+
+
+def test_leased_bytes_count_each_shared_block_once(tmp_path: Path) -> None:
+    shared = list(range(4 * BLOCK_TOKENS))
+    prompts = [[*shared, *range(1000 + i, 1000 + i + BLOCK_TOKENS + 3)] for i in range(2)]
+    with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
+        for prompt in prompts:
+            put_v2(peer, IDENTITY, prompt)
+        leases = []
+        for prompt in prompts:
+            found = look_up(peer, IDENTITY, [*prompt, 1], release=False)
+            assert found is not None
+            leases.append(found.lease)
+        status = report_of(peer)
+        assert status["logical_bytes"] > status["unique_bytes"]  # the prefix's blocks shared
+        assert status["leased_bytes"] == status["unique_bytes"]
+        release = peer.call(m.Release(id=peer.next_id(), lease=leases[0]))
+        assert isinstance(release, m.ReleaseReply)
+        assert 0 < report_of(peer)["leased_bytes"] < status["unique_bytes"]
+        release = peer.call(m.Release(id=peer.next_id(), lease=leases[1]))
+        assert isinstance(release, m.ReleaseReply)
+        assert report_of(peer)["leased_bytes"] == 0
 
 
 def test_an_entry_evicted_as_soon_as_it_is_stored_is_not_answered_stored(tmp_path: Path) -> None:
