@@ -3,10 +3,17 @@
 A connection buffers a frame until its last byte is in (up to max_frame_bytes); a thousand
 connections each holding most of a large frame would take gigabytes. Each session says what
 it holds after every read (hold); one whose growth takes the total over the budget is to be
-closed, and the others go on.
+closed, and the others go on. Small frames are not counted (SMALL_FRAME_BYTES).
 """
 
 from __future__ import annotations
+
+from typing import Final
+
+# A partial frame up to this size is held outside the budget: a connection holds that much
+# at most (max_connections of them), and an engine's usual request (a lookup of 60k tokens)
+# is never refused because others filled the budget with frames they never finish.
+SMALL_FRAME_BYTES: Final = 256 << 10
 
 
 class FrameBudget:

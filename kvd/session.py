@@ -27,7 +27,7 @@ from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, Connectio
 from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 
 from kvd import __version__, socket_io
-from kvd.frame_budget import FrameBudget
+from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.logs import get_logger, warn_limited
 from kvd.peercred import PeerCredentials
 from kvd.puts import DeclaredBlocks
@@ -260,9 +260,11 @@ class Session:
     def _frame_partway(self) -> None:
         """A frame is part-way in (or was, and the peer's bytes ran out): the bytes it will
         take once whole (its declared length) are held against the budget of every
-        connection's partial frames from its first read on, and the time it may take is
-        counted from its first byte, not from each read (a byte at a time holds no more)."""
-        held = self.conn.partial_frame_bytes
+        connection's partial frames from its first read on, unless it is small, and the time
+        it may take is counted from its first byte, not from each read (a byte at a time
+        holds no more)."""
+        partial = self.conn.partial_frame_bytes
+        held = partial if partial > SMALL_FRAME_BYTES else 0
         fits = self.frames.hold(self._buffered, held)
         self._buffered = held
         if not fits:
@@ -274,10 +276,10 @@ class Session:
                     f"kvd's budget of {self.frames.limit}: this frame of yours was not taken",
                 )
             )
-        elif not held and self._frame_timer is not None:
+        elif not partial and self._frame_timer is not None:
             self._frame_timer.cancel()
             self._frame_timer = None
-        elif held and self._frame_timer is None:
+        elif partial and self._frame_timer is None:
             timeout = self.tier.config.frame_timeout
             loop = asyncio.get_running_loop()
             self._frame_timer = loop.call_later(timeout, self._frame_timed_out)

@@ -289,6 +289,41 @@ def test_partial_frames_of_all_connections_share_one_budget(tmp_path: Path) -> N
                 sock.close()
 
 
+def test_a_small_frame_is_read_whole_though_others_fill_the_frame_budget(tmp_path: Path) -> None:
+    """Two connections hold the whole budget with frames they never finish; a request of an
+    honest engine that arrives in two pieces is still read and answered."""
+    frame = 7 << 20
+    flags = ["--frame-buffer-bytes", str(2 * (frame + 4)), "--frame-timeout", "60"]
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as honest:
+        hogs = []
+        for _ in range(2):
+            hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            hog.connect(daemon.socket_path)
+            hog.sendall(raw_frame(HELLO) + frame.to_bytes(4, "big") + b"\x00" * 1000)
+            hogs.append(hog)
+        try:
+            for hog in hogs:  # answered: the frame read with it is held
+                assert read_frame(hog) is not None
+            request = honest.conn.send(
+                m.Lookup(id=honest.next_id(), identity=IDENTITY, tokens=pack_tokens([1] * 2000))
+            )
+            honest.sock.sendall(request[:100])
+            time.sleep(0.2)  # read apart: a partial frame, held between the two reads
+            honest.sock.sendall(request[100:])
+            reply = honest.receive()
+            assert isinstance(reply, m.LookupReply), reply
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as third:  # a large one
+                third.connect(daemon.socket_path)
+                third.sendall(raw_frame(HELLO) + frame.to_bytes(4, "big") + b"\x00" * 1000)
+                assert read_frame(third) is not None  # its hello
+                refused = read_frame(third)
+                assert refused is not None
+                assert (refused["op"], refused["code"]) == ("error", "over_limit"), refused
+        finally:
+            for hog in hogs:
+                hog.close()
+
+
 # --- leases cannot freeze the tier ----------------------------------------------------------
 
 
