@@ -85,6 +85,10 @@ class Catalog:
         # What those entries would take without shared blocks: each its manifest and blocks.
         self.logical_bytes = 0
         self.leased = 0  # entries (doomed ones included) with at least one lease
+        # What eviction cannot free while leases last: the files of those entries and the
+        # blocks they list, each block once however many leased entries list it.
+        self.leased_bytes = 0
+        self._leased_blocks: dict[Block, int] = {}  # block -> leased entries listing it
         # Until start-up has listed the directory: the mtime the snapshot recorded for an
         # entry taken from it unchecked (None: not one of those), compared when it is opened.
         self._recorded_mtime: Callable[[str], int | None] | None = None
@@ -415,7 +419,13 @@ class Catalog:
         """A reader took a lease: a use, so the entry becomes the most recent."""
         self.eviction.touch(record)
         record.leases += 1
-        self.leased += record.leases == 1
+        if record.leases == 1:
+            self.leased += 1
+            self.leased_bytes += record.nbytes
+            for block in self.blocks_of(record):
+                count = self._leased_blocks.get(block, 0)
+                self._leased_blocks[block] = count + 1
+                self.leased_bytes += block.size if not count else 0
 
     def lease_ended(self, record: EntryRecord) -> None:
         """A lease ended; the last one of a doomed entry takes its file."""
@@ -423,6 +433,13 @@ class Catalog:
         if record.leases:
             return
         self.leased -= 1
+        self.leased_bytes -= record.nbytes
+        for block in self.blocks_of(record):
+            count = self._leased_blocks.pop(block) - 1
+            if count:
+                self._leased_blocks[block] = count
+            else:
+                self.leased_bytes -= block.size
         if self._doomed.pop(record.id, None) is not None:
             self._delete_file(record)
 

@@ -59,6 +59,11 @@ DEFAULT_FRAME_TIMEOUT = 10.0
 DEFAULT_PUT_TIMEOUT = 300.0  # an engine writes a GiB in well under a second; generous
 DEFAULT_MAX_OPEN_PUTS = 16  # per connection; an engine has one or two under way
 DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one restore
+# A restore holds its lease for seconds (a 30k-token prefix reads in about one): minutes are
+# generous, and bound how long a reader that never releases keeps entries from eviction.
+DEFAULT_LEASE_MAX_AGE = 300.0
+# Partial frames of all connections together: 32 frames of the largest size at once.
+DEFAULT_FRAME_BUFFER_BYTES = 256 << 20
 
 
 def setting(
@@ -197,7 +202,7 @@ class Config:
         metadata=setting(
             values.duration,
             "SECONDS",
-            "a connection that sends part of a frame and stalls this long is closed",
+            "a frame not whole this long after its first byte closes its connection",
         ),
     )
     max_open_puts: int = field(
@@ -235,6 +240,24 @@ class Config:
         default=LogFormat.AUTO,
         metadata=setting(
             values.choice(LogFormat), "|".join(LogFormat), "JSON off a terminal, readable on one"
+        ),
+    )
+    lease_max_age: float = field(
+        default=DEFAULT_LEASE_MAX_AGE,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "a lease held this long ends: its entry may be evicted (its reader's descriptors "
+            "stay valid), and the lease's open_blocks and release are answered not_found",
+        ),
+    )
+    frame_buffer_bytes: int = field(
+        default=DEFAULT_FRAME_BUFFER_BYTES,
+        metadata=setting(
+            values.positive_size,
+            "SIZE",
+            "bytes of partial frames all connections together may hold; the connection that "
+            "would go over is closed (over_limit)",
         ),
     )
     config_file: Path | None = None  # the file that was read, if any (not itself a setting)

@@ -31,6 +31,7 @@ GAUGES = (
     ("unique_bytes", "kvd_unique_bytes", "bytes on disk: entry files and unique blocks"),
     ("logical_bytes", "kvd_logical_bytes", "bytes the entries would take without shared blocks"),
     ("deleting_bytes", "kvd_deleting_bytes", "bytes of files taken out, not yet unlinked"),
+    ("leased_bytes", "kvd_leased_bytes", "bytes eviction cannot free while leases last"),
 )
 COUNTERS = (
     ("hits", "kvd_hits", "lookups that found an entry"),
@@ -43,6 +44,7 @@ COUNTERS = (
     ("abandoned_puts", "kvd_abandoned_puts", "puts aborted or expired"),
     ("deleted_files", "kvd_deleted_files", "files unlinked by the deleter"),
     ("bytes_written", "kvd_written_bytes", "bytes written to the tier"),
+    ("leases_expired", "kvd_leases_expired", "leases ended by the lease age limit"),
     ("restores", "kvd_restores", "restores the engines reported"),
     ("tokens_restored", "kvd_tokens_restored", "prefill tokens restored, not computed"),
     ("dedup_saved_bytes", "kvd_dedup_saved_bytes", "bytes not written: blocks already held"),

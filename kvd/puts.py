@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final, NoReturn, TypeVar
 
 import anyio
 from kvd_protocol.blocks import block_name
@@ -90,6 +90,7 @@ class Put:
     declared: DeclaredBlocks = NO_BLOCKS
     pinned: list[Block] = field(default_factory=list)  # the first len(pinned) are held
     block_files: dict[int, Path] = field(default_factory=dict)  # new blocks handed out
+    handed: int = 0  # block descriptors handed out (block_files)
 
     @property
     def blocks(self) -> tuple[bytes, ...]:
@@ -130,6 +131,7 @@ class Puts:
         self._tickets = tickets
         self._puts: dict[int, Put] = {}  # in the order they began
         self._by_owner: dict[int, dict[int, None]] = {}
+        self._beginning: dict[int, int] = {}  # owner -> its put_begins waiting for room
         self._ids = itertools.count(1)
         self.staged_bytes = 0  # the staging files' sizes, begun and not yet committed
         self.refused = 0  # put_begins refused for want of room under the write-behind cap
@@ -188,13 +190,12 @@ class Puts:
             self.not_admitted += 1
             self.not_admitted_bytes += adds
             raise ProtocolError(ErrorCode.REFUSED, refusal)
-        if len(self._by_owner.get(owner, ())) >= self._config.max_open_puts:
-            raise ProtocolError(
-                ErrorCode.OVER_LIMIT,
-                f"{self._config.max_open_puts} puts begun and not committed on this connection",
-            )
-        # Pinned before the first wait, so that what was found held stays so (an eviction
-        # while this put waits for room cannot take it); unpinned if the put goes no further.
+        self._no_room_under_leases(adds)
+        # The connection's slot and the blocks found held are taken before the first wait:
+        # put_begins pipelined on one connection each see the others' slots (the check and
+        # the taking with no await between), and an eviction while this put waits for room
+        # cannot take what was found held. Both are given back if the put goes no further.
+        self._take_slot(owner)
         pinned = self._catalog.blocks.pin(digest, blocks[:held])
         try:
             # Before the engine spends time writing. Not one of the queue's refusals: nothing
@@ -215,10 +216,41 @@ class Puts:
         except BaseException:
             self._catalog.blocks.unpin(pinned)
             raise
+        finally:
+            self._give_slot(owner)
         put = Put(put_id, owner, identity, tokens, size, path, declared=declared, pinned=pinned)
         self._puts[put_id] = put
         self._by_owner.setdefault(owner, {})[put_id] = None
         return put, None, fd
+
+    def _take_slot(self, owner: int) -> None:
+        """One of owner's max_open_puts, for a put_begin under way (given back by _give_slot
+        once its put is registered, or refused); OVER_LIMIT when none is left."""
+        began = len(self._by_owner.get(owner, ())) + self._beginning.get(owner, 0)
+        if began >= self._config.max_open_puts:
+            raise ProtocolError(
+                ErrorCode.OVER_LIMIT,
+                f"{self._config.max_open_puts} puts begun and not committed on this connection",
+            )
+        self._beginning[owner] = self._beginning.get(owner, 0) + 1
+
+    def _give_slot(self, owner: int) -> None:
+        self._beginning[owner] -= 1
+        if not self._beginning[owner]:
+            del self._beginning[owner]
+
+    def _no_room_under_leases(self, adds: int) -> None:
+        """NO_SPACE when adds more bytes cannot fit under the cap even once eviction has taken
+        all it may: leased entries keep theirs. Refused before the engine writes a byte, not
+        written, answered stored and evicted at once."""
+        cap, leased = self._config.max_bytes, self._catalog.leased_bytes
+        if leased + adds > cap:
+            raise ProtocolError(
+                ErrorCode.NO_SPACE,
+                f"leased entries hold {leased} bytes of the tier's cap of {cap}: no room for "
+                f"{adds} more until readers release them (a lease ends after "
+                f"{self._config.lease_max_age:g} s)",
+            )
 
     def _quota(self, put_identity: Identity) -> int | None:
         return quota_for(self._config.quotas, put_identity.model_id)
@@ -295,18 +327,46 @@ class Puts:
                 f"blocks {first}..{first + count - 1} are not put {put_id}'s to write: it "
                 f"writes blocks {put.held}..{len(put.blocks) - 1}",
             )
+        new_blocks = len(put.blocks) - put.held
+        if put.handed + count > HANDOUTS_PER_BLOCK * new_blocks:
+            raise ProtocolError(
+                ErrorCode.OVER_LIMIT,
+                f"put {put_id} had {put.handed} descriptors of its {new_blocks} new blocks: "
+                f"each is handed out at most {HANDOUTS_PER_BLOCK} times",
+            )
         wanted = range(first, first + count)
         for index in wanted:
             put.block_files.setdefault(
                 index, self._catalog.dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
             )
         paths = [put.block_files[i] for i in wanted]
+        put.handed += count  # before the wait: put_blocks pipelined see each other's
         try:
-            return await _on_loop_if_small(
+            fds = await _on_loop_if_small(
                 count * put.block_size, entry_files.open_staging_files, paths, put.block_size
             )
         except OSError as exc:
+            put.handed -= count
             raise _staging_error(exc, put.block_size) from None
+        if self._puts.get(put_id) is not put:  # committed or aborted while a thread made them
+            self._let_go(put, wanted, fds)
+        return fds
+
+    def _let_go(self, put: Put, indexes: range, fds: list[int]) -> NoReturn:
+        """Block files made for a put that ended meanwhile: their descriptors closed, and the
+        files no queued entry holds (the put was aborted: its files went before these were
+        made) removed, rather than left in staging uncounted until a restart."""
+        for fd in fds:
+            os.close(fd)
+        digest = put.identity.digest()
+        for index in indexes:
+            block = self._catalog.blocks.get(digest, put.blocks[index])
+            path = put.block_files[index]
+            if block is None or block.path != path:
+                self._catalog.deleter.delete(path)
+        raise ProtocolError(
+            ErrorCode.NOT_FOUND, f"put {put.id} ended while its block files were being made"
+        )
 
     def _forget(self, put: Put) -> None:
         del self._puts[put.id]
@@ -502,6 +562,11 @@ COMMIT_CHECKS: Final = 2
 # daemon's machine, under its clock.
 CREATED_FIRST: Final = 1577836800.0  # 2020-01-01 UTC
 CREATED_SKEW_SECONDS: Final = 3600.0
+
+
+# A put's new blocks' staging files are each handed out at most this many times (put_blocks):
+# what a client that asks and never reads its replies can make the daemon open is bounded.
+HANDOUTS_PER_BLOCK = 2
 
 
 # Staging files up to this size in all are made on the event loop: open and fallocate of 32

@@ -30,6 +30,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd import __version__
 from kvd.config import Config
 from kvd.fd_limit import connections_for, raise_open_file_limit
+from kvd.frame_budget import FrameBudget
 from kvd.listener import bind_socket, inherited_socket
 from kvd.logs import get_logger
 from kvd.metrics_http import metrics_listener, serve_metrics
@@ -66,6 +67,7 @@ class Server:
         self.max_connections = config.max_connections
         self._sessions = itertools.count(1)
         self._allowed_gid = _group_id(config.socket_group)
+        self.frames = FrameBudget(config.frame_buffer_bytes)
 
     def status(self) -> dict[str, Any]:
         return status_report(self.tier, self.peers.values())
@@ -95,7 +97,7 @@ class Server:
                 peer = Peer(session_id, credentials, admin=admin)
                 self.peers[session_id] = peer
                 try:
-                    await Session(self.tier, stream, peer, self.status).run()
+                    await Session(self.tier, stream, peer, self.status, self.frames).run()
                 finally:
                     del self.peers[session_id]
         except Exception:
@@ -154,6 +156,7 @@ class Server:
         snapshotter = partial(tier.snapshot_periodically, config.snapshot_interval)
         tasks.start_soon(keep_running, "snapshot", snapshotter)
         tasks.start_soon(keep_running, "put_expiry", tier.expire_puts_periodically)
+        tasks.start_soon(keep_running, "lease_expiry", tier.expire_leases_periodically)
 
     async def _serve(self, listener: SocketListener, tasks: TaskGroup) -> None:
         pause = 0.0

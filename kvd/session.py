@@ -27,14 +27,21 @@ from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, Connectio
 from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 
 from kvd import __version__, socket_io
-from kvd.logs import get_logger
+from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
+from kvd.logs import RateLimited, get_logger
 from kvd.peercred import PeerCredentials
 from kvd.puts import DeclaredBlocks
 from kvd.tier import Tier, summary
 
 log = get_logger("kvd.session")
+broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 
 RECEIVE_BYTES = 1 << 16
+# Descriptors a connection may have in replies its engine has not read (opened for a reply
+# not out yet, or out and still in the socket): an engine reads each reply before the next
+# request, so four batches are plenty; a client that asks and never reads is told over_limit
+# instead of making the daemon open more (in flight, they count against its open files).
+MAX_UNREAD_DESCRIPTORS = 4 * m.MAX_BLOCK_BATCH
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
 _RECEIVE_ANCILLARY = socket_io.ancillary_bytes(RECEIVE_FDS)
 FEATURES = (
@@ -51,6 +58,14 @@ FEATURES = (
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
 )
+
+
+def _descriptors_asked(request: m.Request) -> int:
+    """The most descriptors the reply to request may carry (0 for most requests)."""
+    op = request.op
+    if op in ("open_blocks", "put_blocks"):
+        return request.count  # type: ignore[attr-defined, no-any-return]
+    return 1 if op in ("lookup", "find_checkpoint", "put_begin") else 0
 
 
 def _checks_a_file(request: m.Request) -> bool:
@@ -98,8 +113,15 @@ class Session:
         stream: anyio.abc.SocketStream,
         peer: Peer,
         status: Callable[[], dict[str, object]],
+        frames: FrameBudget,
     ) -> None:
         self.tier = tier
+        self.frames = frames  # partial frames' bytes, across connections
+        self._buffered = 0  # this connection's share of them
+        self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
+        # Descriptors for replies not out yet, and out but maybe unread (see _may_hand_out).
+        self._fds_held = 0
+        self._fds_sent = 0
         self.stream = stream
         self.sock = raw_socket(stream)  # read and written directly: see socket_io
         self.peer = peer
@@ -113,7 +135,6 @@ class Session:
         self._reading = False  # the reader callback is installed
         self._ended = anyio.Event()  # the peer is gone, or the connection failed
         self._fatal: ProtocolError | None = None  # to say before closing
-        self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
         # The requests that never wait: each handler takes its request, returns its reply.
         self._at_once: dict[str, Callable[[Any], m.Reply]] = {
             "hello": self._hello,
@@ -148,6 +169,8 @@ class Session:
         finally:
             if self._outgoing is not None:  # its task never ran
                 self._outgoing.close()
+            self.frames.hold(self._buffered, 0)
+            self._buffered = 0
             self.tier.close_session(self.peer.session)
 
     async def _serve(self) -> None:
@@ -189,19 +212,27 @@ class Session:
     def _serve_events(self) -> None:
         """Answer what the Connection holds, until it needs more bytes or reading is paused
         (then what is left waits for _resume). A frame left part-way must be finished within
-        frame_timeout of each read: between frames a connection may idle as long as it likes.
-        What only counts a request (Tier.book_lookups) waits until its reply is sent."""
+        frame_timeout of its first byte, and its bytes fit the budget of all connections'
+        partial frames: between frames a connection may idle as long as it likes. What only
+        counts a request (Tier.book_lookups) waits until its reply is sent."""
         conn, tier = self.conn, self.tier
         try:
             while self._reading:
                 event = conn.next_event()
                 if event is NEED_DATA:
-                    if self._frame_timer is not None or conn.buffered_bytes:
-                        self._time_frame()
+                    if self._buffered or conn.buffered_bytes:
+                        self._frame_partway()
                     return
+                if self._frame_timer is not None:  # a frame finished: the next has its own
+                    self._frame_timer.cancel()
+                    self._frame_timer = None
                 if type(event) is BadRequest:
                     self._reply(event.reply())
                 elif isinstance(event, m.Request):
+                    asked = _descriptors_asked(event)
+                    if asked and not self._may_hand_out(asked):
+                        self._reply(self._unread_too_many(event))
+                        continue
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
                         self._pause_for(self._answer, event)
@@ -213,11 +244,12 @@ class Session:
                         try:
                             self._reply(reply)
                         finally:
+                            self._handed_out(asked, reply)
                             if tier.unbooked:  # a call fewer for every other request
                                 tier.book_lookups()
                     else:
                         assert self._tasks is not None
-                        self._tasks.start_soon(self._answer, event)
+                        self._tasks.start_soon(self._answer, event, asked)
                 elif isinstance(event, ConnectionClosed):
                     self._end()
         except ProtocolError as exc:
@@ -226,11 +258,29 @@ class Session:
             log.exception("session_failed", session=self.peer.session)
             self._end()
 
-    def _time_frame(self) -> None:
-        if self._frame_timer is not None:
+    def _frame_partway(self) -> None:
+        """A frame is part-way in (or was, and the peer's bytes ran out): the bytes it will
+        take once whole (its declared length) are held against the budget of every
+        connection's partial frames from its first read on, unless it is small, and the time
+        it may take is counted from its first byte, not from each read (a byte at a time
+        holds no more)."""
+        partial = self.conn.partial_frame_bytes
+        held = partial if partial > SMALL_FRAME_BYTES else 0
+        fits = self.frames.hold(self._buffered, held)
+        self._buffered = held
+        if not fits:
+            broken_rules.warning("frame_budget_exceeded", session=self.peer.session, bytes=held)
+            self._end(
+                RemoteProtocolError(
+                    ErrorCode.OVER_LIMIT,
+                    f"partial frames of all connections hold {self.frames.held} bytes, over "
+                    f"kvd's budget of {self.frames.limit}: this frame of yours was not taken",
+                )
+            )
+        elif not partial and self._frame_timer is not None:
             self._frame_timer.cancel()
             self._frame_timer = None
-        if self.conn.buffered_bytes:
+        elif partial and self._frame_timer is None:
             timeout = self.tier.config.frame_timeout
             loop = asyncio.get_running_loop()
             self._frame_timer = loop.call_later(timeout, self._frame_timed_out)
@@ -238,6 +288,7 @@ class Session:
     def _frame_timed_out(self) -> None:
         self._frame_timer = None
         frame_timeout = self.tier.config.frame_timeout
+        broken_rules.warning("frame_timed_out", session=self.peer.session)
         self._end(
             RemoteProtocolError(
                 ErrorCode.TIMEOUT, f"a frame begun and not finished in {frame_timeout:g} s"
@@ -286,12 +337,41 @@ class Session:
 
     # --- answering ----------------------------------------------------------------------------
 
-    async def _answer(self, request: m.Request) -> None:
+    async def _answer(self, request: m.Request, asked: int = 0) -> None:
         try:
             reply = await self._waiting[request.op](request)
         except Exception as exc:
             reply = _failed(request, exc)
-        await self._send(reply)
+        try:
+            await self._send(reply)
+        finally:
+            self._handed_out(asked, reply)
+
+    def _may_hand_out(self, asked: int) -> bool:
+        """Whether asked more descriptors keep the connection within MAX_UNREAD_DESCRIPTORS;
+        if so they count from now (as held) until their reply is out (_handed_out). Those
+        sent count until the socket shows the engine has read everything sent to it."""
+        if self._fds_held + self._fds_sent + asked > MAX_UNREAD_DESCRIPTORS:
+            if self._fds_sent and not socket_io.unread_bytes(self.sock):
+                self._fds_sent = 0
+            if self._fds_held + self._fds_sent + asked > MAX_UNREAD_DESCRIPTORS:
+                return False
+        self._fds_held += asked
+        return True
+
+    def _handed_out(self, asked: int, reply: m.Reply) -> None:
+        self._fds_held -= asked
+        self._fds_sent += len(reply.fds)
+
+    def _unread_too_many(self, request: m.Request) -> m.ErrorReply:
+        unread = self._fds_held + self._fds_sent
+        broken_rules.warning("descriptors_unread", session=self.peer.session, descriptors=unread)
+        return m.ErrorReply(
+            id=request.id,
+            code=ErrorCode.OVER_LIMIT,
+            message=f"{unread} descriptors handed to this connection are not read yet (at most "
+            f"{MAX_UNREAD_DESCRIPTORS}): read the replies before asking for more",
+        )
 
     def _reply(self, reply: m.Reply) -> None:
         """Send a reply from the callback: at once when the kernel takes it whole (the
@@ -310,6 +390,8 @@ class Session:
             self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
@@ -321,6 +403,8 @@ class Session:
             await socket_io.finish(self.sock, out.unsent, self._gate)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             self._outgoing = None
             out.close()
@@ -333,9 +417,21 @@ class Session:
                 await socket_io.send(self.sock, *framed, self._gate)
         except socket_io.PeerGone as exc:
             log.debug("reply_not_sent", session=self.peer.session, error=str(exc))
+        except socket_io.DescriptorsRefused as exc:
+            self._descriptors_refused(exc)
         finally:
             for fd in fds:
                 os.close(fd)  # the engine holds its own copy now (or never will)
+
+    def _descriptors_refused(self, exc: socket_io.DescriptorsRefused) -> None:
+        """A reply's descriptors could not be passed (none of it went out): the connection,
+        whose replies no longer follow its requests, ends with an error that says why."""
+        broken_rules.warning("descriptors_not_passed", session=self.peer.session, error=str(exc))
+        self._end(
+            ProtocolError(
+                ErrorCode.REFUSED, f"kvd could not pass a reply's descriptors now ({exc})"
+            )
+        )
 
     def _frame(self, reply: m.Reply) -> tuple[bytes, tuple[int, ...]] | None:
         """The reply's frame and the descriptors to go with it (the reply's own); None
@@ -456,7 +552,7 @@ class Session:
     async def _release_damaged(self, request: m.Release) -> m.ReleaseReply:
         record = self.tier.end_lease(self.peer.session, request.lease, request.report)
         assert request.damaged is not None
-        await self.tier.check_reported(record, request.damaged)
+        await self.tier.check_reported(self.peer.session, record, request.damaged)
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:
@@ -483,14 +579,19 @@ class Session:
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
             )
-        problem, quarantined = await self.tier.verify(request.entry, request.repair)
+        problem, quarantined = await self.tier.verify(
+            self.peer.session, request.entry, request.repair
+        )
         return m.VerifyReply(id=request.id, problem=problem, quarantined=quarantined)
 
 
 def _failed(request: m.Request, exc: Exception) -> m.ErrorReply:
     """The reply to a request whose handler raised exc: a ProtocolError's code, else (a daemon
-    bug or a failed file operation: this request only) internal, logged."""
+    bug or a failed file operation: this request only) internal, logged. A bound of the
+    connection's that the request broke (over_limit) is logged too, at most every so often."""
     if isinstance(exc, ProtocolError):
+        if exc.code is ErrorCode.OVER_LIMIT:
+            broken_rules.warning("request_over_limit", op=request.op, error=exc.message)
         return m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
     log.exception("request_failed", op=request.op)
     return m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import array
 import asyncio
+import errno
+import fcntl
 import os
 import socket
+import sys
+import termios
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import anyio
 
@@ -23,6 +28,16 @@ _CTRUNC = int(socket.MSG_CTRUNC)  # the IntFlag's own `&` is a Python call, on e
 
 class PeerGone(Exception):  # noqa: N818 - an event, not a failure
     """The peer closed its end, or the connection broke."""
+
+
+class DescriptorsRefused(Exception):  # noqa: N818 - an event, not a failure
+    """The kernel would not pass the descriptors (none of the frame went): too many are in
+    flight (ETOOMANYREFS: they count against the sender's open-file limit) or no room."""
+
+
+_NO_ROOM_FOR_DESCRIPTORS: Final = frozenset(
+    {errno.ETOOMANYREFS, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+)
 
 
 class BadAncillary(Exception):  # noqa: N818
@@ -95,6 +110,10 @@ def send_now(
         pass
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise PeerGone(str(exc)) from exc
+    except OSError as exc:
+        if fds and exc.errno in _NO_ROOM_FOR_DESCRIPTORS:  # fds: the sendmsg that failed
+            raise DescriptorsRefused(exc.strerror or str(exc)) from exc
+        raise
     return view, fds
 
 
@@ -157,3 +176,20 @@ async def send(
     unsent = start(sock, data, fds, gate)
     if unsent is not None:
         await finish(sock, unsent, gate)
+
+
+# What the peer has yet to read of what was sent to it. Linux: SIOCOUTQ (TIOCOUTQ), the
+# memory of the messages it has not read yet. macOS: SO_NWRITE, the bytes in the send buffer;
+# a Unix socket there hands its bytes straight to the peer's receive buffer, so this may stay
+# 0 (then a connection's unread descriptors are bounded by its socket buffer alone): only a
+# Mac can say.
+_SO_NWRITE: Final = 0x1024
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on sock that the peer has not read yet (0: it read everything)."""
+    if sys.platform == "darwin":
+        return sock.getsockopt(socket.SOL_SOCKET, _SO_NWRITE)
+    queued = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    return queued[0]

@@ -56,6 +56,9 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "deleted_files": catalog.deleter.deleted,
         "bytes_written": counters.bytes_written,
         "leased_entries": catalog.leased,
+        "leased_bytes": catalog.leased_bytes,  # what eviction cannot free while they last
+        "leases_expired": tier.leases.expired,
+        "checks": tier.checks.counts(),  # verify and damage reports: run, refused, skipped
         "admission": {
             "policy": tier.config.admission,
             "refused": tier.puts.not_admitted,

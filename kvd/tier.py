@@ -32,11 +32,12 @@ from kvd import entry_files, recovery, snapshot
 from kvd.admission import ADMISSION_POLICIES
 from kvd.blocks import Block
 from kvd.catalog import Catalog
+from kvd.check_limit import CheckLimit
 from kvd.config import Config
 from kvd.durability import disk_free
 from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
-from kvd.logs import get_logger
+from kvd.logs import RateLimited, get_logger
 from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
 from kvd.puts import NO_BLOCKS, DeclaredBlocks, Put, Puts
@@ -48,9 +49,14 @@ from kvd.tier_dir import TierDir
 from kvd.writer import Writer
 
 log = get_logger("kvd.tier")
+broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 
 SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 LISTING_RETRY_S = 5.0  # start-up's listing failed (an I/O error): tried again after this
+# A lease's blocks are each handed out at most this many times (open_blocks; once to read,
+# once more to read again after a failure): what a client that asks and never reads its
+# replies can make the daemon open is bounded by its leases.
+OPENS_PER_BLOCK = 2
 
 
 class Tier:
@@ -92,6 +98,7 @@ class Tier:
         self._lock_fd = -1
         self._snapshot_version = -1
         self._checking: set[str] = set()  # entries reported damaged, being checked
+        self.checks = CheckLimit()  # the turns of checks clients ask for
         self.settled = anyio.Event()  # set once start-up has listed the directory (settle)
         self._unchecked: snapshot.Snapshot | None = None  # taken from it, not listed yet
         self._reaped = 0
@@ -274,6 +281,19 @@ class Tier:
             await anyio.sleep(every)
             self.puts.expire()
 
+    async def expire_leases_periodically(self) -> None:
+        """End the leases held longer than lease_max_age: a reader that never releases keeps
+        its entries from eviction that long at most."""
+        max_age = self.config.lease_max_age
+        every = min(max_age / 4, 5.0)
+        while True:
+            await anyio.sleep(every)
+            expired = self.leases.expire(max_age)
+            if expired:
+                owners = sorted({lease.owner for lease in expired})
+                log.warning("leases_expired", count=len(expired), sessions=owners[:16])
+                self.evict_to_cap()  # what they kept over the cap may go now
+
     def close(self) -> None:
         os.close(self._lock_fd)
 
@@ -372,12 +392,19 @@ class Tier:
         not what the store says is quarantined with every manifest listing it; either that or
         one unreadable now (EIO, no descriptor free) is NOT_FOUND (block_missing), and the
         engine's restore a miss."""
-        record = self.leases.record(owner, lease_id)
+        lease = self.leases.lease(owner, lease_id)
+        record = lease.record
         blocks = self.catalog.blocks_of(record)
         if first + count > len(blocks):
             raise ProtocolError(
                 ErrorCode.BAD_MESSAGE,
                 f"entry {record.id} has {len(blocks)} blocks, not {first}..{first + count - 1}",
+            )
+        if lease.opened + count > OPENS_PER_BLOCK * len(blocks):
+            raise ProtocolError(
+                ErrorCode.OVER_LIMIT,
+                f"lease {lease_id} had {lease.opened} block descriptors of entry {record.id}'s "
+                f"{len(blocks)} blocks: each is handed out at most {OPENS_PER_BLOCK} times",
             )
         fds: list[int] = []
         try:
@@ -394,6 +421,7 @@ class Tier:
             for fd in fds:
                 os.close(fd)
             raise
+        lease.opened += count
         return fds
 
     def _open_block(self, block: Block) -> int | None:
@@ -461,26 +489,34 @@ class Tier:
             self.telemetry.restored(record.identity, report)
         return record
 
-    async def check_reported(self, record: EntryRecord, damaged: str) -> None:
+    async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
         """A client could not use the entry's file (damaged: why): the file is checked and
         quarantined if it fails (a client's word alone never removes an entry). A pending
-        entry is verified by the writer."""
-        if record.durable:
-            await self._check_reported(record, damaged)
-
-    async def _check_reported(self, record: EntryRecord, damaged: str) -> None:
-        if record.id in self._checking:
-            return  # another engine reported it too: one check is enough
+        entry is verified by the writer. Checks are bounded (CheckLimit): a report that finds
+        no turn, or names an entry found intact a moment ago, is logged and not checked."""
+        if not record.durable or record.id in self._checking:
+            return  # the writer checks it, or another engine reported it too: one check
+        if self.checks.recently_intact(record.id):
+            self.checks.skipped += 1
+            broken_rules.warning(
+                "reported_damage_skipped", entry=record.id, reason="checked lately"
+            )
+            return
         self._checking.add(record.id)
         try:
-            problem = await self.check_entry(record, repair=True)
+            async with self.checks.turn(owner):
+                problem = await self.check_entry(record, repair=True)
+        except ProtocolError as exc:
+            broken_rules.warning("reported_damage_skipped", entry=record.id, reason=exc.message)
+            return
         except OSError as exc:
             log.warning("reported_entry_unreadable", entry=record.id, error=str(exc))
             return
         finally:
             self._checking.discard(record.id)
         if problem is None:
-            log.warning("reported_damage_not_found", entry=record.id, reported=damaged)
+            self.checks.found_intact(record.id)
+            broken_rules.warning("reported_damage_not_found", entry=record.id, reported=damaged)
 
     async def check_entry(self, record: EntryRecord, *, repair: bool) -> str | None:
         """Validate a durable entry's file whole, head and every tensor's checksum: None if it
@@ -508,8 +544,9 @@ class Tier:
                 return f"block {index} ({name}): {exc}"
         return None
 
-    async def verify(self, entry: str, repair: bool) -> tuple[str | None, bool]:
-        """Check one durable entry by id: (what is wrong or None, whether it was quarantined)."""
+    async def verify(self, owner: int, entry: str, repair: bool) -> tuple[str | None, bool]:
+        """Check one durable entry by id for owner's connection: (what is wrong or None,
+        whether it was quarantined). REFUSED or OVER_LIMIT when it finds no turn (CheckLimit)."""
         record = self.catalog.records.get(entry)
         if record is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
@@ -518,7 +555,8 @@ class Tier:
                 ErrorCode.NOT_FOUND, f"entry {entry} is pending: its commit checked it"
             )
         try:
-            problem = await self.check_entry(record, repair=repair)
+            async with self.checks.turn(owner):
+                problem = await self.check_entry(record, repair=repair)
         except OSError as exc:
             return f"unreadable: {exc}", False
         return problem, problem is not None and repair and entry not in self.catalog.records

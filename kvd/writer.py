@@ -225,28 +225,39 @@ class Writer:
         del self._queued[record.id]
         if outcome in (Outcome.STORED, Outcome.FAILED):
             self.queue.done(item, outcome)  # dropped and cancelled ones are out already
+        state = TICKET_STATE[outcome]
         if outcome is Outcome.STORED:
             written = record.nbytes + item.payload.blocks_written
             self._catalog.counters.bytes_written += written
             self._telemetry.stored(record.identity, written, time.time())
-            self._stored(record, item.ticket)
+            if not self._stored(record, item.ticket):
+                state, reason = "dropped", self._evicted_at_once()
         else:
             self._catalog.drop(record)
-        self._tickets.settle(item.ticket, TICKET_STATE[outcome], reason)
+        self._tickets.settle(item.ticket, state, reason)
         self.pulse_changed()
 
-    def _stored(self, record: EntryRecord, ticket: int) -> None:
+    def _stored(self, record: EntryRecord, ticket: int) -> bool:
+        """The entry is durable: placed, its ancestors superseded, the cap held. False when
+        holding the cap took the entry itself at once (what else it could take is leased)."""
         catalog = self._catalog
         if record.id not in catalog.records and not catalog.is_doomed(record.id):
             # Dropped while its write was under way (superseded, forgotten): its bytes left
             # the count then, but the rename may have beaten that unlink of the staging file.
             entry_files.unlink_quietly(catalog.dirs.entry_path(record.identity, record.id))
-            return
+            return True
         catalog.placed(record)
         if catalog.is_doomed(record.id):
-            return
+            return True
         self._supersede(record, ticket)
         catalog.evict_to_cap(self._config.max_bytes, self._config.min_free)
+        return record.id in catalog.records
+
+    def _evicted_at_once(self) -> str:
+        return (
+            f"evicted as soon as stored: leased entries hold {self._catalog.leased_bytes} "
+            f"bytes of the cap of {self._config.max_bytes}"
+        )
 
     def _supersede(self, record: EntryRecord, record_ticket: int) -> None:
         """A new trimmable entry serves every prefix of itself: its ancestors can go.

@@ -115,6 +115,12 @@ class Connection:
         return self._reader.buffered
 
     @property
+    def partial_frame_bytes(self) -> int:
+        """Once next_event() has returned NEED_DATA: the bytes the partial frame buffered will
+        take once whole (its declared length, as soon as that is in), 0 between frames."""
+        return self._reader.partial_frame_bytes
+
+    @property
     def failed(self) -> bool:
         """True once a fatal ProtocolError was raised: every later call raises."""
         return self._error is not None

@@ -72,6 +72,16 @@ class FrameReader:
         """Bytes received and not yet returned as part of a frame."""
         return len(self._data) - self._pos
 
+    @property
+    def partial_frame_bytes(self) -> int:
+        """What the partial frame buffered will hold once whole (its length and body, once
+        its length is in; else the bytes buffered): valid once next_frame() returned None."""
+        buffered = len(self._data) - self._pos
+        if buffered < LENGTH_BYTES:
+            return buffered
+        size: int = LENGTH.unpack_from(self._data, self._pos)[0]
+        return LENGTH_BYTES + size
+
     def feed(self, data: bytes) -> None:
         if self._pos == len(self._data):  # nothing buffered (not self.buffered: a call fewer)
             # Common case: keep the caller's bytes without copying (a bytearray could change).

@@ -36,6 +36,8 @@ TOP_LEVEL = {
     "kvd_deleting_bytes": ("deleting_bytes",),
     "kvd_deleted_files_total": ("deleted_files",),
     "kvd_written_bytes_total": ("bytes_written",),
+    "kvd_leased_bytes": ("leased_bytes",),
+    "kvd_leases_expired_total": ("leases_expired",),
     "kvd_restores_total": ("restores",),
     "kvd_tokens_restored_total": ("tokens_restored",),
     "kvd_writeback_pending_bytes": ("writeback", "pending_bytes"),

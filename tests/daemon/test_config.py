@@ -230,6 +230,8 @@ VALID = {
     "admission_window": ("600", 600.0),
     "quotas": ("e2e/*=1G,big=2M", (("e2e/*", 1 << 30), ("big", 2 << 20))),
     "metrics_port": ("9464", 9464),
+    "lease_max_age": ("120", 120.0),
+    "frame_buffer_bytes": ("64MiB", 64 << 20),
 }
 
 

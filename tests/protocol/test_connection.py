@@ -503,6 +503,20 @@ def test_events_need_data_until_a_frame_is_complete() -> None:
     assert server.next_event() == Ping(id=2)
 
 
+def test_a_partial_frame_counts_its_declared_length_as_soon_as_that_is_in() -> None:
+    client, server = connected_pair()
+    frame = client.send(Ping(id=2))
+    server.receive_data(frame[:2])
+    assert server.next_event() is NEED_DATA
+    assert server.partial_frame_bytes == 2  # its length not in yet: the bytes themselves
+    server.receive_data(frame[2:5])
+    assert server.next_event() is NEED_DATA
+    assert server.partial_frame_bytes == len(frame)
+    server.receive_data(frame[5:])
+    assert server.next_event() == Ping(id=2)
+    assert server.partial_frame_bytes == 0
+
+
 # ---- local and remote errors, and the final error ------------------------------------------
 
 
