@@ -6,6 +6,7 @@ applies the results on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -181,9 +182,22 @@ def verify_entry(path: Path, limits: Limits) -> EntryHeader:
 
 
 def persist(staging: Path, final: Path) -> None:
-    """Make a validated staging file a durable entry: full sync, rename, sync the folders."""
+    """Make a validated staging file a durable entry: full sync, rename, sync the folders.
+
+    On any failure the file is left at staging, for the caller to fail and delete: never
+    synced again (after EIO the kernel may have marked its lost pages clean, and a second
+    fsync would succeed with the data gone), nor left in its place, where a listing would
+    find it and serve an entry its put was told had failed."""
     _make_folder(final.parent)
-    replace_durably(staging, final)
+    try:
+        replace_durably(staging, final)
+    except OSError:
+        if not staging.exists():  # renamed, then a folder's sync failed: take it back
+            try:
+                os.replace(final, staging)
+            except OSError:
+                final.unlink(missing_ok=True)
+        raise
 
 
 def place_block(staging: Path, final: Path) -> None:
@@ -205,7 +219,14 @@ def _make_folder(folder: Path) -> None:
         return
     _make_folder(folder.parent)
     folder.mkdir(mode=0o700, exist_ok=True)
-    sync_directory(folder.parent)
+    try:
+        sync_directory(folder.parent)
+    except OSError:
+        # Not made, then: the next file for it makes it again and syncs that (a folder
+        # that exists is taken as durable).
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+        raise
 
 
 def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:
