@@ -238,16 +238,22 @@ def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:
         os.replace(path, target)
     except FileNotFoundError:
         return False  # gone meanwhile: nothing left to keep
-    files = sorted(
-        (entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)),
-        key=lambda entry: entry.stat().st_mtime_ns,
-    )
-    total = sum(entry.stat().st_size for entry in files)
-    for entry in files:
+    # Quarantines run in worker threads side by side: a file listed here may be gone by
+    # the time it is looked at, trimmed by another one.
+    files = []
+    for entry in os.scandir(folder):
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_file(follow_symlinks=False):
+                info = entry.stat(follow_symlinks=False)
+                files.append((info.st_mtime_ns, info.st_size, entry.path))
+    files.sort()
+    total = sum(size for _, size, _ in files)
+    for _, size, oldest in files:
         if total <= max_bytes:
             break
-        total -= entry.stat().st_size
-        os.unlink(entry.path)
+        total -= size
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(oldest)
     return True
 
 
