@@ -47,7 +47,17 @@ from blocks_e2e import (  # the end-to-end tests' raw clients
     write_block,
 )
 from daemon_e2e import RawPeer, entry
-from hostile_kinds import HONEST, KINDS, SHARED_PREFIX, Liar, Shared, Stored, chosen_kinds
+from hostile_kinds import (
+    FRAME_TIMEOUT,
+    HONEST,
+    KINDS,
+    MAX_OPEN_PUTS,
+    SHARED_PREFIX,
+    Liar,
+    Shared,
+    Stored,
+    chosen_kinds,
+)
 from kvd_client.client import Client, LookupResult
 from kvd_protocol import messages as m
 from kvd_protocol.errors import EntryFormatError
@@ -61,7 +71,8 @@ FLAGS = [
     "--max-bytes", "32M",  # eviction runs
     "--writeback-max-bytes", "8M",
     "--put-timeout", str(PUT_TIMEOUT),
-    "--frame-timeout", "2",
+    "--frame-timeout", str(FRAME_TIMEOUT),
+    "--max-open-puts", str(MAX_OPEN_PUTS),
 ]  # fmt: skip
 # Error-level events a hostile run provokes by design: a lying put's file fails its write.
 EXPECTED_ERRORS = ("write_failed",)
@@ -129,6 +140,10 @@ def honest_whole(shared: Shared, rng: random.Random) -> None:
             if state.state == "stored":
                 stored.add_whole(owner, tokens, [t.tobytes() for t in tensors])
                 mine.append((owner, pack_tokens(tokens)))
+                # The newest entry is the last the policy evicts: gone at once, its "stored"
+                # was a lie (written, then evicted for want of room).
+                if restores_exactly(client, owner, pack_tokens(tokens), stored) == "miss":
+                    tally.problem("an honest put was answered stored and is gone at once")
             for asked, prompt in rng.sample(mine, min(2, len(mine))):
                 outcome = restores_exactly(client, asked, prompt, stored)
                 tally.count(tally.honest, f"whole lookup {outcome}")
@@ -146,8 +161,10 @@ def honest_shared(shared: Shared, rng: random.Random) -> None:
             owner = rng.choice(HONEST)
             tail = [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 40))]
             tokens = [*SHARED_PREFIX, *tail]
-            state = _honest_v2_put(peer, owner, tokens)
+            state, reason = _honest_v2_put(peer, owner, tokens)
             tally.count(tally.honest, f"shared put {state}")
+            if state != "stored" and "block" in (reason or ""):  # its own blocks are sound
+                tally.problem(f"an honest put paid for another's block: {state}, {reason}")
             if state == "stored":
                 shared.stored.add_shared(owner, tokens)
                 mine.append((owner, pack_tokens(tokens)))
@@ -158,16 +175,18 @@ def honest_shared(shared: Shared, rng: random.Random) -> None:
                     tally.problem(f"an honest v2 entry restored wrong: {asked.model_id}")
 
 
-def _honest_v2_put(peer: RawPeer, owner: Identity, tokens: list[int]) -> str:
+def _honest_v2_put(peer: RawPeer, owner: Identity, tokens: list[int]) -> tuple[str, str | None]:
+    """A v2 put made as an engine makes it: its ticket's state and reason, or "refused" and
+    the error code when a request of it was refused."""
     begun = begin(peer, owner, tokens)
     if isinstance(begun, m.ErrorReply):
-        return f"refused ({begun.code.value})"
+        return "refused", begun.code.value
     count = len(begun.manifest.hashes) - begun.held
     if count:
         fds = put_blocks(peer, begun.put, begun.held, count)
         if isinstance(fds, m.ErrorReply):
             peer.call(m.PutAbort(id=peer.next_id(), put=begun.put))
-            return f"refused ({fds.code.value})"
+            return "refused", fds.code.value
         for index, fd in enumerate(fds, start=begun.held):
             try:
                 write_block(fd, begun.manifest, begun.tensors, index)
@@ -175,10 +194,10 @@ def _honest_v2_put(peer: RawPeer, owner: Identity, tokens: list[int]) -> str:
                 os.close(fd)
     ticket = commit(peer, begun.put)
     if isinstance(ticket, m.ErrorReply):
-        return f"refused ({ticket.code.value})"
+        return "refused", ticket.code.value
     reply = peer.call(m.WaitTicket(id=peer.next_id(), ticket=ticket, timeout=SETTLE_SECONDS))
     assert isinstance(reply, m.TicketReply), reply
-    return reply.state
+    return reply.state, reply.reason
 
 
 # --- the run --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from blocks_e2e import (
     manifest_plan,
     put_blocks,
     write_block,
+    write_manifest,
 )
 from daemon_e2e import RawPeer, entry, plan_for
 from kvd_client.entry_io import tensor_views, write_entry
@@ -37,6 +38,9 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
 
 REPLY_SECONDS = 10.0  # a hostile client's wait for any one reply
+# The daemon's limits in a run (hostile.py passes them as flags), which some kinds test.
+FRAME_TIMEOUT = 2.0
+MAX_OPEN_PUTS = 4
 
 
 def identity(name: str) -> Identity:
@@ -128,9 +132,11 @@ class Liar:
 
     def begin(self, peer: RawPeer, **lies: float) -> tuple[int, int, EntryPlan] | None:
         """put_begin of a v1 entry of its own; (put, staging fd, plan) or None when refused.
-        lies: size (declared, by default the plan's), prefill_cost, created (its header's)."""
+        lies: size (declared, by default the plan's), prefill_cost, created (its header's);
+        and width, its bytes per token over 16 (an honest knob: large entries)."""
         tokens = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randrange(2, 300))]
-        layers, self.tensors = entry(len(tokens), self.rng.randrange(1 << 30))
+        width = int(lies.pop("width", 8))  # bytes per token: 16 * width
+        layers, self.tensors = entry(len(tokens), self.rng.randrange(1 << 30), width=width)
         created = lies.pop("created", time.time())
         try:
             plan = plan_entry(
@@ -233,9 +239,15 @@ def written_after_commit(liar: Liar) -> None:
 
 
 def truncated_after_commit(liar: Liar) -> None:
-    """The staging file truncated just after commit (the writer may be reading it)."""
+    """The staging file of a large entry truncated just after commit, while the writer may
+    be reading it."""
+
+    def cut(fd: int, plan: EntryPlan) -> None:
+        time.sleep(liar.rng.random() * 0.02)
+        os.ftruncate(fd, plan.file_size // 4)
+
     with liar.peer() as peer:
-        liar.put(peer, after=lambda fd, plan: os.ftruncate(fd, plan.file_size // 2))
+        liar.put(peer, after=cut, width=4096)
 
 
 def grown_staging(liar: Liar) -> None:
@@ -486,16 +498,18 @@ def blocks_written_after_commit(liar: Liar) -> None:
 
 
 def block_size_lie(liar: Liar) -> None:
-    """A v2 put declaring block_size 1 for blocks written whole."""
+    """A v2 put of the honest clients' shared prefix declaring block_size 1 for blocks it
+    writes whole: an honest put told they are held must not pay for it."""
     with liar.peer() as peer:
-        tokens = [liar.rng.randrange(1, 50_000) for _ in range(3 * BLOCK_TOKENS + 1)]
-        manifest = manifest_plan(liar.rng.choice(LIARS), tokens)
+        tokens = [*SHARED_PREFIX, *(liar.rng.randrange(1, 50_000) for _ in range(5))]
+        owner = liar.rng.choice(HONEST)
+        manifest = manifest_plan(owner, tokens)
         _, tensors = kv_tensors(tokens)
         reply = liar.call(
             peer,
             m.PutBegin(
                 id=peer.next_id(),
-                identity=manifest.entry.header.identity,
+                identity=owner,
                 tokens=pack_tokens(tokens),
                 size=manifest.entry.file_size,
                 blocks=b"".join(manifest.hashes),
@@ -505,8 +519,12 @@ def block_size_lie(liar: Liar) -> None:
         )
         if not isinstance(reply, m.PutBeginReply) or reply.fd is None:
             return
-        os.close(reply.fd)
-        fds = put_blocks(peer, reply.put, reply.held, len(manifest.hashes) - reply.held)
+        try:
+            write_manifest(reply.fd, manifest, tensors)
+        finally:
+            os.close(reply.fd)
+        count = len(manifest.hashes) - reply.held
+        fds = put_blocks(peer, reply.put, reply.held, count) if count else []
         if isinstance(fds, m.ErrorReply):
             return
         for index, fd in enumerate(fds, start=reply.held):
@@ -518,42 +536,63 @@ def block_size_lie(liar: Liar) -> None:
 
 
 def pipelined_begins(liar: Liar) -> None:
-    """More put_begins than max_open_puts, sent in one write."""
+    """Ten times max_open_puts put_begins, sent in one write: no more than max_open_puts
+    may be granted."""
     with liar.peer() as peer:
         requests = [
             m.PutBegin(id=peer.next_id(), identity=LIARS[0], tokens=pack_tokens([n, 1]), size=4096)
-            for n in liar.rng.sample(range(1, 50_000), 40)
+            for n in liar.rng.sample(range(1, 50_000), 10 * MAX_OPEN_PUTS)
         ]
         peer.send(*requests)
+        granted = 0
         for _ in requests:
             reply = peer.receive()
             if isinstance(reply, m.ErrorReply):
                 liar.tally.count(liar.tally.errors, reply.code.value)
             elif isinstance(reply, m.PutBeginReply) and reply.fd is not None:
+                granted += 1
                 os.close(reply.fd)
+        if granted > MAX_OPEN_PUTS:
+            liar.tally.problem(
+                f"{granted} puts begun at once on one connection, of {MAX_OPEN_PUTS}"
+            )
 
 
 def trickled_frame(liar: Liar) -> None:
-    """A frame sent a byte at a time, each byte just inside the frame timeout."""
+    """A frame sent a byte at a time, each byte just inside the frame timeout: the daemon
+    must close the connection once the frame has taken longer than the timeout in all."""
     peer = liar.peer()
     try:
-        for byte in peer.conn.send(m.Status(id=peer.next_id()))[:20]:
+        frame = peer.conn.send(m.Lookup(id=peer.next_id(), identity=LIARS[0], tokens=bytes(4096)))
+        started = time.monotonic()
+        for byte in frame[: int(3 * FRAME_TIMEOUT / (FRAME_TIMEOUT * 0.75)) + 1]:
             peer.sock.sendall(bytes([byte]))
-            time.sleep(1.5)
+            time.sleep(FRAME_TIMEOUT * 0.75)
+        peer.sock.settimeout(0.5)
+        try:
+            closed = peer.sock.recv(1 << 16) == b""  # an error frame comes first, then the end
+        except TimeoutError:
+            closed = False
+        if not closed:
+            held = time.monotonic() - started
+            liar.tally.problem(
+                f"a frame trickled for {held:.1f} s, past frame_timeout {FRAME_TIMEOUT} s"
+            )
+    except OSError:
+        pass  # closed by the daemon: as it should
     finally:
         peer.close()
 
 
 def hoarded_leases(liar: Liar) -> None:
-    """Leases of honest entries taken and held for seconds."""
+    """Leases of honest entries taken, as many as a connection may, and held for seconds."""
     with liar.peer() as peer:
-        for _ in range(32):
+        for _ in range(256):
             aim = liar.stored.pick(liar.rng)
             if aim is None:
                 return
-            reply = liar.call(
-                peer, m.Lookup(id=peer.next_id(), identity=aim[0], tokens=aim[1] + pack_tokens([1]))
-            )
+            lookup = m.Lookup(id=peer.next_id(), identity=aim[0], tokens=aim[1] + pack_tokens([1]))
+            reply = liar.call(peer, lookup)
             if isinstance(reply, m.LookupReply) and reply.fd is not None:
                 os.close(reply.fd)
         time.sleep(3)
