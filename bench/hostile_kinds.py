@@ -598,6 +598,30 @@ def hoarded_leases(liar: Liar) -> None:
         time.sleep(3)
 
 
+def poisoned_prefix(liar: Liar) -> None:
+    """An entry put under an honest identity, extending an honest entry's tokens by one,
+    with well-checksummed bytes of its own: it supersedes the honest entry and is what its
+    engine's next lookup restores. Identities are the client's word, not checked."""
+    aim = liar.stored.pick(liar.rng)
+    if aim is None:
+        return
+    owner, tokens = aim
+    prompt = [*np.frombuffer(tokens, "<u4").tolist(), 1]
+    layers, tensors = entry(len(prompt), liar.rng.randrange(1 << 30))
+    plan = plan_for(owner, prompt, layers)
+    with liar.peer() as peer:
+        request = m.PutBegin(
+            id=peer.next_id(), identity=owner, tokens=plan.header.tokens, size=plan.file_size
+        )
+        reply = liar.call(peer, request)
+        if isinstance(reply, m.PutBeginReply) and reply.fd is not None:
+            try:
+                write_entry(reply.fd, plan, tensor_views(plan, tensors))
+            finally:
+                os.close(reply.fd)
+            liar.call(peer, m.PutCommit(id=peer.next_id(), put=reply.put))
+
+
 @dataclass(frozen=True)
 class Kind:
     action: Callable[[Liar], None]
@@ -628,6 +652,10 @@ KINDS: dict[str, Kind] = {
     "pipelined_begins": Kind(pipelined_begins, False),  # past max_open_puts
     "trickled_frame": Kind(trickled_frame, False),  # frame timeout re-armed per read
     "hoarded_leases": Kind(hoarded_leases, False),  # leases pin the cap
+    # Not a bug of the daemon's but of the trust it is given: any client may put under any
+    # identity, so one can supersede and replace another engine's entries (a threat-model
+    # fact, off so the run checks the rest).
+    "poisoned_prefix": Kind(poisoned_prefix, False),
 }
 
 
