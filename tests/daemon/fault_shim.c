@@ -35,6 +35,7 @@ struct control {  /* no padding: 4 + 9 * 4 bytes come before the counts */
     volatile int32_t per_million[OP_COUNT];  /* the chance of a fault per call, in millionths */
     volatile int64_t calls[OP_COUNT];  /* calls that could have failed while enabled */
     volatile int64_t injected[OP_COUNT][2];  /* faults injected: [op][0] EIO, [op][1] ENOSPC */
+    volatile int64_t skip_faults;  /* pass over the first this many faults drawn */
     volatile int64_t max_faults;  /* inject no more than this many in all; 0: no limit */
     volatile int64_t synced_after_failure;  /* fsyncs that succeeded on a file that failed one */
     volatile int64_t placed_after_failure;  /* renames of such a file into <root>/entries/ */
@@ -43,7 +44,7 @@ struct control {  /* no padding: 4 + 9 * 4 bytes come before the counts */
 #define MAX_POISONED 4096
 static struct { dev_t dev; ino_t ino; } poisoned[MAX_POISONED];  /* files whose fsync failed */
 static int poisoned_count;
-static int64_t faults_total;  /* faults injected so far, against max_faults */
+static int64_t faults_drawn;  /* faults drawn so far (injected or passed over) */
 
 #define MAX_FDS 65536
 static unsigned char tracked[MAX_FDS];  /* descriptors opened on files under the root */
@@ -117,9 +118,9 @@ static int fault(enum op op) {
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
     __atomic_store_n(&state, x, __ATOMIC_RELAXED);
     if ((int64_t)(x % 1000000) >= control->per_million[op]) return 0;
-    if (control->max_faults > 0 &&
-        __atomic_fetch_add(&faults_total, 1, __ATOMIC_RELAXED) >= control->max_faults)
-        return 0;
+    int64_t drawn = __atomic_fetch_add(&faults_drawn, 1, __ATOMIC_RELAXED);
+    if (drawn < control->skip_faults) return 0;
+    if (control->max_faults > 0 && drawn - control->skip_faults >= control->max_faults) return 0;
     int which = (int)((x >> 32) & 1);
     __atomic_add_fetch(&control->injected[op][which], 1, __ATOMIC_RELAXED);
     errno = which ? ENOSPC : EIO;

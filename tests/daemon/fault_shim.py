@@ -15,12 +15,12 @@ import pytest
 
 OPS = ("open", "read", "write", "pread", "pwrite", "fsync", "rename", "mkdir", "fallocate")
 ERRNOS = ("EIO", "ENOSPC")
-# struct control: enabled, per_million[OPS], calls[OPS], injected[OPS][ERRNOS], max_faults,
-# synced_after_failure, placed_after_failure
-CONTROL = struct.Struct(f"=i{len(OPS)}i{len(OPS)}q{len(OPS) * len(ERRNOS)}q3q")
+# struct control: enabled, per_million[OPS], calls[OPS], injected[OPS][ERRNOS], skip_faults,
+# max_faults, synced_after_failure, placed_after_failure
+CONTROL = struct.Struct(f"=i{len(OPS)}i{len(OPS)}q{len(OPS) * len(ERRNOS)}q4q")
 COUNTS_AT = 1 + len(OPS)  # the first count among the unpacked values
 INJECTED_AT = COUNTS_AT + len(OPS)
-MAX_FAULTS_AT = INJECTED_AT + len(OPS) * len(ERRNOS)
+SKIP_FAULTS_AT = INJECTED_AT + len(OPS) * len(ERRNOS)
 SOURCE = Path(__file__).with_name("fault_shim.c")
 
 
@@ -79,14 +79,15 @@ class Faults:
         probability: float,
         rarer_calls: dict[str, float] | None = None,
         *,
+        skip_faults: int = 0,
         max_faults: int = 0,
     ) -> None:
         """Fail each call with probability; those in rarer_calls (by name) with theirs (a
-        call made a few times in a run needs a higher one to fail at all); no more than
-        max_faults faults in all (0: no limit)."""
+        call made a few times in a run needs a higher one to fail at all); the first
+        skip_faults faults drawn passed over, then no more than max_faults (0: no limit)."""
         chances = {op: probability for op in OPS} | (rarer_calls or {})
         per_million = [round(chances[op] * 1_000_000) for op in OPS]
-        struct.pack_into("=q", self._mapped, CONTROL.size - 3 * 8, max_faults)
+        struct.pack_into("=2q", self._mapped, CONTROL.size - 4 * 8, skip_faults, max_faults)
         struct.pack_into(f"=i{len(OPS)}i", self._mapped, 0, 1, *per_million)
 
     def disable(self) -> None:
@@ -99,14 +100,14 @@ class Faults:
 
     def injected(self) -> dict[tuple[str, str], int]:
         """Faults injected, by function and errno."""
-        values = CONTROL.unpack_from(self._mapped)[INJECTED_AT:MAX_FAULTS_AT]
+        values = CONTROL.unpack_from(self._mapped)[INJECTED_AT:SKIP_FAULTS_AT]
         keys = [(op, errno) for op in OPS for errno in ERRNOS]
         return dict(zip(keys, values, strict=True))
 
     def durable_after_failure(self) -> dict[str, int]:
         """How often a file whose fsync failed was then taken for durable: synced again with
         success ("synced"), or renamed into the tier's entries folder ("placed")."""
-        synced, placed = CONTROL.unpack_from(self._mapped)[MAX_FAULTS_AT + 1 :]
+        synced, placed = CONTROL.unpack_from(self._mapped)[SKIP_FAULTS_AT + 2 :]
         return {"synced": synced, "placed": placed}
 
     def close(self) -> None:

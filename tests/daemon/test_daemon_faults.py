@@ -33,7 +33,7 @@ from blocks_e2e import (
     write_block,
     write_blocks,
 )
-from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, report
+from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored, report
 from daemon_process import Daemon, socket_folder
 from fault_shim import SOURCE, Faults, built_or_skip
 from kvd_client.client import Client, LookupResult
@@ -329,6 +329,44 @@ def test_a_block_whose_fsync_failed_is_never_synced_again_nor_served(
                 assert again.held < len(again.manifest.hashes) or tokens is puts[1]
                 assert same(look_up(peer, IDENTITY, [*tokens, 1]), again)
             assert_counts_equal_the_directory(peer, daemon.tier)
+        assert faults.durable_after_failure() == {"synced": 0, "placed": 0}
+        faults.close()
+        assert daemon.stop() == 0
+    daemon.check()
+
+
+def test_an_entry_whose_folder_sync_failed_is_not_left_in_its_place(
+    tmp_path: Path, shim: Path
+) -> None:
+    """The entry's own fsync passes and it is renamed into place; the sync of its folder then
+    fails. Its ticket says failed, so the file is taken back out of its place (left there, the
+    next listing would adopt and serve an entry its put was told had failed), and the same
+    tokens put again are written afresh and restore exactly."""
+    faults = Faults(tmp_path, shim, tmp_path / "tier")
+    flags = ["--snapshot-interval", "3600"]
+    tokens = list(range(300, 340))
+    with socket_folder() as sockets:
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(tmp_path / "tier", socket_path, tmp_path / "log", flags, ["write_failed"])
+        daemon.start(env=faults.environment())
+        with Client.connect(daemon.socket_path, require=True) as client:
+            put_stored(client, IDENTITY, list(range(1, 41)), seed=1)  # its folder made
+            files = sorted((daemon.tier / "entries").glob("*/*.kve"))
+            assert len(files) == 1
+            faults.enable(0.0, {"fsync": 1.0}, skip_faults=1, max_faults=1)  # the 2nd: its folder's
+            layers, tensors = entry(len(tokens), seed=2)
+            state = client.put_entry(IDENTITY, tokens, layers, tensors).wait(SETTLE_SECONDS)
+            faults.disable()
+            assert sum(faults.injected().values()) == 1
+            assert state.state == "failed", state
+            assert sorted((daemon.tier / "entries").glob("*/*.kve")) == files
+            assert report(client)["entries"] == 1
+            assert client.lookup(IDENTITY, [*tokens, 1]) is None
+            again = put_stored(client, IDENTITY, tokens, seed=3)
+            hit = client.lookup(IDENTITY, [*tokens, 1])
+            assert hit is not None
+            with hit:
+                assert read_back(hit) == [t.tobytes() for t in again]
         assert faults.durable_after_failure() == {"synced": 0, "placed": 0}
         faults.close()
         assert daemon.stop() == 0
