@@ -6,6 +6,7 @@ applies the results on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -232,9 +233,22 @@ def verify_entry(path: Path, limits: Limits) -> EntryHeader:
 
 
 def persist(staging: Path, final: Path) -> None:
-    """Make a validated staging file a durable entry: full sync, rename, sync the folders."""
+    """Make a validated staging file a durable entry: full sync, rename, sync the folders.
+
+    On any failure the file is left at staging, for the caller to fail and delete: never
+    synced again (after EIO the kernel may have marked its lost pages clean, and a second
+    fsync would succeed with the data gone), nor left in its place, where a listing would
+    find it and serve an entry its put was told had failed."""
     _make_folder(final.parent)
-    replace_durably(staging, final)
+    try:
+        replace_durably(staging, final)
+    except OSError:
+        if not staging.exists():  # renamed, then a folder's sync failed: take it back
+            try:
+                os.replace(final, staging)
+            except OSError:
+                final.unlink(missing_ok=True)
+        raise
 
 
 def place_block(staging: Path, final: Path) -> None:
@@ -256,7 +270,14 @@ def _make_folder(folder: Path) -> None:
         return
     _make_folder(folder.parent)
     folder.mkdir(mode=0o700, exist_ok=True)
-    sync_directory(folder.parent)
+    try:
+        sync_directory(folder.parent)
+    except OSError:
+        # Not made, then: the next file for it makes it again and syncs that (a folder
+        # that exists is taken as durable).
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+        raise
 
 
 def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:
@@ -268,16 +289,22 @@ def quarantine(path: Path, folder: Path, max_bytes: int) -> bool:
         os.replace(path, target)
     except FileNotFoundError:
         return False  # gone meanwhile: nothing left to keep
-    files = sorted(
-        (entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)),
-        key=lambda entry: entry.stat().st_mtime_ns,
-    )
-    total = sum(entry.stat().st_size for entry in files)
-    for entry in files:
+    # Quarantines run in worker threads side by side: a file listed here may be gone by
+    # the time it is looked at, trimmed by another one.
+    files = []
+    for entry in os.scandir(folder):
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_file(follow_symlinks=False):
+                info = entry.stat(follow_symlinks=False)
+                files.append((info.st_mtime_ns, info.st_size, entry.path))
+    files.sort()
+    total = sum(size for _, size, _ in files)
+    for _, size, oldest in files:
         if total <= max_bytes:
             break
-        total -= entry.stat().st_size
-        os.unlink(entry.path)
+        total -= size
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(oldest)
     return True
 
 

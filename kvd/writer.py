@@ -190,26 +190,62 @@ class Writer:
         persist() raises it."""
         record, dirs = queued.record, self._catalog.dirs
         pending = [b for b in self._catalog.blocks_of(record) if not b.durable]
-        for block in pending:
-            final = dirs.block_path(record.identity, block.hash)
-            await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
-            if not self._catalog.blocks.placed(block, final):
-                entry_files.unlink_quietly(final)  # collected while it was being placed
-            else:
-                queued.blocks_written += block.size
-        if pending:
-            folders = (dirs.blocks_folder(record.identity), dirs.staging)
-            for folder in folders:
+        placed: list[Block] = []
+        try:
+            for block in pending:
+                final = dirs.block_path(record.identity, block.hash)
+                try:
+                    await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
+                except OSError as exc:
+                    self._unsynced([block], str(exc), but=record)
+                    raise
+                if not self._catalog.blocks.placed(block, final):
+                    entry_files.unlink_quietly(final)  # collected while it was being placed
+                else:
+                    placed.append(block)
+                    queued.blocks_written += block.size
+        finally:
+            # Whatever ended the loop: the blocks placed are durable only once their names are.
+            await self._sync_folders(record, placed)
+
+    async def _sync_folders(self, record: EntryRecord, placed: list[Block]) -> None:
+        """Sync the folders of the blocks placed (their new and old names); if that fails,
+        they fail too (_unsynced). OSError as sync_directory raises it."""
+        if not placed:
+            return
+        try:
+            for folder in (
+                self._catalog.dirs.blocks_folder(record.identity),
+                self._catalog.dirs.staging,
+            ):
                 await anyio.to_thread.run_sync(sync_directory, folder)
+        except OSError as exc:
+            self._unsynced(placed, f"its folder's sync failed: {exc}", but=record)
+            raise
+
+    def _unsynced(self, blocks: list[Block], reason: str, but: EntryRecord) -> None:
+        """Blocks whose sync (or their folder's) failed are never synced again: after EIO the
+        kernel may have dropped their dirty pages and marked them clean, so a second fsync
+        would succeed with the data lost. Each leaves the store and goes to the deleter, with
+        every pending manifest listing it (but: the one whose write failed, failed by the
+        caller); a later put of the same tokens writes them afresh."""
+        for block in blocks:
+            self._drop_block(block, reason, but)
+            self._catalog.deleter.delete(block.path)
 
     def bad_block(self, block: Block, reason: str) -> None:
         """A block is damaged or gone: its file (if any) quarantined, the block out of the
         store, and every manifest that lists it out of the tier: a stored one quarantined, a
         queued one withdrawn. On the event loop (a lookup's open may find it): a rename or two
         in small folders."""
+        self._quarantine.now(block.path, reason)
+        self._drop_block(block, reason, None)
+
+    def _drop_block(self, block: Block, reason: str, but: EntryRecord | None) -> None:
+        """The block out of the store, its file left where it is, and every manifest that
+        lists it out of the tier (but: the caller's, failed by the caller)."""
         catalog = self._catalog
         listing = catalog.listing(block)
-        self._quarantine.now(block.path, reason)
         catalog.blocks.forget(block)
         why = f"{Rule.BLOCK_MISSING.value}: block {block.hash.hex()}: {reason}"
         for record in listing:

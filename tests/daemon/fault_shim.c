@@ -8,6 +8,11 @@
  * Environment: FAULT_SHIM_ROOT, the folder whose files may fail (paths under it; descriptors
  * opened on them); FAULT_SHIM_CONTROL, a file of struct control (below) that the test maps
  * too: it turns faults on and off and reads the counts while the process runs.
+ *
+ * A file whose fsync failed is remembered (by device and inode): after EIO, Linux may drop its
+ * dirty pages and mark them clean, so a later fsync succeeds with the data lost. The shim
+ * counts the successful fsyncs of such a file and its renames into the tier's entries folder:
+ * either is the daemon taking a file it could not sync for durable.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -31,7 +36,16 @@ struct control {  /* no padding: 4 + 9 * 4 bytes come before the counts */
     volatile int32_t per_million[OP_COUNT];  /* the chance of a fault per call, in millionths */
     volatile int64_t calls[OP_COUNT];  /* calls that could have failed while enabled */
     volatile int64_t injected[OP_COUNT][2];  /* faults injected: [op][0] EIO, [op][1] ENOSPC */
+    volatile int64_t skip_faults;  /* pass over the first this many faults drawn */
+    volatile int64_t max_faults;  /* inject no more than this many in all; 0: no limit */
+    volatile int64_t synced_after_failure;  /* fsyncs that succeeded on a file that failed one */
+    volatile int64_t placed_after_failure;  /* renames of such a file into <root>/entries/ */
 };
+
+#define MAX_POISONED 4096
+static struct { dev_t dev; ino_t ino; } poisoned[MAX_POISONED];  /* files whose fsync failed */
+static int poisoned_count;
+static int64_t faults_drawn;  /* faults drawn so far (injected or passed over) */
 
 #define MAX_FDS 65536
 static unsigned char tracked[MAX_FDS];  /* descriptors opened on files under the root */
@@ -56,6 +70,7 @@ static int (*real_fsync)(int);
 static int (*real_fdatasync)(int);
 static int (*real_rename)(const char *, const char *);
 static int (*real_mkdir)(const char *, mode_t);
+static int (*real_unlink)(const char *);
 static int (*real_posix_fallocate)(int, off_t, off_t);
 static int (*real_posix_fallocate64)(int, off_t, off_t);
 
@@ -76,6 +91,7 @@ __attribute__((constructor)) static void start(void) {
     real_fdatasync = dlsym(RTLD_NEXT, "fdatasync");
     real_rename = dlsym(RTLD_NEXT, "rename");
     real_mkdir = dlsym(RTLD_NEXT, "mkdir");
+    real_unlink = dlsym(RTLD_NEXT, "unlink");
     real_posix_fallocate = dlsym(RTLD_NEXT, "posix_fallocate");
     real_posix_fallocate64 = dlsym(RTLD_NEXT, "posix_fallocate64");
     const char *folder = getenv("FAULT_SHIM_ROOT");
@@ -107,6 +123,9 @@ static int fault(enum op op) {
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
     __atomic_store_n(&state, x, __ATOMIC_RELAXED);
     if ((int64_t)(x % 1000000) >= control->per_million[op]) return 0;
+    int64_t drawn = __atomic_fetch_add(&faults_drawn, 1, __ATOMIC_RELAXED);
+    if (drawn < control->skip_faults) return 0;
+    if (control->max_faults > 0 && drawn - control->skip_faults >= control->max_faults) return 0;
     int which = (int)((x >> 32) & 1);
     __atomic_add_fetch(&control->injected[op][which], 1, __ATOMIC_RELAXED);
     errno = which ? ENOSPC : EIO;
@@ -186,18 +205,63 @@ ssize_t pwrite64(int fd, const void *buffer, size_t count, off_t offset) {
     return real_pwrite64(fd, buffer, count, offset);
 }
 
-int fsync(int fd) {
-    if (is_tracked(fd) && fault(OP_FSYNC)) return -1;
-    return real_fsync(fd);
+/* The index of a regular file's inode among the poisoned, or -1. */
+static int poisoned_index(const struct stat *info) {
+    int count = __atomic_load_n(&poisoned_count, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < count && i < MAX_POISONED; i++)
+        if (poisoned[i].dev == info->st_dev && poisoned[i].ino == info->st_ino) return i;
+    return -1;
 }
 
-int fdatasync(int fd) {
-    if (is_tracked(fd) && fault(OP_FSYNC)) return -1;
-    return real_fdatasync(fd);
+static void poison(int fd) {
+    struct stat info;
+    if (fstat(fd, &info) != 0 || !S_ISREG(info.st_mode) || poisoned_index(&info) >= 0) return;
+    int slot = __atomic_fetch_add(&poisoned_count, 1, __ATOMIC_ACQ_REL);
+    if (slot >= MAX_POISONED) return;
+    poisoned[slot].dev = info.st_dev;
+    poisoned[slot].ino = info.st_ino;
+}
+
+/* A file sync: failed on purpose (and the file remembered), or real, and counted if the file
+ * failed one before. */
+static int synced(int fd, int (*real)(int)) {
+    if (!is_tracked(fd)) return real(fd);
+    if (fault(OP_FSYNC)) {
+        int saved = errno;
+        poison(fd);
+        errno = saved;
+        return -1;
+    }
+    int result = real(fd);
+    struct stat info;
+    if (result == 0 && control && fstat(fd, &info) == 0 && poisoned_index(&info) >= 0)
+        __atomic_add_fetch(&control->synced_after_failure, 1, __ATOMIC_RELAXED);
+    return result;
+}
+
+int fsync(int fd) { return synced(fd, real_fsync); }
+
+/* A poisoned file unlinked is forgotten: its inode number may be given to a new file. */
+int unlink(const char *path) {
+    struct stat info;
+    if (control && lstat(path, &info) == 0) {
+        int index = poisoned_index(&info);
+        if (index >= 0) poisoned[index].ino = 0;
+    }
+    return real_unlink(path);
+}
+
+int fdatasync(int fd) { return synced(fd, real_fdatasync); }
+
+static int into_entries(const char *path) {
+    return under_root(path) && strncmp(path + root_length, "/entries/", 9) == 0;
 }
 
 int rename(const char *from, const char *to) {
     if ((under_root(from) || under_root(to)) && fault(OP_RENAME)) return -1;
+    struct stat info;
+    if (into_entries(to) && stat(from, &info) == 0 && poisoned_index(&info) >= 0)
+        __atomic_add_fetch(&control->placed_after_failure, 1, __ATOMIC_RELAXED);
     return real_rename(from, to);
 }
 

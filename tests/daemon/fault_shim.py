@@ -15,9 +15,12 @@ import pytest
 
 OPS = ("open", "read", "write", "pread", "pwrite", "fsync", "rename", "mkdir", "fallocate")
 ERRNOS = ("EIO", "ENOSPC")
-# struct control: enabled, per_million[OPS], calls[OPS], injected[OPS][ERRNOS]
-CONTROL = struct.Struct(f"=i{len(OPS)}i{len(OPS)}q{len(OPS) * len(ERRNOS)}q")
+# struct control: enabled, per_million[OPS], calls[OPS], injected[OPS][ERRNOS], skip_faults,
+# max_faults, synced_after_failure, placed_after_failure
+CONTROL = struct.Struct(f"=i{len(OPS)}i{len(OPS)}q{len(OPS) * len(ERRNOS)}q4q")
 COUNTS_AT = 1 + len(OPS)  # the first count among the unpacked values
+INJECTED_AT = COUNTS_AT + len(OPS)
+SKIP_FAULTS_AT = INJECTED_AT + len(OPS) * len(ERRNOS)
 SOURCE = Path(__file__).with_name("fault_shim.c")
 
 
@@ -71,11 +74,20 @@ class Faults:
             "FAULT_SHIM_CONTROL": str(self.path),
         }
 
-    def enable(self, probability: float, rarer_calls: dict[str, float] | None = None) -> None:
+    def enable(
+        self,
+        probability: float,
+        rarer_calls: dict[str, float] | None = None,
+        *,
+        skip_faults: int = 0,
+        max_faults: int = 0,
+    ) -> None:
         """Fail each call with probability; those in rarer_calls (by name) with theirs (a
-        call made a few times in a run needs a higher one to fail at all)."""
+        call made a few times in a run needs a higher one to fail at all); the first
+        skip_faults faults drawn passed over, then no more than max_faults (0: no limit)."""
         chances = {op: probability for op in OPS} | (rarer_calls or {})
         per_million = [round(chances[op] * 1_000_000) for op in OPS]
+        struct.pack_into("=2q", self._mapped, CONTROL.size - 4 * 8, skip_faults, max_faults)
         struct.pack_into(f"=i{len(OPS)}i", self._mapped, 0, 1, *per_million)
 
     def disable(self) -> None:
@@ -88,9 +100,15 @@ class Faults:
 
     def injected(self) -> dict[tuple[str, str], int]:
         """Faults injected, by function and errno."""
-        values = CONTROL.unpack_from(self._mapped)[COUNTS_AT + len(OPS) :]
+        values = CONTROL.unpack_from(self._mapped)[INJECTED_AT:SKIP_FAULTS_AT]
         keys = [(op, errno) for op in OPS for errno in ERRNOS]
         return dict(zip(keys, values, strict=True))
+
+    def durable_after_failure(self) -> dict[str, int]:
+        """How often a file whose fsync failed was then taken for durable: synced again with
+        success ("synced"), or renamed into the tier's entries folder ("placed")."""
+        synced, placed = CONTROL.unpack_from(self._mapped)[SKIP_FAULTS_AT + 2 :]
+        return {"synced": synced, "placed": placed}
 
     def close(self) -> None:
         self._mapped.close()

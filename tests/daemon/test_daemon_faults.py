@@ -15,23 +15,33 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 from blocks_e2e import (
+    BLOCK_TOKENS,
+    Begun,
     assert_counts_equal_the_directory,
     begin,
     commit,
+    kv_tensors,
     look_up,
     put_blocks,
+    put_v2,
+    same,
+    status,
     wait,
     write_block,
+    write_blocks,
 )
-from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, report
+from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored, report
 from daemon_process import Daemon, socket_folder
 from fault_shim import SOURCE, Faults, built_or_skip
-from kvd_client.client import Client
+from kvd_client.client import Client, LookupResult
 from kvd_protocol import messages as m
+from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
+from kvd_protocol.tokens import pack_tokens, unpack_tokens
 
 from kvd import entry_files
 
@@ -56,9 +66,15 @@ def shim(tmp_path: Path) -> Path:
 
 @dataclass
 class Outcomes:
+    """What the puts and lookups came to. Every hit is exact (its bytes are its put's), a
+    damage the checks caught (reported), or the test fails at once: a wrong byte is never
+    counted, it is an assertion."""
+
     tickets: Counter[str] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)
-    verified_hits: int = 0
+    exact_hits: int = 0
+    damaged_hits: int = 0
+    misses: int = 0
     failed_lookups: int = 0
 
 
@@ -72,11 +88,24 @@ def identity(number: int) -> Identity:
     )
 
 
+def read_back(hit: LookupResult) -> list[bytes]:
+    """Every tensor's bytes, read by pread and checked against its checksum as a restore reads
+    them; EntryFormatError for a damage."""
+    data = []
+    for slot, fill in zip(hit.header.slots, hit.fills(), strict=True):
+        buffer = bytearray(slot.nbytes)
+        fill([memoryview(buffer)])
+        data.append(bytes(buffer))
+    return data
+
+
 def put_and_look_up(client: Client, rounds: int) -> Outcomes:
-    """Puts of fresh entries, each followed by lookups of stored ones, every hit verified."""
+    """Puts of fresh entries, each followed by lookups of stored ones, every hit read back
+    and compared byte for byte with what its put wrote."""
     outcomes = Outcomes()
     rng = random.Random(9)
     stored: list[tuple[Identity, list[int]]] = []
+    written: dict[tuple[str, bytes], list[bytes]] = {}  # (model, tokens) -> tensors' bytes
     for round_ in range(rounds):
         owner = identity(round_ % IDENTITIES)
         tokens = rng.sample(range(1, 5000), 40)
@@ -88,12 +117,21 @@ def put_and_look_up(client: Client, rounds: int) -> Outcomes:
             outcomes.reasons[state.reason] += 1
         elif state.state == "stored":
             stored.append((owner, tokens))
+            written[owner.model_id, pack_tokens(tokens)] = [t.tobytes() for t in tensors]
         for asked, prompt in rng.sample(stored, min(3, len(stored))):
             hit = client.lookup(asked, [*prompt, 1])
-            if hit is not None:
-                with hit:
-                    hit.verify()  # every tensor's bytes against its checksum
-                outcomes.verified_hits += 1
+            if hit is None:
+                outcomes.misses += 1
+                continue
+            with hit:
+                try:
+                    data = read_back(hit)
+                except EntryFormatError:
+                    outcomes.damaged_hits += 1
+                    continue
+            served = hit.header.identity.model_id, hit.header.tokens
+            assert written.get(served) == data, f"a hit served bytes its put never wrote: {served}"
+            outcomes.exact_hits += 1
         assert client.ping() >= 0
     outcomes.failed_lookups = client.stats.failed_lookups
     return outcomes
@@ -140,8 +178,8 @@ def test_random_disk_faults_never_stop_the_daemon_nor_serve_a_bad_entry(
         if count:
             print(f"  {op:<10} {errno:<7} {count}")
     print(
-        f"tickets {dict(outcomes.tickets)}, lookups verified {outcomes.verified_hits}, "
-        f"lookups failed {outcomes.failed_lookups}"
+        f"tickets {dict(outcomes.tickets)}, hits exact {outcomes.exact_hits}, damaged "
+        f"{outcomes.damaged_hits}, misses {outcomes.misses}, failed {outcomes.failed_lookups}"
     )
     assert total >= 50, f"too few faults to prove anything: {injected}"
     failed_calls = {op for (op, _), count in injected.items() if count}
@@ -149,6 +187,7 @@ def test_random_disk_faults_never_stop_the_daemon_nor_serve_a_bad_entry(
     assert failed_calls >= {"open", "pread", "write", "fsync", "rename", "mkdir", "fallocate"}
     assert outcomes.tickets["stored"] > 0
     assert outcomes.tickets["failed"] > 0
+    assert outcomes.exact_hits > 0
     reasons = outcomes.reasons
     assert all(any(word in reason for word in ERRNO_WORDS) for reason in reasons), reasons
 
@@ -160,7 +199,8 @@ V2_IDENTITIES = 6  # each with its own shared prefix: blocks held, written, coll
 def put_and_look_up_v2(socket_path: str, rounds: int) -> Outcomes:
     """Puts of v2 entries, each sharing its identity's two-block prefix and adding a block of
     its own, each followed by lookups whose every block is checked against its manifest and
-    every slot against its checksum as it is read."""
+    every slot against its checksum as it is read, and what it served compared byte for byte
+    with what the put of those tokens wrote (kv_tensors: a function of the tokens)."""
     outcomes = Outcomes()
     rng = random.Random(11)
     stored: list[tuple[Identity, list[int]]] = []
@@ -175,10 +215,16 @@ def put_and_look_up_v2(socket_path: str, rounds: int) -> Outcomes:
                 stored.append((owner, tokens))
             for asked, prompt in rng.sample(stored, min(3, len(stored))):
                 found = look_up(peer, asked, [*prompt, 1])
-                if found is None or found.tensors is None:
-                    outcomes.failed_lookups += 1  # a miss, or a block refused: never bad bytes
+                if found is None:
+                    outcomes.misses += 1
+                elif found.tensors is None:
+                    outcomes.damaged_hits += 1  # a block refused or caught: reported, not used
                 else:
-                    outcomes.verified_hits += 1
+                    served = unpack_tokens(found.header.tokens)
+                    _, expected = kv_tensors(served)
+                    exact = all(map(np.array_equal, found.tensors, expected))
+                    assert exact, f"a hit served bytes its put never wrote: {served[:4]}..."
+                    outcomes.exact_hits += 1
     return outcomes
 
 
@@ -228,8 +274,101 @@ def test_random_disk_faults_with_shared_blocks_never_serve_a_bad_block(
             entry_files.verify_data(path, entry_files.read_block_header(path, DEFAULT_LIMITS))
         daemon.stop()
     daemon.check()
-    print(f"\nfaults injected: {sum(injected.values())}; {dict(outcomes.tickets)}")
+    print(
+        f"\nfaults injected: {sum(injected.values())}; {dict(outcomes.tickets)}; hits exact "
+        f"{outcomes.exact_hits}, damaged {outcomes.damaged_hits}, misses {outcomes.misses}"
+    )
     assert sum(injected.values()) >= 30, injected
     assert outcomes.tickets["stored"] > 0
     assert outcomes.tickets["failed"] + outcomes.tickets["refused"] > 0
-    assert outcomes.verified_hits > 0
+    assert outcomes.exact_hits > 0
+
+
+def test_a_block_whose_fsync_failed_is_never_synced_again_nor_served(
+    tmp_path: Path, shim: Path
+) -> None:
+    """Two puts share a prefix block, both committed before the writer reaches it; the fsync
+    of that block fails once (after EIO the kernel may have dropped its pages and marked them
+    clean, so a second fsync would succeed with the data lost). The put whose write met it
+    fails, the other manifest listing the block does not become durable on a second fsync
+    of the same file, nothing of those bytes is listed or served, and both puts made again
+    are written afresh and restore exactly."""
+    faults = Faults(tmp_path, shim, tmp_path / "tier")
+    flags = ["--snapshot-interval", "3600", "--reconcile-interval", "3600"]  # no other fsync
+    prefix = list(range(100, 100 + 2 * BLOCK_TOKENS))
+    puts = [[*prefix, *range(start, start + 21)] for start in (500, 600)]
+    with socket_folder() as sockets:
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(tmp_path / "tier", socket_path, tmp_path / "log", flags, ["write_failed"])
+        daemon.start(env=faults.environment())
+        with RawPeer(socket_path) as peer:
+            put_v2(peer, IDENTITY, list(range(2000, 2040)))  # folders made: the fsync is a block's
+            begun = [begin(peer, IDENTITY, tokens) for tokens in puts]
+            ready = [one for one in begun if isinstance(one, Begun)]
+            assert len(ready) == 2, begun
+            for one in ready:
+                assert write_blocks(peer, one) == 3  # neither told the other's blocks are held
+            faults.enable(0.0, {"fsync": 1.0}, max_faults=1)
+            commits = [m.PutCommit(id=peer.next_id(), put=one.put) for one in ready]
+            peer.send(*commits)  # read together: the second commits before the first is written
+            replies = {reply.id: reply for reply in (peer.receive() for _ in commits)}
+            tickets = [replies[c.id] for c in commits]
+            states = [wait(peer, t.ticket) for t in tickets if isinstance(t, m.PutCommitReply)]
+            assert len(states) == 2, tickets
+            faults.disable()
+            assert sum(faults.injected().values()) == 1
+            assert faults.durable_after_failure() == {"synced": 0, "placed": 0}
+            assert states[0].state == "failed", states[0]
+            assert any(word in (states[0].reason or "") for word in ERRNO_WORDS), states[0]
+            assert states[1].state != "stored", states[1]
+            for tokens in puts:
+                assert look_up(peer, IDENTITY, [*tokens, 1]) is None
+            assert status(peer)["entries"] == 1
+            assert_counts_equal_the_directory(peer, daemon.tier)
+            for tokens in puts:
+                again = put_v2(peer, IDENTITY, tokens)
+                assert again.held < len(again.manifest.hashes) or tokens is puts[1]
+                assert same(look_up(peer, IDENTITY, [*tokens, 1]), again)
+            assert_counts_equal_the_directory(peer, daemon.tier)
+        assert faults.durable_after_failure() == {"synced": 0, "placed": 0}
+        faults.close()
+        assert daemon.stop() == 0
+    daemon.check()
+
+
+def test_an_entry_whose_folder_sync_failed_is_not_left_in_its_place(
+    tmp_path: Path, shim: Path
+) -> None:
+    """The entry's own fsync passes and it is renamed into place; the sync of its folder then
+    fails. Its ticket says failed, so the file is taken back out of its place (left there, the
+    next listing would adopt and serve an entry its put was told had failed), and the same
+    tokens put again are written afresh and restore exactly."""
+    faults = Faults(tmp_path, shim, tmp_path / "tier")
+    flags = ["--snapshot-interval", "3600"]
+    tokens = list(range(300, 340))
+    with socket_folder() as sockets:
+        socket_path = os.path.join(sockets, "kvd.sock")
+        daemon = Daemon(tmp_path / "tier", socket_path, tmp_path / "log", flags, ["write_failed"])
+        daemon.start(env=faults.environment())
+        with Client.connect(daemon.socket_path, require=True) as client:
+            put_stored(client, IDENTITY, list(range(1, 41)), seed=1)  # its folder made
+            files = sorted((daemon.tier / "entries").glob("*/*.kve"))
+            assert len(files) == 1
+            faults.enable(0.0, {"fsync": 1.0}, skip_faults=1, max_faults=1)  # the 2nd: its folder's
+            layers, tensors = entry(len(tokens), seed=2)
+            state = client.put_entry(IDENTITY, tokens, layers, tensors).wait(SETTLE_SECONDS)
+            faults.disable()
+            assert sum(faults.injected().values()) == 1
+            assert state.state == "failed", state
+            assert sorted((daemon.tier / "entries").glob("*/*.kve")) == files
+            assert report(client)["entries"] == 1
+            assert client.lookup(IDENTITY, [*tokens, 1]) is None
+            again = put_stored(client, IDENTITY, tokens, seed=3)
+            hit = client.lookup(IDENTITY, [*tokens, 1])
+            assert hit is not None
+            with hit:
+                assert read_back(hit) == [t.tobytes() for t in again]
+        assert faults.durable_after_failure() == {"synced": 0, "placed": 0}
+        faults.close()
+        assert daemon.stop() == 0
+    daemon.check()
