@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import anyio
 from kvd_protocol.errors import ErrorCode, ProtocolError
 
-KEPT = 65536  # settled answers kept for late ticket waits (~200 B each: ~13 MB at most)
+KEPT = 16384  # settled answers kept for late ticket waits (~200 B each: ~3.3 MB at most)
 KEPT_SECONDS = 600.0  # and for ten minutes at most: an engine waits for its tickets at once
 
 

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvd import tickets
 from kvd.admission import SecondHit
-from kvd.status import STATUS_IDENTITIES
+from kvd.metrics import exposition
+from kvd.status import STATUS_IDENTITIES, finite
 from kvd.telemetry import IDLE_IDENTITIES, MISS_REASONS, OTHER_REASON, Telemetry
 from kvd.tickets import Tickets
 
@@ -286,3 +287,29 @@ def test_second_hit_sightings_age_out_with_the_window() -> None:
     assert (
         policy.admit(digest, pack_tokens([5]), now=21.0) is not None
     )  # forgotten: a first sighting
+
+
+def test_status_reports_a_number_that_is_not_finite_as_null() -> None:
+    overflowed = {"a": math.inf, "b": [1.5, -math.inf, {"c": math.nan}], "d": 2, "e": "inf"}
+    cleaned = finite(overflowed)
+    assert cleaned == {"a": None, "b": [1.5, None, {"c": None}], "d": 2, "e": "inf"}
+    assert _strict(cleaned) == cleaned
+
+
+def test_metrics_leave_out_numbers_that_are_not_finite() -> None:
+    """As an older daemon's status may hold them (kvctl metrics reads any daemon's)."""
+    identity = {
+        "identity": "ab" * 32,
+        "entries": 1,
+        "restore_gb_per_s": math.inf,
+        "misses_by_reason": {"damaged": math.nan, "no entry": 2},
+        "restore_ms": {"p50": math.inf, "p95": 3.0},
+    }
+    status = {"entries": math.inf, "bytes": math.nan, "hits": 3, "identities": [identity]}
+    text = exposition(lambda: status).decode()
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    assert all(math.isfinite(s.value) for s in samples), text
+    names = {s.name for s in samples}
+    assert {"kvd_hits_total", "kvd_identity_entries", "kvd_identity_misses_total"} <= names
+    assert "kvd_entries" not in names
+    assert "kvd_identity_restore_bytes_per_second" not in names
