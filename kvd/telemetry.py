@@ -203,7 +203,8 @@ class Telemetry:
         """An engine's word on a hit it was leased: restored, or a miss after all."""
         found = self.of(digest)
         if report.miss is not None:
-            found.hits -= 1  # the daemon counted the hit the engine could not use
+            # The daemon counted the hit the engine could not use (unless it has forgotten it).
+            found.hits = max(0, found.hits - 1)
             _missed(found, report.miss)
             return
         found.restores += 1
