@@ -222,13 +222,27 @@ def report(
           f"| {'over the cap' if over else 'within the cap'} |")  # fmt: skip
     print(f"| daemon RSS after warm-up -> end | {rss_start / mib:.1f} -> {rss_end / mib:.1f} MiB "
           f"| {'flat' if flat else 'grew'} ({growth / mib:+.1f} MiB) |")  # fmt: skip
+    # Growth that levels off is a structure filling to its bound; growth that goes on is a leak.
+    quarters = [_rss_at(samples, elapsed * q) / mib for q in (0.25, 0.5, 0.75, 1.0)]
+    print(
+        f"| daemon RSS at 1/4, 1/2, 3/4, end | {' / '.join(f'{q:.1f}' for q in quarters)} MiB | |"
+    )
     verdict = "none" if not failures else "FAILED"
     print(f"| failures other than by design | {len(failures)} | {verdict} |")
     print(f"| flush at the end | {'durable' if flushed else 'not durable'} | |")
     print(f"| entries at the end | {final['entries']} | |")
+    kept = final.get("kept")  # what the daemon keeps of what clients named (absent: older)
+    if isinstance(kept, dict):
+        held = ", ".join(f"{name} {count:,}" for name, count in kept.items())
+        print(f"| kept at the end | {held} | |")
     for failure in Counter(failures).most_common(10):
         print(f"  failure: {failure[0]} (x{failure[1]})", file=sys.stderr)
     return 0 if not failures and not over and flat and flushed else 1
+
+
+def _rss_at(samples: Samples, seconds: float) -> int:
+    """The daemon's RSS at the last sample taken by seconds into the run."""
+    return [rss for at, rss in samples.rss if at <= seconds][-1]
 
 
 def main() -> int:

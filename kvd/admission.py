@@ -11,8 +11,8 @@ decides at put_begin, before a byte is written, and a put it refuses is answered
 - second-hit: a prefix is persisted the second time it is seen within `admission_window`
   seconds: put again, or asked for by a lookup (the prompt, or all of it but its last token,
   which is what an engine stores at a prompt boundary). The first sighting keeps only a
-  16-byte hash of the identity and tokens, at most SIGHTINGS of them, the oldest forgotten
-  first.
+  16-byte hash of the identity and tokens, for the window at most and at most SIGHTINGS of
+  them, the oldest forgotten first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Final, Protocol
 
 from kvd_protocol.tokens import TOKEN_BYTES, token_count
 
-SIGHTINGS: Final = 100_000  # second-hit's memory: 100k hashes, a few MB
+SIGHTINGS: Final = 100_000  # second-hit's memory: 100k hashes, ~15 MB at most
 
 
 class Admission(Protocol):
@@ -34,6 +34,9 @@ class Admission(Protocol):
     def looked_up(self, digest: str, tokens: bytes, now: float) -> None:
         """A lookup asked for tokens (a sighting, to policies that count them)."""
 
+    def sightings(self) -> int:
+        """How many sightings it keeps."""
+
 
 class Always:
     def admit(self, digest: str, tokens: bytes, now: float) -> str | None:
@@ -41,6 +44,9 @@ class Always:
 
     def looked_up(self, digest: str, tokens: bytes, now: float) -> None:
         pass
+
+    def sightings(self) -> int:
+        return 0
 
 
 class MinTokens:
@@ -55,6 +61,9 @@ class MinTokens:
 
     def looked_up(self, digest: str, tokens: bytes, now: float) -> None:
         pass
+
+    def sightings(self) -> int:
+        return 0
 
 
 class SecondHit:
@@ -77,11 +86,16 @@ class SecondHit:
         if len(tokens) > TOKEN_BYTES:
             self._sighted(_key(digest, tokens[:-TOKEN_BYTES]), now)
 
+    def sightings(self) -> int:
+        return len(self._seen)
+
     def _sighted(self, key: bytes, now: float) -> None:
-        self._seen[key] = now
-        self._seen.move_to_end(key)
-        while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+        """Keep a sighting; forget those past the capacity or out of the window."""
+        seen = self._seen
+        seen[key] = now
+        seen.move_to_end(key)
+        while len(seen) > self.capacity or next(iter(seen.values())) < now - self.window:
+            seen.popitem(last=False)
 
 
 def _key(digest: str, tokens: bytes) -> bytes:

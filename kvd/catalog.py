@@ -143,6 +143,10 @@ class Catalog:
         """The checkpoints of one generation of an identity, oldest first."""
         return tuple(self._checkpoints.get((digest, key), ()))
 
+    def holds(self, digest: str) -> bool:
+        """Whether the identity has entries (not doomed ones)."""
+        return digest in self._identities
+
     def identities(self) -> list[tuple[str, IdentityCounts]]:
         """Each identity with entries, by digest: O(identities)."""
         return sorted(self._identities.items())

@@ -85,7 +85,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         ("daemon", f"pid {daemon['pid']}, kvd {daemon['version']}, up {daemon['uptime_s']:.0f} s"),
         ("memory", size(daemon["rss_bytes"])),
         ("tier", daemon.get("dir", "")),
-        ("entries", f"{status['entries']} in {len(status['identities'])} identities"),
+        ("entries", f"{status['entries']} in {_identity_count(status)} identities"),
         ("bytes", f"{size(status['bytes'])} of {size(status['max_bytes'])} cap"),
         (
             "disk free",
@@ -144,6 +144,12 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
                 ]
             )
         lines += ["", *columns(header, table)]
+    left_out = status.get("identities_left_out", 0)  # absent from an older daemon's
+    if left_out:
+        lines.append(
+            f"... and {left_out:,} more identities, not listed (the status lists those with "
+            "the most bytes, then the most recently seen)"
+        )
     if status["clients"]:
         lines += [
             "",
@@ -152,6 +158,11 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             ),
         ]
     return "\n".join(lines)
+
+
+def _identity_count(status: Mapping[str, Any]) -> int:
+    """The identities with entries or traffic: those listed and those left out."""
+    return len(status["identities"]) + int(status.get("identities_left_out", 0))
 
 
 RATE_KEYS = ("hits", "misses", "tokens_restored", "bytes_written")

@@ -7,6 +7,7 @@ names them). Figures the status lacks (an older daemon) are left out, not report
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ GAUGES = (
     ("logical_bytes", "kvd_logical_bytes", "bytes the entries would take without shared blocks"),
     ("deleting_bytes", "kvd_deleting_bytes", "bytes of files taken out, not yet unlinked"),
     ("leased_bytes", "kvd_leased_bytes", "bytes eviction cannot free while leases last"),
+    ("identities_left_out", "kvd_identities_left_out", "identities the status does not list"),
 )
 COUNTERS = (
     ("hits", "kvd_hits", "lookups that found an entry"),
@@ -61,6 +63,14 @@ WRITEBACK_COUNTERS = (
     ("refused", "kvd_writeback_refused", "puts refused at commit (queue full)"),
     ("refused_at_begin", "kvd_writeback_refused_at_begin", "puts refused at put_begin"),
 )
+KEPT_GAUGES = (
+    ("telemetry_identities", "kvd_kept_telemetry_identities", "identities with telemetry kept"),
+    ("tickets", "kvd_kept_tickets", "tickets pending or settled and kept for late waits"),
+    ("sightings", "kvd_kept_sightings", "first sightings the admission policy keeps"),
+)
+KEPT_COUNTERS = (
+    ("telemetry_forgotten", "kvd_telemetry_forgotten", "identities whose telemetry was forgotten"),
+)
 IDENTITY_GAUGES = (
     ("entries", "kvd_identity_entries", "entries of one identity"),
     ("bytes", "kvd_identity_bytes", "bytes of one identity's entries"),
@@ -83,7 +93,10 @@ QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99"}
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A value to expose: an int, or a finite float (an older daemon's status may hold inf)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _flat(table: Mapping[str, Any], gauges: Any, counters: Any) -> Iterator[Metric]:
@@ -126,7 +139,7 @@ def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
         if not isinstance(by_reason, Mapping):  # a daemon that counts no reasons
             by_reason = {"": i.get("misses")}
         for reason, count in by_reason.items():
-            if isinstance(count, int | float):
+            if _number(count):
                 misses.add_metric([*values(i), str(reason)], count)
     speed = GaugeMetricFamily(
         "kvd_identity_restore_bytes_per_second", "restore throughput of one identity", labels=labels
@@ -150,6 +163,7 @@ def status_metrics(status: Status) -> Iterator[Metric]:
     """Every metric of one status report."""
     yield from _flat(status, GAUGES, COUNTERS)
     yield from _flat(status.get("writeback", {}), WRITEBACK_GAUGES, WRITEBACK_COUNTERS)
+    yield from _flat(status.get("kept", {}), KEPT_GAUGES, KEPT_COUNTERS)
     yield from _identity_metrics(status.get("identities", []))
     if isinstance(status.get("clients"), list):
         yield GaugeMetricFamily("kvd_clients", "connected clients", value=len(status["clients"]))

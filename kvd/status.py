@@ -1,11 +1,17 @@
-"""The status report: what `kvctl status` shows and the status request answers."""
+"""The status report: what `kvctl status` shows and the status request answers.
+
+It fits in a frame whatever clients did: at most STATUS_IDENTITIES identities are listed (those
+with the most bytes in the tier first, then the most recently seen), with a count of those left
+out; and it is strict JSON: a number that is not finite is reported as null.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import psutil
 
@@ -13,14 +19,21 @@ from kvd import __version__
 from kvd.catalog import Catalog
 from kvd.durability import disk_free
 from kvd.session import Peer
-from kvd.telemetry import Telemetry
+from kvd.telemetry import IdentityTelemetry, Telemetry
 from kvd.tier import Tier
 
 _process = psutil.Process()
 
+STATUS_IDENTITIES: Final = 1000  # ~0.7 MB of a status's msgpack, well within a frame
+
 
 def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
     """O(identities + peers): every figure is a count the tier keeps up as entries change."""
+    report: dict[str, Any] = finite(_report(tier, peers))
+    return report
+
+
+def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
     catalog = tier.catalog
     queue = tier.writer.queue
     counters = catalog.counters
@@ -83,10 +96,17 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "refused": queue.refused,  # at commit
             "refused_at_begin": tier.puts.refused,
         },
-        "identities": _identities(catalog, telemetry, tier.puts.dedup_saved),
+        **_identities(catalog, telemetry, tier.puts.dedup_saved),
         "bytes_written_24h": telemetry.written_today.total(time.time()),
-        "tokens_restored": sum(t.tokens_restored for t in telemetry.identities.values()),
-        "restores": sum(t.restores for t in telemetry.identities.values()),
+        "tokens_restored": telemetry.tokens_restored,
+        "restores": telemetry.restores,
+        # What the daemon keeps of what clients named: each capped or aged (see its module).
+        "kept": {
+            "telemetry_identities": len(telemetry.identities),
+            "telemetry_forgotten": telemetry.forgotten,
+            "tickets": len(tier.tickets),
+            "sightings": tier.admission.sightings(),
+        },
         "clients": [
             {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
             for p in peers
@@ -104,21 +124,47 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
 
 def _identities(
     catalog: Catalog, telemetry: Telemetry, dedup_saved: Mapping[str, int]
-) -> list[dict[str, Any]]:
-    """Every identity with entries or traffic, by digest: its share of the tier (entry files
-    and unique blocks) and its telemetry. O(identities)."""
+) -> dict[str, Any]:
+    """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
+    bytes first, then the most recently seen), by digest: each one's share of the tier (entry
+    files and unique blocks) and its telemetry; and how many were left out. O(identities)."""
     entries = {digest: counts.entries for digest, counts in catalog.identities()}
-    return [
-        {
-            "identity": digest,
-            "entries": entries.get(digest, 0),
-            "bytes": catalog.identity_bytes(digest),
-            "block_bytes": catalog.blocks.identity_bytes(digest),
-            "dedup_saved_bytes": dedup_saved.get(digest, 0),
-            **telemetry.of(digest).report(),
-        }
-        for digest in sorted(entries.keys() | telemetry.identities.keys())
-    ]
+    recency = {digest: rank for rank, digest in enumerate(reversed(telemetry.identities))}
+    known = entries.keys() | telemetry.identities.keys()
+    size = {digest: catalog.identity_bytes(digest) for digest in known}
+    ranked = sorted(known, key=lambda d: (-size[d], recency.get(d, len(recency)), d))
+    shown = sorted(ranked[:STATUS_IDENTITIES])
+    return {
+        "identities": [
+            {
+                "identity": digest,
+                "entries": entries.get(digest, 0),
+                "bytes": size[digest],
+                "block_bytes": catalog.blocks.identity_bytes(digest),
+                "dedup_saved_bytes": dedup_saved.get(digest, 0),
+                **_telemetry_report(telemetry, digest),
+            }
+            for digest in shown
+        ],
+        "identities_left_out": len(known) - len(shown),
+    }
+
+
+def _telemetry_report(telemetry: Telemetry, digest: str) -> dict[str, object]:
+    """An identity's telemetry, without making one for it (a report is not a sighting)."""
+    found = telemetry.identities.get(digest)
+    return (found or IdentityTelemetry()).report()
+
+
+def finite(value: Any) -> Any:
+    """value with every float that is not finite (inf, NaN) replaced by None: strict JSON."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
 
 
 def _name(peer: Peer) -> str:

@@ -15,12 +15,20 @@ pass the time.
   policy weighs an entry's tokens by it (prefill_cost): an identity no engine reported for
   weighs as the mean of those reported, and with no report at all every token weighs
   DEFAULT_PREFILL_COST, so that only reported differences between models rank them.
+
+Memory: an identity is whatever a client names, so the telemetry of identities that hold no
+entry (a lookup's, a refused put's) is kept for at most IDLE_IDENTITIES of them, the least
+recently seen forgotten first (their counts start again at zero if seen again); identities
+with entries are kept while they have any. Miss reasons are the engines' words: at most
+MISS_REASONS of them per identity, later ones counted as OTHER_REASON. The tier-wide totals
+(restores, tokens restored) outlive what is forgotten.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -36,6 +44,9 @@ DAY_SECONDS: Final = 86_400
 MINUTE: Final = 60
 PREFILL_REPORT_WEIGHT: Final = 0.2
 DEFAULT_PREFILL_COST: Final = 1e-3  # seconds per token: ~1k tokens/s, a mid-size model's prefill
+IDLE_IDENTITIES: Final = 1024  # identities with no entry whose telemetry is kept (~2.5 KB each)
+MISS_REASONS: Final = 16  # distinct miss reasons counted per identity, OTHER_REASON included
+OTHER_REASON: Final = "other"
 
 
 class LatencyHistogram:
@@ -136,19 +147,44 @@ class IdentityTelemetry:
 
 
 class Telemetry:
-    """Every identity's telemetry, by digest, and the tier's bytes written in the last day."""
+    """Every identity's telemetry, by digest, least recently seen first, and the tier's bytes
+    written in the last day. held(digest): whether the identity has entries (then it is
+    never forgotten); by default none has."""
 
-    def __init__(self) -> None:
-        self.identities: dict[str, IdentityTelemetry] = {}
+    def __init__(self, held: Callable[[str], bool] = lambda digest: False) -> None:
+        self.identities: OrderedDict[str, IdentityTelemetry] = OrderedDict()
         self.written_today = DaySum()
+        self.restores = 0  # tier-wide: outlive the identities forgotten
+        self.tokens_restored = 0
+        self.forgotten = 0  # identities whose telemetry was forgotten
+        self._held = held
         self._reported_costs: dict[str, float] = {}  # digest -> its prefill cost, if reported
+        self._cost_sum = 0.0
         self._mean_cost = DEFAULT_PREFILL_COST
+        self._sweep_at = IDLE_IDENTITIES  # size at which idle identities are next forgotten
 
     def of(self, digest: str) -> IdentityTelemetry:
         found = self.identities.get(digest)
         if found is None:
             found = self.identities[digest] = IdentityTelemetry()
+            if len(self.identities) > self._sweep_at:
+                self._forget_idle()
+        else:
+            self.identities.move_to_end(digest)
         return found
+
+    def _forget_idle(self) -> None:
+        """Forget the least recently seen identities with no entry beyond IDLE_IDENTITIES.
+        O(identities), run once every IDLE_IDENTITIES new ones at most."""
+        idle = [digest for digest in self.identities if not self._held(digest)]
+        for digest in idle[: max(0, len(idle) - IDLE_IDENTITIES)]:
+            del self.identities[digest]
+            cost = self._reported_costs.pop(digest, None)
+            if cost is not None:
+                self._cost_sum -= cost
+            self.forgotten += 1
+        self._mean_costs()
+        self._sweep_at = len(self.identities) + IDLE_IDENTITIES
 
     def seen(self, identity: Identity) -> IdentityTelemetry:
         """The telemetry of an identity a request named, with its names for people."""
@@ -161,19 +197,22 @@ class Telemetry:
         if hit:
             found.hits += 1
         else:
-            found.misses[reason] += 1
+            _missed(found, reason)
 
     def restored(self, digest: str, report: RestoreReport) -> None:
         """An engine's word on a hit it was leased: restored, or a miss after all."""
         found = self.of(digest)
         if report.miss is not None:
-            found.hits -= 1  # the daemon counted the hit the engine could not use
-            found.misses[report.miss] += 1
+            # The daemon counted the hit the engine could not use (unless it has forgotten it).
+            found.hits = max(0, found.hits - 1)
+            _missed(found, report.miss)
             return
         found.restores += 1
         found.restore_ms.add(report.ms)
         found.restored_bytes += report.bytes
         found.tokens_restored += report.tokens
+        self.restores += 1
+        self.tokens_restored += report.tokens
 
     def stored(self, digest: str, nbytes: int, now: float) -> None:
         self.of(digest).bytes_written += nbytes
@@ -185,8 +224,9 @@ class Telemetry:
         found.store_ms.add(ms)
 
     def prefill_reported(self, identity: Identity, seconds_per_token: float) -> None:
-        """An engine's measure of its prefill, with a put; 0 (not measured) is ignored."""
-        if seconds_per_token <= 0:
+        """An engine's measure of its prefill, with a put (finite and bounded: the protocol
+        checks it); 0 (not measured) is ignored."""
+        if not 0 < seconds_per_token < math.inf:
             return
         found = self.seen(identity)
         previous = found.prefill_cost
@@ -195,9 +235,23 @@ class Telemetry:
             if previous is None
             else previous + PREFILL_REPORT_WEIGHT * (seconds_per_token - previous)
         )
+        self._cost_sum += found.prefill_cost - self._reported_costs.get(identity.digest(), 0.0)
         self._reported_costs[identity.digest()] = found.prefill_cost
-        self._mean_cost = sum(self._reported_costs.values()) / len(self._reported_costs)
+        self._mean_costs()
+
+    def _mean_costs(self) -> None:
+        if not self._reported_costs:
+            self._cost_sum, self._mean_cost = 0.0, DEFAULT_PREFILL_COST
+        else:
+            self._mean_cost = max(self._cost_sum, 0.0) / len(self._reported_costs)
 
     def prefill_cost(self, digest: str) -> float:
         """Seconds per token of prefill an entry of this identity saves (see the module)."""
         return self._reported_costs.get(digest, self._mean_cost)
+
+
+def _missed(found: IdentityTelemetry, reason: str) -> None:
+    """Count a miss by its reason, or as OTHER_REASON once MISS_REASONS - 1 others are named."""
+    if reason not in found.misses and len(found.misses) >= MISS_REASONS - 1:
+        reason = OTHER_REASON
+    found.misses[reason] += 1

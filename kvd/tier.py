@@ -70,7 +70,8 @@ class Tier:
         self.config = config
         self.limits = limits
         self.dirs = TierDir(config.dir)
-        self.telemetry = Telemetry()
+        # A lambda: the catalog is made next, with the eviction policy that reads the telemetry.
+        self.telemetry = Telemetry(held=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
         eviction = EVICTION_POLICIES[config.eviction_policy](self.telemetry.prefill_cost)
         self.catalog = Catalog(self.dirs, eviction)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)

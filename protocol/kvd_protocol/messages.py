@@ -30,6 +30,13 @@ BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
 PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
+# Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
+# one it could not use (a running mean poisoned by 1e300, a wait of a thousand years):
+MAX_WAIT_SECONDS: Final = 86_400.0  # a ticket or flush wait: a day
+MAX_REPORTED_MS: Final = 86_400_000.0  # store_ms and a restore report's ms: a day
+MAX_PREFILL_COST: Final = 60.0  # seconds of prefill per token: a minute
+MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read: a PiB
+MAX_LIST_PAGE: Final = 10_000  # entries in one list reply: ~1.3 MB, well within a frame
 
 # A field checker: (decoded value, field name, limits) -> the field's Python value.
 # It raises schema.SchemaError (a bad message) or ProtocolError (a specific code, e.g. TOO_LARGE).
@@ -64,6 +71,22 @@ def _prose(value: object, what: str, limits: Limits) -> str:
 
 def _seconds(value: object, what: str, limits: Limits) -> float:
     return schema.number(value, what, 0.0, sys.float_info.max)
+
+
+def _at_most(hi: float) -> Check:
+    """A finite number in 0..hi (a duration, a measure)."""
+
+    def check(value: object, what: str, limits: Limits) -> float:
+        return schema.number(value, what, 0.0, hi)
+
+    return check
+
+
+def _token_count(value: object, what: str, limits: Limits) -> int:
+    """A count of tokens: at most the max_tokens one request may carry."""
+    if type(value) is int and 0 <= value <= limits.max_tokens:  # the usual case, without a call
+        return value
+    return schema.integer(value, what, 0, limits.max_tokens)
 
 
 def _bool(value: object, what: str, limits: Limits) -> bool:
@@ -428,7 +451,7 @@ class PutBegin(Request):
     block_size: int = field(default=0, metadata=wire(_uint()))
     # Seconds of prefill per token as the engine last measured it (0: not measured): what
     # the cost eviction policy weighs this identity's tokens by (feature "prefill_cost").
-    prefill_cost: float = field(default=0.0, metadata=wire(_seconds))
+    prefill_cost: float = field(default=0.0, metadata=wire(_at_most(MAX_PREFILL_COST)))
 
     def reply_descriptors(self) -> int:
         return 1
@@ -516,7 +539,9 @@ class PutCommit(Request):
 
     op: ClassVar[str] = "put_commit"
     put: int = field(metadata=wire(_uint()))
-    store_ms: float | None = field(default=None, metadata=wire(_optional(_seconds)))
+    store_ms: float | None = field(
+        default=None, metadata=wire(_optional(_at_most(MAX_REPORTED_MS)))
+    )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -543,7 +568,7 @@ class WaitTicket(Request):
     op: ClassVar[str] = "ticket"
     ticket: int = field(metadata=wire(_uint()))
     # None: answer at once
-    timeout: float | None = field(metadata=wire(_optional(_seconds)))
+    timeout: float | None = field(metadata=wire(_optional(_at_most(MAX_WAIT_SECONDS))))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -562,7 +587,7 @@ class Lookup(Request):
     op: ClassVar[str] = "lookup"
     identity: Identity = field(metadata=wire(_identity))
     tokens: bytes = field(metadata=wire(_tokens))
-    min_tokens: int = field(default=0, metadata=wire(_uint(0, U32)))
+    min_tokens: int = field(default=0, metadata=wire(_token_count))
 
     def reply_descriptors(self) -> int:
         return 1
@@ -630,9 +655,9 @@ class RestoreReport(Record):
     (miss nil: tokens restored from bytes read) or not (miss: the engine's reason)."""
 
     miss: str | None = field(metadata=wire(_optional(_name)))
-    ms: float = field(metadata=wire(_seconds))  # from the lookup's start to caches built
-    bytes: int = field(metadata=wire(_uint()))
-    tokens: int = field(metadata=wire(_uint(0, U32)))
+    ms: float = field(metadata=wire(_at_most(MAX_REPORTED_MS)))  # lookup's start to caches built
+    bytes: int = field(metadata=wire(_uint(0, MAX_REPORTED_BYTES)))
+    tokens: int = field(metadata=wire(_token_count))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -657,7 +682,7 @@ class ReleaseReply(Reply):
 class Flush(Request):
     op: ClassVar[str] = "flush"
     # None: wait as long as it takes
-    timeout: float | None = field(metadata=wire(_optional(_seconds)))
+    timeout: float | None = field(metadata=wire(_optional(_at_most(MAX_WAIT_SECONDS))))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -683,7 +708,7 @@ class ListEntries(Request):
     op: ClassVar[str] = "list"
     # an identity digest, or None for all identities
     identity: str | None = field(metadata=wire(_optional(_name)))
-    limit: int = field(metadata=wire(_uint(1, U32)))
+    limit: int = field(metadata=wire(_uint(1, MAX_LIST_PAGE)))
     # an entry id: the page starts after it (None: from the start)
     after: str | None = field(metadata=wire(_optional(_name)))
 

@@ -58,7 +58,7 @@ def _lookup(body: dict[str, Any], limits: Limits) -> Lookup | None:
         min_tokens = 0
     elif keys == _LOOKUP_MIN:
         min_tokens = body["min_tokens"]
-        if not (type(min_tokens) is int and 0 <= min_tokens <= U32):
+        if not (type(min_tokens) is int and 0 <= min_tokens <= limits.max_tokens):
             return None
     else:
         return None
