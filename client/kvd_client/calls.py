@@ -39,6 +39,8 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
     MAX_BLOCK_BATCH,
+    MAX_PREFILL_COST,
+    MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
     PROTOCOL_VERSION,
     U32,
@@ -269,7 +271,7 @@ class Link:
         """The engine computed tokens of prefill in seconds; prefills shorter than
         MIN_MEASURED_PREFILL are mostly fixed costs and are not taken."""
         if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
-            self.prefill_cost = seconds / tokens
+            self.prefill_cost = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
 
     def offers(self, feature: str) -> bool:
         """Whether the daemon last connected to announced feature in its hello."""
@@ -472,7 +474,7 @@ def status(link: Link) -> Call[dict[str, object]]:
 
 
 def flush(link: Link, timeout: float | None) -> Call[bool]:
-    request = Flush(id=link.next_id(), timeout=timeout)
+    request = Flush(id=link.next_id(), timeout=_wire_wait(timeout))
     return expect((yield Exchange(request, wait=timeout)), FlushReply).durable
 
 
@@ -664,13 +666,18 @@ def _abort(link: Link, put: int, epoch: int) -> Call[None]:
         log.debug("put_abort of put %d not confirmed: %s", put, exc)
 
 
+def _wire_wait(seconds: float | None) -> float | None:
+    """A wait the daemon takes: at most MAX_WAIT_SECONDS (a longer one is a bad message)."""
+    return None if seconds is None else min(seconds, MAX_WAIT_SECONDS)
+
+
 def wait_ticket(link: Link, ticket: TicketBase, timeout: float | None) -> Call[TicketState]:
     """The ticket's state once settled or after timeout seconds (None: until settled)."""
     state = ticket.state
     while not state.settled and ticket.id is not None:
         wait = TICKET_POLL_SECONDS if timeout is None else timeout
         request = TicketRequest(
-            id=link.next_id(), ticket=ticket.id, timeout=wait if wait > 0 else None
+            id=link.next_id(), ticket=ticket.id, timeout=_wire_wait(wait) if wait > 0 else None
         )
         try:
             reply = expect((yield Exchange(request, wait=wait, epoch=ticket.epoch)), TicketReply)

@@ -79,6 +79,22 @@ def test_a_duplicate_put_is_settled_at_once(daemon: Daemon) -> None:
         assert ticket.state == TicketState("stored", "duplicate")
 
 
+def test_waits_longer_than_the_wire_allows_are_asked_as_the_longest_it_does(
+    daemon: Daemon,
+) -> None:
+    """A day is the longest wait the protocol takes: a caller's longer one is not a bad
+    message (the flush raised, the ticket read unavailable)."""
+    years = 1e9
+    with Client.connect(daemon.socket_path, require=True) as client:
+        layers, tensors = _entry(len(PROMPT), seed=1)
+        ticket = client.put_entry(IDENTITY, PROMPT, layers, tensors)
+        assert ticket.wait(years) == TicketState("stored")
+        assert client.flush(years)
+        client.measured_prefill(4096, years)  # a prefill no engine takes, bounded as sent
+        _put_stored(client, [*PROMPT, 1], seed=2)
+        assert client.status()["identities"][0]["prefill_ms_per_token"] == 60_000.0
+
+
 def test_lookup_misses_other_identities_and_unrelated_prompts(daemon: Daemon) -> None:
     with Client.connect(daemon.socket_path, require=True) as client:
         _put_stored(client, PROMPT, seed=1)
