@@ -198,6 +198,7 @@ class Puts:
         self._take_slot(owner)
         pinned = self._catalog.blocks.pin(digest, blocks[:held])
         try:
+            _check_held_size(pinned, declared.block_size)
             # Before the engine spends time writing. Not one of the queue's refusals: nothing
             # was offered to the queue yet.
             if not await self._writer.make_room(adds, lambda: self.staged_bytes):
@@ -598,6 +599,19 @@ def _check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
         problems.append("its blocks differ from the ones declared at put_begin")
     if problems:
         raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
+
+
+def _check_held_size(held: list[Block], declared: int) -> None:
+    """The blocks a put_begin is told it holds must be of the size it declares: the entry is
+    counted, snapshotted and served by that size (a smaller one would count it as less and
+    fail it at the next start)."""
+    wrong = next((block for block in held if block.size != declared), None)
+    if wrong is not None:
+        raise ProtocolError(
+            ErrorCode.BAD_MESSAGE,
+            f"block_size {declared} is not the size of the blocks the tier holds for these "
+            f"tokens ({wrong.size} bytes)",
+        )
 
 
 def _check_block_size(fd: int, name: str, declared: int) -> None:

@@ -212,6 +212,27 @@ def test_a_put_that_lies_about_its_block_size_is_refused_at_its_commit(
     assert '"event": "put_refused"' in daemon.logs()
 
 
+@pytest.mark.parametrize("lie", [1, 16384], ids=["one-byte", "a-page-too-many"])
+def test_a_put_that_lies_about_the_size_of_blocks_it_holds_is_refused_at_its_begin(
+    daemon: Daemon, witness: list[np.ndarray], lie: int
+) -> None:
+    """Every block held: nothing of the liar's is written, but its declared size would be
+    the entry's (its logical bytes, its snapshot row, and at the next start a block_mismatch
+    that quarantines it)."""
+    with RawPeer(daemon.socket_path) as peer:
+        honest = put_v2(peer, IDENTITY, BLOCKS)
+        true_size = honest.manifest.block_size
+        declared = lie if lie == 1 else true_size + lie
+        liar = begin(peer, IDENTITY, [*BLOCKS, 9, 9, 9], block_size=declared)
+        assert isinstance(liar, m.ErrorReply), liar
+        assert liar.code == ErrorCode.BAD_MESSAGE, liar
+        assert f"{true_size} bytes" in liar.message, liar.message
+        assert staging_files(daemon.tier) == []
+        assert status(peer)["staged_bytes"] == 0
+        assert_counts_equal_the_directory(peer, daemon.tier)
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+
+
 def spoil_a_block(fd: int, begun: Begun) -> None:
     """Bytes of a block's first slot changed behind its valid head (its checksum no longer
     matches)."""
@@ -277,7 +298,10 @@ def test_a_manifest_that_disagrees_with_the_blocks_it_holds_is_refused(
     with RawPeer(daemon.socket_path) as liar_peer, RawPeer(daemon.socket_path) as peer:
         honest = put_v2(peer, IDENTITY, BLOCKS)
         longer = [*BLOCKS, 9, 9, 9]
-        liar = begin(liar_peer, IDENTITY, longer, width=16)  # honest blocks are 8 wide
+        # The honest blocks are 8 wide: the liar's are 16, but it declares the size of those
+        # it holds (any other is refused at put_begin).
+        true_size = honest.manifest.block_size
+        liar = begin(liar_peer, IDENTITY, longer, width=16, block_size=true_size)
         assert isinstance(liar, Begun), liar
         assert liar.held == len(liar.manifest.hashes)  # nothing of its own to write
         assert_refused(commit(liar_peer, liar.put), "block_mismatch")
