@@ -58,7 +58,7 @@ from kvd.tier_dir import new_entry_id
 from kvd.writer import Writer
 
 log = get_logger("kvd.puts")
-refusals = RateLimited(log)  # a client may lie at every commit
+broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 T = TypeVar("T")
 
@@ -144,6 +144,7 @@ class Puts:
         self._checks = anyio.CapacityLimiter(COMMIT_CHECKS)
         self.sealed_by_copy = 0  # files a client still held writable at commit: copied
         self.refused_at_commit = 0  # puts whose files were not what they declared
+        self.outgrown = 0  # puts aborted for staging files grown past what they declared
 
     def __len__(self) -> int:
         return len(self._puts)
@@ -417,6 +418,19 @@ class Puts:
             log.warning("put_expired", put=put.id, bytes=put.reserved, owner=put.owner)
         return len(stale)
 
+    def abort_outgrown(self) -> int:
+        """Abort every put whose staging files take more of the disk than it declared (a
+        client may write past the end of a file it holds, or allocate beyond it): their bytes
+        were never counted, under the cap or the floor. How many went."""
+        outgrown = [put for put in self._puts.values() if _outgrew(put)]
+        for put in outgrown:
+            self._forget(put)
+            self._catalog.counters.abandoned += 1
+            self.outgrown += 1
+            self.abort(put)
+            broken_rules.warning("put_outgrown", put=put.id, declared=put.reserved, owner=put.owner)
+        return len(outgrown)
+
     async def commit(self, put: Put) -> int:
         """Validate the written header, index the entry and queue it; returns its ticket.
 
@@ -487,7 +501,7 @@ class Puts:
             )
         except EntryFormatError as exc:
             self.refused_at_commit += 1
-            refusals.warning("put_refused", put=put.id, owner=put.owner, reason=str(exc))
+            broken_rules.warning("put_refused", put=put.id, owner=put.owner, reason=str(exc))
             raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from None
         except OSError as exc:  # a copy that found no room, say: the engine is told so
             raise _staging_error(exc, put.reserved) from None
@@ -599,6 +613,25 @@ def _check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
         problems.append("its blocks differ from the ones declared at put_begin")
     if problems:
         raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
+
+
+# What a staging file may hold on disk beyond its declared size before its put counts as
+# outgrown: the file system's own rounding (blocks, extents) of a preallocated file.
+ALLOCATION_SLACK: Final = 1 << 20
+
+
+def _outgrew(put: Put) -> bool:
+    """Whether a file of put's holds more than its declared size, or more disk than that
+    (space a client allocated past the end keeps the size unchanged)."""
+    files = [(put.path, put.size), *((path, put.block_size) for path in put.block_files.values())]
+    for path, size in files:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            continue  # a block file not made yet
+        if info.st_size > size or info.st_blocks * 512 > size + ALLOCATION_SLACK:
+            return True
+    return False
 
 
 def _check_held_size(held: list[Block], declared: int) -> None:

@@ -81,9 +81,11 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "staged_puts": len(tier.puts),
         "puts": {
             # Files a client still held writable at commit (the daemon went on with a copy),
-            # and commits refused for files that were not what their put_begin declared.
+            # commits refused for files that were not what their put_begin declared, and puts
+            # aborted for staging files grown past it.
             "sealed_by_copy": tier.puts.sealed_by_copy,
             "refused_at_commit": tier.puts.refused_at_commit,
+            "outgrown": tier.puts.outgrown,
         },
         "writeback": {
             "pending_bytes": queue.pending_bytes,

@@ -276,11 +276,14 @@ class Tier:
                     log.warning("snapshot_failed", error=str(exc))
 
     async def expire_puts_periodically(self) -> None:
-        """Abort the puts not committed within put_timeout (their staging bytes come back)."""
+        """Abort the puts not committed within put_timeout (their staging bytes come back),
+        and those whose staging files outgrew what they declared: a client writing past the
+        end is stopped within this period."""
         every = min(self.config.put_timeout / 4, 5.0)
         while True:
             await anyio.sleep(every)
             self.puts.expire()
+            self.puts.abort_outgrown()
 
     async def expire_leases_periodically(self) -> None:
         """End the leases held longer than lease_max_age: a reader that never releases keeps
@@ -323,9 +326,10 @@ class Tier:
         """The owner's put, validated and queued; returns its ticket. store_ms: the engine's
         time from handing the caches over to this commit, if it said."""
         put = self.puts.take(owner, put_id)
+        ticket = await self.puts.commit(put)  # from take() on, nothing may come between
         if store_ms is not None:
             self.telemetry.store_reported(put.identity.digest(), store_ms)
-        return await self.puts.commit(put)
+        return ticket
 
     def abort_put(self, owner: int, put_id: int) -> None:
         self.puts.abort(self.puts.take(owner, put_id))

@@ -3,11 +3,13 @@ do to a real daemon: wedge it, exhaust it, or hold bytes it does not count."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
 import socket
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -282,6 +284,54 @@ def test_a_put_not_committed_in_time_is_aborted_and_its_bytes_returned(tmp_path:
         assert isinstance(late, m.ErrorReply)
         assert late.code is ErrorCode.NOT_FOUND
         assert _events(daemon, "put_expired")
+
+
+def _allocate_past_the_end(fd: int, length: int) -> None:
+    """fallocate(FALLOC_FL_KEEP_SIZE): disk taken beyond the end, the size unchanged."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, 1, 0, length) != 0:
+        pytest.skip(f"fallocate: {os.strerror(ctypes.get_errno())}")
+
+
+@pytest.mark.parametrize("how", ["written-past-the-end", "allocated-past-the-end"])
+def test_a_put_whose_staging_file_outgrows_its_declaration_is_aborted(
+    tmp_path: Path, how: str
+) -> None:
+    """Bytes past the declared size were never counted under the cap or the floor: the put
+    is aborted within the expiry check's period (put_timeout / 4: 2 s here), its file removed."""
+    if how == "allocated-past-the-end" and sys.platform != "linux":
+        pytest.skip("FALLOC_FL_KEEP_SIZE is Linux's")
+    declared = 1 << 16
+    with (
+        running_daemon(tmp_path, ["--put-timeout", "8"]) as daemon,
+        RawPeer(daemon.socket_path) as peer,
+    ):
+        honest = peer.begin(IDENTITY, [4, 5, 6], seed=2)
+        reply = peer.call(
+            m.PutBegin(
+                id=peer.next_id(), identity=IDENTITY, tokens=pack_tokens([1, 2, 3]), size=declared
+            )
+        )
+        assert isinstance(reply, m.PutBeginReply), reply
+        assert reply.fd is not None
+        try:
+            if how == "written-past-the-end":
+                os.pwrite(reply.fd, b"\xff" * (8 << 20), declared)
+            else:
+                _allocate_past_the_end(reply.fd, 64 << 20)
+            wait_until(lambda: _status(daemon)["puts"]["outgrown"] == 1, "the put was aborted", 10)
+        finally:
+            os.close(reply.fd)
+        late = peer.call(m.PutCommit(id=peer.next_id(), put=reply.put))
+        assert isinstance(late, m.ErrorReply)
+        assert late.code is ErrorCode.NOT_FOUND
+        status = _status(daemon)
+        assert status["staged_puts"] == 1  # the honest put is untouched
+        assert len(staging_files(daemon.tier)) == 1
+        assert _events(daemon, "put_outgrown")
+        committed = peer.call(m.PutCommit(id=peer.next_id(), put=honest))
+        assert isinstance(committed, m.PutCommitReply), committed
 
 
 # --- the free-disk floor ---------------------------------------------------------------------
