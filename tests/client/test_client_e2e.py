@@ -92,7 +92,9 @@ def test_waits_longer_than_the_wire_allows_are_asked_as_the_longest_it_does(
         assert client.flush(years)
         client.measured_prefill(4096, years)  # a prefill no engine takes, bounded as sent
         _put_stored(client, [*PROMPT, 1], seed=2)
-        assert client.status()["identities"][0]["prefill_ms_per_token"] == 60_000.0
+        identities = client.status()["identities"]
+        assert isinstance(identities, list)
+        assert identities[0]["prefill_ms_per_token"] == 60_000.0
 
 
 def test_lookup_misses_other_identities_and_unrelated_prompts(daemon: Daemon) -> None:
