@@ -53,6 +53,7 @@ from kvd.config import Config, quota_for
 from kvd.durability import disk_free
 from kvd.logs import RateLimited, get_logger
 from kvd.records import EntryRecord
+from kvd.telemetry import Telemetry
 from kvd.tickets import Tickets
 from kvd.tier_dir import new_entry_id
 from kvd.writer import Writer
@@ -122,8 +123,10 @@ class Puts:
         writer: Writer,
         tickets: Tickets,
         admission: Admission,
+        telemetry: Telemetry,
     ) -> None:
         self._config = config
+        self._telemetry = telemetry
         self._admission = admission
         self._limits = limits
         self._catalog = catalog
@@ -137,10 +140,9 @@ class Puts:
         self.refused = 0  # put_begins refused for want of room under the write-behind cap
         self.not_admitted = 0  # put_begins the admission policy turned away, and their bytes
         self.not_admitted_bytes = 0
-        # Bytes of blocks held at put_begin, so never written, by the puts committed; overall
-        # and per identity digest.
+        # Bytes of blocks held at put_begin, so never written, by the puts committed (per
+        # identity: in its telemetry).
         self.dedup_saved_bytes = 0
-        self.dedup_saved: dict[str, int] = {}
         self._checks = anyio.CapacityLimiter(COMMIT_CHECKS)
         self.sealed_by_copy = 0  # files a client still held writable at commit: copied
         self.refused_at_commit = 0  # puts whose files were not what they declared
@@ -484,7 +486,7 @@ class Puts:
             queued = True
             saved = put.held * put.block_size
             self.dedup_saved_bytes += saved
-            self.dedup_saved[digest] = self.dedup_saved.get(digest, 0) + saved
+            self._telemetry.deduplicated(digest, saved)
             return ticket
         finally:
             self._release(put)  # in the same step as the enqueue: the bytes are never uncounted

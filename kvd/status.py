@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, Final
 
 import psutil
@@ -98,7 +98,7 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
             "refused": queue.refused,  # at commit
             "refused_at_begin": tier.puts.refused,
         },
-        **_identities(catalog, telemetry, tier.puts.dedup_saved),
+        **_identities(catalog, telemetry),
         "bytes_written_24h": telemetry.written_today.total(time.time()),
         "tokens_restored": telemetry.tokens_restored,
         "restores": telemetry.restores,
@@ -124,9 +124,7 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
     }
 
 
-def _identities(
-    catalog: Catalog, telemetry: Telemetry, dedup_saved: Mapping[str, int]
-) -> dict[str, Any]:
+def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
     """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
     bytes first, then the most recently seen), by digest: each one's share of the tier (entry
     files and unique blocks) and its telemetry; and how many were left out. O(identities)."""
@@ -143,7 +141,6 @@ def _identities(
                 "entries": entries.get(digest, 0),
                 "bytes": size[digest],
                 "block_bytes": catalog.blocks.identity_bytes(digest),
-                "dedup_saved_bytes": dedup_saved.get(digest, 0),
                 **_telemetry_report(telemetry, digest),
             }
             for digest in shown

@@ -122,6 +122,7 @@ class IdentityTelemetry:
     restored_bytes: int = 0
     tokens_restored: int = 0
     bytes_written: int = 0
+    dedup_saved_bytes: int = 0  # bytes of blocks held at put_begin, so never written
     stores_reported: int = 0
     store_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     prefill_cost: float | None = None  # seconds per token, as reported; None: never
@@ -139,6 +140,7 @@ class IdentityTelemetry:
             "restore_gb_per_s": round(self.restored_bytes / seconds / 1e9, 3) if seconds else None,
             "tokens_restored": self.tokens_restored,
             "bytes_written": self.bytes_written,
+            "dedup_saved_bytes": self.dedup_saved_bytes,
             "store_ms": self.store_ms.summary(),
             "prefill_ms_per_token": (
                 None if self.prefill_cost is None else round(self.prefill_cost * 1000, 6)
@@ -217,6 +219,9 @@ class Telemetry:
     def stored(self, digest: str, nbytes: int, now: float) -> None:
         self.of(digest).bytes_written += nbytes
         self.written_today.add(nbytes, now)
+
+    def deduplicated(self, digest: str, nbytes: int) -> None:
+        self.of(digest).dedup_saved_bytes += nbytes
 
     def store_reported(self, digest: str, ms: float) -> None:
         found = self.of(digest)

@@ -93,6 +93,7 @@ class Tier:
             writer=self.writer,
             tickets=self.tickets,
             admission=self.admission,
+            telemetry=self.telemetry,
         )
         self.leases = Leases(self.catalog)
         self.started = time.time()
