@@ -564,6 +564,10 @@ class Tier:
             async with self.checks.turn(owner):
                 problem = await self.check_entry(record, repair=repair)
         except OSError as exc:
+            if entry not in self.catalog.records:  # evicted while it waited or was read
+                raise ProtocolError(
+                    ErrorCode.NOT_FOUND, f"entry {entry} left the tier while it was checked"
+                ) from None
             return f"unreadable: {exc}", False
         return problem, problem is not None and repair and entry not in self.catalog.records
 
