@@ -7,9 +7,12 @@ is); M honest clients (the real kvd_client.Client for whole entries, and v2 puts
 blocks made by hand as an engine makes them) put and look up real entries, every hit compared
 byte for byte with what its put wrote. At the end: the daemon is still up, its counts equal
 the directory (entries against the manifests, unique bytes against the files' sizes), every
-honest entry still listed restores exactly, SIGTERM ends it with 0, and its log holds no
-error it was not expected to write. Prints a table: requests by kind, errors by code, honest
-puts stored and restored, the daemon's RSS and descriptors at start, peak and end.
+honest entry still listed restores exactly, and so does every entry a liar put under an
+honest identity and had accepted (its lie refused or moot), these two being all that is
+listed under the honest identities; SIGTERM ends it with 0, and its log holds no error it was
+not expected to write. Prints a table: requests by kind, errors by code, honest puts stored
+and restored, the liars' accepted under honest identities, the daemon's RSS and descriptors
+at start, peak and end.
 
     .venv/bin/python bench/hostile.py [--seconds 60] [--seed 1] [--hostile 6] [--honest 2]
         [--kinds default | all | kind,kind,...]
@@ -126,6 +129,13 @@ def shared_restores_exactly(peer: RawPeer, owner: Identity, tokens: bytes) -> st
     return "exact" if found.header.tokens == tokens else "other"
 
 
+def put_outcome(state: str, reason: str | None) -> str:
+    """A put's state, and for one not stored what its reason starts with (an error's code)."""
+    if state == "stored" or not reason:
+        return state
+    return f"{state} ({reason.split(':')[0]})"
+
+
 def honest_whole(shared: Shared, rng: random.Random) -> None:
     """The real client: whole entries put, then some of its stored ones looked up and read."""
     tally, stored = shared.tally, shared.stored
@@ -136,7 +146,7 @@ def honest_whole(shared: Shared, rng: random.Random) -> None:
             tokens = [rng.randrange(1, 50_000) for _ in range(rng.randrange(16, 400))]
             layers, tensors = entry(len(tokens), rng.randrange(1 << 30))
             state = client.put_entry(owner, tokens, layers, tensors).wait(SETTLE_SECONDS)
-            tally.count(tally.honest, f"whole put {state.state}")
+            tally.count(tally.honest, f"whole put {put_outcome(state.state, state.reason)}")
             if state.state == "stored":
                 stored.add_whole(owner, tokens, [t.tobytes() for t in tensors])
                 mine.append((owner, pack_tokens(tokens)))
@@ -162,7 +172,7 @@ def honest_shared(shared: Shared, rng: random.Random) -> None:
             tail = [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 40))]
             tokens = [*SHARED_PREFIX, *tail]
             state, reason = _honest_v2_put(peer, owner, tokens)
-            tally.count(tally.honest, f"shared put {state}")
+            tally.count(tally.honest, f"shared put {put_outcome(state, reason)}")
             if state != "stored" and "block" in (reason or ""):  # its own blocks are sound
                 tally.problem(f"an honest put paid for another's block: {state}, {reason}")
             if state == "stored":
@@ -240,6 +250,7 @@ class Result:
     samples: Samples = field(default_factory=Samples)
     exit_code: int | None = None
     final: Counter[str] = field(default_factory=Counter)  # the end's restores, by outcome
+    liars: Counter[str] = field(default_factory=Counter)  # those of Stored.liars
 
     @property
     def problems(self) -> list[str]:
@@ -299,11 +310,13 @@ def _alive(daemon: Daemon) -> bool:
 
 def _check_the_end(daemon: Daemon, result: Result) -> None:
     """Everything accepted made durable; counts against the directory; every honest entry
-    still listed restores exactly (and as many are listed as restore)."""
+    still listed restores exactly, and so does every liars' entry under an honest identity
+    (Stored.liars); as many are listed under the honest identities as restore."""
     shared, tally = result.shared, result.shared.tally
     time.sleep(PUT_TIMEOUT + 1)  # every hostile connection is closed: its puts end by then
     with shared.stored.lock:
         whole, blocked = list(shared.stored.whole), sorted(shared.stored.shared)
+        liars = sorted(shared.stored.liars)
     with (
         Client.connect(shared.socket_path, require=True, timeout=SETTLE_SECONDS) as client,
         RawPeer(shared.socket_path) as peer,
@@ -319,11 +332,21 @@ def _check_the_end(daemon: Daemon, result: Result) -> None:
             result.final[outcome] += 1
             if outcome in {"wrong", "refused"}:
                 tally.problem(f"an honest entry of {model} is listed, and {outcome} at the end")
+        for model, tokens in liars:
+            owner = next(i for i in HONEST if i.model_id == model)
+            outcome = shared_restores_exactly(peer, owner, tokens)
+            result.liars[outcome] += 1
+            if outcome in {"wrong", "refused"}:
+                tally.problem(f"a liar's entry under {model} is listed, and {outcome} at the end")
         for problem in accounting_problems(peer, daemon.tier):
             tally.problem(problem)
         listed = sum(len(client.list_entries(owner)) for owner in HONEST)
-        if listed != result.final["exact"]:
-            tally.problem(f"{listed} honest entries listed, {result.final['exact']} restore exact")
+        exact, theirs = result.final["exact"], result.liars["exact"]
+        if listed != exact + theirs:
+            tally.problem(
+                f"{listed} entries listed under the honest identities, {exact} honest ones"
+                f" and {theirs} of the liars' restore exact"
+            )
 
 
 def accounting_problems(peer: RawPeer, tier: Path) -> list[str]:
@@ -366,21 +389,29 @@ def accounting_problems(peer: RawPeer, tier: Path) -> list[str]:
 # --- the table --------------------------------------------------------------------------------
 
 
+def _row(key: str, count: int | str) -> None:
+    print(f"{key:<44}{count:>8}")
+
+
 def print_table(result: Result, seconds: float, seed: int, kinds: list[str]) -> None:
     tally, samples = result.shared.tally, result.samples
     mib = 1 << 20
     print(f"hostile run: {seconds:g} s, seed {seed}, kinds on: {', '.join(kinds)}")
-    print(f"\n{'hostile action':<32}{'count':>8}")
-    for kind, count in sorted(tally.requests.items()):
-        print(f"{kind:<32}{count:>8}")
-    print(f"\n{'error replies, by code':<32}{'count':>8}")
-    for code, count in sorted(tally.errors.items()):
-        print(f"{code:<32}{count:>8}")
-    print(f"\n{'honest':<32}{'count':>8}")
-    for key, count in sorted(tally.honest.items()):
-        print(f"{key:<32}{count:>8}")
-    for key, count in sorted(result.final.items()):
-        print(f"{'at the end: ' + key:<32}{count:>8}")
+    sections = {
+        "hostile action": sorted(tally.requests.items()),
+        "error replies, by code": sorted(tally.errors.items()),
+        "honest": sorted(tally.honest.items())
+        + [(f"at the end: {key}", count) for key, count in sorted(result.final.items())],
+    }
+    if accepted := len(result.shared.stored.liars):
+        sections["liars, under honest identities"] = [("puts accepted", accepted)] + [
+            (f"at the end: {key}", count) for key, count in sorted(result.liars.items())
+        ]
+    for title, rows in sections.items():
+        print()
+        _row(title, "count")
+        for key, count in rows:
+            _row(key, count)
     if samples.rss:
         print(f"\n{'daemon':<12}{'start':>10}{'peak':>10}{'end':>10}")
         rss = [samples.rss[0] / mib, max(samples.rss) / mib, samples.rss[-1] / mib]

@@ -1,6 +1,7 @@
 """The hostile clients of bench/hostile.py: each kind of lie a client can tell the daemon, one
-function a kind, each on a connection of its own. KINDS switches them: a kind whose break is
-known and being fixed is off by default (turned on once its fix is in).
+function a kind, each on a connection of its own. KINDS switches them: a kind is off by
+default when it is a lie the daemon is not meant to withstand (it trusts a client's word on
+identities), or a known break whose fix is not in yet (turned on once it is).
 
 A lie is well-formed on the wire (the protocol's own checks are not what is tried here):
 sizes, counts, floats and files that say what is not so, descriptors kept and used after
@@ -23,7 +24,6 @@ from blocks_e2e import (
     BLOCK_TOKENS,
     Begun,
     begin,
-    commit,
     kv_tensors,
     manifest_plan,
     put_blocks,
@@ -76,12 +76,16 @@ class Tally:
 
 @dataclass
 class Stored:
-    """The honest entries stored: hostile clients aim at them, the end restores them."""
+    """The honest entries stored: hostile clients aim at them, the end restores them. And the
+    liars' puts under an honest identity whose commit was accepted: legitimate in substance
+    (every block they lied about was held, or refused), stored beside the honest ones, so the
+    end looks them up apart."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     whole: dict[tuple[str, bytes], list[bytes]] = field(default_factory=dict)  # its tensors
     shared: set[tuple[str, bytes]] = field(default_factory=set)  # v2: kv_tensors(tokens)
     ids: set[str] = field(default_factory=set)  # entry ids lookups told
+    liars: set[tuple[str, bytes]] = field(default_factory=set)  # v2: kv_tensors(tokens)
 
     def add_whole(self, owner: Identity, tokens: list[int], data: list[bytes]) -> None:
         with self.lock:
@@ -90,6 +94,10 @@ class Stored:
     def add_shared(self, owner: Identity, tokens: list[int]) -> None:
         with self.lock:
             self.shared.add((owner.model_id, pack_tokens(tokens)))
+
+    def add_liars(self, owner: Identity, tokens: list[int]) -> None:
+        with self.lock:
+            self.liars.add((owner.model_id, pack_tokens(tokens)))
 
     def pick(self, rng: random.Random) -> tuple[Identity, bytes] | None:
         with self.lock:
@@ -429,6 +437,27 @@ def _v2_begin(liar: Liar, peer: RawPeer, owner: Identity, tokens: list[int]) -> 
     return begun
 
 
+def _v2_blocks(liar: Liar, peer: RawPeer, put: int, first: int, total: int) -> list[int] | None:
+    """The staging descriptors of blocks first to total (none asked when none is left), or
+    None when refused."""
+    if first == total:
+        return []
+    fds = put_blocks(peer, put, first, total - first)
+    if isinstance(fds, m.ErrorReply):
+        liar.tally.count(liar.tally.errors, fds.code.value)
+        return None
+    return fds
+
+
+def _commit_as_honest(
+    liar: Liar, peer: RawPeer, put: int, owner: Identity, tokens: list[int]
+) -> None:
+    """Commit a put made under an honest identity: accepted, its entry is the liars' (told
+    apart from the honest ones at the end)."""
+    if isinstance(liar.call(peer, m.PutCommit(id=peer.next_id(), put=put)), m.PutCommitReply):
+        liar.stored.add_liars(owner, tokens)
+
+
 def garbage_blocks(liar: Liar) -> None:
     """A v2 put of its own whose blocks have valid heads and garbage rows (checksums that
     differ), or are cut to another size, committed."""
@@ -440,8 +469,8 @@ def garbage_blocks(liar: Liar) -> None:
         begun = _v2_begin(liar, peer, liar.rng.choice(LIARS), tokens)
         if begun is None:
             return
-        fds = put_blocks(peer, begun.put, begun.held, len(begun.manifest.hashes) - begun.held)
-        if isinstance(fds, m.ErrorReply):
+        fds = _v2_blocks(liar, peer, begun.put, begun.held, len(begun.manifest.hashes))
+        if fds is None:
             return
         cut = liar.rng.random() < 0.5
         for index, fd in enumerate(fds, start=begun.held):
@@ -453,20 +482,21 @@ def garbage_blocks(liar: Liar) -> None:
                     os.pwrite(fd, os.urandom(64), begun.manifest.block_slots[0].start)
             finally:
                 os.close(fd)
-        commit(peer, begun.put)
+        liar.call(peer, m.PutCommit(id=peer.next_id(), put=begun.put))
 
 
 def garbage_shared_blocks(liar: Liar) -> None:
     """The honest clients' shared prefix put first, under their identity, with garbage rows:
-    an honest put told its blocks are held must not pay for it."""
+    an honest put told its blocks are held must not pay for it. Once they are held, the put
+    has no block to lie in: accepted, its entry is honest in substance."""
     with liar.peer() as peer:
+        owner = liar.rng.choice(HONEST)
         tokens = [*SHARED_PREFIX, *(liar.rng.randrange(1, 50_000) for _ in range(5))]
-        begun = _v2_begin(liar, peer, liar.rng.choice(HONEST), tokens)
+        begun = _v2_begin(liar, peer, owner, tokens)
         if begun is None:
             return
-        count = len(begun.manifest.hashes) - begun.held
-        fds = put_blocks(peer, begun.put, begun.held, count) if count else []
-        if isinstance(fds, m.ErrorReply):
+        fds = _v2_blocks(liar, peer, begun.put, begun.held, len(begun.manifest.hashes))
+        if fds is None:
             return
         for index, fd in enumerate(fds, start=begun.held):
             try:
@@ -474,25 +504,27 @@ def garbage_shared_blocks(liar: Liar) -> None:
                 os.pwrite(fd, os.urandom(64), begun.manifest.block_slots[0].start)
             finally:
                 os.close(fd)
-        commit(peer, begun.put)
+        _commit_as_honest(liar, peer, begun.put, owner, tokens)
 
 
 def blocks_written_after_commit(liar: Liar) -> None:
-    """A v2 put of its own whose block descriptors are kept and written into after commit,
-    while other puts may be told those blocks are held."""
+    """A v2 put of the shared prefix and a block of its own, whose block descriptors are kept
+    and written into after commit, while other puts may be told those blocks are held. Its
+    entry, accepted, must restore as written."""
     with liar.peer() as peer:
-        tokens = [*SHARED_PREFIX, *(liar.rng.randrange(1, 50_000) for _ in range(5))]
-        begun = _v2_begin(liar, peer, liar.rng.choice(HONEST), tokens)
+        owner = liar.rng.choice(HONEST)
+        own = BLOCK_TOKENS + 5  # a block no other put holds: always one to write into
+        tokens = [*SHARED_PREFIX, *(liar.rng.randrange(1, 50_000) for _ in range(own))]
+        begun = _v2_begin(liar, peer, owner, tokens)
         if begun is None:
             return
-        count = len(begun.manifest.hashes) - begun.held
-        fds = put_blocks(peer, begun.put, begun.held, count) if count else []
-        if isinstance(fds, m.ErrorReply):
+        fds = _v2_blocks(liar, peer, begun.put, begun.held, len(begun.manifest.hashes))
+        if fds is None:
             return
         try:
             for index, fd in enumerate(fds, start=begun.held):
                 write_block(fd, begun.manifest, begun.tensors, index)
-            commit(peer, begun.put)
+            _commit_as_honest(liar, peer, begun.put, owner, tokens)
             time.sleep(0.05)
             for fd in fds:
                 os.pwrite(fd, os.urandom(64), begun.manifest.block_slots[0].start)
@@ -503,7 +535,8 @@ def blocks_written_after_commit(liar: Liar) -> None:
 
 def block_size_lie(liar: Liar) -> None:
     """A v2 put of the honest clients' shared prefix declaring block_size 1 for blocks it
-    writes whole: an honest put told they are held must not pay for it."""
+    writes whole: an honest put told they are held must not pay for it. (The daemon refuses
+    it at put_begin when it holds them, at commit when it does not.)"""
     with liar.peer() as peer:
         tokens = [*SHARED_PREFIX, *(liar.rng.randrange(1, 50_000) for _ in range(5))]
         owner = liar.rng.choice(HONEST)
@@ -527,16 +560,15 @@ def block_size_lie(liar: Liar) -> None:
             write_manifest(reply.fd, manifest, tensors)
         finally:
             os.close(reply.fd)
-        count = len(manifest.hashes) - reply.held
-        fds = put_blocks(peer, reply.put, reply.held, count) if count else []
-        if isinstance(fds, m.ErrorReply):
+        fds = _v2_blocks(liar, peer, reply.put, reply.held, len(manifest.hashes))
+        if fds is None:
             return
         for index, fd in enumerate(fds, start=reply.held):
             try:
                 write_block(fd, manifest, tensors, index)
             finally:
                 os.close(fd)
-        commit(peer, reply.put)
+        _commit_as_honest(liar, peer, reply.put, owner, tokens)
 
 
 def pipelined_begins(liar: Liar) -> None:
@@ -629,7 +661,7 @@ def poisoned_prefix(liar: Liar) -> None:
 @dataclass(frozen=True)
 class Kind:
     action: Callable[[Liar], None]
-    default: bool  # off: a known break whose fix is not in yet (turn it on once it is)
+    default: bool  # off: a trust limit, or a known break whose fix is not in yet
 
 
 KINDS: dict[str, Kind] = {
@@ -637,7 +669,7 @@ KINDS: dict[str, Kind] = {
     "lying_header": Kind(lying_header, True),
     "truncated_before_commit": Kind(truncated_before_commit, True),
     "grown_staging": Kind(grown_staging, True),
-    "wire_floats": Kind(wire_floats, False),  # store_ms 1e308: put taken, never ended
+    "wire_floats": Kind(wire_floats, True),
     "header_floats": Kind(header_floats, True),
     "closed_mid_put": Kind(closed_mid_put, True),
     "closed_mid_frame": Kind(closed_mid_frame, True),
@@ -647,15 +679,14 @@ KINDS: dict[str, Kind] = {
     "wrong_ids": Kind(wrong_ids, True),
     "abandoned_puts": Kind(abandoned_puts, True),
     "garbage_blocks": Kind(garbage_blocks, True),
-    # Known breaks, fixed elsewhere: on once merged.
-    "truncated_after_commit": Kind(truncated_after_commit, False),  # SIGBUS in the writer
-    "written_after_commit": Kind(written_after_commit, False),  # the stored file is its own
-    "garbage_shared_blocks": Kind(garbage_shared_blocks, False),  # honest puts told "held"
-    "blocks_written_after_commit": Kind(blocks_written_after_commit, False),  # shared: mutable
-    "block_size_lie": Kind(block_size_lie, False),  # stored, counted 1 B a block
-    "pipelined_begins": Kind(pipelined_begins, False),  # past max_open_puts
-    "trickled_frame": Kind(trickled_frame, False),  # frame timeout re-armed per read
-    "hoarded_leases": Kind(hoarded_leases, False),  # leases pin the cap
+    "truncated_after_commit": Kind(truncated_after_commit, True),
+    "written_after_commit": Kind(written_after_commit, True),
+    "garbage_shared_blocks": Kind(garbage_shared_blocks, True),
+    "blocks_written_after_commit": Kind(blocks_written_after_commit, True),
+    "block_size_lie": Kind(block_size_lie, True),
+    "pipelined_begins": Kind(pipelined_begins, True),
+    "trickled_frame": Kind(trickled_frame, True),
+    "hoarded_leases": Kind(hoarded_leases, True),
     # Not a bug of the daemon's but of the trust it is given: any client may put under any
     # identity, so one can supersede and replace another engine's entries (a threat-model
     # fact, off so the run checks the rest).

@@ -1,8 +1,9 @@
 """The randomized hostile-client run (bench/hostile.py), short, and what it found, each alone.
 
-The run's kinds on by default are the lies the daemon withstands today; a kind left off is a
-known break whose fix is not in yet (bench/hostile.py KINDS says which). The run is seeded:
-a failure names its seed, and `bench/hostile.py --seed N --seconds S` replays it.
+The run's kinds on by default are the lies the daemon withstands; a kind left off is one it
+is not meant to withstand (a client's word on identities is trusted) or a known break whose
+fix is not in yet (bench/hostile_kinds.py KINDS says which). The run is seeded: a failure
+names its seed, and `bench/hostile.py --seed N --seconds S` replays it.
 """
 
 from __future__ import annotations
