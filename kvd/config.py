@@ -260,6 +260,17 @@ class Config:
             "would go over is closed (over_limit)",
         ),
     )
+    share_between_users: bool = field(
+        default=False,
+        metadata=setting(
+            values.boolean,
+            "BOOL",
+            "members of `socket_group` share the daemon's identities (every member trusted); "
+            "otherwise a peer of another uid reaches only identities whose namespace starts "
+            "with its tenant, `uid:<uid>/`",
+            "false",
+        ),
+    )
     config_file: Path | None = None  # the file that was read, if any (not itself a setting)
 
 

@@ -82,6 +82,20 @@ def text(value: object) -> str:
     return value
 
 
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+
+
+def boolean(value: object) -> bool:
+    """A TOML boolean, or a string: true, yes, on, 1 or false, no, off, 0 (in any case)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word not in _TRUE | _FALSE:
+        raise ValueError(f"expected true or false, got {value!r}")
+    return word in _TRUE
+
+
 def choice(kind: type[StrEnum]) -> Callable[[object], StrEnum]:
     def parse(value: object) -> StrEnum:
         try:

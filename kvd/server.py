@@ -36,7 +36,7 @@ from kvd.logs import get_logger
 from kvd.metrics_http import metrics_listener, serve_metrics
 from kvd.peercred import peer_credentials
 from kvd.sd_notify import Notifier, watchdog_interval
-from kvd.session import Peer, Session, raw_socket
+from kvd.session import Peer, Session, raw_socket, tenant_of
 from kvd.status import status_report
 from kvd.tier import Tier
 from kvd.watcher import reconcile_periodically, watch_entries
@@ -94,7 +94,11 @@ class Server:
                     await stream.send(refusal)
                     return
                 admin = credentials.uid in (os.getuid(), 0)
-                peer = Peer(session_id, credentials, admin=admin)
+                # A peer of another uid (a socket_group member) names only identities of its
+                # own user, unless the deployment trusts every member with the daemon's.
+                shared = admin or self.config.share_between_users
+                tenant = "" if shared else tenant_of(credentials.uid)
+                peer = Peer(session_id, credentials, admin=admin, tenant=tenant)
                 self.peers[session_id] = peer
                 try:
                     await Session(self.tier, stream, peer, self.status, self.frames).run()

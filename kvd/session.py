@@ -25,6 +25,7 @@ from anyio.abc import TaskGroup
 from kvd_protocol import messages as m
 from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, ConnectionClosed, Role
 from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from kvd_protocol.identity import Identity
 
 from kvd import __version__, socket_io
 from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
@@ -90,12 +91,21 @@ class _Outgoing:
         self.close_after = ()
 
 
+def tenant_of(uid: int) -> str:
+    """The namespace prefix of the identities a peer of uid may name (see Peer.tenant)."""
+    return f"uid:{uid}/"
+
+
 @dataclass
 class Peer:
     session: int
     credentials: PeerCredentials
     name: str = ""
     admin: bool = False  # the daemon's own uid or root: may evict
+    # "" (the daemon's uid, root, or every peer when share_between_users): any identity; else
+    # every identity the peer names has a namespace that starts with this (its hello reply
+    # says so): its entries are its own, out of reach of other users' engines and of theirs.
+    tenant: str = ""
 
 
 class Session:
@@ -465,12 +475,15 @@ class Session:
             server=__version__,
             limits=self.tier.limits,
             features=FEATURES,
+            tenant=self.peer.tenant,
         )
 
     def _ping(self, request: m.Request) -> m.PingReply:
         return m.PingReply(id=request.id)
 
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
         self.tier.telemetry.prefill_reported(request.identity, request.prefill_cost)
         put, skip, fd = await self.tier.begin_put(
             self.peer.session,
@@ -512,6 +525,8 @@ class Session:
         )
 
     def _lookup(self, request: m.Lookup) -> m.LookupReply:
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
         found = self.tier.lookup(
             self.peer.session, request.identity, request.tokens, request.min_tokens
         )
@@ -527,6 +542,8 @@ class Session:
         )
 
     def _find_checkpoint(self, request: m.FindCheckpoint) -> m.FindCheckpointReply:
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
         found = self.tier.find_checkpoint(
             self.peer.session, request.identity, request.key, request.prompt
         )
@@ -542,8 +559,45 @@ class Session:
         )
 
     def _forget_checkpoint(self, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
         removed = self.tier.forget_checkpoint(request.identity, request.key)
         return m.ForgetCheckpointReply(id=request.id, removed=removed)
+
+    def _check_identity(self, request: m.Request, identity: Identity) -> None:
+        """PERMISSION_DENIED unless identity is under the peer's tenant."""
+        if not identity.namespace.startswith(self.peer.tenant):
+            raise self._refused(request, f"namespace {identity.namespace!r}")
+
+    def _check_digest(self, request: m.Request, digest: str) -> None:
+        """PERMISSION_DENIED unless the identity of digest is under the peer's tenant, as
+        its names say (learnt from a request naming it, or from an entry's header at start).
+        One without entries shows nothing: it passes. One whose names are unknown does not."""
+        if not self.tier.catalog.holds(digest):
+            return
+        names = self.tier.telemetry.identities.get(digest)
+        if names is None:
+            raise self._refused(request, f"identity {digest}, whose namespace kvd does not know")
+        if not names.namespace.startswith(self.peer.tenant):
+            raise self._refused(request, f"identity {digest} (namespace {names.namespace!r})")
+
+    def _refused(
+        self, request: m.Request, named: str, instead: str = "name identities under it"
+    ) -> ProtocolError:
+        """A request of a tenant's that reaches beyond it: logged (rate-limited) and told."""
+        peer = self.peer
+        broken_rules.warning(
+            "identity_not_the_tenants",
+            session=peer.session,
+            uid=peer.credentials.uid,
+            op=request.op,
+            tenant=peer.tenant,
+        )
+        return ProtocolError(
+            ErrorCode.PERMISSION_DENIED,
+            f"{request.op}: {named} is not under this connection's tenant {peer.tenant!r} "
+            f"(uid {peer.credentials.uid}, the hello reply's tenant): {instead}",
+        )
 
     def _release(self, request: m.Release) -> m.ReleaseReply:
         self.tier.end_lease(self.peer.session, request.lease, request.report)
@@ -563,6 +617,14 @@ class Session:
         return m.StatusReply(id=request.id, status=self.status())
 
     def _list(self, request: m.ListEntries) -> m.ListEntriesReply:
+        if self.peer.tenant:
+            if request.identity is None:
+                # Picking a tenant's entries out of every identity's would cost a page a walk
+                # of the tier: a tenant lists its identities one at a time.
+                raise self._refused(
+                    request, "every identity", "list one identity of yours (its digest)"
+                )
+            self._check_digest(request, request.identity)
         entries, more = self.tier.list_entries(request.identity, request.limit, request.after)
         return m.ListEntriesReply(id=request.id, entries=tuple(entries), more=more)
 
@@ -579,6 +641,8 @@ class Session:
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
             )
+        if self.peer.tenant and (record := self.tier.catalog.records.get(request.entry)):
+            self._check_digest(request, record.identity)
         problem, quarantined = await self.tier.verify(
             self.peer.session, request.entry, request.repair
         )

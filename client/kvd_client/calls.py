@@ -9,6 +9,8 @@ state both keep across connections: ids, the current Connection, reconnect backo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -273,6 +275,21 @@ class Link:
         if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
             self.prefill_cost = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
 
+    @property
+    def tenant(self) -> str:
+        """The prefix the daemon last connected to puts before this client's namespaces: ""
+        for an engine of the daemon's own user; "uid:<uid>/" for one of another user (or
+        every user, when the daemon's users share)."""
+        return "" if self.server is None else self.server.tenant
+
+    def scope(self, identity: WireIdentity) -> WireIdentity:
+        """identity as the daemon knows it: its namespace under the tenant. Idempotent: an
+        identity read back from an entry's header is under it already."""
+        tenant = self.tenant
+        if identity.namespace.startswith(tenant):
+            return identity
+        return dataclasses.replace(identity, namespace=tenant + identity.namespace)
+
     def offers(self, feature: str) -> bool:
         """Whether the daemon last connected to announced feature in its hello."""
         return self.server is not None and feature in self.server.features
@@ -463,6 +480,16 @@ class Evicted:
 # --- calls ------------------------------------------------------------------------------------
 
 
+def scoped(link: Link, identity: WireIdentity) -> Call[WireIdentity]:
+    """identity under the tenant the daemon gives this client (Link.scope). A client that no
+    daemon has answered yet (made while it was down) connects first, with a ping; if that
+    fails too, the request that follows finds out (and says so as it would)."""
+    if link.server is None:
+        with contextlib.suppress(DaemonUnavailable, DaemonError):
+            expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
+    return link.scope(identity)
+
+
 def ping(link: Link) -> Call[float]:
     expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
     return link.last_round_trip
@@ -481,12 +508,13 @@ def flush(link: Link, timeout: float | None) -> Call[bool]:
 def list_entries(
     link: Link, identity: WireIdentity | str | None, after: str | None, limit: int | None
 ) -> Call[list[EntrySummary]]:
-    digest = identity.digest() if isinstance(identity, WireIdentity) else identity
+    if isinstance(identity, WireIdentity):
+        identity = (yield from scoped(link, identity)).digest()
     entries: list[EntrySummary] = []
     epoch: int | None = None
     while limit is None or len(entries) < limit:
         page = LIST_PAGE if limit is None else min(LIST_PAGE, limit - len(entries))
-        request = ListEntries(id=link.next_id(), identity=digest, limit=page, after=after)
+        request = ListEntries(id=link.next_id(), identity=identity, limit=page, after=after)
         reply = expect((yield Exchange(request, epoch=epoch)), ListEntriesReply)
         epoch = link.epoch
         entries.extend(reply.entries)
@@ -499,10 +527,11 @@ def list_entries(
 def evict(
     link: Link, entry: str | None, identity: WireIdentity | str | None, everything: bool
 ) -> Call[Evicted]:
-    digest = identity.digest() if isinstance(identity, WireIdentity) else identity
-    if (entry is not None) + (digest is not None) + everything != 1:
+    if isinstance(identity, WireIdentity):
+        identity = (yield from scoped(link, identity)).digest()
+    if (entry is not None) + (identity is not None) + everything != 1:
         raise ValueError("evict: give exactly one of entry, identity, all")
-    request = Evict(id=link.next_id(), entry=entry, identity=digest, all=everything)
+    request = Evict(id=link.next_id(), entry=entry, identity=identity, all=everything)
     reply = expect((yield Exchange(request)), EvictReply)
     return Evicted(reply.evicted, reply.bytes)
 
@@ -526,6 +555,7 @@ def put_entry(
     client's block size is not 0 and some layer is blocked with a whole block of tokens; the
     daemon says how many leading blocks it holds already, and only the others are written."""
     started = time.perf_counter()
+    identity = yield from scoped(link, identity)  # the header names it as the daemon does
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     plan: EntryPlan | ManifestPlan
     hashes, block_size = b"", 0  # put_begin's block fields: none for a version 1 entry
@@ -695,6 +725,7 @@ def lookup(
     """The longest usable cached prefix of tokens, mapped, or None (a miss), also when it is
     shorter than min_tokens (what the engine already holds). Nothing here raises into the
     engine: an unreachable daemon or an unusable file is a miss, counted."""
+    identity = yield from scoped(link, identity)
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
     request = Lookup(id=link.next_id(), identity=identity, tokens=packed, min_tokens=asked)
@@ -708,6 +739,7 @@ def find_checkpoint(
     link: Link, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
 ) -> Call[LookupHit | None]:
     """The newest generation checkpoint stored under key that extends prompt, or None."""
+    identity = yield from scoped(link, identity)
     packed = prompt if isinstance(prompt, bytes) else pack_tokens(prompt)
     request = FindCheckpoint(id=link.next_id(), identity=identity, key=key, prompt=packed)
     return (
@@ -717,6 +749,7 @@ def find_checkpoint(
 
 def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]:
     """Drop the checkpoints of a finished generation; how many went."""
+    identity = yield from scoped(link, identity)
     request = ForgetCheckpoint(id=link.next_id(), identity=identity, key=key)
     return expect((yield Exchange(request)), ForgetCheckpointReply).removed
 

@@ -425,6 +425,10 @@ class HelloReply(Reply):
     server: str = field(metadata=wire(_name))  # the daemon's version
     limits: Limits = field(metadata=wire(_limits))
     features: tuple[str, ...] = field(metadata=wire(_features))
+    # Added within version 1 (left out at its default): the prefix the namespace of every
+    # identity this peer names must start with ("": none). A peer of another uid than the
+    # daemon's gets one, so that it reaches only its own user's entries.
+    tenant: str = field(default="", metadata=wire(_name))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

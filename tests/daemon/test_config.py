@@ -232,6 +232,7 @@ VALID = {
     "metrics_port": ("9464", 9464),
     "lease_max_age": ("120", 120.0),
     "frame_buffer_bytes": ("64MiB", 64 << 20),
+    "share_between_users": ("true", True),
 }
 
 
@@ -262,6 +263,14 @@ def test_toml_numbers_are_accepted_for_sizes_and_durations(
     path = write_toml(tmp_path / "kvd.toml", "max_bytes = 4096\nshutdown_deadline = 2.5\n")
     config = load(["--config", str(path)], environ)
     assert (config.max_bytes, config.shutdown_deadline) == (4096, 2.5)
+
+
+def test_a_switch_takes_a_toml_boolean_or_a_word(environ: dict[str, str], tmp_path: Path) -> None:
+    path = write_toml(tmp_path / "kvd.toml", "share_between_users = true\n")
+    assert load(["--config", str(path)], environ).share_between_users is True
+    assert load(["--share-between-users", "Off"], environ).share_between_users is False
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load(["--share-between-users", "maybe"], environ)
 
 
 def test_empty_socket_group_means_owner_only(environ: dict[str, str]) -> None:

@@ -226,6 +226,17 @@ def test_put_begin_carries_a_prefill_cost_only_when_measured() -> None:
             _decode(PutBegin, {**measured.to_wire(), "prefill_cost": bad})
 
 
+def test_a_hello_reply_names_a_tenant_only_when_there_is_one() -> None:
+    assert "tenant" not in HELLO_REPLY.to_wire()  # what a client that predates it reads
+    assert _decode(HelloReply, HELLO_REPLY.to_wire()) == HELLO_REPLY
+    tenant = replace(HELLO_REPLY, tenant="uid:501/")
+    assert tenant.to_wire()["tenant"] == "uid:501/"
+    assert _decode(HelloReply, tenant.to_wire()) == tenant
+    with pytest.raises(ProtocolError) as caught:
+        _decode(HelloReply, {**tenant.to_wire(), "tenant": 501})
+    assert caught.value.code is ErrorCode.BAD_MESSAGE
+
+
 def test_nested_maps_are_checked_strictly() -> None:
     identity = {**IDENTITY.to_wire(), "extra": "x"}
     with pytest.raises(ProtocolError, match="identity"):
