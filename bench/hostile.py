@@ -390,7 +390,7 @@ def accounting_problems(peer: RawPeer, tier: Path) -> list[str]:
 
 
 def _row(key: str, count: int | str) -> None:
-    print(f"{key:<44}{count:>8}")
+    print(f"{key:<50}{count:>8}")
 
 
 def print_table(result: Result, seconds: float, seed: int, kinds: list[str]) -> None:

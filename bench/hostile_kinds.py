@@ -271,7 +271,8 @@ def grown_staging(liar: Liar) -> None:
 
 def wire_floats(liar: Liar) -> None:
     """Non-finite, negative and huge floats where the wire takes a float: prefill cost, store
-    time, ticket and flush timeouts."""
+    time, ticket and flush timeouts. Out of the protocol's bounds, each is a bad_message and
+    the connection goes on."""
     with liar.peer() as peer:
         liar.put(peer, prefill_cost=liar.float_lie(), store_ms=liar.float_lie())
         ticket = liar.rng.randrange(1, 1000)
@@ -283,6 +284,12 @@ def wire_floats(liar: Liar) -> None:
                 liar.call(peer, request)
             except ValueError:
                 liar.tally.count(liar.tally.errors, "refused by the client's own checks")
+        try:
+            answered = isinstance(peer.call(m.Ping(id=peer.next_id())), m.PingReply)
+        except (EOFError, OSError):
+            answered = False
+        if not answered:
+            liar.tally.problem("a connection sent floats out of bounds was not served after")
 
 
 def header_floats(liar: Liar) -> None:
