@@ -78,8 +78,8 @@ class Tally:
 class Stored:
     """The honest entries stored: hostile clients aim at them, the end restores them. And the
     liars' puts under an honest identity whose commit was accepted: legitimate in substance
-    (every block they lied about was held, or refused), stored beside the honest ones, so the
-    end looks them up apart."""
+    (a lie moot where the blocks were held, or told after the commit sealed what they wrote),
+    stored beside the honest ones, so the end looks them up apart."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     whole: dict[tuple[str, bytes], list[bytes]] = field(default_factory=dict)  # its tensors
