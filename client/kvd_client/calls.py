@@ -9,7 +9,6 @@ state both keep across connections: ids, the current Connection, reconnect backo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -482,11 +481,10 @@ class Evicted:
 
 def scoped(link: Link, identity: WireIdentity) -> Call[WireIdentity]:
     """identity under the tenant the daemon gives this client (Link.scope). A client that no
-    daemon has answered yet (made while it was down) connects first, with a ping; if that
-    fails too, the request that follows finds out (and says so as it would)."""
+    daemon has answered yet (made while it was down) connects first, with a ping: raises
+    DaemonUnavailable as the call's own request would."""
     if link.server is None:
-        with contextlib.suppress(DaemonUnavailable, DaemonError):
-            expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
+        expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
     return link.scope(identity)
 
 
@@ -555,13 +553,13 @@ def put_entry(
     client's block size is not 0 and some layer is blocked with a whole block of tokens; the
     daemon says how many leading blocks it holds already, and only the others are written."""
     started = time.perf_counter()
-    identity = yield from scoped(link, identity)  # the header names it as the daemon does
+    named = link.scope(identity)  # the header names it as the daemon does
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     plan: EntryPlan | ManifestPlan
     hashes, block_size = b"", 0  # put_begin's block fields: none for a version 1 entry
     if _blocks_for(link, packed, layers):
         plan = plan_manifest(
-            identity,
+            named,
             packed,
             layers,
             block_tokens=link.block_tokens,
@@ -576,7 +574,7 @@ def put_entry(
         size, hashes, block_size = plan.entry.file_size, b"".join(plan.hashes), plan.block_size
     else:
         plan = plan_entry(
-            identity,
+            named,
             packed,
             layers,
             created=created,
@@ -587,9 +585,26 @@ def put_entry(
         )
         write = partial(entry_io.write_entry, plan=plan, views=entry_io.tensor_views(plan, tensors))
         size = plan.file_size
+    if link.server is None:  # planned without the daemon's word (its tenant and features)
+        try:
+            yield from scoped(link, identity)
+        except (DaemonUnavailable, DaemonError) as exc:
+            return _not_begun(link, exc)
+        again = put_entry(
+            link,
+            identity,
+            packed,
+            layers,
+            tensors,
+            created=created,
+            min_reuse=min_reuse,
+            checkpoint=checkpoint,
+            meta=meta,
+        )
+        return (yield from again)
     request = PutBegin(
         id=link.next_id(),
-        identity=identity,
+        identity=named,
         tokens=packed,
         size=size,
         prefill_cost=link.prefill_cost if link.offers(PREFILL_COST_FEATURE) else 0.0,
@@ -599,11 +614,8 @@ def put_entry(
     )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
-    except DaemonUnavailable as exc:
-        link.stats.unavailable_puts += 1
-        return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), link.epoch)
-    except DaemonError as exc:
-        return PutOutcome(None, TicketState("failed", str(exc)), link.epoch)
+    except (DaemonUnavailable, DaemonError) as exc:
+        return _not_begun(link, exc)
     epoch = link.epoch
     if begin.skip is not None:
         return PutOutcome(None, TicketState("stored", begin.skip), epoch)
@@ -631,6 +643,14 @@ def put_entry(
             return PutOutcome(None, TicketState("failed", str(exc)), epoch)
         raise
     return PutOutcome(ticket, TicketState("pending"), epoch)
+
+
+def _not_begun(link: Link, exc: DaemonUnavailable | DaemonError) -> PutOutcome:
+    """A put the daemon could not be asked for (unavailable, counted) or refused (failed)."""
+    if isinstance(exc, DaemonUnavailable):
+        link.stats.unavailable_puts += 1
+        return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), link.epoch)
+    return PutOutcome(None, TicketState("failed", str(exc)), link.epoch)
 
 
 def _blocks_for(link: Link, tokens: bytes, layers: Sequence[LayerSpec]) -> bool:
@@ -725,12 +745,14 @@ def lookup(
     """The longest usable cached prefix of tokens, mapped, or None (a miss), also when it is
     shorter than min_tokens (what the engine already holds). Nothing here raises into the
     engine: an unreachable daemon or an unusable file is a miss, counted."""
-    identity = yield from scoped(link, identity)
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
-    request = Lookup(id=link.next_id(), identity=identity, tokens=packed, min_tokens=asked)
+
+    def ask(named: WireIdentity) -> Lookup:
+        return Lookup(id=link.next_id(), identity=named, tokens=packed, min_tokens=asked)
+
     found = _found(
-        link, request, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
+        link, ask, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
     )
     return (yield from found)
 
@@ -739,12 +761,12 @@ def find_checkpoint(
     link: Link, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
 ) -> Call[LookupHit | None]:
     """The newest generation checkpoint stored under key that extends prompt, or None."""
-    identity = yield from scoped(link, identity)
     packed = prompt if isinstance(prompt, bytes) else pack_tokens(prompt)
-    request = FindCheckpoint(id=link.next_id(), identity=identity, key=key, prompt=packed)
-    return (
-        yield from _found(link, request, FindCheckpointReply, identity, packed, checkpoint_key=key)
-    )
+
+    def ask(named: WireIdentity) -> FindCheckpoint:
+        return FindCheckpoint(id=link.next_id(), identity=named, key=key, prompt=packed)
+
+    return (yield from _found(link, ask, FindCheckpointReply, identity, packed, checkpoint_key=key))
 
 
 def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]:
@@ -756,7 +778,7 @@ def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]
 
 def _found(
     link: Link,
-    request: Request,
+    ask: Callable[[WireIdentity], Request],
     kind: type[LookupReply],
     identity: WireIdentity,
     packed: bytes,
@@ -764,13 +786,15 @@ def _found(
     checkpoint_key: str | None,
     min_tokens: int = 0,
 ) -> Call[LookupHit | None]:
-    """Map the entry a lookup or checkpoint reply offers, after checking it answers the ask."""
+    """Map the entry a lookup or checkpoint reply offers (ask: the request, naming identity
+    under the tenant), after checking it answers the ask."""
     try:
-        reply = expect((yield Exchange(request)), kind)
+        identity = yield from scoped(link, identity)
+        reply = expect((yield Exchange(ask(identity))), kind)
     except (DaemonUnavailable, DaemonError) as exc:
         link.stats.failed_lookups += 1
         link.stats.misses[UNAVAILABLE if isinstance(exc, DaemonUnavailable) else "refused"] += 1
-        log.info("%s missed: %s", request.op, exc)
+        log.info("%s missed: %s", kind.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
         link.stats.misses["no entry"] += 1

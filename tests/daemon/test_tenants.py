@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored
-from daemon_process import running_daemon
+from daemon_process import Daemon, running_daemon
 from kvd_client import Client
+from kvd_client.calls import DEFAULT_BACKOFF, Link
 from kvd_protocol import Checkpoint, LayerSpec, TensorSpec
 from kvd_protocol import messages as m
 from kvd_protocol.tokens import pack_tokens
@@ -61,6 +62,11 @@ def _as_nobody(work: Callable[[], object]) -> Any:
 
 def _code(reply: m.Reply) -> str:
     return reply.code.value if isinstance(reply, m.ErrorReply) else reply.op
+
+
+def _unconnected(daemon: Daemon) -> Client:
+    link = Link(daemon.socket_path, SETTLE_SECONDS, "tenant", DEFAULT_BACKOFF, verify=True)
+    return Client(link)
 
 
 def _put(client: Client, tokens: list[int], seed: int) -> str:
@@ -149,8 +155,11 @@ def test_an_engine_of_another_user_restores_its_own_entries_unseen_by_the_owner(
     with running_daemon(tmp_path, FLAGS) as daemon, Client.connect(daemon.socket_path) as owner:
 
         def engine() -> dict[str, object]:
-            with Client.connect(daemon.socket_path, require=True) as client:
-                tensors = put_stored(client, IDENTITY, PROMPT, seed=4)
+            # Each call of a client made while the daemon was down (not connected) learns
+            # the tenant first.
+            with _unconnected(daemon) as putter:
+                tensors = put_stored(putter, IDENTITY, PROMPT, seed=4)
+            with _unconnected(daemon) as client:
                 hit = client.lookup(IDENTITY, [*PROMPT, 1])
                 assert hit is not None
                 with hit:
