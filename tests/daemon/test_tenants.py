@@ -91,14 +91,11 @@ def test_a_tenant_cannot_read_replace_or_supersede_the_owners_entry(tmp_path: Pa
                 seen["lookup"] = _code(peer.call(lookup))
                 began = peer.try_begin(IDENTITY, LONGER, seed=2)
                 seen["put_begin"] = _code(began) if isinstance(began, m.Reply) else "began"
-                seen["list"] = [
-                    _code(
-                        peer.call(
-                            m.ListEntries(id=peer.next_id(), identity=of, limit=9, after=None)
-                        )
-                    )
-                    for of in (None, IDENTITY.digest())
+                pages = [
+                    m.ListEntries(id=peer.next_id(), identity=of, limit=9, after=None)
+                    for of in (None, IDENTITY.digest())  # every identity; the owner's
                 ]
+                seen["list"] = [_code(peer.call(page)) for page in pages]
                 verify = m.Verify(id=peer.next_id(), entry=owners.id, repair=False)
                 seen["verify"] = _code(peer.call(verify))
             with Client.connect(daemon.socket_path, require=True) as client:
