@@ -40,14 +40,11 @@ from _daemon import Daemon, socket_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "daemon"))
 from blocks_e2e import (  # the end-to-end tests' raw clients
-    begin,
-    commit,
     kv_tensors,
     look_up,
-    put_blocks,
+    put_v2_settled,
     read_manifest,
     status,
-    write_block,
 )
 from daemon_e2e import RawPeer, entry
 from hostile_kinds import (
@@ -62,7 +59,6 @@ from hostile_kinds import (
     chosen_kinds,
 )
 from kvd_client.client import Client, LookupResult
-from kvd_protocol import messages as m
 from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
@@ -171,7 +167,7 @@ def honest_shared(shared: Shared, rng: random.Random) -> None:
             owner = rng.choice(HONEST)
             tail = [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 40))]
             tokens = [*SHARED_PREFIX, *tail]
-            state, reason = _honest_v2_put(peer, owner, tokens)
+            state, reason = put_v2_settled(peer, owner, tokens)
             tally.count(tally.honest, f"shared put {put_outcome(state, reason)}")
             if state != "stored" and "block" in (reason or ""):  # its own blocks are sound
                 tally.problem(f"an honest put paid for another's block: {state}, {reason}")
@@ -183,31 +179,6 @@ def honest_shared(shared: Shared, rng: random.Random) -> None:
                 tally.count(tally.honest, f"shared lookup {outcome}")
                 if outcome == "wrong":
                     tally.problem(f"an honest v2 entry restored wrong: {asked.model_id}")
-
-
-def _honest_v2_put(peer: RawPeer, owner: Identity, tokens: list[int]) -> tuple[str, str | None]:
-    """A v2 put made as an engine makes it: its ticket's state and reason, or "refused" and
-    the error code when a request of it was refused."""
-    begun = begin(peer, owner, tokens)
-    if isinstance(begun, m.ErrorReply):
-        return "refused", begun.code.value
-    count = len(begun.manifest.hashes) - begun.held
-    if count:
-        fds = put_blocks(peer, begun.put, begun.held, count)
-        if isinstance(fds, m.ErrorReply):
-            peer.call(m.PutAbort(id=peer.next_id(), put=begun.put))
-            return "refused", fds.code.value
-        for index, fd in enumerate(fds, start=begun.held):
-            try:
-                write_block(fd, begun.manifest, begun.tensors, index)
-            finally:
-                os.close(fd)
-    ticket = commit(peer, begun.put)
-    if isinstance(ticket, m.ErrorReply):
-        return "refused", ticket.code.value
-    reply = peer.call(m.WaitTicket(id=peer.next_id(), ticket=ticket, timeout=SETTLE_SECONDS))
-    assert isinstance(reply, m.TicketReply), reply
-    return reply.state, reply.reason
 
 
 # --- the run --------------------------------------------------------------------------------

@@ -165,6 +165,33 @@ def wait(peer: RawPeer, ticket: int) -> m.TicketReply:
     return reply
 
 
+def put_v2_settled(
+    peer: RawPeer, identity: Identity, tokens: Sequence[int]
+) -> tuple[str, str | None]:
+    """A whole v2 put made as an engine makes it, for a test that lets it fail: its ticket's
+    state and reason once settled, or "refused" and the error code when a request of it was
+    refused (the put aborted)."""
+    begun = begin(peer, identity, tokens)
+    if isinstance(begun, m.ErrorReply):
+        return "refused", begun.code.value
+    count = len(begun.manifest.hashes) - begun.held
+    if count:
+        fds = put_blocks(peer, begun.put, begun.held, count)
+        if isinstance(fds, m.ErrorReply):
+            peer.call(m.PutAbort(id=peer.next_id(), put=begun.put))
+            return "refused", fds.code.value
+        for index, fd in enumerate(fds, start=begun.held):
+            try:
+                write_block(fd, begun.manifest, begun.tensors, index)
+            finally:
+                os.close(fd)
+    ticket = commit(peer, begun.put)
+    if isinstance(ticket, m.ErrorReply):
+        return "refused", ticket.code.value
+    reply = wait(peer, ticket)
+    return reply.state, reply.reason
+
+
 def put_v2(peer: RawPeer, identity: Identity, tokens: Sequence[int]) -> Begun:
     """A whole v2 put, waited for until stored; what it began with."""
     begun = begin(peer, identity, tokens)

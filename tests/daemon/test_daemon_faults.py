@@ -22,15 +22,13 @@ from blocks_e2e import (
     Begun,
     assert_counts_equal_the_directory,
     begin,
-    commit,
     kv_tensors,
     look_up,
-    put_blocks,
     put_v2,
+    put_v2_settled,
     same,
     status,
     wait,
-    write_block,
     write_blocks,
 )
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored, report
@@ -209,7 +207,7 @@ def put_and_look_up_v2(socket_path: str, rounds: int) -> Outcomes:
             owner = identity(round_ % V2_IDENTITIES)
             prefix = list(range(round_ % V2_IDENTITIES * 100, round_ % V2_IDENTITIES * 100 + 32))
             tokens = [*prefix, *rng.sample(range(5000, 9000), 21)]
-            state = _put_v2_or_fail(peer, owner, tokens)
+            state, _ = put_v2_settled(peer, owner, tokens)
             outcomes.tickets[state] += 1
             if state == "stored":
                 stored.append((owner, tokens))
@@ -226,28 +224,6 @@ def put_and_look_up_v2(socket_path: str, rounds: int) -> Outcomes:
                     assert exact, f"a hit served bytes its put never wrote: {served[:4]}..."
                     outcomes.exact_hits += 1
     return outcomes
-
-
-def _put_v2_or_fail(peer: RawPeer, owner: Identity, tokens: list[int]) -> str:
-    """A whole v2 put; its ticket's state, or "refused" when a request of it failed."""
-    begun = begin(peer, owner, tokens)
-    if isinstance(begun, m.ErrorReply):
-        return "refused"
-    count = len(begun.manifest.hashes) - begun.held
-    if count:
-        fds = put_blocks(peer, begun.put, begun.held, count)
-        if isinstance(fds, m.ErrorReply):
-            peer.call(m.PutAbort(id=peer.next_id(), put=begun.put))
-            return "refused"
-        for index, fd in enumerate(fds, start=begun.held):
-            try:
-                write_block(fd, begun.manifest, begun.tensors, index)
-            finally:
-                os.close(fd)
-    ticket = commit(peer, begun.put)
-    if isinstance(ticket, m.ErrorReply):
-        return "refused"
-    return wait(peer, ticket).state
 
 
 def test_random_disk_faults_with_shared_blocks_never_serve_a_bad_block(
