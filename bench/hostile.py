@@ -46,7 +46,7 @@ from blocks_e2e import (  # the end-to-end tests' raw clients
     read_manifest,
     status,
 )
-from daemon_e2e import RawPeer, entry
+from daemon_e2e import RawPeer, entry, read_back
 from hostile_kinds import (
     FRAME_TIMEOUT,
     HONEST,
@@ -58,7 +58,7 @@ from hostile_kinds import (
     Stored,
     chosen_kinds,
 )
-from kvd_client.client import Client, LookupResult
+from kvd_client.client import Client
 from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
@@ -78,17 +78,6 @@ EXPECTED_ERRORS = ("write_failed",)
 
 
 # --- honest clients -----------------------------------------------------------------------------
-
-
-def read_back(hit: LookupResult) -> list[bytes]:
-    """Every tensor's bytes, read by pread and checked against its checksum as a restore
-    reads them; EntryFormatError for a damage."""
-    data = []
-    for slot, fill in zip(hit.header.slots, hit.fills(), strict=True):
-        buffer = bytearray(slot.nbytes)
-        fill([memoryview(buffer)])
-        data.append(bytes(buffer))
-    return data
 
 
 def restores_exactly(client: Client, owner: Identity, tokens: bytes, stored: Stored) -> str:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
-from kvd_client.client import Client
+from kvd_client.client import Client, LookupResult
 from kvd_client.entry_io import tensor_views, write_entry
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
@@ -271,3 +271,14 @@ def python_child(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
     finally:
         child.kill()
         child.wait()
+
+
+def read_back(hit: LookupResult) -> list[bytes]:
+    """Every tensor's bytes, read by pread and checked against its checksum as a restore reads
+    them; EntryFormatError for a damage."""
+    data = []
+    for slot, fill in zip(hit.header.slots, hit.fills(), strict=True):
+        buffer = bytearray(slot.nbytes)
+        fill([memoryview(buffer)])
+        data.append(bytes(buffer))
+    return data

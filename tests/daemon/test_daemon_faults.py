@@ -31,10 +31,10 @@ from blocks_e2e import (
     wait,
     write_blocks,
 )
-from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored, report
+from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored, read_back, report
 from daemon_process import Daemon, socket_folder
 from fault_shim import SOURCE, Faults, built_or_skip
-from kvd_client.client import Client, LookupResult
+from kvd_client.client import Client
 from kvd_protocol import messages as m
 from kvd_protocol.errors import EntryFormatError
 from kvd_protocol.identity import Identity
@@ -84,17 +84,6 @@ def identity(number: int) -> Identity:
         codec_id=IDENTITY.codec_id,
         runtime=IDENTITY.runtime,
     )
-
-
-def read_back(hit: LookupResult) -> list[bytes]:
-    """Every tensor's bytes, read by pread and checked against its checksum as a restore reads
-    them; EntryFormatError for a damage."""
-    data = []
-    for slot, fill in zip(hit.header.slots, hit.fills(), strict=True):
-        buffer = bytearray(slot.nbytes)
-        fill([memoryview(buffer)])
-        data.append(bytes(buffer))
-    return data
 
 
 def put_and_look_up(client: Client, rounds: int) -> Outcomes:

@@ -10,6 +10,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from daemon_e2e import (
     staging_files,
     wait_until,
 )
-from daemon_process import running_daemon
+from daemon_process import Daemon, running_daemon
 from fault_shim import built_or_skip
 from kvd_client.client import Client
 from kvd_protocol import messages as m
@@ -326,6 +327,46 @@ def test_a_small_frame_is_read_whole_though_others_fill_the_frame_budget(tmp_pat
 
 # --- leases cannot freeze the tier ----------------------------------------------------------
 
+PROMPTS = [[i, *range(100, 110)] for i in range(3)]
+
+
+@contextlib.contextmanager
+def _full_tier(
+    tmp_path: Path, entries: int, flags: Sequence[str] = ()
+) -> Iterator[tuple[Daemon, Client, RawPeer]]:
+    """A daemon whose cap holds entries entries of ENTRY_BYTES, stored (PROMPTS[:entries]);
+    with an honest client and a reader that takes leases."""
+    cap = ["--max-bytes", str(entries * ENTRY_BYTES), "--min-free", "0"]
+    with (
+        running_daemon(tmp_path, [*cap, *flags]) as daemon,
+        Client.connect(daemon.socket_path, require=True) as honest,
+        RawPeer(daemon.socket_path) as reader,
+    ):
+        for seed, prompt in enumerate(PROMPTS[:entries]):
+            put_stored(honest, IDENTITY, prompt, seed=seed)
+        yield daemon, honest, reader
+
+
+def _leased(reader: RawPeer, prompt: list[int]) -> m.LookupReply:
+    """A lookup hit of prompt's entry, its lease held (its descriptor the caller's)."""
+    hit = reader.call(
+        m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompt, 1]))
+    )
+    assert isinstance(hit, m.LookupReply), hit
+    assert hit.lease is not None
+    return hit
+
+
+def _committed(putter: RawPeer, put: int) -> m.TicketReply:
+    """Commit a begun put and wait for its ticket's answer."""
+    commit = putter.call(m.PutCommit(id=putter.next_id(), put=put))
+    assert isinstance(commit, m.PutCommitReply), commit
+    answer = putter.call(
+        m.WaitTicket(id=putter.next_id(), ticket=commit.ticket, timeout=SETTLE_SECONDS)
+    )
+    assert isinstance(answer, m.TicketReply), answer
+    return answer
+
 
 def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
     tmp_path: Path,
@@ -333,24 +374,9 @@ def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
     """With the cap full of leased entries, a put used to be written, answered stored and
     evicted at once; it is refused at put_begin, naming the leased bytes, and goes in once
     a lease ends."""
-    flags = ["--max-bytes", str(3 * ENTRY_BYTES), "--min-free", "0"]
-    prompts = [[i, *range(100, 110)] for i in range(3)]
-    with (
-        running_daemon(tmp_path, flags) as daemon,
-        Client.connect(daemon.socket_path, require=True) as honest,
-        RawPeer(daemon.socket_path) as reader,
-    ):
-        for seed, prompt in enumerate(prompts):
-            put_stored(honest, IDENTITY, prompt, seed=seed)
-        leases = []
-        for prompt in prompts:
-            hit = reader.call(
-                m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompt, 1]))
-            )
-            assert isinstance(hit, m.LookupReply)
-            assert hit.lease is not None
-            _close_all([hit])
-            leases.append(hit.lease)
+    with _full_tier(tmp_path, 3) as (daemon, honest, reader):
+        hits = [_leased(reader, prompt) for prompt in PROMPTS]
+        _close_all(list(hits))
         assert report(honest)["leased_bytes"] == 3 * ENTRY_BYTES
         with RawPeer(daemon.socket_path) as putter:
             refused = putter.try_begin(IDENTITY, [9, 9, 9], seed=9)
@@ -358,16 +384,10 @@ def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
             assert refused.code is ErrorCode.NO_SPACE
             assert f"leased entries hold {3 * ENTRY_BYTES} bytes" in refused.message
             assert staging_files(daemon.tier) == []
-            release = reader.call(m.Release(id=reader.next_id(), lease=leases[0]))
+            release = reader.call(m.Release(id=reader.next_id(), lease=hits[0].lease or 0))
             assert isinstance(release, m.ReleaseReply)
             put = putter.begin(IDENTITY, [9, 9, 9], seed=9)
-            commit = putter.call(m.PutCommit(id=putter.next_id(), put=put))
-            assert isinstance(commit, m.PutCommitReply)
-            answer = putter.call(
-                m.WaitTicket(id=putter.next_id(), ticket=commit.ticket, timeout=SETTLE_SECONDS)
-            )
-            assert isinstance(answer, m.TicketReply)
-            assert answer.state == "stored"
+            assert _committed(putter, put).state == "stored"
         assert report(honest)["entries"] == 3  # the one released made room
 
 
@@ -396,30 +416,15 @@ def test_leased_bytes_count_each_shared_block_once(tmp_path: Path) -> None:
 def test_an_entry_evicted_as_soon_as_it_is_stored_is_not_answered_stored(tmp_path: Path) -> None:
     """Leases taken between a put's begin and its store fill the cap: holding the cap takes
     the new entry itself, and its ticket says so (it used to say stored)."""
-    flags = ["--max-bytes", str(2 * ENTRY_BYTES), "--min-free", "0"]
-    prompts = [[i, *range(100, 110)] for i in range(2)]
     with (
-        running_daemon(tmp_path, flags) as daemon,
-        Client.connect(daemon.socket_path, require=True) as honest,
-        RawPeer(daemon.socket_path) as reader,
+        _full_tier(tmp_path, 2) as (daemon, honest, reader),
         RawPeer(daemon.socket_path) as putter,
     ):
-        for seed, prompt in enumerate(prompts):
-            put_stored(honest, IDENTITY, prompt, seed=seed)
-        first = reader.call(
-            m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompts[0], 1]))
-        )
+        first = _leased(reader, PROMPTS[0])
         put = putter.begin(IDENTITY, [9, 9, 9], seed=9)  # room: one entry is leased
-        second = reader.call(
-            m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*prompts[1], 1]))
-        )
+        second = _leased(reader, PROMPTS[1])
         assert _close_all([first, second]) == 2
-        commit = putter.call(m.PutCommit(id=putter.next_id(), put=put))
-        assert isinstance(commit, m.PutCommitReply)
-        answer = putter.call(
-            m.WaitTicket(id=putter.next_id(), ticket=commit.ticket, timeout=SETTLE_SECONDS)
-        )
-        assert isinstance(answer, m.TicketReply)
+        answer = _committed(putter, put)
         assert answer.state == "dropped"
         assert answer.reason is not None
         assert f"leased entries hold {2 * ENTRY_BYTES} bytes" in answer.reason
@@ -429,29 +434,14 @@ def test_an_entry_evicted_as_soon_as_it_is_stored_is_not_answered_stored(tmp_pat
 def test_a_lease_held_past_lease_max_age_ends_and_frees_the_tier(tmp_path: Path) -> None:
     """A reader that never releases keeps its entries from eviction for lease_max_age at
     most; its descriptor stays readable, and its release is told why it is gone."""
-    flags = ["--max-bytes", str(2 * ENTRY_BYTES), "--min-free", "0", "--lease-max-age", "1"]
-    prompts = [[i, *range(100, 110)] for i in range(2)]
-    with (
-        running_daemon(tmp_path, flags) as daemon,
-        Client.connect(daemon.socket_path, require=True) as honest,
-        RawPeer(daemon.socket_path) as reader,
-    ):
-        for seed, prompt in enumerate(prompts):
-            put_stored(honest, IDENTITY, prompt, seed=seed)
-        hits = [
-            reader.call(
-                m.Lookup(id=reader.next_id(), identity=IDENTITY, tokens=pack_tokens([*p, 1]))
-            )
-            for p in prompts
-        ]
-        assert all(isinstance(h, m.LookupReply) and h.lease is not None for h in hits)
+    with _full_tier(tmp_path, 2, ["--lease-max-age", "1"]) as (daemon, honest, reader):
+        hits = [_leased(reader, prompt) for prompt in PROMPTS[:2]]
         wait_until(lambda: report(honest)["leases_expired"] == 2, "the leases expire")
         status = report(honest)
         assert status["leased_entries"] == 0
         assert status["leased_bytes"] == 0
         put_stored(honest, IDENTITY, [7, *range(100, 110)], seed=7)  # evicts a former lease's
         for hit in hits:
-            assert isinstance(hit, m.LookupReply)
             assert hit.fd is not None
             assert len(os.pread(hit.fd, 4096, 0)) == 4096  # still the reader's to read
             os.close(hit.fd)
