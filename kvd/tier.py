@@ -14,12 +14,14 @@ before commit).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import operator
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import anyio
 from kvd_protocol.blocks import HASH_BYTES, block_name
@@ -45,7 +47,7 @@ from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.telemetry import Telemetry
 from kvd.tickets import TicketAnswer, Tickets
-from kvd.tier_dir import TierDir
+from kvd.tier_dir import BLOCKS_FOLDER, TierDir
 from kvd.writer import Writer
 
 log = get_logger("kvd.tier")
@@ -570,6 +572,32 @@ class Tier:
                 ) from None
             return f"unreadable: {exc}", False
         return problem, problem is not None and repair and entry not in self.catalog.records
+
+    def remove_empty_folders(self, folders: Iterable[Path]) -> int:
+        """Remove identity folders a listing found empty, whose identity the tier no longer
+        holds (no entry, pending ones included, no block, none being written): clients name
+        identities at will, and each would otherwise keep a folder, and the watcher a watch
+        on it, for ever. On the event loop (an rmdir of an empty folder or two), so that no
+        entry of the identity can be added meanwhile; the writer makes its folders again when
+        it needs them. How many went."""
+        removed = 0
+        for folder in folders:
+            digest = folder.name
+            if self.catalog.holds(digest) or self.catalog.blocks.identity_bytes(digest):
+                continue
+            if self.writer.writing(digest):
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    (folder / BLOCKS_FOLDER).rmdir()
+                folder.rmdir()
+            except OSError as exc:  # not empty after all (a file came), or gone
+                log.debug("folder_kept", folder=folder.name, error=str(exc))
+                continue
+            removed += 1
+        if removed:
+            log.info("empty_identity_folders_removed", count=removed)
+        return removed
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""

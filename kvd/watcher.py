@@ -106,6 +106,7 @@ class Changed:
     modified: set[str] = field(default_factory=set)
     blocks: set[Path] = field(default_factory=set)
     blocks_modified: set[Path] = field(default_factory=set)
+    empty_folders: set[Path] = field(default_factory=set)  # identity folders with no file
 
 
 def _listing(root: Path) -> Changed:
@@ -113,9 +114,23 @@ def _listing(root: Path) -> Changed:
     found = Changed()
     for folder in os.scandir(root):
         if folder.is_dir(follow_symlinks=False):
-            found.entries |= _folder_listing(Path(folder.path))
-            found.blocks |= _blocks_listing(Path(folder.path) / BLOCKS_FOLDER)
+            path = Path(folder.path)
+            entries = _folder_listing(path)
+            blocks = _blocks_listing(path / BLOCKS_FOLDER)
+            found.entries |= entries
+            found.blocks |= blocks
+            if not entries and not blocks and _holds_nothing_else(path):
+                found.empty_folders.add(path)
     return found
+
+
+def _holds_nothing_else(folder: Path) -> bool:
+    """Whether an identity folder holds nothing but, perhaps, its (empty) blocks folder."""
+    try:
+        with os.scandir(folder) as entries:
+            return all(entry.name == BLOCKS_FOLDER for entry in entries)
+    except OSError:
+        return False
 
 
 def _blocks_listing(folder: Path) -> set[Path]:
@@ -236,6 +251,8 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
     if orphans:
         log.info("orphan_blocks_collected", count=orphans)
     tier.evict_to_cap()
+    if found.empty_folders:
+        tier.remove_empty_folders(found.empty_folders)
 
 
 async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -> Block | None:

@@ -77,6 +77,12 @@ class Writer:
         self._changed = anyio.Event()  # pulsed whenever the queue moves
         self._work = anyio.Event()  # pulsed when the writer has something to do
 
+    def writing(self, digest: str) -> bool:
+        """Whether the entry being made durable now is of that identity (its folders may be
+        made by the writer's thread at any moment)."""
+        item = self.queue.in_flight
+        return item is not None and item.payload.record.identity == digest
+
     def pulse_changed(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import psutil
 import pytest
-from daemon_e2e import IDENTITY, RawPeer, put_stored, report
+from daemon_e2e import IDENTITY, RawPeer, put_stored, report, wait_until
 from daemon_process import Daemon, kvctl, running_daemon
 from kvd_client.client import Client
 from kvd_protocol import messages as m
@@ -103,6 +103,38 @@ def test_a_new_identity_per_request_does_not_grow_the_daemon(
     assert listed[IDENTITY.digest()]["entries"] == 1
     assert listed[IDENTITY.digest()]["hits"] == 0
     assert status["misses"] == len(invented)
+
+
+def test_an_identity_that_holds_nothing_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """A client naming a new identity with every put: each put made a folder under entries/
+    (and a watch on it) that outlived the identity's last entry, for ever. The full
+    reconcile removes the folders of identities the tier no longer holds; an identity put
+    again gets its folder back."""
+    flags = ["--max-bytes", str(256 << 10), "--min-free", "0", "--reconcile-interval", "0.5"]
+    with (
+        running_daemon(tmp_path, flags) as daemon,
+        Client.connect(daemon.socket_path, require=True) as client,
+    ):
+        invented = [_invented(n) for n in range(60)]
+        for seed, identity in enumerate(invented):
+            put_stored(client, identity, PROMPT, seed=seed)
+        entries = daemon.tier / "entries"
+
+        def folders_match_the_tier() -> bool:
+            holding = {i["identity"] for i in report(client)["identities"] if i["entries"]}
+            return set(os.listdir(entries)) == holding
+
+        wait_until(folders_match_the_tier, "the empty identity folders were removed")
+        assert 0 < len(os.listdir(entries)) < len(invented)  # the cap kept a few
+        assert invented[-1].digest() in os.listdir(entries)  # the newest holds its entry
+        first = invented[0]
+        assert first.digest() not in os.listdir(entries)
+        kept = put_stored(client, first, PROMPT, seed=99)  # its folder made again
+        result = client.lookup(first, [*PROMPT, 1])
+        assert result is not None
+        with result:
+            assert [bytes(v) for v in result.tensors] == [t.tobytes() for t in kept]
+    assert "empty_identity_folders_removed" in daemon.logs()
 
 
 def test_status_lists_at_most_its_cap_and_counts_the_rest(daemon: Daemon, witness: Client) -> None:
