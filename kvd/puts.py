@@ -11,18 +11,16 @@ the engine writes only the blocks after it, into staging files blocks() hands ou
 first asking, pre-sized; asked again, the same file). At commit every one of those must have
 been handed out; they join the block store with the manifest.
 
-Commit seals the put's files (sealing.py: no client can change them from then on) and checks
-them whole against the declaration on a worker thread: the manifest's header (and that the
-blocks held for it are the ones it lists), each block file's size, head and place in the
-manifest, every tensor's checksum. A put that lies fails alone, at its own commit
-(INVALID_ENTRY), before anything of it is indexed or offered to another put as held: held
-means committed and checked.
+Commit seals the put's files and checks them whole against the declaration on a worker
+thread (commit_check.py). A put that lies fails alone, at its own commit (INVALID_ENTRY),
+before anything of it is indexed or offered to another put as held: held means committed
+and checked.
 
 A staging file is pre-sized, so a put holds its bytes from begin on (the manifest's and its
-new blocks'). They count against the
-write-behind cap (staged and queued bytes together stay under it; drop-oldest can make room
-only by dropping queued entries, never staged ones) and against the free-disk floor (entries
-are evicted to keep it, else the put is refused with no_space). A connection holds at most
+new blocks'). They count against the write-behind cap (staged and queued bytes together stay
+under it; drop-oldest can make room only by dropping queued entries, never staged ones) and
+against the free-disk floor (entries are evicted to keep it, else the put is refused with
+no_space). A connection holds at most
 max_open_puts of them, and one not committed within put_timeout is aborted.
 """
 
@@ -38,14 +36,12 @@ from pathlib import Path
 from typing import Final, NoReturn, TypeVar
 
 import anyio
-from kvd_protocol.blocks import block_name
 from kvd_protocol.entry import EntryHeader
-from kvd_protocol.entry_reader import check_block
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 
-from kvd import entry_files, sealing
+from kvd import commit_check, entry_files
 from kvd.admission import Admission
 from kvd.blocks import Block
 from kvd.catalog import Catalog
@@ -499,7 +495,12 @@ class Puts:
         copies: dict[Path, Path] = {}  # a client's file -> the daemon's copy, as made
         try:
             return await anyio.to_thread.run_sync(
-                self._seal_and_check, put, copies, limiter=self._checks
+                commit_check.seal_and_check,
+                put,
+                self._catalog.dirs,
+                self._limits,
+                copies,
+                limiter=self._checks,
             )
         except EntryFormatError as exc:
             self.refused_at_commit += 1
@@ -521,65 +522,12 @@ class Puts:
                 if path == held:
                     put.block_files[index] = copy
 
-    def _seal_and_check(self, put: Put, copies: dict[Path, Path]) -> EntryHeader:
-        """On a worker thread: seal the manifest, check its header against the declaration
-        and the heads of the blocks held for it, then each new block file (sealed, its size,
-        head and place in the manifest, its checksums), then the manifest's own checksums.
-        Raises EntryFormatError."""
-        dirs = self._catalog.dirs
-        fd = self._seal(put.path, put.size, dirs.staging_path(f"{put.id}-{new_entry_id()}"), copies)
-        try:
-            header = entry_files.entry_head(fd, put.path.name, self._limits)
-            _check_matches_put(header, put, time.time())
-            digest = put.identity.digest()
-            for index, held in enumerate(put.pinned):
-                self._check_held(held, header, index)
-            for index, path in sorted(put.block_files.items()):
-                copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
-                block = self._seal(path, put.block_size, copy_to, copies)
-                try:
-                    name = dirs.block_path(digest, put.blocks[index]).name
-                    _check_block_size(block, name, put.block_size)
-                    entry_files.verify_block_at(block, name, header, index, self._limits)
-                finally:
-                    os.close(block)
-            entry_files.verify_slots(fd, put.path.name, header.slots)
-        finally:
-            os.close(fd)
-        return header
-
-    def _check_held(self, block: Block, manifest: EntryHeader, index: int) -> None:
-        """A block the put was told is held must be the one its manifest lists there: else a
-        reader of the manifest would report the block damaged, and the daemon's check would
-        take it, with every other manifest listing it. Its head is enough: the block itself
-        was checked whole at its own put's commit. One gone since is the caller's to see."""
-        name = block_name(block.hash)
-        final = self._catalog.dirs.block_path(block.identity, block.hash)
-        head = entry_files.held_block_head((block.path, final), name, self._limits)
-        if head is not None:
-            check_block(manifest, index, head, name)
-
-    @staticmethod
-    def _seal(path: Path, size: int, copy_to: Path, copies: dict[Path, Path]) -> int:
-        """A descriptor of path sealed (of its copy, noted in copies, if need be)."""
-        sealed = sealing.seal(path, size, copy_to)
-        if sealed.copied:
-            copies[path] = sealed.path
-        return sealed.fd
-
 
 # Commits checked at once, each on a worker thread of its own: one reads and checksums its
 # files whole, and many clients committing together must not take every thread of anyio's
 # default limiter, which the writer's syncs, the quarantine and the scans share. Two keep
 # both cores of a small machine busy; more would only queue on the disk and the cores.
 COMMIT_CHECKS: Final = 2
-
-# An entry's creation time (eviction ages entries by it) is not before 2020 (no entry file
-# was written then) nor ahead of the daemon's clock by more than this: engines run on the
-# daemon's machine, under its clock.
-CREATED_FIRST: Final = 1577836800.0  # 2020-01-01 UTC
-CREATED_SKEW_SECONDS: Final = 3600.0
-
 
 # A put's new blocks' staging files are each handed out at most this many times (put_blocks):
 # what a client that asks and never reads its replies can make the daemon open is bounded.
@@ -597,24 +545,6 @@ async def _on_loop_if_small(size: int, make: Callable[..., T], *args: object) ->
     if size <= STAGE_ON_LOOP_BYTES:
         return make(*args)
     return await anyio.to_thread.run_sync(make, *args)
-
-
-def _check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
-    """The file must hold what its put_begin declared: the daemon indexes by the declaration.
-    Its creation time must be one the daemon can age it by."""
-    problems = []
-    if not CREATED_FIRST <= header.created <= now + CREATED_SKEW_SECONDS:
-        problems.append(f"its creation time {header.created} is not between 2020 and now")
-    if header.identity != put.identity:
-        problems.append("its identity differs from the one declared at put_begin")
-    if header.tokens != put.tokens:
-        problems.append("its tokens differ from the ones declared at put_begin")
-    if header.file_size != put.size:
-        problems.append(f"its size {header.file_size} differs from the declared {put.size}")
-    if header.blocks != put.blocks or header.block_tokens != put.declared.block_tokens:
-        problems.append("its blocks differ from the ones declared at put_begin")
-    if problems:
-        raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
 
 
 # What a staging file may hold on disk beyond its declared size before its put counts as
@@ -646,15 +576,6 @@ def _check_held_size(held: list[Block], declared: int) -> None:
             ErrorCode.BAD_MESSAGE,
             f"block_size {declared} is not the size of the blocks the tier holds for these "
             f"tokens ({wrong.size} bytes)",
-        )
-
-
-def _check_block_size(fd: int, name: str, declared: int) -> None:
-    """A block file must be of the size its put_begin declared: the tier counts it so."""
-    size = os.fstat(fd).st_size
-    if size != declared:
-        raise EntryFormatError(
-            name, Rule.FILE_SIZE, f"{size} bytes, where put_begin declared {declared} a block"
         )
 
 
