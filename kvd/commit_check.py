@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from kvd_protocol.blocks import block_name
 from kvd_protocol.entry import EntryHeader
@@ -23,10 +23,8 @@ from kvd_protocol.limits import Limits
 
 from kvd import entry_files, sealing
 from kvd.blocks import Block
+from kvd.staged_put import Put
 from kvd.tier_dir import TierDir, new_entry_id
-
-if TYPE_CHECKING:
-    from kvd.puts import Put
 
 # An entry's creation time (eviction ages entries by it) is not before 2020 (no entry file
 # was written then) nor ahead of the daemon's clock by more than this: engines run on the

@@ -31,7 +31,6 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, NoReturn, TypeVar
 
@@ -49,6 +48,7 @@ from kvd.config import Config, quota_for
 from kvd.durability import disk_free
 from kvd.logs import RateLimited, get_logger
 from kvd.records import EntryRecord
+from kvd.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.telemetry import Telemetry
 from kvd.tickets import Tickets
 from kvd.tier_dir import new_entry_id
@@ -58,53 +58,6 @@ log = get_logger("kvd.puts")
 broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DeclaredBlocks:
-    """What a v2 put_begin says of the entry's blocks: their hashes in order, the tokens in
-    each, every block file's exact size. None of them for a v1 entry."""
-
-    hashes: tuple[bytes, ...] = ()
-    block_tokens: int = 0
-    block_size: int = 0
-
-
-NO_BLOCKS = DeclaredBlocks()
-
-
-@dataclass(eq=False)
-class Put:
-    """A staging file handed to an engine, not yet committed."""
-
-    id: int
-    owner: int  # the connection that began it
-    identity: Identity
-    tokens: bytes
-    size: int
-    path: Path
-    began: float = field(default_factory=time.monotonic)
-    declared: DeclaredBlocks = NO_BLOCKS
-    pinned: list[Block] = field(default_factory=list)  # the first len(pinned) are held
-    block_files: dict[int, Path] = field(default_factory=dict)  # new blocks handed out
-    handed: int = 0  # block descriptors handed out (block_files)
-
-    @property
-    def blocks(self) -> tuple[bytes, ...]:
-        return self.declared.hashes
-
-    @property
-    def block_size(self) -> int:
-        return self.declared.block_size
-
-    @property
-    def held(self) -> int:
-        return len(self.pinned)
-
-    @property
-    def reserved(self) -> int:
-        """The bytes the put will add: its manifest and the blocks the tier does not hold."""
-        return self.size + (len(self.blocks) - self.held) * self.block_size
 
 
 class Puts:

@@ -31,7 +31,7 @@ from kvd import __version__, socket_io
 from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.logs import RateLimited, get_logger
 from kvd.peercred import PeerCredentials
-from kvd.puts import DeclaredBlocks
+from kvd.staged_put import DeclaredBlocks
 from kvd.tier import Tier, summary
 
 log = get_logger("kvd.session")

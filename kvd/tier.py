@@ -42,9 +42,10 @@ from kvd.leases import Leases
 from kvd.logs import RateLimited, get_logger
 from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
-from kvd.puts import NO_BLOCKS, DeclaredBlocks, Put, Puts
+from kvd.puts import Puts
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
+from kvd.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.telemetry import Telemetry
 from kvd.tickets import TicketAnswer, Tickets
 from kvd.tier_dir import BLOCKS_FOLDER, TierDir
