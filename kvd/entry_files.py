@@ -16,6 +16,7 @@ from typing import Final
 from kvd_protocol.checksum import new_checksum
 from kvd_protocol.entry import PREFIX_BYTES, BlockHeader, EntryHeader, Slot
 from kvd_protocol.entry_reader import (
+    Prefix,
     check_block,
     check_slot_digest,
     check_slot_length,
@@ -78,10 +79,14 @@ def read_header(path: Path, limits: Limits) -> EntryHeader:
 
 def entry_head(fd: int, name: str, limits: Limits) -> EntryHeader:
     """read_header of an open file; name: for errors only."""
+    return parse_header(name, *_raw_head(fd, name, limits), limits)
+
+
+def _raw_head(fd: int, name: str, limits: Limits) -> tuple[Prefix, bytes, int]:
+    """An open file's parsed prefix, its header's bytes and the file's real size."""
     size = os.fstat(fd).st_size
     prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), limits)
-    head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
-    return parse_header(name, prefix, head, size, limits)
+    return prefix, os.pread(fd, prefix.header_length, PREFIX_BYTES), size
 
 
 class ChangedError(Exception):
@@ -183,10 +188,7 @@ def held_block_head(paths: tuple[Path, ...], name: str, limits: Limits) -> Block
 
 def block_head(fd: int, name: str, limits: Limits) -> BlockHeader:
     """read_block_header of an open file, named name (its hash) in blocks/."""
-    size = os.fstat(fd).st_size
-    prefix = parse_prefix(name, os.pread(fd, PREFIX_BYTES, 0), limits)
-    head = os.pread(fd, prefix.header_length, PREFIX_BYTES)
-    return parse_block_header(name, prefix, head, size, limits)
+    return parse_block_header(name, *_raw_head(fd, name, limits), limits)
 
 
 def verify_data(path: Path, header: EntryHeader | BlockHeader) -> None:

@@ -482,9 +482,10 @@ class Puts:
 # both cores of a small machine busy; more would only queue on the disk and the cores.
 COMMIT_CHECKS: Final = 2
 
-# A put's new blocks' staging files are each handed out at most this many times (put_blocks):
-# what a client that asks and never reads its replies can make the daemon open is bounded.
-HANDOUTS_PER_BLOCK = 2
+# A block's descriptor is handed out at most this many times to one holder: a put's staging
+# files (put_blocks), a lease's blocks (open_blocks: once to read, once more after a failure).
+# What a client that asks and never reads its replies can make the daemon open is bounded.
+HANDOUTS_PER_BLOCK: Final = 2
 
 
 # Staging files up to this size in all are made on the event loop: open and fallocate of 32

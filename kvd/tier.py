@@ -42,7 +42,7 @@ from kvd.leases import Leases
 from kvd.logs import RateLimited, get_logger
 from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
-from kvd.puts import Puts
+from kvd.puts import HANDOUTS_PER_BLOCK, Puts
 from kvd.quarantine import Quarantine
 from kvd.records import EntryRecord
 from kvd.staged_put import NO_BLOCKS, DeclaredBlocks, Put
@@ -56,10 +56,6 @@ broken_rules = RateLimited(log)  # a client may break a rule as often as it like
 
 SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 LISTING_RETRY_S = 5.0  # start-up's listing failed (an I/O error): tried again after this
-# A lease's blocks are each handed out at most this many times (open_blocks; once to read,
-# once more to read again after a failure): what a client that asks and never reads its
-# replies can make the daemon open is bounded by its leases.
-OPENS_PER_BLOCK = 2
 
 
 class Tier:
@@ -409,11 +405,11 @@ class Tier:
                 ErrorCode.BAD_MESSAGE,
                 f"entry {record.id} has {len(blocks)} blocks, not {first}..{first + count - 1}",
             )
-        if lease.opened + count > OPENS_PER_BLOCK * len(blocks):
+        if lease.opened + count > HANDOUTS_PER_BLOCK * len(blocks):
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
                 f"lease {lease_id} had {lease.opened} block descriptors of entry {record.id}'s "
-                f"{len(blocks)} blocks: each is handed out at most {OPENS_PER_BLOCK} times",
+                f"{len(blocks)} blocks: each is handed out at most {HANDOUTS_PER_BLOCK} times",
             )
         fds: list[int] = []
         try:
@@ -501,10 +497,10 @@ class Tier:
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
         """A client could not use the entry's file (damaged: why): the file is checked and
         quarantined if it fails (a client's word alone never removes an entry). A pending
-        entry is verified by the writer. Checks are bounded (CheckLimit): a report that finds
+        entry was checked whole at its commit. Checks are bounded (CheckLimit): a report that finds
         no turn, or names an entry found intact a moment ago, is logged and not checked."""
         if not record.durable or record.id in self._checking:
-            return  # the writer checks it, or another engine reported it too: one check
+            return  # checked at its commit, or another engine reported it too: one check
         if self.checks.recently_intact(record.id):
             self.checks.skipped += 1
             broken_rules.warning(

@@ -1,15 +1,15 @@
 """The writer: committed entries made durable, one at a time, in commit order.
 
 A committed entry joins the write-behind queue (writeback.py) and the catalog at once, so it
-is readable before it is durable. Its files were sealed and checked whole at commit (puts.py):
-the writer syncs it and renames it into place; then the entry supersedes its ancestors and
-the tier evicts down to its cap. A v2 entry's blocks not yet durable go first, in order, each
-synced and renamed into its blocks folder, the folder synced once after them: a manifest is
-durable only after its blocks are. A block found damaged later (a lookup, a scan) takes with
-it every manifest that lists it (blocks are shared: another put may have been told it was
-held). Every queued entry leaves through finish(), whatever ends it (stored, failed, dropped
-by the overflow policy, cancelled by a successor or a forgotten generation): its record
-follows the outcome and its ticket gets its answer there.
+is readable before it is durable. Its files were sealed and checked whole at commit
+(commit_check.py): the writer syncs it and renames it into place; then the entry supersedes
+its ancestors and the tier evicts down to its cap. A v2 entry's blocks not yet durable go
+first, in order, each synced and renamed into its blocks folder, the folder synced once after
+them: a manifest is durable only after its blocks are. A block found damaged later (a
+lookup, a scan) takes with it every manifest that lists it (blocks are shared: another put
+may have been told it was held). Every queued entry leaves through finish(), whatever ends it
+(stored, failed, dropped by the overflow policy, cancelled by a successor or a forgotten
+generation): its record follows the outcome and its ticket gets its answer there.
 """
 
 from __future__ import annotations
