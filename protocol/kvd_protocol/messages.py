@@ -1,30 +1,48 @@
 """The messages of protocol version 1: one frozen dataclass per request and per reply.
 
 A message's wire map is {"op": <op>, "id": <id>, <its fields>}; every field is always present
-(an absent value is nil), and a field's checker lives beside its declaration. OPS pairs each
-request class with its reply class: the one table of operations. See PROTOCOL.md.
+(an absent value is nil), and a field's declaration names its checker (fields.py); each class
+is a Record (record.py). OPS pairs each request class with its reply class: the one table of
+operations. See PROTOCOL.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Self
 
 from . import schema
-from .blocks import HASH_BYTES, MIN_BLOCK_TOKENS, block_hashes, check_block_tokens, split_hashes
+from .blocks import HASH_BYTES, block_hashes, check_block_tokens, split_hashes
 from .errors import ErrorCode, ProtocolError
+from .fields import U32 as U32  # noqa: PLC0414 - re-exported: importers read it from here
+from .fields import (
+    _at_most,
+    _bool,
+    _choice,
+    _error_code,
+    _features,
+    _hashes,
+    _identity,
+    _limits,
+    _name,
+    _optional,
+    _prose,
+    _seconds,
+    _status,
+    _token_count,
+    _tokens,
+    _uint,
+    wire,
+)
 from .identity import Identity
 from .limits import Limits
+from .record import Record
 from .tokens import TOKEN_BYTES
 
 PROTOCOL_VERSION: Final = 1
-U32: Final = (1 << 32) - 1
-U64: Final = (1 << 64) - 1
-MAX_FEATURES: Final = 256
 SKIP_REASONS: Final = ("duplicate", "covered")
 BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
 PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
@@ -38,135 +56,8 @@ MAX_PREFILL_COST: Final = 60.0  # seconds of prefill per token: a minute
 MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read: a PiB
 MAX_LIST_PAGE: Final = 10_000  # entries in one list reply: ~1.3 MB, well within a frame
 
-# A field checker: (decoded value, field name, limits) -> the field's Python value.
-# It raises schema.SchemaError (a bad message) or ProtocolError (a specific code, e.g. TOO_LARGE).
-Check = Callable[[object, str, Limits], Any]
 
-
-def wire(check: Check) -> dict[str, Check]:
-    """The metadata of a dataclass field that is on the wire, checked by check when decoded."""
-    return {"check": check}
-
-
-# --- field checkers ---------------------------------------------------------------------------
-
-
-def _uint(lo: int = 0, hi: int = U64) -> Check:
-    def check(value: object, what: str, limits: Limits) -> int:
-        if type(value) is int and lo <= value <= hi:  # the usual case, without a call
-            return value
-        return schema.integer(value, what, lo, hi)
-
-    return check
-
-
-def _name(value: object, what: str, limits: Limits) -> str:
-    return schema.text(value, what, limits.max_name_bytes)
-
-
-def _prose(value: object, what: str, limits: Limits) -> str:
-    """Free text (error messages, reasons): bounded only by the frame."""
-    return schema.text(value, what, limits.max_frame_bytes)
-
-
-def _seconds(value: object, what: str, limits: Limits) -> float:
-    return schema.number(value, what, 0.0, sys.float_info.max)
-
-
-def _at_most(hi: float) -> Check:
-    """A finite number in 0..hi (a duration, a measure)."""
-
-    def check(value: object, what: str, limits: Limits) -> float:
-        return schema.number(value, what, 0.0, hi)
-
-    return check
-
-
-def _token_count(value: object, what: str, limits: Limits) -> int:
-    """A count of tokens: at most the max_tokens one request may carry."""
-    if type(value) is int and 0 <= value <= limits.max_tokens:  # the usual case, without a call
-        return value
-    return schema.integer(value, what, 0, limits.max_tokens)
-
-
-def _bool(value: object, what: str, limits: Limits) -> bool:
-    return schema.boolean(value, what)
-
-
-def _optional(check: Check) -> Check:
-    return lambda value, what, limits: None if value is None else check(value, what, limits)
-
-
-def _choice(choices: tuple[str, ...]) -> Check:
-    def check(value: object, what: str, limits: Limits) -> str:
-        if value not in choices:
-            raise schema.SchemaError(f"{what}: expected one of {list(choices)}, got {value!r}")
-        return str(value)
-
-    return check
-
-
-def _tokens(value: object, what: str, limits: Limits) -> bytes:
-    max_bytes = limits.max_tokens * TOKEN_BYTES
-    if type(value) is bytes and len(value) <= max_bytes and not len(value) % TOKEN_BYTES:
-        return value  # the usual case, without a call
-    if isinstance(value, bytes) and len(value) > max_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE,
-            f"{what}: {len(value) // TOKEN_BYTES} tokens, over the limit of {limits.max_tokens}",
-        )
-    return schema.binary(value, what, max_bytes, TOKEN_BYTES)
-
-
-def _hashes(value: object, what: str, limits: Limits) -> bytes:
-    """Block hashes, concatenated: as many as max_tokens tokens make blocks at the least."""
-    max_bytes = limits.max_tokens // MIN_BLOCK_TOKENS * HASH_BYTES
-    return schema.binary(value, what, max_bytes, HASH_BYTES)
-
-
-def _identity(value: object, what: str, limits: Limits) -> Identity:
-    return Identity.from_wire(value, limits)
-
-
-def _limits(value: object, what: str, limits: Limits) -> Limits:
-    names = {f.name for f in dataclasses.fields(Limits)}
-    raw = schema.fields(value, what, names)
-    return Limits(**{name: schema.integer(raw[name], f"{what}.{name}", 1, U32) for name in names})
-
-
-def _features(value: object, what: str, limits: Limits) -> tuple[str, ...]:
-    items = schema.sequence(value, what, MAX_FEATURES)
-    return tuple(_name(item, what, limits) for item in items)
-
-
-_ERROR_CODES = frozenset(code.value for code in ErrorCode)
-
-
-def _error_code(value: object, what: str, limits: Limits) -> ErrorCode:
-    if not isinstance(value, str) or value not in _ERROR_CODES:
-        raise schema.SchemaError(f"{what}: not an error code: {value!r}")
-    return ErrorCode(value)
-
-
-_PLAIN = (type(None), bool, int, float, str, bytes)
-
-
-def _status(value: object, what: str, limits: Limits) -> dict[str, Any]:
-    """Free-form, but maps with string keys holding plain msgpack values (no ext types)."""
-    if not isinstance(value, dict):
-        raise schema.SchemaError(f"{what}: expected a map, got {type(value).__name__}")
-    stack: list[object] = [value]
-    while stack:  # iterative: nesting may be deeper than Python's recursion limit
-        item = stack.pop()
-        if isinstance(item, dict):
-            if not all(isinstance(key, str) for key in item):
-                raise schema.SchemaError(f"{what}: map keys must be strings")
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif not isinstance(item, _PLAIN):
-            raise schema.SchemaError(f"{what}: {type(item).__name__} is not allowed")
-    return value
+# The checkers of the records declared below (fields.py holds the others).
 
 
 def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
@@ -180,115 +71,6 @@ def _report(value: object, what: str, limits: Limits) -> RestoreReport:
 def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ...]:
     items = schema.sequence(value, what, limits.max_frame_bytes)
     return tuple(_entry(item, what, limits) for item in items)
-
-
-# --- records ----------------------------------------------------------------------------------
-
-
-_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-
-
-def _encode(value: object) -> object:
-    if isinstance(value, Record):
-        return value.to_map()
-    if isinstance(value, Identity | Limits):
-        return value.to_wire()
-    if isinstance(value, tuple):
-        return [_encode(item) for item in value]
-    return value
-
-
-@dataclass(frozen=True)
-class _WireFields:
-    """A record class's wire fields, gathered once from its declarations."""
-
-    checked: tuple[tuple[str, Check], ...]  # (name, checker), in declaration order
-    required: frozenset[str]  # every key its map must hold, the envelope's included
-    # The keys it may leave out, with their defaults: fields added within a protocol version
-    # (a peer that predates one neither sends nor expects it).
-    optional: Mapping[str, object]
-    consistency: bool  # the class has rules across fields (overrides check_consistency)
-
-
-_wire_fields_cache: dict[type[Record], _WireFields] = {}
-
-
-def _wire_fields(cls: type[Record]) -> _WireFields:
-    """cls's wire fields, gathered on first use (callers look in the cache first: a call
-    fewer per message)."""
-    wired = [f for f in dataclasses.fields(cls) if "check" in f.metadata]
-    optional = {f.name: f.default for f in wired if f.default is not dataclasses.MISSING}
-    found = _wire_fields_cache[cls] = _WireFields(
-        checked=tuple((f.name, f.metadata["check"]) for f in wired),
-        required=frozenset(f.name for f in wired if f.name not in optional) | cls.envelope,
-        optional=optional,
-        consistency=cls.check_consistency is not Record.check_consistency,
-    )
-    return found
-
-
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class Record:
-    """A msgpack map with exactly the fields declared with wire().
-
-    Every record class is declared with eq=False and repr=False and shares the three methods
-    below: dataclass compiles each generated method for each class, and those of the classes
-    here were half of this module's import, paid by every start of the daemon.
-    """
-
-    envelope: ClassVar[frozenset[str]] = frozenset()  # keys checked by a subclass, not here
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self.__dict__ == other.__dict__  # every field, as a dataclass's __eq__ has it
-
-    def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-
-    def __repr__(self) -> str:
-        values = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
-        return f"{type(self).__qualname__}({', '.join(values)})"
-
-    @classmethod
-    def from_map(cls, obj: object, what: str, limits: Limits) -> Self:
-        """Strictly decode; raises schema.SchemaError or ProtocolError."""
-        spec = _wire_fields_cache.get(cls) or _wire_fields(cls)
-        # A map holding exactly the required keys (the usual) needs one set comparison.
-        if type(obj) is dict and obj.keys() == spec.required:
-            raw = obj
-        else:
-            raw = schema.fields(obj, what, spec.required, spec.optional.keys())
-        values = {}
-        for name, check in spec.checked:  # a loop, not a comprehension: one call fewer
-            if name in raw:
-                values[name] = check(raw[name], name, limits)
-        record = cls(**values)
-        if spec.consistency:
-            record.check_consistency()
-        return record
-
-    @classmethod
-    def checked(cls, values: Mapping[str, object]) -> Self:
-        """The record holding values, one for each of its fields, all checked already: what
-        its constructor does, without a call per field (for small_messages' decoders)."""
-        record = object.__new__(cls)
-        record.__dict__.update(values)
-        return record
-
-    def to_map(self) -> dict[str, object]:
-        spec = _wire_fields_cache.get(type(self)) or _wire_fields(type(self))
-        optional, values = spec.optional, self.__dict__
-        wire_map = {}
-        for name, _ in spec.checked:
-            value = values[name]
-            if name in optional and value == optional[name]:
-                continue
-            wire_map[name] = value if type(value) in _SCALARS else _encode(value)
-        return wire_map
-
-    def check_consistency(self) -> None:
-        """Rules across fields; raises schema.SchemaError."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

@@ -1,11 +1,11 @@
 """Ping, lookup, their replies and errors, coded by hand: most of an engine's exchanges.
 
-The generic path (messages.Record) walks each class's field table and calls a checker per
+The generic path (record.Record) walks each class's field table and calls a checker per
 field; for these few small messages that walk costs more than the exchange's system calls.
 Each decoder here takes a decoded body and returns its message only when the body has the
 usual shape and every field passes the test the field's checker starts with (its fast
 case); on anything else it returns None and the Connection takes the generic path, so every
-error and its text come from messages.py alone. Each encoder returns the map
+error and its text come from the generic path alone. Each encoder returns the map
 Message.to_wire() returns. tests/protocol/test_small_messages.py holds both to the generic
 path.
 """
