@@ -30,7 +30,7 @@ from .blocks import (
 )
 from .checksum import CHECKSUM_BYTES, checksum
 from .dtypes import ITEM_SIZES
-from .entry import (
+from .entry_model import (
     ALIGNMENT,
     CHECKSUMMED_PREFIX_BYTES,
     FLAG_BLOCK,
