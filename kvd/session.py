@@ -29,6 +29,7 @@ from kvd_protocol.identity import Identity
 
 from kvd import __version__, socket_io
 from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
+from kvd.handouts import Handouts, descriptors_asked
 from kvd.logs import RateLimited, get_logger
 from kvd.peercred import PeerCredentials
 from kvd.staged_put import DeclaredBlocks
@@ -38,11 +39,6 @@ log = get_logger("kvd.session")
 broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 
 RECEIVE_BYTES = 1 << 16
-# Descriptors a connection may have in replies its engine has not read (opened for a reply
-# not out yet, or out and still in the socket): an engine reads each reply before the next
-# request, so four batches are plenty; a client that asks and never reads is told over_limit
-# instead of making the daemon open more (in flight, they count against its open files).
-MAX_UNREAD_DESCRIPTORS = 4 * m.MAX_BLOCK_BATCH
 RECEIVE_FDS = 4  # clients never send descriptors; room to catch and close stray ones
 _RECEIVE_ANCILLARY = socket_io.ancillary_bytes(RECEIVE_FDS)
 FEATURES = (
@@ -59,14 +55,6 @@ FEATURES = (
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
 )
-
-
-def _descriptors_asked(request: m.Request) -> int:
-    """The most descriptors the reply to request may carry (0 for most requests)."""
-    op = request.op
-    if op in ("open_blocks", "put_blocks"):
-        return request.count  # type: ignore[attr-defined, no-any-return]
-    return 1 if op in ("lookup", "find_checkpoint", "put_begin") else 0
 
 
 def _checks_a_file(request: m.Request) -> bool:
@@ -129,12 +117,11 @@ class Session:
         self.frames = frames  # partial frames' bytes, across connections
         self._buffered = 0  # this connection's share of them
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
-        # Descriptors for replies not out yet, and out but maybe unread (see _may_hand_out).
-        self._fds_held = 0
-        self._fds_sent = 0
         self.stream = stream
         self.sock = raw_socket(stream)  # read and written directly: see socket_io
         self.peer = peer
+        # Descriptors for replies not out yet, and out but maybe unread.
+        self._handouts = Handouts(self.sock, peer.session, broken_rules)
         self.status = status
         self.conn = Connection(Role.SERVER, tier.limits)
         # Held by a reply that must wait to go out whole (see socket_io.send).
@@ -239,9 +226,9 @@ class Session:
                 if type(event) is BadRequest:
                     self._reply(event.reply())
                 elif isinstance(event, m.Request):
-                    asked = _descriptors_asked(event)
-                    if asked and not self._may_hand_out(asked):
-                        self._reply(self._unread_too_many(event))
+                    asked = descriptors_asked(event)
+                    if asked and not self._handouts.may_hand_out(asked):
+                        self._reply(self._handouts.too_many(event))
                         continue
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
@@ -254,7 +241,7 @@ class Session:
                         try:
                             self._reply(reply)
                         finally:
-                            self._handed_out(asked, reply)
+                            self._handouts.handed_out(asked, reply)
                             if tier.unbooked:  # a call fewer for every other request
                                 tier.book_lookups()
                     else:
@@ -355,33 +342,7 @@ class Session:
         try:
             await self._send(reply)
         finally:
-            self._handed_out(asked, reply)
-
-    def _may_hand_out(self, asked: int) -> bool:
-        """Whether asked more descriptors keep the connection within MAX_UNREAD_DESCRIPTORS;
-        if so they count from now (as held) until their reply is out (_handed_out). Those
-        sent count until the socket shows the engine has read everything sent to it."""
-        if self._fds_held + self._fds_sent + asked > MAX_UNREAD_DESCRIPTORS:
-            if self._fds_sent and not socket_io.unread_bytes(self.sock):
-                self._fds_sent = 0
-            if self._fds_held + self._fds_sent + asked > MAX_UNREAD_DESCRIPTORS:
-                return False
-        self._fds_held += asked
-        return True
-
-    def _handed_out(self, asked: int, reply: m.Reply) -> None:
-        self._fds_held -= asked
-        self._fds_sent += len(reply.fds)
-
-    def _unread_too_many(self, request: m.Request) -> m.ErrorReply:
-        unread = self._fds_held + self._fds_sent
-        broken_rules.warning("descriptors_unread", session=self.peer.session, descriptors=unread)
-        return m.ErrorReply(
-            id=request.id,
-            code=ErrorCode.OVER_LIMIT,
-            message=f"{unread} descriptors handed to this connection are not read yet (at most "
-            f"{MAX_UNREAD_DESCRIPTORS}): read the replies before asking for more",
-        )
+            self._handouts.handed_out(asked, reply)
 
     def _reply(self, reply: m.Reply) -> None:
         """Send a reply from the callback: at once when the kernel takes it whole (the

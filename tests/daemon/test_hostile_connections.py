@@ -36,7 +36,7 @@ from kvd_protocol.blocks import block_hashes
 from kvd_protocol.errors import ErrorCode
 from kvd_protocol.tokens import pack_tokens
 
-from kvd.session import MAX_UNREAD_DESCRIPTORS
+from kvd.handouts import MAX_UNREAD_DESCRIPTORS
 
 BATCH = m.MAX_BLOCK_BATCH
 FALLOCATE_HOLD_SHIM = Path(__file__).with_name("fallocate_hold_shim.c")
