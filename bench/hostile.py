@@ -47,16 +47,15 @@ from blocks_e2e import (  # the end-to-end tests' raw clients
     status,
 )
 from daemon_e2e import RawPeer, entry, read_back
-from hostile_kinds import (
+from hostile_kinds import KINDS, chosen_kinds
+from hostile_liar import (
     FRAME_TIMEOUT,
     HONEST,
-    KINDS,
     MAX_OPEN_PUTS,
     SHARED_PREFIX,
     Liar,
     Shared,
     Stored,
-    chosen_kinds,
 )
 from kvd_client.client import Client
 from kvd_protocol.errors import EntryFormatError
