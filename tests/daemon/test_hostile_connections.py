@@ -169,12 +169,9 @@ def test_open_blocks_asked_and_never_read_hand_out_a_bounded_number(tmp_path: Pa
         before = _open_descriptors(daemon.pid)
         leases = []
         for _ in range(8):
-            hit = peer.call(
-                m.Lookup(id=peer.next_id(), identity=IDENTITY, tokens=pack_tokens([*tokens, 1]))
-            )
-            assert isinstance(hit, m.LookupReply)
-            assert hit.lease is not None
+            hit = _leased(peer, tokens)
             _close_all([hit])
+            assert hit.lease is not None  # _leased checked it: said again for the types
             leases.append(hit.lease)
         asked = [
             m.OpenBlocks(id=peer.next_id(), lease=lease, first=0, count=BATCH)
@@ -493,12 +490,9 @@ def test_damage_reported_again_on_an_entry_found_intact_is_not_checked_again(
         tokens = list(range(2 * BLOCK_TOKENS + 3))
         put_v2(peer, IDENTITY, tokens)
         for _ in range(5):
-            hit = peer.call(
-                m.Lookup(id=peer.next_id(), identity=IDENTITY, tokens=pack_tokens([*tokens, 1]))
-            )
-            assert isinstance(hit, m.LookupReply)
-            assert hit.lease is not None
+            hit = _leased(peer, tokens)
             _close_all([hit])
+            assert hit.lease is not None
             reply = peer.call(m.Release(id=peer.next_id(), lease=hit.lease, damaged="it lies"))
             assert isinstance(reply, m.ReleaseReply)
         status = peer.call(m.Status(id=peer.next_id()))
