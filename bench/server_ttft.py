@@ -16,7 +16,7 @@ stock mlx_lm.server.
 The model is the tests' tiny model folder (2 llama layers, hidden 64, random float32 weights,
 a tokenizer trained on the spot): the prefill it saves is small next to a real model's, so the
 restored TTFT here is mostly the fixed cost of a request; a 32k-token cold prefill is the
-longest part of the run (README, "Measured").
+longest part of the run (docs/benchmarks.md).
 
     .venv/bin/python bench/server_ttft.py [--lengths 2048 8192 32768]
 """

@@ -1,7 +1,7 @@
 """The service definitions shipped in kvd/services/, rendered for one installation.
 
-The files in kvd/services/ are both what the README's manual steps copy and the templates
-`kvctl service install` renders: their placeholders are the README's (kvd in a virtual
+The files in kvd/services/ are both what the manual steps (docs/operations.md) copy and the
+templates `kvctl service install` renders: their placeholders are those steps' (kvd in a virtual
 environment at ~/.local/share/kvd/venv, the home /Users/USERNAME in a plist, the model
 %h/models/MODEL), and rendering replaces exactly those.
 """
@@ -21,7 +21,7 @@ SYSTEMD_SERVER_UNIT = "kvd-mlx-lm-server.service"
 LAUNCHD_LABEL = "local.kvd"
 LAUNCHD_SERVER_LABEL = "local.kvd-mlx-lm-server"
 
-# The placeholders, as the README writes them.
+# The placeholders, as the manual steps write them.
 README_BIN = ".local/share/kvd/venv/bin"
 SYSTEMD_BIN = f"%h/{README_BIN}"
 SYSTEMD_MODEL = "%h/models/MODEL"

@@ -116,7 +116,7 @@ class Tier:
         self.dirs.create()
         self._lock_fd = self.dirs.lock()
         # Start-up builds one long-lived object graph and frees nothing: the collector would
-        # only walk it again and again (README, "Start-up", has what that cost).
+        # only walk it again and again (docs/benchmarks.md, "Start-up", has what that cost).
         gc.disable()
         self._reaped = await anyio.to_thread.run_sync(recovery.reap_staging, self.dirs)
         self.catalog.deleter.reap()

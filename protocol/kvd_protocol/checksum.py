@@ -1,6 +1,6 @@
 """The checksum of entry headers and tensors: fixed 8 bytes, chosen by bench/checksum.py.
 
-xxh3-64 runs faster than a page-cache read on both targets (see README, "Measured"), so
+xxh3-64 runs faster than a page-cache read on both targets (see docs/benchmarks.md), so
 verifying a restore costs less than the read itself; zlib.crc32 and hashlib's digests do not.
 """
 
