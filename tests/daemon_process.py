@@ -23,8 +23,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvd_client.calls import DaemonUnavailable
 from kvd_client.client import Client
+from kvd_client.link import DaemonUnavailable
 
 START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0

@@ -12,16 +12,10 @@ from typing import TYPE_CHECKING, Any
 from kvd_protocol.identity import Identity as WireIdentity
 
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
-from kvd_client.calls import (
-    Backoff,
-    ClientStats,
-    DaemonError,
-    DaemonUnavailable,
-    Evicted,
-    TicketState,
-)
 from kvd_client.client import Client, LookupResult, Ticket
 from kvd_client.entry_io import TensorLayoutError
+from kvd_client.link import Backoff, ClientStats, DaemonError, DaemonUnavailable
+from kvd_client.results import Evicted, TicketState
 
 if TYPE_CHECKING:
     from kvd_client.codecs import CodecError, register_codec

@@ -23,18 +23,18 @@ from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import EntrySummary, Reply
 
 from . import calls
-from .calls import (
+from .calls import Call, Exchange
+from .entry_io import TensorData
+from .link import (
+    DEFAULT_BACKOFF,
     Backoff,
-    Call,
     ClientStats,
     DaemonUnavailable,
-    Evicted,
-    Exchange,
-    LookupHit,
-    PutOutcome,
-    TicketState,
+    Link,
+    default_client_name,
+    default_socket_path,
 )
-from .entry_io import TensorData
+from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
 from .transport import AsyncTransport, TransportClosed
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class AsyncClient:
     """A connection to the kvd daemon, re-made as needed. Make one with
     `await AsyncClient.connect()`."""
 
-    def __init__(self, link: calls.Link) -> None:
+    def __init__(self, link: Link) -> None:
         self._link = link
         self._transport: AsyncTransport | None = None
         self._lock = asyncio.Lock()
@@ -61,15 +61,15 @@ class AsyncClient:
         name: str | None = None,
         *,
         require: bool = False,
-        backoff: Backoff = calls.DEFAULT_BACKOFF,
+        backoff: Backoff = DEFAULT_BACKOFF,
         verify: bool = True,
         block_tokens: int = BLOCK_TOKENS,
     ) -> AsyncClient:
         """As Client.connect."""
-        link = calls.Link(
-            socket_path or calls.default_socket_path(),
+        link = Link(
+            socket_path or default_socket_path(),
             timeout,
-            name or calls.default_client_name(),
+            name or default_client_name(),
             backoff,
             verify=verify,
             block_tokens=block_tokens,
@@ -311,7 +311,7 @@ class AsyncClient:
             self._transport = None
 
 
-class AsyncTicket(calls.TicketBase):
+class AsyncTicket(TicketBase):
     """As Ticket, with an awaitable wait()."""
 
     def __init__(self, client: AsyncClient, outcome: PutOutcome) -> None:
@@ -324,7 +324,7 @@ class AsyncTicket(calls.TicketBase):
         return self._state
 
 
-class AsyncLookupResult(calls.LookupResultBase):
+class AsyncLookupResult(LookupResultBase):
     """As LookupResult, with an awaitable release() and `async with`."""
 
     def __init__(self, client: AsyncClient, hit: LookupHit) -> None:

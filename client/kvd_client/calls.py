@@ -3,26 +3,20 @@
 An operation is a generator (a Call) that yields the steps it needs, an Exchange (send a
 request, get its reply) or Blocking file work, and is sent back each step's result, or has
 the step's exception thrown into it. Client drives calls with blocking sockets, AsyncClient
-with asyncio; neither holds any logic of its own beyond moving bytes. Link is the protocol
-state both keep across connections: ids, the current Connection, reconnect backoff, counters.
+with asyncio; neither holds any logic of its own beyond moving bytes. Link (link.py) is the
+protocol state both keep across connections; what calls return is in results.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path, PurePosixPath
 from typing import Final, NamedTuple, TypeAlias, TypeVar
 
-from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
-from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from kvd_protocol.entry import (
     Checkpoint,
     EntryHeader,
@@ -36,15 +30,11 @@ from kvd_protocol.entry import (
 )
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity as WireIdentity
-from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
     MAX_BLOCK_BATCH,
-    MAX_PREFILL_COST,
     MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
-    PROTOCOL_VERSION,
-    U32,
     EntrySummary,
     ErrorReply,
     Evict,
@@ -55,8 +45,6 @@ from kvd_protocol.messages import (
     FlushReply,
     ForgetCheckpoint,
     ForgetCheckpointReply,
-    Hello,
-    HelloReply,
     ListEntries,
     ListEntriesReply,
     Lookup,
@@ -83,11 +71,12 @@ from kvd_protocol.messages import (
     TicketReply,
 )
 from kvd_protocol.messages import WaitTicket as TicketRequest
-from kvd_protocol.paths import default_paths
 from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 
 from . import block_io, entry_io
 from .entry_io import TensorData
+from .link import DaemonError, DaemonUnavailable, Link
+from .results import Evicted, LookupHit, PutOutcome, TicketBase, TicketState
 from .transport import TransportClosed
 from .workers import Descriptors
 
@@ -99,20 +88,6 @@ R = TypeVar("R", bound=Reply)
 LIST_PAGE: Final = 1000  # entries asked for per list request
 TICKET_POLL_SECONDS: Final = 60.0  # Ticket.wait(None) asks again this often until settled
 UNAVAILABLE: Final = "unavailable"
-
-
-class DaemonUnavailable(ConnectionError):  # noqa: N818 - the documented name
-    """The daemon cannot be reached: not running, not answering in time, or the connection
-    broke. Put and lookup never raise it; operator calls (ping, status, flush...) do."""
-
-
-class DaemonError(Exception):
-    """The daemon refused a request with an error reply (or the request breaks its limits)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
 
 
 # --- steps --------------------------------------------------------------------------------
@@ -177,303 +152,6 @@ def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavaila
     if not fresh and step.epoch is None and isinstance(exc, TransportClosed):
         return None
     return DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
-
-
-# --- link --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Delays between connect attempts while the daemon is down: doubling from initial up to
-    maximum, so that a dead daemon costs a call a clock read, not a connect per call."""
-
-    initial: float = 0.05
-    maximum: float = 1.0
-
-
-DEFAULT_BACKOFF: Final = Backoff()
-
-
-@dataclass
-class ClientStats:
-    """One client's counters: connections, puts, lookups and the restores built on them."""
-
-    connect_attempts: int = 0
-    reconnects: int = 0  # successful connections after the first
-    unavailable_puts: int = 0  # puts answered "unavailable": the daemon was down or slow
-    failed_lookups: int = 0  # lookups turned into misses by an unavailable or refusing daemon
-    rejected_entries: int = 0  # looked-up files that were damaged or did not match the ask
-    restored: int = 0  # gets that rebuilt caches from an entry
-    bytes_written: int = 0  # into the daemon's staging files: entries, manifests and blocks
-    blocks_written: int = 0  # block files written by puts
-    blocks_held: int = 0  # blocks puts did not write: the daemon held them already
-    # Lookups and gets that came back empty, by reason: "no entry", "unavailable", "refused",
-    # "below min_tokens", "mismatch", a damaged file's validation rule ("truncated",
-    # "header_checksum", "data_checksum", a block's "block_hash", "block_mismatch" or
-    # "block_missing"... see FORMAT.md), "unreadable" (an I/O error), and the restore's own
-    # ("codec", "model", "untrimmable", "load failed").
-    misses: Counter[str] = field(default_factory=Counter)
-
-
-def default_socket_path() -> str:
-    """KVD_SOCKET if set, else the platform default (kvd_protocol.paths)."""
-    configured = os.environ.get("KVD_SOCKET")
-    if configured:
-        return configured
-    home = PurePosixPath(Path.home())
-    return str(default_paths(sys.platform, home, os.environ, os.getuid()).socket)
-
-
-def default_client_name() -> str:
-    return (Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "") or "python"
-
-
-MIN_MEASURED_PREFILL: Final = 64  # tokens
-
-
-class Link:
-    """One client's protocol state across connections, free of I/O: the drivers move bytes."""
-
-    def __init__(
-        self,
-        socket_path: str,
-        timeout: float,
-        name: str,
-        backoff: Backoff,
-        *,
-        verify: bool,
-        block_tokens: int = BLOCK_TOKENS,
-    ) -> None:
-        self.socket_path = socket_path
-        self.timeout = timeout
-        self.name = name
-        self.backoff = backoff
-        self.verify = verify  # restores check every tensor against its checksum
-        # Puts cut blocked layers into blocks of this many tokens; 0: never (version 1).
-        self.block_tokens = block_tokens and check_block_tokens(block_tokens)
-        self.stats = ClientStats()
-        self.limits: Limits = DEFAULT_LIMITS  # the daemon's, once a hello was answered
-        self.server: HelloReply | None = None
-        self.connection: Connection | None = None
-        self.epoch = 0  # counts connections made
-        self.last_round_trip = 0.0  # seconds, measured by the driver
-        # Seconds of prefill per token, as the engine last measured it (0: not measured);
-        # sent with each put, for the daemon's cost eviction policy.
-        self.prefill_cost = 0.0
-        self._last_id = 0
-        self._delay = 0.0
-        self._retry_at = float("-inf")
-
-    def next_id(self) -> int:
-        self._last_id = self._last_id % U32 + 1
-        return self._last_id
-
-    def measured_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine computed tokens of prefill in seconds; prefills shorter than
-        MIN_MEASURED_PREFILL are mostly fixed costs and are not taken."""
-        if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
-            self.prefill_cost = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
-
-    @property
-    def tenant(self) -> str:
-        """The prefix the daemon last connected to puts before this client's namespaces: ""
-        for an engine of the daemon's own user; "uid:<uid>/" for one of another user (or
-        every user, when the daemon's users share)."""
-        return "" if self.server is None else self.server.tenant
-
-    def scope(self, identity: WireIdentity) -> WireIdentity:
-        """identity as the daemon knows it: its namespace under the tenant. Idempotent: an
-        identity read back from an entry's header is under it already."""
-        tenant = self.tenant
-        if identity.namespace.startswith(tenant):
-            return identity
-        return dataclasses.replace(identity, namespace=tenant + identity.namespace)
-
-    def offers(self, feature: str) -> bool:
-        """Whether the daemon last connected to announced feature in its hello."""
-        return self.server is not None and feature in self.server.features
-
-    def deadline(self, wait: float | None) -> float | None:
-        """Seconds an exchange may take before the daemon counts as slow."""
-        return None if wait is None else self.timeout + wait
-
-    # --- connecting ---
-
-    def begin_connect(self, now: float, *, force: bool = False) -> bytes:
-        """Count a connect attempt and return the hello frame to send once connected; raises
-        DaemonUnavailable while backing off after a failed attempt (unless force)."""
-        if not force and now < self._retry_at:
-            raise DaemonUnavailable(f"the daemon at {self.socket_path} is down; retrying later")
-        self.stats.connect_attempts += 1
-        self.connection = Connection(Role.CLIENT)
-        hello = Hello(
-            id=self.next_id(), protocol=PROTOCOL_VERSION, client=self.name, pid=os.getpid()
-        )
-        return self.connection.send(hello)
-
-    def connected(self, reply: Reply) -> None:
-        """The hello reply arrived: adopt the daemon's limits, or raise DaemonUnavailable."""
-        if isinstance(reply, ErrorReply):
-            raise DaemonUnavailable(f"the daemon refused hello: {reply.code}: {reply.message}")
-        assert isinstance(reply, HelloReply)  # the Connection matched it to the hello
-        self.server = reply
-        self.limits = reply.limits
-        self.epoch += 1
-        if self.epoch > 1:
-            self.stats.reconnects += 1
-        self._delay, self._retry_at = 0.0, float("-inf")
-
-    def connect_failed(self, now: float) -> None:
-        self._delay = min(self.backoff.maximum, self._delay * 2 or self.backoff.initial)
-        self._retry_at = now + self._delay
-
-    def drop(self) -> list[int]:
-        """Forget the connection; returns the received descriptors no reply claimed, to close."""
-        connection, self.connection = self.connection, None
-        return connection.take_descriptors() if connection is not None else []
-
-    # --- exchanging ---
-
-    def send(self, request: Request) -> bytes:
-        assert self.connection is not None
-        try:
-            return self.connection.send(request)
-        except ProtocolError as exc:  # e.g. a frame over the limits: nothing was sent
-            raise DaemonError(exc.code, exc.message) from None
-
-    def receive(self, data: bytes, fds: Sequence[int]) -> None:
-        assert self.connection is not None
-        self.connection.receive_data(data, fds)
-
-    def next_reply(self) -> Reply | None:
-        """The reply now complete, or None to receive more; raises ProtocolError when the
-        connection is unusable (the driver then drops it)."""
-        assert self.connection is not None
-        event = self.connection.next_event()
-        if event is NEED_DATA:
-            return None
-        if isinstance(event, ConnectionClosed):
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon closed the connection")
-        if isinstance(event, ErrorReply) and event.id == 0:
-            # Only one request is ever in flight, and it now awaits a reply that will not come.
-            raise ProtocolError(event.code, f"the daemon could not read a request: {event.message}")
-        assert isinstance(event, Reply)  # a client Connection yields nothing else
-        return event
-
-
-# --- results ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TicketState:
-    """stored, dropped or failed (settled by the daemon), pending, or unavailable (the daemon
-    could not be asked, so the outcome is unknown)."""
-
-    state: str
-    reason: str | None = None
-
-    @property
-    def settled(self) -> bool:
-        return self.state != "pending"
-
-
-@dataclass(frozen=True)
-class PutOutcome:
-    ticket: int | None  # None when the daemon never issued one
-    state: TicketState
-    epoch: int
-
-
-class TicketBase:
-    """What a put returns: the daemon's ticket for the entry and its last known state."""
-
-    def __init__(self, outcome: PutOutcome) -> None:
-        self._outcome = outcome
-        self._state = outcome.state
-
-    @property
-    def id(self) -> int | None:
-        return self._outcome.ticket
-
-    @property
-    def epoch(self) -> int:
-        return self._outcome.epoch
-
-    @property
-    def state(self) -> TicketState:
-        return self._state
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id} {self._state.state}>"
-
-
-@dataclass(frozen=True)
-class LookupHit:
-    matched: int
-    summary: EntrySummary
-    lease: int
-    epoch: int
-    entry: entry_io.EntryFile
-
-
-class LookupResultBase:
-    """A usable entry: its header read from the file, and a read-only view per tensor
-    (mapped on first use). Release it (or use it as a context manager) to close the file
-    and end the lease. Of an entry stored in blocks (header.blocks) these are the
-    manifest's: the tails of the cut tensors, the other tensors whole; a get reads the
-    blocks."""
-
-    def __init__(self, hit: LookupHit) -> None:
-        self._hit = hit
-        self._released = False
-
-    @property
-    def matched(self) -> int:
-        """Tokens of the prompt this entry covers."""
-        return self._hit.matched
-
-    @property
-    def summary(self) -> EntrySummary:
-        return self._hit.summary
-
-    @property
-    def header(self) -> EntryHeader:
-        return self._hit.entry.header
-
-    @property
-    def tensors(self) -> tuple[memoryview, ...]:
-        """Views of a read-only mapping of the file, made now if not yet: EntryFormatError if
-        the file shrank since the lookup. A file truncated while mapped faults (SIGBUS) when
-        read past its end; the restore (Client.get) reads by pread and never does."""
-        return self._hit.entry.tensors
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def verify(self) -> None:
-        """Check every tensor's bytes (read by pread) against its checksum; raises
-        EntryFormatError."""
-        self._hit.entry.verify()
-
-    def fills(self, *, verify: bool = True) -> list[Callable[[Sequence[memoryview]], None]]:
-        """Per tensor, a reader of its bytes into given buffers by pread, checksummed unless
-        not verify (what prompt_cache.decode restores from)."""
-        return self._hit.entry.fills(verify=verify)
-
-    def _close(self) -> LookupHit | None:
-        """Close the file once; the hit whose lease to release, or None if already released."""
-        if self._released:
-            return None
-        self._released = True
-        self._hit.entry.close()
-        return self._hit
-
-
-@dataclass(frozen=True)
-class Evicted:
-    entries: int
-    bytes: int
 
 
 # --- calls ------------------------------------------------------------------------------------

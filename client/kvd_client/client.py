@@ -20,18 +20,18 @@ from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import EntrySummary, Reply
 
 from . import calls
-from .calls import (
+from .calls import Call, Exchange
+from .entry_io import TensorData
+from .link import (
+    DEFAULT_BACKOFF,
     Backoff,
-    Call,
     ClientStats,
     DaemonUnavailable,
-    Evicted,
-    Exchange,
-    LookupHit,
-    PutOutcome,
-    TicketState,
+    Link,
+    default_client_name,
+    default_socket_path,
 )
-from .entry_io import TensorData
+from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
 from .transport import BlockingTransport, TransportClosed
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ TIMEOUT_SLACK = 0.01
 class Client:
     """A connection to the kvd daemon, re-made as needed. Make one with Client.connect()."""
 
-    def __init__(self, link: calls.Link) -> None:
+    def __init__(self, link: Link) -> None:
         self._link = link
         self._transport: BlockingTransport | None = None
         self._lock = threading.RLock()
@@ -61,7 +61,7 @@ class Client:
         name: str | None = None,
         *,
         require: bool = False,
-        backoff: Backoff = calls.DEFAULT_BACKOFF,
+        backoff: Backoff = DEFAULT_BACKOFF,
         verify: bool = True,
         block_tokens: int = BLOCK_TOKENS,
     ) -> Client:
@@ -72,10 +72,10 @@ class Client:
         block_tokens: against a daemon that offers blocks, puts store plain and quantized KV
         in blocks of this many tokens (a power of two in 16..65536), each shared by every
         entry of the same model with the same tokens up to it; 0: whole entries (version 1)."""
-        link = calls.Link(
-            socket_path or calls.default_socket_path(),
+        link = Link(
+            socket_path or default_socket_path(),
             timeout,
-            name or calls.default_client_name(),
+            name or default_client_name(),
             backoff,
             verify=verify,
             block_tokens=block_tokens,
@@ -327,7 +327,7 @@ class Client:
             self._transport = None
 
 
-class Ticket(calls.TicketBase):
+class Ticket(TicketBase):
     """The daemon's word on a put: wait() until it is stored, dropped or failed."""
 
     def __init__(self, client: Client, outcome: PutOutcome) -> None:
@@ -340,7 +340,7 @@ class Ticket(calls.TicketBase):
         return self._state
 
 
-class LookupResult(calls.LookupResultBase):
+class LookupResult(LookupResultBase):
     """A looked-up entry, mapped read-only. release() it, or use it in a with block."""
 
     def __init__(self, client: Client, hit: LookupHit) -> None:

@@ -27,10 +27,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import calls
 from .block_io import BlockReads
-from .calls import Blocking, Call, DaemonError, DaemonUnavailable, Link, LookupHit, PutOutcome
+from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
 from .identity import Identity
+from .link import DaemonError, DaemonUnavailable, Link
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
+from .results import LookupHit, PutOutcome
 
 log = logging.getLogger("kvd_client")
 

@@ -16,9 +16,9 @@ from typing import Any
 import mlx.core as mx
 from daemon_process import Daemon
 from kvd_client.async_client import AsyncClient
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
+from kvd_client.results import TicketState
 from kvd_protocol.blocks import BLOCK_SUFFIX, block_hashes, block_name
 from kvd_protocol.entry import PREFIX
 from kvd_protocol.entry_reader import parse_block_head

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from daemon_process import START_SECONDS, Daemon
 from kvd_client.async_client import AsyncClient
-from kvd_client.calls import DaemonUnavailable, TicketState
 from kvd_client.client import Client
+from kvd_client.link import DaemonUnavailable
+from kvd_client.results import TicketState
 from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens, unpack_tokens

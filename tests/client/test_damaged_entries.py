@@ -25,9 +25,10 @@ import pytest
 from daemon_process import Daemon
 from kvd_client import prompt_cache
 from kvd_client.async_client import AsyncClient
-from kvd_client.calls import Call, TicketState
+from kvd_client.calls import Call
 from kvd_client.client import Client
 from kvd_client.identity import Identity
+from kvd_client.results import TicketState
 from kvd_protocol.entry import PREFIX_BYTES
 from kvd_protocol.entry_reader import parse_head
 from tiny_models import prefill, prompt, tiny_llama

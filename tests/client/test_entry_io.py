@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvd_client import entry_io
 from kvd_client.async_client import AsyncClient
-from kvd_client.calls import Backoff, DaemonUnavailable
 from kvd_client.client import Client
 from kvd_client.entry_io import TensorLayoutError
+from kvd_client.link import Backoff, DaemonUnavailable
 from kvd_protocol.entry import ALIGNMENT, EntryPlan, LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.entry_reader import parse_head, verify_slot
 from kvd_protocol.errors import EntryFormatError, Rule

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from daemon_process import Daemon, kvctl
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
+from kvd_client.results import TicketState
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import prefill, prompt, tiny_llama
 

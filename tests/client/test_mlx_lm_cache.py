@@ -12,10 +12,10 @@ from typing import Any, cast
 import mlx.core as mx
 import pytest
 from daemon_process import Daemon
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
 from kvd_client.mlx_lm_cache import ColdTier
+from kvd_client.results import TicketState
 from mlx_lm.models.cache import RotatingKVCache
 from tiny_engine import byte_tokenizer, uninterrupted
 from tiny_models import prefill, prompt, tiny_lfm2, tiny_llama

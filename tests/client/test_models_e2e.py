@@ -15,10 +15,10 @@ import pytest
 from daemon_process import Daemon
 from kvd_client import prompt_cache
 from kvd_client.async_client import AsyncClient
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.codecs import CODEC_ID
 from kvd_client.identity import Identity
+from kvd_client.results import TicketState
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import (

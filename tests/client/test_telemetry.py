@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from daemon_process import Daemon
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
 from kvd_client.identity import Identity
+from kvd_client.results import TicketState
 from tiny_models import prefill, prompt, tiny_llama
 
 SETTLE_SECONDS = 30.0

@@ -20,8 +20,8 @@ from daemon_e2e import (
     staging_files,
 )
 from daemon_process import running_daemon
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
+from kvd_client.results import TicketState
 from kvd_protocol import messages as m
 from kvd_protocol.errors import ErrorCode
 

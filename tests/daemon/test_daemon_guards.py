@@ -29,8 +29,8 @@ from daemon_e2e import (
     wait_until,
 )
 from daemon_process import Daemon, running_daemon
-from kvd_client.calls import DaemonUnavailable
 from kvd_client.client import Client
+from kvd_client.link import DaemonUnavailable
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
 from kvd_protocol.entry import LayerSpec, TensorSpec

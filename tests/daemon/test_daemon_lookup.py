@@ -20,8 +20,8 @@ from daemon_e2e import (
     report,
 )
 from daemon_process import Daemon
-from kvd_client.calls import TicketState
 from kvd_client.client import Client
+from kvd_client.results import TicketState
 from kvd_protocol import messages as m
 from kvd_protocol.tokens import pack_tokens
 

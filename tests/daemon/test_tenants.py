@@ -17,7 +17,7 @@ import pytest
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored
 from daemon_process import Daemon, running_daemon
 from kvd_client import Client
-from kvd_client.calls import DEFAULT_BACKOFF, Link
+from kvd_client.link import DEFAULT_BACKOFF, Link
 from kvd_protocol import Checkpoint, LayerSpec, TensorSpec
 from kvd_protocol import messages as m
 from kvd_protocol.tokens import pack_tokens
