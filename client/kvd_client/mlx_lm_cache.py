@@ -353,11 +353,11 @@ class ColdTier:
                 self._memo.forget(snapshot.hashes[exc.held :])
             self.stats.aborted += 1
             log.info("cold tier: put of %d tokens aborted: %s", len(snapshot.tokens), exc)
-            future.set_exception(exc)
+            future.set_exception(exc.with_traceback(None))  # its frames hold the snapshot
         except Exception as exc:  # a put must never end the thread that sends them all
             self.stats.failed += 1
             log.warning("cold tier: put of %d tokens failed: %s", len(snapshot.tokens), exc)
-            future.set_exception(exc)
+            future.set_exception(exc.with_traceback(None))
         else:
             if ticket.state.state in ("pending", "stored"):
                 with self._changed:
