@@ -1,11 +1,11 @@
 """The engine's stall per cold-tier snapshot: what ColdTier.store() costs the thread that runs
-the model, against the whole copy every snapshot used to make (the anchor, same run).
+the model, against the whole copy every snapshot used to make of the same cache (the anchor,
+prompt_cache.encode(copy=True), timed just before each store).
 
 The cache is restore.py's: an 8B model's KV shape, 32 KVCache layers, keys and values float16
 (1, 8, tokens, 128); 4,096 tokens = 512 MiB by default. Per rep, against a real `kvd serve`
 that keeps blocks of 256 tokens, on a new ColdTier and new tokens:
 
-- whole copy (anchor, the snapshot before blocks): prompt_cache.encode(copy=True), every row;
 - first turn: store() of the whole cache, copied a block at a time (nothing is held yet);
 - user segment: the cache grown by a 256-token message, stored as a segment (cut at its last
   whole block: the blocks the first turn's put left the daemon, and one new);
@@ -35,7 +35,7 @@ from restore import DAEMON_FLAGS, HEAD_DIM, IDENTITY, KV_HEADS, LAYERS, TOKENS, 
 
 MESSAGE, GENERATED = 256, 64  # the next turn's user message and reply, in tokens
 SETTLE_SECONDS = 600.0
-ROWS = ("whole copy (anchor)", "first turn", "user segment", "next turn")
+ROWS = ("first turn", "user segment", "next turn")
 
 
 def _grown(cache: list[Any], tokens: int) -> None:
@@ -47,24 +47,29 @@ def _grown(cache: list[Any], tokens: int) -> None:
         mx.eval(layer.state)
 
 
-def one_rep(client: Client, tokens: int, rep: int) -> dict[str, tuple[float, int]]:
-    """Seconds and bytes copied of each row, for one conversation of new tokens."""
+Row = tuple[float, float, int, int]  # seconds whole copy, seconds store, bytes of each
+
+
+def one_rep(client: Client, tokens: int, rep: int) -> dict[str, Row]:
+    """Each row's figures, for one conversation of new tokens."""
     cache = realistic_cache(tokens, seed=rep)
     ids = list(range(rep * 1_000_000, rep * 1_000_000 + tokens + MESSAGE + GENERATED))
-    whole = sum(array.nbytes for layer in cache for array in layer.state[:2])
-    start = time.perf_counter()
-    prompt_cache.encode(cache, tokens, copy=True)
-    out = {ROWS[0]: (time.perf_counter() - start, whole)}
+    out: dict[str, Row] = {}
     with ColdTier(client, None, None, identity=IDENTITY) as tier:
-        steps = [(ROWS[1], 0, tokens, False), (ROWS[2], MESSAGE, tokens + MESSAGE, True)]
-        steps.append((ROWS[3], GENERATED, tokens + MESSAGE + GENERATED, False))
+        steps = [(ROWS[0], 0, tokens, False), (ROWS[1], MESSAGE, tokens + MESSAGE, True)]
+        steps.append((ROWS[2], GENERATED, tokens + MESSAGE + GENERATED, False))
         for name, grow, length, segment in steps:
             if grow:
                 _grown(cache, grow)
+            start = time.perf_counter()
+            prompt_cache.encode(cache, length, copy=True)  # its copies go at once
+            whole = time.perf_counter() - start
             copied = tier.stats.bytes_copied
             start = time.perf_counter()
             tier.store(ids[:length], cache, segment=segment)
-            out[name] = (time.perf_counter() - start, tier.stats.bytes_copied - copied)
+            took = time.perf_counter() - start
+            nbytes = sum(layer.keys[..., :length, :].nbytes * 2 for layer in cache)
+            out[name] = (whole, took, nbytes, tier.stats.bytes_copied - copied)
             if not tier.drain(SETTLE_SECONDS):
                 raise RuntimeError("a snapshot was not sent in time")
         if tier.stats.stored != 3:
@@ -86,23 +91,27 @@ def main() -> None:
     ):
         one_rep(client, args.tokens, args.repeat)  # warm-up, untimed
         reps = [one_rep(client, args.tokens, rep) for rep in range(args.repeat)]
-    nbytes = reps[0][ROWS[0]][1]
+    nbytes = reps[0][ROWS[0]][2]
     print(
         f"{LAYERS} layers × (keys, values) float16 (1, {KV_HEADS}, {args.tokens:,}, {HEAD_DIM}) "
         f"= {nbytes / (1 << 20):,.0f} MiB; then +{MESSAGE} message, +{GENERATED} generated "
         f"tokens; blocks of 256 tokens; median (min-max) of {args.repeat} reps.\n"
     )
-    print("| snapshot | stall ms | MiB copied | × whole copy |")
-    print("|---|---:|---:|---:|")
-    anchor = statistics.median(rep[ROWS[0]][0] for rep in reps)
+    print("| snapshot | whole copy ms (anchor) | store() ms | MiB: whole / copied | × anchor |")
+    print("|---|---:|---:|---:|---:|")
     for name in ROWS:
-        times = [rep[name][0] * 1e3 for rep in reps]
-        median = statistics.median(times)
-        copied = statistics.median(rep[name][1] for rep in reps) / (1 << 20)
+        whole = [rep[name][0] * 1e3 for rep in reps]
+        took = [rep[name][1] * 1e3 for rep in reps]
+        ratio = statistics.median(t / w for t, w in zip(took, whole, strict=True))
+        mib = [statistics.median(rep[name][k] for rep in reps) / (1 << 20) for k in (2, 3)]
         print(
-            f"| {name} | {median:.1f} ({min(times):.1f}-{max(times):.1f}) | {copied:,.1f} "
-            f"| {median / 1e3 / anchor:.3f} |"
+            f"| {name} | {_spread(whole)} | {_spread(took)} | {mib[0]:,.0f} / {mib[1]:,.0f} "
+            f"| {ratio:.3f} |"
         )
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 if __name__ == "__main__":
