@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml protocol/pyproject.toml client/pyproject.toml
 	$(@D)/$(PIP_INSTALL) -e ./client "mlx-lm==$*"
 	touch $@
 
+.PRECIOUS: .venv-mlx-lm-%/.installed
+
 test-mlx-lm-%: .venv-mlx-lm-%/.installed
 	.venv-mlx-lm-$*/bin/pytest -q $(MLX_LM_TESTS)
 
