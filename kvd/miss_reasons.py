@@ -78,8 +78,8 @@ def explain(
             f"the best entry holds {matched} tokens of this {prompt}-token prompt, fewer than "
             f"the {min_tokens} the engine holds",
         )
-    held = "holds no entry" if not catalog.holds(digest) else "holds none usable for this prompt"
-    return Miss(reason, f"identity {digest[:DIGEST_SHOWN]} ({identity.model_id}) {held}")
+    holds = "holds no entry" if not catalog.holds(digest) else "holds none usable for this prompt"
+    return Miss(reason, f"identity {digest[:DIGEST_SHOWN]} ({identity.model_id}) {holds}")
 
 
 _NAMED: Final = frozenset(TRAIT_ASPECTS + FIELD_ASPECTS)  # the others are OTHER_TRAIT

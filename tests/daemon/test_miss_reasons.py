@@ -103,7 +103,7 @@ def test_a_client_that_does_not_ask_gets_the_reply_of_before(daemon: Daemon) -> 
         hello = m.Hello(id=1, protocol=1, client="old", pid=1)
         lookup = m.Lookup(id=2, identity=PLAIN, tokens=pack_tokens(PROMPT))
         sock.sendall(writer.frame(hello.to_wire()) + writer.frame(lookup.to_wire()))
-        bodies = []
+        bodies: list[dict[str, object]] = []
         while len(bodies) < 2:
             reader.feed(sock.recv(1 << 16))
             while (frame := reader.next_frame()) is not None:
