@@ -32,6 +32,7 @@ OTHER_TRAIT: Final = "trait"  # a trait beyond TRAIT_ASPECTS, as a miss reason n
 UNSAID: Final = "-"
 SHORT_HASH: Final = 8
 DIGEST_SHOWN: Final = 12
+DIGEST_HEX: Final = 32  # Identity.digest()'s length
 _HEX: Final = frozenset(string.hexdigits.lower())
 
 
@@ -119,7 +120,7 @@ def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) 
     if len(named) == 1:
         return str(named[0]["identity"])
     lowered = given.lower()
-    if len(lowered) == 2 * 16 and set(lowered) <= _HEX:
+    if len(lowered) == DIGEST_HEX and set(lowered) <= _HEX:
         return lowered
     candidates = named or [
         i
@@ -132,7 +133,7 @@ def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) 
     if candidates:
         rows = "\n".join(f"  {i.get('name', '')}  {i['identity']}" for i in candidates)
         raise IdentityNameError(f"{given!r} names {len(candidates)} identities:\n{rows}")
-    unlisted = f" (nor the first of {left_out} it does not list)" if left_out else ""
+    unlisted = f"; {left_out} more it does not list go by their whole digest" if left_out else ""
     raise IdentityNameError(
         f"no identity is named {given!r}, nor has a digest starting so: `kvctl status` "
         f"lists them{unlisted}"

@@ -10,7 +10,8 @@ it, per identity), and a sentence for the engine's log.
   (identity_names.differences), and the sentence names that identity and all of them.
 
 Looking at the other identities costs a prefix walk of the prompt in each, on a miss only, in
-at most OTHERS_LOOKED_AT of them: a miss is about to cost the engine a whole prefill.
+at most OTHERS_LOOKED_AT of them: a miss is about to cost the engine a whole prefill. A tenant
+is told of its own identities only: that another user's entries hold a prompt is that user's.
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ def explain(
     reason: str,
     matched: int,
     min_tokens: int,
+    tenant: str = "",
 ) -> Miss:
     """The miss of a lookup of tokens under identity whose own best match held matched
-    tokens and was refused for reason."""
+    tokens and was refused for reason, from a peer of tenant ("": the daemon's user's)."""
     prompt = len(tokens) // TOKEN_BYTES
     digest = identity.digest()
     if reason == UNREADABLE:
         return Miss(reason, f"the best entry ({matched} tokens) cannot be opened now")
     wanted = max(min_tokens, matched + 1, 1)
-    elsewhere = _best_elsewhere(catalog, telemetry, identity, tokens, wanted)
+    elsewhere = _best_elsewhere(catalog, telemetry, identity, tokens, wanted=wanted, tenant=tenant)
     if elsewhere is not None:
         other, held = elsewhere
         told = differences(identity, other)
@@ -86,10 +88,16 @@ _NAMED: Final = frozenset(TRAIT_ASPECTS + FIELD_ASPECTS)  # the others are OTHER
 
 
 def _best_elsewhere(
-    catalog: Catalog, telemetry: Telemetry, identity: Identity, tokens: bytes, wanted: int
+    catalog: Catalog,
+    telemetry: Telemetry,
+    identity: Identity,
+    tokens: bytes,
+    *,
+    wanted: int,
+    tenant: str,
 ) -> tuple[Identity, int] | None:
-    """The identity of the same model (other than identity) whose entries hold the most of
-    tokens, at least wanted, and how many; None if none does."""
+    """The identity of the same model under tenant (other than identity) whose entries hold
+    the most of tokens, at least wanted, and how many; None if none does."""
     digest = identity.digest()
     best: tuple[Identity, int] | None = None
     looked_at = 0
@@ -97,6 +105,8 @@ def _best_elsewhere(
         index = catalog.index(other)
         known = telemetry.identities.get(other)
         if other == digest or index is None or known is None or known.identity is None:
+            continue
+        if not known.identity.namespace.startswith(tenant):
             continue
         looked_at += 1
         match = index.best_match(tokens)

@@ -492,7 +492,11 @@ class Session:
         if self.peer.tenant:
             self._check_identity(request, request.identity)
         found = self.tier.lookup(
-            self.peer.session, request.identity, request.tokens, request.min_tokens
+            self.peer.session,
+            request.identity,
+            request.tokens,
+            request.min_tokens,
+            self.peer.tenant,
         )
         if isinstance(found, Miss):
             told = request.explain  # a client that predates the reasons is told none

@@ -16,6 +16,10 @@ pass the time.
   weighs as the mean of those reported, and with no report at all every token weighs
   DEFAULT_PREFILL_COST, so that only reported differences between models rank them.
 
+Each identity's telemetry keeps the Identity a request or an entry's header named last (its
+names for people: model id, namespace, traits; status derives its name from them), and the
+digests are indexed by model id (a miss looks at the other identities of its model).
+
 Memory: an identity is whatever a client names, so the telemetry of identities that hold no
 entry (a lookup's, a refused put's) is kept for at most IDLE_IDENTITIES of them, the least
 recently seen forgotten first (their counts start again at zero if seen again); identities

@@ -347,11 +347,16 @@ class Tier:
     # --- get: lookup (or a checkpoint), then release ---------------------------------------------
 
     def lookup(
-        self, owner: int, identity: Identity, tokens: bytes, min_tokens: int = 0
+        self,
+        owner: int,
+        identity: Identity,
+        tokens: bytes,
+        min_tokens: int = 0,
+        tenant: str = "",
     ) -> tuple[Match, int, int] | Miss:
         """The best usable entry, its read-only descriptor and a lease; or the Miss, why
-        nothing was usable (miss_reasons), also when the best match is shorter than
-        min_tokens.
+        nothing was usable (miss_reasons: told of the identities under tenant only), also
+        when the best match is shorter than min_tokens.
 
         What only counts the lookup (hit and miss counters, telemetry, the entry's place in
         the eviction order, the admission policy's sighting) waits in unbooked, so that the
@@ -382,6 +387,7 @@ class Tier:
             reason=reason,
             matched=matched,
             min_tokens=min_tokens,
+            tenant=tenant,
         )
         self.unbooked.append((identity, tokens, miss.reason))
         return miss
