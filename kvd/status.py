@@ -14,9 +14,8 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 import psutil
-from kvd_protocol.identity import Identity
 
-from kvd import __version__, identity_names
+from kvd import __version__
 from kvd.catalog import Catalog
 from kvd.durability import disk_free
 from kvd.session import Peer
@@ -136,7 +135,7 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
     size = {digest: catalog.identity_bytes(digest) for digest in known}
     ranked = sorted(known, key=lambda d: (-size[d], recency.get(d, len(recency)), d))
     shown = sorted(ranked[:STATUS_IDENTITIES])
-    named = identity_names.names({digest: _identity(telemetry, digest) for digest in known})
+    named = telemetry.names(known)
     return {
         "identities": [
             {
@@ -151,11 +150,6 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
         ],
         "identities_left_out": len(known) - len(shown),
     }
-
-
-def _identity(telemetry: Telemetry, digest: str) -> Identity | None:
-    found = telemetry.identities.get(digest)
-    return None if found is None else found.identity
 
 
 def _telemetry_report(telemetry: Telemetry, digest: str) -> dict[str, object]:

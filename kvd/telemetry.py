@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import RestoreReport
+
+from kvd import identity_names
 
 # Histogram buckets grow by this factor from FIRST_BOUND_MS: a percentile is within ~12% of
 # the truth, and 100 buckets cover 0.05 ms to over 3 hours.
@@ -172,6 +174,8 @@ class Telemetry:
         self.identities: OrderedDict[str, IdentityTelemetry] = OrderedDict()
         # model id -> the digests of its identities known here (a miss's look at the others)
         self.by_model: dict[str, set[str]] = {}
+        self._changes = 0  # identities learnt, renamed or forgotten: names() recomputes then
+        self._named: tuple[object, dict[str, str]] = (None, {})
         self.written_today = DaySum()
         self.restores = 0  # tier-wide: outlive the identities forgotten
         self.tokens_restored = 0
@@ -198,6 +202,7 @@ class Telemetry:
         idle = [digest for digest in self.identities if not self._held(digest)]
         for digest in idle[: max(0, len(idle) - IDLE_IDENTITIES)]:
             self._unlist(digest, self.identities.pop(digest).identity)
+            self._changes += 1
             cost = self._reported_costs.pop(digest, None)
             if cost is not None:
                 self._cost_sum -= cost
@@ -214,8 +219,24 @@ class Telemetry:
         if known is None:
             self.by_model.setdefault(identity.model_id, set()).add(digest)
         if known is not identity and (identity.traits or known is None or not known.traits):
+            if known is None or known.traits != identity.traits:
+                self._changes += 1
             found.identity = identity
         return found
+
+    def names(self, digests: Iterable[str]) -> dict[str, str]:
+        """The names of these identities (identity_names.names), by digest; computed again
+        only when they or what the telemetry knows of them changed (a status at 2,000
+        identities of one model spends 30 ms on them)."""
+        wanted = frozenset(digests)
+        key = (self._changes, wanted)
+        if self._named[0] != key:
+            known = self.identities
+            named = identity_names.names(
+                {d: None if d not in known else known[d].identity for d in wanted}
+            )
+            self._named = key, named
+        return self._named[1]
 
     def _unlist(self, digest: str, identity: Identity | None) -> None:
         if identity is None:
