@@ -97,9 +97,9 @@ def _best_elsewhere(
     """The identity of the same model under tenant (other than identity) whose entries hold
     the most of tokens, at least wanted, and how many; None if none does."""
     others = telemetry.by_model.get(identity.model_id)
-    if others is None or len(others) < 2:  # the usual: one identity of the model
-        return None
     digest = identity.digest()
+    if others is None or (len(others) == 1 and digest in others):  # the usual: no other
+        return None
     best: tuple[Identity, int] | None = None
     looked_at = 0
     for other in sorted(others):
