@@ -25,6 +25,7 @@ from kvd_protocol.identity import Identity
 
 TRAIT_ASPECTS: Final = ("kv", "template", "adapter")  # the engine library's, first
 FIELD_ASPECTS: Final = ("ns", "runtime", "codec", "config", "tokenizer")
+_FIELDS: Final = frozenset(FIELD_ASPECTS)
 # A field aspect that differs because a trait does says nothing more: config hashes kv,
 # tokenizer the template, the namespace the adapter.
 EXPLAINED_BY: Final = {"config": "kv", "tokenizer": "template", "ns": "adapter"}
@@ -56,7 +57,7 @@ def differences(asked: Identity, other: Identity) -> list[tuple[str, str, str]]:
     either did not say is not compared, nor a field aspect that a differing trait explains."""
     mine, theirs = aspects(asked), aspects(other)
     found = []
-    for key in theirs.keys() - FIELD_ASPECTS:
+    for key in theirs.keys() - _FIELDS:
         value, asked_value = theirs[key], mine.get(key, UNSAID)
         if UNSAID not in (value, asked_value) and value != asked_value:
             found.append((key, value, asked_value))
@@ -92,7 +93,8 @@ def _model_names(model_id: str, members: Sequence[tuple[str, dict[str, str]]]) -
     vary among them which no other member shares."""
     if len(members) == 1:
         return {members[0][0]: model_id}
-    keys = list(dict.fromkeys(key for _, found in members for key in found))
+    traits = dict.fromkeys(key for _, found in members for key in found if key not in _FIELDS)
+    keys = [*traits, *FIELD_ASPECTS]  # the traits any of them says first, as aspects() has it
     varying = [k for k in keys if len({found.get(k, UNSAID) for _, found in members}) > 1]
     rows = {digest: [found.get(k, UNSAID) for k in varying] for digest, found in members}
     shared = Counter(tuple(row[:n]) for row in rows.values() for n in range(len(row) + 1))

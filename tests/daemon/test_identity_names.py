@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from daemon_e2e import put_stored, report
 from daemon_process import Daemon, kvctl
@@ -70,6 +71,20 @@ def test_a_name_another_model_id_spells_too_ends_with_the_digest() -> None:
     assert shown[0] == f"{MODEL},kv=none,id={odd.digest()[:12]}"
     assert shown[1] == f"{MODEL},kv=none,id={plain.digest()[:12]}"
     assert shown[2] == f"{MODEL},kv=8bit-g64"
+
+
+def test_a_trait_beyond_the_librarys_comes_before_the_fields() -> None:
+    # Another RoPE scaling: another config fingerprint, which the engine says in a trait.
+    scaled = replace(
+        variant(), config_fingerprint="cfg-yarn", traits=f"{variant().traits},rope=yarn-4x"
+    )
+    upgraded = replace(scaled, runtime="mlx-0.30.0/cpu:x86_64")
+    plain = variant()
+    assert _named(plain, scaled, upgraded) == [
+        f"{MODEL},rope=-",
+        f"{MODEL},rope=yarn-4x,runtime=mlx-0.29.1/cpu:x86_64",
+        f"{MODEL},rope=yarn-4x,runtime=mlx-0.30.0/cpu:x86_64",
+    ]
 
 
 def test_an_identity_known_by_digest_only_is_named_by_it() -> None:
