@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -123,3 +124,25 @@ def test_the_engine_library_counts_and_logs_the_daemons_reason(
     (line,) = [r.getMessage() for r in caplog.records if "missed" in r.getMessage()]
     assert line.startswith("lookup missed (kv differs): identity ")
     assert line.endswith("they differ by kv 8bit-g64, not none")
+
+
+def test_a_client_sends_neither_traits_nor_explain_to_a_daemon_that_offers_neither(
+    daemon: Daemon,
+) -> None:
+    """A daemon that predates them refuses a map with a field it does not know: the client
+    leaves them out when the hello does not offer them (here, a hello with the features
+    taken out, as an older daemon's would be)."""
+    older = (m.IDENTITY_TRAITS_FEATURE, m.LOOKUP_MISS_FEATURE)
+    with Client.connect(daemon.socket_path, require=True) as client:
+        put_stored(client, variant("8bit-g64"), STORED, 1)
+        server = client._link.server
+        assert server is not None
+        kept = tuple(f for f in server.features if f not in older)
+        client._link.server = replace(server, features=kept)
+        assert client.lookup(PLAIN, PROMPT) is None
+        assert client.stats.misses == {"no entry": 1}  # told no reason: counted as before
+        (mine,) = [i for i in report(client)["identities"] if i["identity"] == PLAIN.digest()]
+    assert mine["traits"] == ""  # the lookup named the identity without them
+    # The daemon counts the reason all the same; with no traits of the asker to compare, by
+    # the first field that differs: the config fingerprint, which hashes the KV bits.
+    assert mine["misses_by_reason"] == {"config differs": 1}
