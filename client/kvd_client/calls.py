@@ -32,6 +32,7 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
+    LOOKUP_MISS_FEATURE,
     MAX_BLOCK_BATCH,
     MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
@@ -425,9 +426,12 @@ def lookup(
     engine: an unreachable daemon or an unusable file is a miss, counted."""
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
+    explain = link.offers(LOOKUP_MISS_FEATURE)
 
     def ask(named: WireIdentity) -> Lookup:
-        return Lookup(id=link.next_id(), identity=named, tokens=packed, min_tokens=asked)
+        return Lookup(
+            id=link.next_id(), identity=named, tokens=packed, min_tokens=asked, explain=explain
+        )
 
     found = _found(
         link, ask, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
@@ -475,7 +479,8 @@ def _found(
         log.info("%s missed: %s", kind.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
-        link.stats.misses["no entry"] += 1
+        link.stats.misses[reply.miss or "no entry"] += 1
+        log.debug("%s missed (%s): %s", kind.op, reply.miss or "no entry", reply.detail or "-")
         return None
     epoch = link.epoch
     if reply.matched < min_tokens:  # a daemon without the feature: not worth mapping

@@ -22,6 +22,7 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    IDENTITY_TRAITS_FEATURE,
     MAX_PREFILL_COST,
     PROTOCOL_VERSION,
     U32,
@@ -148,8 +149,11 @@ class Link:
         return "" if self.server is None else self.server.tenant
 
     def scope(self, identity: WireIdentity) -> WireIdentity:
-        """identity as the daemon knows it: its namespace under the tenant. Idempotent: an
-        identity read back from an entry's header is under it already."""
+        """identity as the daemon knows it: its namespace under the tenant, its traits left
+        out for a daemon that predates them. Idempotent: an identity read back from an
+        entry's header is under it already."""
+        if identity.traits and not self.offers(IDENTITY_TRAITS_FEATURE):
+            identity = dataclasses.replace(identity, traits="")
         tenant = self.tenant
         if identity.namespace.startswith(tenant):
             return identity

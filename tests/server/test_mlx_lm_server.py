@@ -187,6 +187,37 @@ def test_an_entry_evicted_from_memory_is_restored_from_kvd(
     assert "kvd: restored" in log.read_text()
 
 
+def test_a_miss_beside_the_entries_of_other_kv_bits_says_so_at_debug_and_names_both(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    messages = _turn(seed=71, length=400)
+    with http_server(
+        models["a"], tmp_path / "kv8.log", kvd_socket=daemon.socket_path, extra=["--kv-bits", "8"]
+    ) as quantised:
+        stored = chat(quantised, messages, stream=False)
+        _wait_for_entry(daemon, stored.prompt_tokens)
+    log = tmp_path / "plain.log"
+    with http_server(
+        models["a"], log, kvd_socket=daemon.socket_path, extra=["--log-level", "DEBUG"]
+    ) as plain:
+        answer = chat(plain, messages, stream=False)
+        _same_answer(answer, chat(stock_a, messages, stream=False))
+        assert answer.cached_tokens == 0
+    missed = re.search(
+        r"lookup missed \(kv differs\): identity ([0-9a-f]{12}) of the same model \((\S+)\) "
+        r"holds (\d+) tokens of this (\d+)-token prompt, this one \(([0-9a-f]{12})\) 0: "
+        r"they differ by kv (8bit-g64-from\d+), not none",
+        log.read_text(),
+    )
+    assert missed is not None, log.read_text()
+    other, model_id, held, prompt, mine, bits = missed.groups()
+    assert int(held) == int(prompt) - 1 == answer.prompt_tokens - 1
+    identities = {i["identity"][:12]: i for i in _kvd_status(daemon)["identities"]}
+    assert identities[other]["name"] == f"{model_id},kv={bits}"
+    assert identities[mine]["name"] == f"{model_id},kv=none"
+    assert identities[mine]["misses_by_reason"] == {"kv differs": 1}
+
+
 def test_with_no_daemon_the_server_answers_as_stock(
     models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
