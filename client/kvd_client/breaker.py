@@ -1,0 +1,91 @@
+"""The circuit breaker over one daemon: once a call finds it unavailable (a timeout, a refused
+or broken connection), the engine's lookups and puts skip it at once, costing a flag read,
+until a probe, a ping on a connection of its own from a thread of its own, finds it
+answering again; then it closes by itself. A hung daemon so costs an engine one deadline, not
+one per request.
+
+Shared by the clients of one engine (Client.twin): a put stuck in a hung daemon opens it for
+the lookups too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .link import Backoff
+
+log = logging.getLogger("kvd_client")
+
+
+@dataclass
+class BreakerStats:
+    opened: int = 0  # times a failure opened it
+    skipped_lookups: int = 0  # lookups (and checkpoint finds) answered as misses while open
+    skipped_puts: int = 0  # puts answered "unavailable" while open
+
+
+class Breaker:
+    """Open or closed; thread-safe. probe: raises unless the daemon answers (a ping on a new
+    connection); tried after backoff.initial, then at doubling delays up to backoff.maximum."""
+
+    def __init__(self, daemon: str, probe: Callable[[], object], backoff: Backoff) -> None:
+        self.daemon = daemon  # the socket path, for the log
+        self.stats = BreakerStats()
+        self._probe = probe
+        self._backoff = backoff
+        self._lock = threading.Lock()
+        self._open = False
+        self._stopped = threading.Event()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def trip(self, why: str) -> None:
+        """A call found the daemon unavailable: open, and start probing (unless open already,
+        or stopped)."""
+        with self._lock:
+            if self._open or self._stopped.is_set():
+                return
+            self._open = True
+            self.stats.opened += 1
+        log.warning("kvd: the daemon at %s is skipped until it answers again: %s", self.daemon, why)
+        threading.Thread(target=self._probe_until_answered, name="kvd-probe", daemon=True).start()
+
+    def skip_lookup(self) -> bool:
+        """Whether a lookup skips the daemon now (counted)."""
+        if self._open:
+            self.stats.skipped_lookups += 1
+        return self._open
+
+    def skip_put(self) -> bool:
+        """Whether a put skips the daemon now (counted)."""
+        if self._open:
+            self.stats.skipped_puts += 1
+        return self._open
+
+    def stop(self) -> None:
+        """No more probing (the client is closed): a probe under way ends after its attempt."""
+        self._stopped.set()
+
+    def _probe_until_answered(self) -> None:
+        opened = time.monotonic()
+        delay = self._backoff.initial
+        while not self._stopped.wait(delay):
+            try:
+                self._probe()
+            except Exception as exc:  # whatever the probe met, the daemon did not answer
+                log.debug("kvd: probe of %s: %s", self.daemon, exc)
+                delay = min(self._backoff.maximum, delay * 2)
+                continue
+            with self._lock:
+                self._open = False
+            took = time.monotonic() - opened
+            log.info("kvd: the daemon at %s answers again (skipped for %.1f s)", self.daemon, took)
+            return
