@@ -103,6 +103,11 @@ def default_client_name() -> str:
 MIN_MEASURED_PREFILL: Final = 64  # tokens
 
 
+@dataclass
+class _PrefillCost:
+    seconds: float = 0.0  # per token
+
+
 class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
@@ -138,9 +143,7 @@ class Link:
         self.connection: Connection | None = None
         self.epoch = 0  # counts connections made
         self.last_round_trip = 0.0  # seconds, measured by the driver
-        # Seconds of prefill per token, as the engine last measured it (0: not measured);
-        # sent with each put, for the daemon's cost eviction policy.
-        self.prefill_cost = 0.0
+        self._prefill = _PrefillCost()  # shared with twins: the engine measures, puts send
         self._last_id = 0
         self._delay = 0.0
         self._retry_at = float("-inf")
@@ -153,7 +156,13 @@ class Link:
         """The engine computed tokens of prefill in seconds; prefills shorter than
         MIN_MEASURED_PREFILL are mostly fixed costs and are not taken."""
         if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
-            self.prefill_cost = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
+            self._prefill.seconds = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
+
+    @property
+    def prefill_cost(self) -> float:
+        """Seconds of prefill per token, as the engine last measured it (0: not measured);
+        sent with each put, for the daemon's cost eviction policy."""
+        return self._prefill.seconds
 
     @property
     def tenant(self) -> str:
@@ -175,7 +184,8 @@ class Link:
         return self.server is not None and feature in self.server.features
 
     def twin(self) -> Link:
-        """A link with the same settings, prefill measure and breaker, and no connection."""
+        """A link with the same settings and no connection, sharing the prefill measure and the
+        breaker."""
         twin = Link(
             self.socket_path,
             self.timeout,
@@ -186,7 +196,7 @@ class Link:
             lookup_timeout=self.lookup_timeout,
             breaker=self.breaker,
         )
-        twin.prefill_cost = self.prefill_cost
+        twin._prefill = self._prefill
         return twin
 
     def due(self, now: float) -> float:

@@ -233,7 +233,7 @@ class ColdTier:
         try:
             for response in responses:
                 if not generated and response.prompt_tps > 0:  # the prefill's own rate
-                    self._stores.measured_prefill(
+                    self.client.measured_prefill(
                         response.prompt_tokens, response.prompt_tokens / response.prompt_tps
                     )
                 generated.append(response.token)
