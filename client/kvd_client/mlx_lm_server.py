@@ -179,8 +179,8 @@ def _describe(stats: ColdTierStats) -> str:
 
 def _describe_breaker(stats: BreakerStats) -> str:
     return (
-        f"the daemon went unanswering {stats.opened} times; {stats.skipped_lookups} lookups "
-        f"and {stats.skipped_puts} stores skipped meanwhile"
+        f"the daemon was skipped {stats.opened} times for not answering: "
+        f"{stats.skipped_lookups} lookups and {stats.skipped_puts} stores skipped"
     )
 
 

@@ -9,8 +9,6 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 from daemon_process import Daemon
@@ -53,15 +51,6 @@ def _stored(client: Client, tokens: list[int]) -> None:
     assert state == TicketState("stored")
 
 
-@contextmanager
-def _stopped(daemon: Daemon) -> Iterator[None]:
-    os.kill(daemon.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
-
-
 def _closes(breaker: Breaker) -> float:
     """Seconds until the breaker's probe finds the daemon answering and closes it."""
     started = time.monotonic()
@@ -100,7 +89,7 @@ def test_a_hung_daemon_costs_one_lookup_its_deadline_then_is_skipped_until_it_an
         _stored(client, PROMPT)
         breaker = client.breaker
         assert breaker is not None
-        with _stopped(daemon):
+        with daemon.paused():
             hit, first = _timed_lookup(client, [*PROMPT, 1])
             assert not hit
             assert LOOKUP_TIMEOUT <= first < LOOKUP_TIMEOUT + SLACK
@@ -204,7 +193,7 @@ def test_a_client_without_a_breaker_asks_the_hung_daemon_each_time(daemon: Daemo
         daemon.socket_path, require=True, lookup_timeout=LOOKUP_TIMEOUT, breaker=False
     ) as client:
         assert client.breaker is None
-        with _stopped(daemon):
+        with daemon.paused():
             waits = [_timed_lookup(client, [*PROMPT, n]) for n in range(3)]
         assert all(not hit and took >= LOOKUP_TIMEOUT for hit, took in waits)
 
@@ -218,7 +207,7 @@ def test_the_async_client_keeps_the_deadline_and_shares_the_breaker(daemon: Daem
             ticket = await client.put_entry(IDENTITY, PROMPT, layers, tensors)
             assert await ticket.wait(SETTLE_SECONDS) == TicketState("stored")
             twin = client.twin()
-            with _stopped(daemon):
+            with daemon.paused():
                 started = time.monotonic()
                 assert await client.lookup(IDENTITY, [*PROMPT, 1]) is None
                 assert LOOKUP_TIMEOUT <= time.monotonic() - started < LOOKUP_TIMEOUT + SLACK
