@@ -8,6 +8,7 @@ and the client's counters (ClientStats). The drivers move the bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections import Counter
@@ -123,7 +124,7 @@ class Link:
         lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT,
         breaker: Breaker | None = None,
     ) -> None:
-        if not lookup_timeout > 0:
+        if not 0 < lookup_timeout < math.inf:
             raise ValueError(
                 f"lookup_timeout must be a positive number of seconds, not {lookup_timeout}"
             )

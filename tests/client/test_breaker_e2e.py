@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import stat
@@ -11,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from daemon_process import Daemon
 from kvd_client.async_client import AsyncClient
 from kvd_client.breaker import Breaker
@@ -224,3 +226,11 @@ def test_the_async_client_keeps_the_deadline_and_shares_the_breaker(daemon: Daem
             await twin.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
+def test_a_lookup_timeout_that_is_not_a_positive_number_of_seconds_is_refused(
+    seconds: float,
+) -> None:
+    with pytest.raises(ValueError, match="lookup_timeout must be a positive number"):
+        Client.connect("/nonexistent/kvd.sock", lookup_timeout=seconds)

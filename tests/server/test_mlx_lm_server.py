@@ -207,5 +207,12 @@ def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
         timeout=120,
         check=True,
     ).stdout
-    for flag in ("--kvd-socket", "--kvd-namespace", "--model", "--prompt-cache-size", "--port"):
+    for flag in (
+        "--kvd-socket",
+        "--kvd-namespace",
+        "--kvd-lookup-timeout",
+        "--model",
+        "--prompt-cache-size",
+        "--port",
+    ):
         assert flag in shown
