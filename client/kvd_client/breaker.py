@@ -60,15 +60,19 @@ class Breaker:
 
     def skip_lookup(self) -> bool:
         """Whether a lookup skips the daemon now (counted)."""
-        if self._open:
+        if not self._open:  # the usual case: a read, no lock
+            return False
+        with self._lock:
             self.stats.skipped_lookups += 1
-        return self._open
+        return True
 
     def skip_put(self) -> bool:
         """Whether a put skips the daemon now (counted)."""
-        if self._open:
+        if not self._open:
+            return False
+        with self._lock:
             self.stats.skipped_puts += 1
-        return self._open
+        return True
 
     def stop(self) -> None:
         """No more probing (the client is closed): a probe under way ends after its attempt."""

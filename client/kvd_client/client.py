@@ -347,7 +347,7 @@ class Client:
         assert self._transport is not None
         transport, link = self._transport, self._link
         started = time.monotonic()
-        if timeout != transport.timeout:
+        if not _near(timeout, transport.timeout):
             transport.settimeout(timeout)
         try:
             transport.send(frame)
@@ -371,6 +371,14 @@ class Client:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+
+
+def _near(timeout: float | None, current: float | None) -> bool:
+    """Whether a socket timed out after current seconds serves an exchange due in timeout: the
+    same, or within TIMEOUT_SLACK (an exchange due by a time has a new timeout each time)."""
+    if timeout is None or current is None:
+        return timeout is current
+    return abs(timeout - current) <= TIMEOUT_SLACK
 
 
 def probe_answers(socket_path: str, timeout: float) -> None:
