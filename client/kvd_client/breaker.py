@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from .link import Backoff
 
 log = logging.getLogger("kvd_client")
+
+MIN_PROBE_DELAY: Final = 0.01  # seconds: a backoff of 0 must not make the probe spin
 
 
 @dataclass
@@ -80,13 +82,13 @@ class Breaker:
 
     def _probe_until_answered(self) -> None:
         opened = time.monotonic()
-        delay = self._backoff.initial
+        delay = max(self._backoff.initial, MIN_PROBE_DELAY)
         while not self._stopped.wait(delay):
             try:
                 self._probe()
             except Exception as exc:  # whatever the probe met, the daemon did not answer
                 log.debug("kvd: probe of %s: %s", self.daemon, exc)
-                delay = min(self._backoff.maximum, delay * 2)
+                delay = max(min(self._backoff.maximum, delay * 2), MIN_PROBE_DELAY)
                 continue
             with self._lock:
                 self._open = False
