@@ -60,8 +60,9 @@ CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be se
 
 
 class ServerTier:
-    """kvd under one server process: one client, and the ColdTier of the model loaded now
-    (mlx_lm.server holds one model at a time). Used from the generation thread only."""
+    """kvd under one server process: one client (the restores'; the ColdTier sends its puts on
+    a twin of it, sharing its breaker), and the ColdTier of the model loaded now (mlx_lm.server
+    holds one model at a time). Used from the generation thread only."""
 
     def __init__(self, client: Client, namespace: str = "") -> None:
         self.client = client
