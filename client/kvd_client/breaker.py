@@ -57,7 +57,9 @@ class Breaker:
                 return
             self._open = True
             self.stats.opened += 1
-        log.warning("kvd: the daemon at %s is skipped until it answers again: %s", self.daemon, why)
+        log.warning(
+            "kvd: the daemon at %s does not answer (%s): skipped until it does", self.daemon, why
+        )
         threading.Thread(target=self._probe_until_answered, name="kvd-probe", daemon=True).start()
 
     def skip_lookup(self) -> bool:
