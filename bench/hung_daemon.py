@@ -4,10 +4,11 @@ pause), kvd-mlx-lm-server against stock mlx_lm.server (anchor) answering the sam
 Each prompt goes to stock, then to kvd-mlx-lm-server (its memory never holds it, so each one
 asks kvd), in three phases: the daemon answering (a miss: one lookup's round trip); the first
 request once the daemon is hung (it waits out the lookup deadline, and the breaker opens);
-the requests after it (the tier skipped). TTFT is the time from sending a streaming request to
-its first chunk; the table gives each phase's median and the added time over stock.
+the requests after it (the tier skipped). The hang is repeated --rounds times, the daemon
+resumed and the breaker closed again between them. TTFT is the time from sending a streaming
+request to its first chunk; the table gives each phase's median and the time added to stock's.
 
-    .venv/bin/python bench/hung_daemon.py [--requests 8] [--length 1024]
+    .venv/bin/python bench/hung_daemon.py [--rounds 5] [--requests 4] [--length 512]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _daemon import running_daemon
@@ -26,12 +28,14 @@ from model_folders import build_model_folder  # on the path through _daemon
 from server_ttft import _request, print_table, timed_stream
 
 LOOKUP_TIMEOUT = 0.1  # the server's default, given explicitly
+CLOSED = "answers again"  # the server's log line when the breaker closes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--requests", type=int, default=8, help="per phase after the first")
-    parser.add_argument("--length", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--rounds", type=int, default=5, help="hangs, each a first request")
+    parser.add_argument("--requests", type=int, default=4, help="per round after the first")
+    parser.add_argument("--length", type=int, default=512, help="prompt tokens")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch, running_daemon(Path(scratch)) as daemon:
@@ -44,32 +48,40 @@ def main() -> None:
         ):
             seeds = iter(range(10_000, 20_000))
 
-            def phase(requests: int) -> tuple[float, float]:
-                """Median TTFT (ms) of stock and of kvd over requests new prompts."""
+            def phase(requests: int) -> list[tuple[float, float]]:
+                """TTFT (ms) of stock and of kvd for each of requests new prompts."""
                 pairs = []
                 for _ in range(requests):
                     request = _request(args.length, next(seeds), max_tokens=4)
-                    pairs.append((timed_stream(stock, request), timed_stream(kvd, request)))
-                return (
-                    statistics.median(s.first_chunk for s, _ in pairs) * 1000,
-                    statistics.median(k.first_chunk for _, k in pairs) * 1000,
-                )
+                    stock_ttft = timed_stream(stock, request).first_chunk
+                    pairs.append((stock_ttft * 1000, timed_stream(kvd, request).first_chunk * 1000))
+                return pairs
 
             phase(2)  # both servers warmed up
-            answering = phase(args.requests)
-            with daemon.paused():
-                first = phase(1)
-                skipped = phase(args.requests)
+            answering = phase(args.requests * args.rounds)
+            first: list[tuple[float, float]] = []
+            after: list[tuple[float, float]] = []
+            for round_ in range(1, args.rounds + 1):
+                with daemon.paused():
+                    first += phase(1)
+                    after += phase(args.requests)
+                while kvd.logs().count(CLOSED) < round_:  # the probe finds it answering
+                    time.sleep(0.01)
 
-    rows = [
-        [name, str(count), f"{s:,.1f}", f"{k:,.1f}", f"{k - s:+,.1f}", f"{k / s:.2f}"]
-        for name, count, (s, k) in (
-            ("daemon answering", args.requests, answering),
-            ("daemon hung: first request", 1, first),
-            ("daemon hung: the requests after it", args.requests, skipped),
-        )
-    ]
-    print(f"\nTTFT of new {args.length}-token prompts, lookup timeout {LOOKUP_TIMEOUT} s\n")
+    rows = []
+    for name, pairs in (
+        ("daemon answering", answering),
+        ("daemon hung: first request", first),
+        ("daemon hung: the requests after it", after),
+    ):
+        stock_ms = statistics.median(s for s, _ in pairs)
+        kvd_ms = statistics.median(k for _, k in pairs)
+        added = statistics.median(k - s for s, k in pairs)
+        cells = [f"{stock_ms:,.1f}", f"{kvd_ms:,.1f}", f"{added:+,.1f}", f"{kvd_ms / stock_ms:.2f}"]
+        rows.append([name, str(len(pairs)), *cells])
+    print(
+        f"\nTTFT of new {args.length}-token prompts, lookup timeout {LOOKUP_TIMEOUT} s (medians)\n"
+    )
     header = ["phase", "requests", "stock ms", "kvd ms", "added ms", "× stock"]
     print_table(header, rows)
 
