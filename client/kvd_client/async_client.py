@@ -82,7 +82,9 @@ class AsyncClient:
             verify=verify,
             block_tokens=block_tokens,
             lookup_timeout=lookup_timeout,
-            breaker=Breaker(path, partial(probe_answers, path, timeout), backoff)
+            breaker=Breaker(
+                path, partial(probe_answers, path, timeout), backoff.initial, backoff.maximum
+            )
             if breaker
             else None,
         )

@@ -15,10 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:
-    from .link import Backoff
+from typing import Final
 
 log = logging.getLogger("kvd_client")
 
@@ -34,13 +31,17 @@ class BreakerStats:
 
 class Breaker:
     """Open or closed; thread-safe. probe: raises unless the daemon answers (a ping on a new
-    connection); tried after backoff.initial, then at doubling delays up to backoff.maximum."""
+    connection); tried after first_delay seconds, then at doubling delays up to max_delay (the
+    client's Backoff)."""
 
-    def __init__(self, daemon: str, probe: Callable[[], object], backoff: Backoff) -> None:
+    def __init__(
+        self, daemon: str, probe: Callable[[], object], first_delay: float, max_delay: float
+    ) -> None:
         self.daemon = daemon  # the socket path, for the log
         self.stats = BreakerStats()
         self._probe = probe
-        self._backoff = backoff
+        self._first_delay = max(first_delay, MIN_PROBE_DELAY)
+        self._max_delay = max(max_delay, MIN_PROBE_DELAY)
         self._lock = threading.Lock()
         self._open = False
         self._stopped = threading.Event()
@@ -84,13 +85,13 @@ class Breaker:
 
     def _probe_until_answered(self) -> None:
         opened = time.monotonic()
-        delay = max(self._backoff.initial, MIN_PROBE_DELAY)
+        delay = self._first_delay
         while not self._stopped.wait(delay):
             try:
                 self._probe()
             except Exception as exc:  # whatever the probe met, the daemon did not answer
                 log.debug("kvd: probe of %s: %s", self.daemon, exc)
-                delay = max(min(self._backoff.maximum, delay * 2), MIN_PROBE_DELAY)
+                delay = min(self._max_delay, delay * 2)
                 continue
             with self._lock:
                 self._open = False

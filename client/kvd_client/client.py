@@ -93,7 +93,9 @@ class Client:
             verify=verify,
             block_tokens=block_tokens,
             lookup_timeout=lookup_timeout,
-            breaker=Breaker(path, partial(probe_answers, path, timeout), backoff)
+            breaker=Breaker(
+                path, partial(probe_answers, path, timeout), backoff.initial, backoff.maximum
+            )
             if breaker
             else None,
         )
