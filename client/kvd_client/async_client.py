@@ -13,7 +13,6 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
-from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -26,7 +25,7 @@ from kvd_protocol.messages import EntrySummary, Reply
 from . import calls
 from .breaker import Breaker
 from .calls import Call, Exchange
-from .client import probe_answers
+from .client import new_link
 from .entry_io import TensorData
 from .link import (
     DEFAULT_BACKOFF,
@@ -35,8 +34,6 @@ from .link import (
     ClientStats,
     DaemonUnavailable,
     Link,
-    default_client_name,
-    default_socket_path,
 )
 from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
 from .transport import AsyncTransport, TransportClosed
@@ -73,20 +70,15 @@ class AsyncClient:
         breaker: bool = True,
     ) -> AsyncClient:
         """As Client.connect; the breaker's probe runs on a thread of its own."""
-        path = socket_path or default_socket_path()
-        link = Link(
-            path,
+        link = new_link(
+            socket_path,
             timeout,
-            name or default_client_name(),
+            name,
             backoff,
             verify=verify,
             block_tokens=block_tokens,
             lookup_timeout=lookup_timeout,
-            breaker=Breaker(
-                path, partial(probe_answers, path, timeout), backoff.initial, backoff.maximum
-            )
-            if breaker
-            else None,
+            breaker=breaker,
         )
         client = cls(link, owns_breaker=True)
         try:

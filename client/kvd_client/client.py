@@ -84,20 +84,15 @@ class Client:
         included, before it is a miss; and each exchange of a restore after its hit.
         breaker: once a call finds the daemon unavailable, lookups and puts skip it until a
         probe in the background finds it answering (breaker.py); False: every call tries."""
-        path = socket_path or default_socket_path()
-        link = Link(
-            path,
+        link = new_link(
+            socket_path,
             timeout,
-            name or default_client_name(),
+            name,
             backoff,
             verify=verify,
             block_tokens=block_tokens,
             lookup_timeout=lookup_timeout,
-            breaker=Breaker(
-                path, partial(probe_answers, path, timeout), backoff.initial, backoff.maximum
-            )
-            if breaker
-            else None,
+            breaker=breaker,
         )
         client = cls(link, owns_breaker=True)
         try:
@@ -383,7 +378,34 @@ def _near(timeout: float | None, current: float | None) -> bool:
     return abs(timeout - current) <= TIMEOUT_SLACK
 
 
-def probe_answers(socket_path: str, timeout: float) -> None:
+def new_link(
+    socket_path: str | None,
+    timeout: float,
+    name: str | None,
+    backoff: Backoff,
+    *,
+    verify: bool,
+    block_tokens: int,
+    lookup_timeout: float,
+    breaker: bool,
+) -> Link:
+    """The link of a new Client or AsyncClient (see Client.connect): defaults filled in, and
+    with breaker, one whose probe pings on a blocking client of its own."""
+    path = socket_path or default_socket_path()
+    probe = partial(_answers, path, timeout)
+    return Link(
+        path,
+        timeout,
+        name or default_client_name(),
+        backoff,
+        verify=verify,
+        block_tokens=block_tokens,
+        lookup_timeout=lookup_timeout,
+        breaker=Breaker(path, probe, backoff.initial, backoff.maximum) if breaker else None,
+    )
+
+
+def _answers(socket_path: str, timeout: float) -> None:
     """A breaker's probe: a ping on a connection of its own; raises unless answered."""
     with Client.connect(socket_path, timeout, "kvd-probe", require=True, breaker=False) as probe:
         probe.ping()
