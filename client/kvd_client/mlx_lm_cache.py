@@ -15,10 +15,11 @@ What is stored when (the places mlx-lm's server snapshots its in-memory cache):
 
 Puts never block the engine on the daemon: the caches are snapshotted on the caller's thread
 (contiguous arrays of the live tokens, the only MLX work) and one background thread writes the
-snapshot into the daemon's staging file. No copy beyond the snapshot is needed while decoding
-goes on: mlx-lm writes into cache buffers in place (KVCache.update_and_fetch, a wrapped
-RotatingKVCache), but MLX only does so when nothing else references the buffer, and the
-pending put holds a reference to every array it reads until they are written.
+snapshot into the daemon's staging file, on a connection of its own (Client.twin): a put
+stuck in a hung daemon holds nothing a lookup needs. No copy beyond the snapshot is needed
+while decoding goes on: mlx-lm writes into cache buffers in place (KVCache.update_and_fetch,
+a wrapped RotatingKVCache), but MLX only does so when nothing else references the buffer, and
+the pending put holds a reference to every array it reads until they are written.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class ColdTier:
         if backlog < 1:
             raise ValueError(f"backlog must be at least 1, not {backlog}")
         self.client = client
+        self._stores = client.twin()  # puts on a connection of their own: never before a lookup
         self.model = model
         self.tokenizer = tokenizer
         self.identity = identity or Identity.for_model(model, tokenizer, namespace)
@@ -178,6 +180,7 @@ class ColdTier:
             self._closed = True
             self._changed.notify_all()
         self._sender.join(timeout)
+        self._stores.close()
 
     def __enter__(self) -> ColdTier:
         return self
@@ -278,7 +281,7 @@ class ColdTier:
 
     def _send(self, future: Future[Ticket], snapshot: _Snapshot) -> None:
         try:
-            ticket = self.client.put_entry(
+            ticket = self._stores.put_entry(
                 self._wire, snapshot.tokens, snapshot.layers, snapshot.views, meta=snapshot.meta
             )
         except Exception as exc:  # a put must never end the thread that sends them all

@@ -1,6 +1,7 @@
 """`kvd-mlx-lm-server`: stock `mlx_lm.server` with kvd as the tier under its prompt cache.
 
     kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
+                      [--kvd-lookup-timeout SECONDS]
 
 mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
@@ -15,7 +16,9 @@ mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under 
 The identity is the model folder's content (model_folder.py), the KV quantisation and the
 adapter. Prompts with images (negative ids in the cache key) stay in memory only. With no
 daemon, or one that restarts, lookups miss and stores are skipped (counted in ColdTier.stats,
-reconnecting by itself): the server answers as stock mlx_lm.server does.
+reconnecting by itself): the server answers as stock mlx_lm.server does. A hung daemon costs
+one request the lookup timeout at most: the client's breaker then skips it until a probe
+finds it answering, and the stores, on a connection of their own, never hold up a restore.
 
 Two names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
 run() builds the cache from it) and ModelProvider (so the tier follows the model loaded). All
@@ -45,8 +48,10 @@ from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
 from . import mlx_lm_hooks
+from .breaker import BreakerStats
 from .client import Client
 from .identity import Identity
+from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
@@ -68,8 +73,9 @@ CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be se
 
 
 class ServerTier:
-    """kvd under one server process: one client, and the ColdTier of the model loaded now
-    (mlx_lm.server holds one model at a time). Used from the generation thread only."""
+    """kvd under one server process: one client (the restores'; the ColdTier sends its puts on
+    a twin of it, sharing its breaker), and the ColdTier of the model loaded now (mlx_lm.server
+    holds one model at a time). Used from the generation thread only."""
 
     def __init__(self, client: Client, namespace: str = "") -> None:
         self.client = client
@@ -93,6 +99,9 @@ class ServerTier:
     def close(self) -> None:
         self._retire()
         self.client.close()
+        breaker = self.client.breaker
+        if breaker is not None and breaker.stats.opened:
+            log.info("kvd: %s", _describe_breaker(breaker.stats))
 
     def _retire(self) -> None:
         if self._cold is not None:
@@ -210,6 +219,13 @@ def _describe(stats: ColdTierStats) -> str:
     )
 
 
+def _describe_breaker(stats: BreakerStats) -> str:
+    return (
+        f"the daemon was skipped {stats.opened} times for not answering: "
+        f"{stats.skipped_lookups} lookups and {stats.skipped_puts} stores skipped"
+    )
+
+
 def _storable(tokens: Sequence[int]) -> bool:
     """Token ids kvd can key by: the server marks image patches with negative ids."""
     return min(tokens, default=0) >= 0
@@ -224,11 +240,29 @@ def _kvd_flags() -> argparse.ArgumentParser:
         help="the kvd daemon's socket (default: $KVD_SOCKET, else the platform default)",
     )
     kvd.add_argument(
+        "--kvd-lookup-timeout",
+        type=_seconds,
+        default=DEFAULT_LOOKUP_TIMEOUT,
+        metavar="SECONDS",
+        help="a lookup not answered this long is a miss, and the daemon is skipped until it "
+        f"answers again (default: {DEFAULT_LOOKUP_TIMEOUT})",
+    )
+    kvd.add_argument(
         "--kvd-namespace",
         default="",
         help="keep this server's entries apart from others of the same model (default: none)",
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return seconds
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -255,7 +289,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         flags.print_help()
         print()
-    tier = ServerTier(Client.connect(args.kvd_socket, name="kvd-mlx-lm-server"), args.kvd_namespace)
+    client = Client.connect(
+        args.kvd_socket, name="kvd-mlx-lm-server", lookup_timeout=args.kvd_lookup_timeout
+    )
+    tier = ServerTier(client, args.kvd_namespace)
     stop = _Stop()
     stock.ModelProvider = partial(TieredModelProvider, tier=tier, stop=stop)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
