@@ -177,12 +177,12 @@ def test_an_entry_evicted_from_memory_is_restored_from_kvd(
 def test_a_miss_beside_the_entries_of_other_kv_bits_says_so_at_debug_and_names_both(
     daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
-    messages = _turn(seed=71, length=400)
+    messages = turn(seed=71, length=400)
     with http_server(
         models["a"], tmp_path / "kv8.log", kvd_socket=daemon.socket_path, extra=["--kv-bits", "8"]
     ) as quantised:
         stored = chat(quantised, messages, stream=False)
-        _wait_for_entry(daemon, stored.prompt_tokens)
+        wait_for_entry(daemon.socket_path, stored.prompt_tokens)
     log = tmp_path / "plain.log"
     with http_server(
         models["a"], log, kvd_socket=daemon.socket_path, extra=["--log-level", "DEBUG"]
