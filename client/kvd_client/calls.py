@@ -273,9 +273,7 @@ def put_entry(
             meta=meta,
             limits=link.limits,
         )
-        # Before the daemon's first word the put is planned again once it answers (below): a
-        # snapshot that left out blocks is written whole only if that daemon offers no blocks.
-        views = entry_io.tensor_views(plan, block_io.whole(tensors)) if link.server else []
+        views = _whole_views(link, plan, layers, tensors)
         write = partial(entry_io.write_entry, plan=plan, views=views)
         size = plan.file_size
     if link.breaker is not None and link.breaker.skip_put():
@@ -356,6 +354,18 @@ def _blocks_for(link: Link, tokens: bytes, layers: Sequence[LayerSpec]) -> bool:
         and len(tokens) // TOKEN_BYTES >= link.block_tokens
         and any(layer.blocked for layer in layers)
     )
+
+
+def _whole_views(
+    link: Link, plan: EntryPlan, layers: Sequence[LayerSpec], tensors: Sequence[TensorData]
+) -> list[entry_io.Pieces]:
+    """The byte views of a version 1 entry's tensors, checked (TensorLayoutError) also before
+    the daemon's first word; a snapshot that left out blocks (block_io.CutCopy) is made whole
+    only after it: until then the put is planned again once the daemon answers."""
+    if link.server is None:
+        block_io.sources(_whole_slots(layers), tensors)
+        return []
+    return entry_io.tensor_views(plan, block_io.whole(tensors))
 
 
 def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
