@@ -131,8 +131,11 @@ class Answer:
     cached_tokens: int
 
 
-def chat(server: HttpServer, messages: list[dict[str, str]], *, stream: bool) -> Answer:
-    """A greedy chat completion through the openai client, streaming or not."""
+def chat(
+    server: HttpServer, messages: list[dict[str, str]], *, stream: bool, seed: int | None = None
+) -> Answer:
+    """A greedy chat completion through the openai client, streaming or not; a request with
+    a seed takes mlx_lm.server's single-request path (it is not batched)."""
     request: dict[str, Any] = {
         "model": "default_model",
         "messages": messages,
@@ -140,6 +143,8 @@ def chat(server: HttpServer, messages: list[dict[str, str]], *, stream: bool) ->
         "max_tokens": 12,
         "logprobs": True,
     }
+    if seed is not None:
+        request["seed"] = seed
     client = server.client()
     if not stream:
         reply = client.chat.completions.create(**request)
