@@ -1,0 +1,233 @@
+"""kvd-mlx-lm-server under load, each part against an anchor measured in the same run.
+
+- decode: --streams concurrent streams on the batched path, each a --system-tokens system
+  prompt (prefilled once beforehand, from memory after) and a short user message of its own;
+  they end one after another, every --step tokens, so the longest keeps decoding while the
+  others end and the server snapshots their caches. Per server, stock mlx_lm.server (anchor)
+  and kvd-mlx-lm-server storing every request's caches: the longest stream's decode tokens/s
+  (goal: kvd >= 0.95x stock), and its stall: the longest gap between two of its chunks once
+  every stream has its first token, less the median gap.
+- wear: one --turns-turn conversation on the tiny model, each turn a new user message of
+  --turn-tokens and a short answer: the bytes kvd wrote (status: bytes_written of every
+  identity) over the KV bytes of the final context (goal <= 1.25x).
+- burst: --burst concurrent conversations of --burst-tokens each, then the server stopped
+  (SIGTERM: what waits is sent first) and started again, and each conversation's next turn
+  sent: how many start from their whole last turn (restored tokens against the tokens of
+  its prompt and answer that the next prompt repeats, as the tokenizer makes them).
+
+Decode and burst use the kv8b shape (an 8B model's KV: 512 MiB at 2k tokens; see
+server_streams.py). The kvd lines of each server's log at its exit are printed as they are.
+OpenBLAS is preloaded when installed, as bench/ttft.py does.
+
+    .venv/bin/python bench/server_load.py [--parts decode wear burst] [--system-tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from _daemon import Daemon, running_daemon
+from server_streams import (
+    HttpServer,
+    Timed,
+    chat,
+    chat_request,
+    http_server,
+    identity_writes,
+    kv_bytes_per_token,
+    model_folder,
+    print_table,
+    timed_stream,
+    user_message,
+)
+from transformers import AutoTokenizer
+from ttft import use_openblas
+
+SERVER_FLAGS = ("--prompt-cache-size", "4")  # both servers: at most 4 caches in memory
+PARTS = ("decode", "wear", "burst")
+DECODE_HEADER = ["server", "tokens/s", "× stock", "stall ms"]
+WEAR_HEADER = ["turns", "final context tokens", "its KV MiB", "kvd wrote MiB", "× its KV"]
+BURST_HEADER = [
+    "conversations",
+    "last turn tokens (median)",
+    "resumed whole",
+    "in part",
+    "from nothing",
+    "restored / last turns' tokens",
+]
+
+Messages = list[dict[str, str]]
+
+
+@contextmanager
+def kvd_server(model: Path, log: Path, daemon: Daemon | None) -> Iterator[HttpServer]:
+    """A server of model, stock with no daemon; its kvd lines are printed once it stopped."""
+    socket = None if daemon is None else daemon.socket_path
+    with http_server(model, log, kvd_socket=socket, extra=SERVER_FLAGS) as server:
+        yield server
+        server.stop()
+    for line in server.logs().splitlines():
+        if "kvd: " in line and daemon is not None:
+            print(f"  [{log.stem}] {line.strip()}")
+
+
+def _greedy(server: HttpServer, messages: Messages, max_tokens: int) -> Timed:
+    return timed_stream(server, chat_request(messages, max_tokens))
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decode:
+    rate: float  # the longest stream's tokens/s after its first
+    stall: float  # seconds: its longest gap once every stream has its first token, less median
+
+
+def concurrent_streams(server: HttpServer, args: argparse.Namespace) -> Decode:
+    system = {"role": "system", "content": user_message(args.system_tokens - 6, 7)["content"]}
+    _greedy(server, [system, user_message(8, 0)], 1)  # the system prompt's prefill, once
+    conversations = [[system, user_message(32, 100 + k)] for k in range(args.streams)]
+    lengths = [args.step * (k + 1) for k in range(args.streams)]
+    with ThreadPoolExecutor(args.streams) as pool:
+        streams = list(pool.map(partial(_greedy, server), conversations, lengths))
+    longest = streams[-1]
+    all_running = max(s.started + s.first_chunk for s in streams)
+    times = [longest.started + t for t in longest.chunks]
+    gaps = [b - a for a, b in itertools.pairwise(times) if a >= all_running]
+    return Decode(longest.rate, max(gaps) - statistics.median(gaps))
+
+
+def decode_rows(
+    model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace
+) -> list[list[str]]:
+    results = {}
+    for name, tier in (("stock mlx_lm.server (anchor)", None), ("kvd-mlx-lm-server", daemon)):
+        log = logs / f"decode-{'stock' if tier is None else 'kvd'}.log"
+        with kvd_server(model, log, tier) as server:
+            results[name] = concurrent_streams(server, args)
+    anchor = results["stock mlx_lm.server (anchor)"].rate
+    return [
+        [name, f"{d.rate:.2f}", f"{d.rate / anchor:.2f}", f"{d.stall * 1000:,.0f}"]
+        for name, d in results.items()
+    ]
+
+
+# --- wear ------------------------------------------------------------------------------------
+
+
+def wear_row(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) -> list[str]:
+    messages: Messages = []
+    with kvd_server(model, logs / "wear.log", daemon) as server:
+        for turn in range(args.turns):
+            messages.append(user_message(args.turn_tokens, 1000 + turn))
+            answer = _greedy(server, messages, 16)
+            messages.append({"role": "assistant", "content": answer.text})
+    context = answer.prompt_tokens + answer.completion_tokens
+    kv = context * kv_bytes_per_token("tiny")
+    written = identity_writes(daemon)
+    return [
+        str(args.turns),
+        f"{context:,}",
+        f"{kv / 2**20:.1f}",
+        f"{written / 2**20:.1f}",
+        f"{written / kv:.2f}",
+    ]
+
+
+# --- burst -----------------------------------------------------------------------------------
+
+
+def _repeated(tokenizer: Any, last: Messages, answer: Sequence[int], following: Messages) -> int:
+    """How many tokens of the last turn (its prompt and answer) the following prompt repeats,
+    at most all of it but its last token: what a server holding the last turn's cache starts
+    from."""
+    turn = [*tokenizer.apply_chat_template(last, add_generation_prompt=True), *answer]
+    nxt = tokenizer.apply_chat_template(following, add_generation_prompt=True)
+    same = 0
+    while same < min(len(turn), len(nxt)) and turn[same] == nxt[same]:
+        same += 1
+    return min(same, len(nxt) - 1)
+
+
+def burst_rows(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) -> list[str]:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    firsts = [[user_message(args.burst_tokens - 3, 2000 + k)] for k in range(args.burst)]
+    with (
+        kvd_server(model, logs / "burst.log", daemon) as server,
+        ThreadPoolExecutor(args.burst) as pool,
+    ):
+        answers = list(pool.map(partial(chat, server, stream=False), firsts))
+    nexts = [
+        [*first, {"role": "assistant", "content": answer.text}, user_message(16, 3000 + k)]
+        for k, (first, answer) in enumerate(zip(firsts, answers, strict=True))
+    ]
+    with kvd_server(model, logs / "burst-restarted.log", daemon) as server:
+        restored = [chat(server, messages, stream=False).cached_tokens for messages in nexts]
+    turns = [
+        _repeated(tokenizer, first, answer.tokens or [], following)
+        for first, answer, following in zip(firsts, answers, nexts, strict=True)
+    ]
+    whole = sum(got >= turn for got, turn in zip(restored, turns, strict=True))
+    some = sum(0 < got < turn for got, turn in zip(restored, turns, strict=True))
+    return [
+        str(args.burst),
+        f"{statistics.median(turns):,.0f}",
+        str(whole),
+        str(some),
+        str(args.burst - whole - some),
+        f"{sum(restored) / sum(turns):.2f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--step", type=int, default=8, help="tokens between two streams' ends")
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turn-tokens", type=int, default=440)
+    parser.add_argument("--burst", type=int, default=16)
+    parser.add_argument("--burst-tokens", type=int, default=256)
+    args = parser.parse_args()
+    use_openblas()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        if "decode" in args.parts:
+            with running_daemon(_folder(root, "decode")) as daemon:
+                rows = decode_rows(model_folder(root, "kv8b"), daemon, root, args)
+            _print(f"Decode of the longest of {args.streams} streams", rows, DECODE_HEADER)
+        if "wear" in args.parts:
+            with running_daemon(_folder(root, "wear")) as daemon:
+                row = wear_row(model_folder(root, "tiny"), daemon, root, args)
+            _print("Wear of one conversation", [row], WEAR_HEADER)
+        if "burst" in args.parts:
+            with running_daemon(_folder(root, "burst")) as daemon:
+                row = burst_rows(model_folder(root, "kv8b"), daemon, root, args)
+            _print("A burst of conversations, then a restart", [row], BURST_HEADER)
+
+
+def _folder(root: Path, name: str) -> Path:
+    (root / name).mkdir()
+    return root / name
+
+
+def _print(title: str, rows: list[list[str]], header: list[str]) -> None:
+    print(f"\n{title}\n")
+    print_table(header, rows)
+
+
+if __name__ == "__main__":
+    main()
