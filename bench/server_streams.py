@@ -42,8 +42,9 @@ SHAPES: Final[dict[str, dict[str, int]]] = {
 
 
 def model_folder(root: Path, shape: str) -> Path:
-    """A model folder of the named shape under root."""
-    return build_model_folder(root / f"model-{shape}", seed=0, shape=SHAPES[shape])
+    """The model folder of the named shape under root, built on first use."""
+    folder = root / f"model-{shape}"
+    return folder if folder.exists() else build_model_folder(folder, seed=0, shape=SHAPES[shape])
 
 
 def kv_bytes_per_token(shape: str) -> int:

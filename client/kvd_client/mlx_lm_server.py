@@ -40,6 +40,7 @@ from typing import Any, Final
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
+from .batch_merge import merge_in_place
 from .client import Client
 from .identity import Identity
 from .mlx_lm_cache import ColdTier, ColdTierStats
@@ -109,6 +110,7 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         log.info(
             "kvd: restored %d of %d prompt tokens in %.1f ms", restored.matched, len(tokens), took
         )
+        merge_in_place(restored.cache)  # the batched path takes its buffers, room and all
         return restored.cache, tokens[restored.matched :]
 
     def insert_cache(
