@@ -148,12 +148,20 @@ def wear_row(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) 
 # --- burst -----------------------------------------------------------------------------------
 
 
+def _prompt(tokenizer: Any, messages: Messages) -> list[int]:
+    """The prompt's tokens as mlx_lm.server makes them: the chat template's."""
+    tokens: list[int] = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
+    return tokens
+
+
 def _repeated(tokenizer: Any, last: Messages, answer: Sequence[int], following: Messages) -> int:
     """How many tokens of the last turn (its prompt and answer) the following prompt repeats,
     at most all of it but its last token: what a server holding the last turn's cache starts
     from."""
-    turn = [*tokenizer.apply_chat_template(last, add_generation_prompt=True), *answer]
-    nxt = tokenizer.apply_chat_template(following, add_generation_prompt=True)
+    turn = [*_prompt(tokenizer, last), *answer]
+    nxt = _prompt(tokenizer, following)
     same = 0
     while same < min(len(turn), len(nxt)) and turn[same] == nxt[same]:
         same += 1

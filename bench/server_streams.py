@@ -125,10 +125,27 @@ def restores_logged(server: HttpServer) -> list[float]:
     return [float(match[3]) for match in _RESTORED.finditer(server.logs())]
 
 
+def _status(daemon: Daemon) -> dict[str, Any]:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        return client.status()
+
+
+def settled(daemon: Daemon, quiet: float = 1.0) -> None:
+    """Wait until the daemon has written nothing for quiet seconds and holds no put begun or
+    queued: what a server stored in the background no longer competes for the cores."""
+    last, since = None, time.monotonic()
+    while time.monotonic() - since < quiet:
+        status = _status(daemon)
+        writeback = status["writeback"]
+        now = (status["bytes_written"], status["staged_puts"], writeback["pending_count"])
+        if now != last or now[1] or now[2]:
+            last, since = now, time.monotonic()
+        time.sleep(0.1)
+
+
 def identity_writes(daemon: Daemon) -> int:
     """Bytes the daemon wrote for every identity together (status: bytes_written)."""
-    with Client.connect(daemon.socket_path, require=True) as client:
-        status = client.status()
+    status = _status(daemon)
     identities = status.get("identities")
     assert isinstance(identities, list), f"status without identities: {status}"
     return sum(int(row.get("bytes_written", 0)) for row in identities)

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from _daemon import running_daemon
+from _daemon import Daemon, running_daemon
 from server_streams import (
     SHAPES,
     HttpServer,
@@ -39,6 +39,7 @@ from server_streams import (
     print_table,
     prompt_request,
     restores_logged,
+    settled,
     timed_stream,
 )
 from ttft import use_openblas
@@ -52,9 +53,14 @@ def _ms(values: Sequence[float]) -> str:
     return f"{median:,.1f} ({min(values) * 1000:,.0f}-{max(values) * 1000:,.0f})"
 
 
-def _restarted(server: HttpServer, request: dict[str, object]) -> tuple[Timed, Timed, float]:
-    """The restored request, the warm one after it, and the restore's own time as logged."""
+def _restarted(
+    server: HttpServer, daemon: Daemon, request: dict[str, object]
+) -> tuple[Timed, Timed, float]:
+    """The restored request, the warm one after it, and the restore's own time as logged;
+    each once the daemon settled (the server stores each request's caches meanwhile)."""
+    settled(daemon)
     restored = timed_stream(server, request)
+    settled(daemon)
     warm = timed_stream(server, request)
     logged = restores_logged(server)
     assert len(logged) == 1, f"one restore logged expected, not {logged}"
@@ -62,7 +68,7 @@ def _restarted(server: HttpServer, request: dict[str, object]) -> tuple[Timed, T
 
 
 def ttft_rows(
-    model: Path, socket: str, logs: Path, lengths: list[int], *, repeat: int, cold: bool
+    model: Path, daemon: Daemon, logs: Path, lengths: list[int], *, repeat: int, cold: bool
 ) -> list[list[str]]:
     rows = []
     for length in lengths:
@@ -72,6 +78,7 @@ def ttft_rows(
                 timed = timed_stream(stock, request)
             cells = [f"{timed.prompt_tokens:,}", "cold, stock mlx_lm.server", "0"]
             rows.append([*cells, _ms([timed.first_chunk]), "", ""])
+        socket = daemon.socket_path
         with http_server(model, logs / f"first-{length}.log", kvd_socket=socket) as first:
             timed_stream(first, request)  # computes the prefill and stores it in kvd
             first.stop()  # SIGTERM: what waits to be stored is sent first
@@ -79,7 +86,7 @@ def ttft_rows(
         for run in range(repeat):
             log = logs / f"restarted-{length}-{run}.log"
             with http_server(model, log, kvd_socket=socket) as server:
-                pairs.append(_restarted(server, request))
+                pairs.append(_restarted(server, daemon, request))
         restored = [pair[0] for pair in pairs]
         warm = [pair[1] for pair in pairs]
         ratio = statistics.median(r.first_chunk / w.first_chunk for r, w, _ in pairs)
@@ -105,9 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, running_daemon(Path(scratch)) as daemon:
         root = Path(scratch)
         model = model_folder(root, args.shape)
-        rows = ttft_rows(
-            model, daemon.socket_path, root, args.lengths, repeat=args.repeat, cold=args.cold
-        )
+        rows = ttft_rows(model, daemon, root, args.lengths, repeat=args.repeat, cold=args.cold)
     print(f"\nTime to first token, {args.shape} model (streaming request to its first chunk)\n")
     header = ["prompt tokens", "server", "cached", "TTFT ms", "× warm", "restore ms (logged)"]
     print_table(header, rows)

@@ -84,7 +84,7 @@ def test_a_copy_of_a_marked_layer_leaves_the_original_unchanged() -> None:
     merge_in_place(marked)
     original = np.array(marked[0].keys)  # type: ignore[attr-defined]
     duplicate = copy.deepcopy(marked[0])
-    batch = duplicate.merge([duplicate])
+    batch = duplicate.merge([duplicate])  # type: ignore[attr-defined]
     _step(batch)
     _step(batch)
     assert np.array_equal(np.array(marked[0].keys), original)  # type: ignore[attr-defined]
