@@ -6,6 +6,8 @@ A cut tensor [batch, heads, tokens, ...] in C order is batch * heads outer runs,
 tokens rows. A block's slot holds rows [i*B, (i+1)*B) of every run, back to back; the
 manifest's tail slot rows [n*B, T). The rows are never gathered into a copy: the kernel
 takes the runs as an iovec, and the checksum reads each piece right after it was copied.
+A cut tensor may also come as a CutCopy, a snapshot's copy of it a block at a time: each
+block's bytes are then one buffer of its own, and blocks the daemon holds may be absent.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeAlias, cast
 
 from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import new_checksum
@@ -37,12 +39,16 @@ from kvd_protocol.limits import Limits
 
 from .entry_io import (  # CHUNK_BYTES: copied per call, then checksummed
     CHUNK_BYTES,
+    Expected,
     Hasher,
     Piece,
     Pieces,
+    TensorData,
+    TensorLayoutError,
     advanced,
     calls_of,
     slot_pieces,
+    views_of,
     write_all,
     write_slots,
 )
@@ -105,6 +111,63 @@ def _cut(pieces: Sequence[memoryview], ranges: Iterator[tuple[int, int]]) -> lis
             out.append(piece[low - base : end])
             low = base + end
     return out
+
+
+class BlocksNotHeld(Exception):  # noqa: N818 - an outcome the cold tier counts
+    """A put whose snapshot left out blocks it took the daemon to hold, and the daemon holds
+    fewer (evicted meanwhile): aborted before anything was written."""
+
+    def __init__(self, held: int, needed: int) -> None:
+        super().__init__(f"the daemon holds {held} leading blocks, the snapshot needs {needed}")
+        self.held = held
+
+
+@dataclass(frozen=True)
+class CutCopy:
+    """A cut tensor copied a block at a time: per block of the entry the bytes of its rows
+    of every outer run (exactly a block slot's), or None for a block the daemon holds (not
+    copied); and the tail rows [n*B, T) the same way."""
+
+    outer: int
+    blocks: Sequence[memoryview | None]
+    tail: memoryview
+
+    @property
+    def needed(self) -> int:
+        """The blocks up to the last one left out: what the daemon must hold for a put."""
+        return max((i + 1 for i, block in enumerate(self.blocks) if block is None), default=0)
+
+    def whole(self) -> list[memoryview]:
+        """The tensor's bytes in C order (a run of each block, then of the tail, per outer
+        index), for an entry stored whole; raises BlocksNotHeld if a block was left out."""
+        if self.needed:
+            raise BlocksNotHeld(0, self.needed)
+        parts = [*cast(list[memoryview], self.blocks), self.tail]
+        runs = [part.nbytes // self.outer for part in parts]
+        return [
+            part[o * run : (o + 1) * run]
+            for o in range(self.outer)
+            for part, run in zip(parts, runs, strict=True)
+            if run
+        ]
+
+
+Source: TypeAlias = "Pieces | CutCopy"  # a tensor's bytes as BlockWriter takes them
+
+
+def sources(expected: Sequence[Expected], tensors: Sequence[TensorData]) -> list[Source]:
+    """The byte views of each tensor (entry_io.views_of), a CutCopy kept as it is (checked
+    by BlockWriter against its plan); raises TensorLayoutError."""
+    if len(tensors) != len(expected):
+        raise TensorLayoutError(f"{len(tensors)} tensors for {len(expected)} planned slots")
+    plain = [i for i, tensor in enumerate(tensors) if not isinstance(tensor, CutCopy)]
+    views = iter(views_of([expected[i] for i in plain], [tensors[i] for i in plain]))
+    return [tensor if isinstance(tensor, CutCopy) else next(views) for tensor in tensors]
+
+
+def whole(tensors: Sequence[TensorData]) -> list[TensorData]:
+    """tensors with each CutCopy as its whole bytes (CutCopy.whole), for a version 1 entry."""
+    return [tensor.whole() if isinstance(tensor, CutCopy) else tensor for tensor in tensors]
 
 
 # Where the bytes between two slots (alignment padding) are read to: never looked at, so the
@@ -178,11 +241,12 @@ def _writers() -> ThreadPoolExecutor:
 
 
 class BlockWriter:
-    """The files of a planned manifest, from the entry's tensors (the byte views of each, in
-    the plan's tensor order): each block's rows of every cut tensor, then its head; the
-    manifest's tails of the cut tensors and the other tensors whole, then its head."""
+    """The files of a planned manifest, from the entry's tensors (each one's byte views, or
+    a CutCopy of a cut tensor, in the plan's tensor order: sources()): each block's rows of
+    every cut tensor, then its head; the manifest's tails of the cut tensors and the other
+    tensors whole, then its head."""
 
-    def __init__(self, plan: ManifestPlan, views: Sequence[Pieces]) -> None:
+    def __init__(self, plan: ManifestPlan, views: Sequence[Source]) -> None:
         header = plan.entry.header
         self.plan = plan
         self._views = views
@@ -192,6 +256,33 @@ class BlockWriter:
             i: Cut.of(slots[i].dtype, with_rows(slots[i].shape, self._tokens))
             for i in plan.blocked_tensors
         }
+        for i, view in enumerate(views):
+            if isinstance(view, CutCopy):
+                self._check_copy(i, view)
+
+    def _check_copy(self, index: int, copy: CutCopy) -> None:
+        cut = self._cuts.get(index)
+        if cut is None:
+            raise TensorLayoutError(f"tensor {index} is not cut into blocks, but copied so")
+        tail = self._tokens - len(self.plan.hashes) * self._block
+        block_bytes = cut.outer * self._block * cut.row
+        if len(copy.blocks) != len(self.plan.hashes) or copy.outer != cut.outer:
+            raise TensorLayoutError(
+                f"tensor {index}: copied as {len(copy.blocks)} blocks of {copy.outer} runs, "
+                f"planned as {len(self.plan.hashes)} of {cut.outer}"
+            )
+        sizes = [block.nbytes for block in copy.blocks if block is not None]
+        if any(size != block_bytes for size in sizes) or copy.tail.nbytes != tail * (
+            cut.outer * cut.row
+        ):
+            raise TensorLayoutError(f"tensor {index}: a block or its tail of the wrong size")
+
+    def check_held(self, held: int) -> None:
+        """Raise BlocksNotHeld unless the daemon's held leading blocks cover every block a
+        CutCopy left out."""
+        needed = max((view.needed for view in self._views if isinstance(view, CutCopy)), default=0)
+        if held < needed:
+            raise BlocksNotHeld(held, needed)
 
     def write_blocks(self, first: int, fds: Descriptors) -> None:
         """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size,
@@ -207,26 +298,36 @@ class BlockWriter:
     def _write_block(self, index: int, fd: int) -> None:
         plan = self.plan
         _check_size(fd, plan.block_size)
-        rows = (index * self._block, (index + 1) * self._block)
         checksums = write_slots(
             fd,
             [
-                (slot, self._cuts[i].runs(self._views[i], *rows))
+                (slot, self._rows(i, index))
                 for slot, i in zip(plan.block_slots, plan.blocked_tensors, strict=True)
             ],
         )
         write_all(fd, memoryview(plan.block_head(index, checksums)), 0)  # heads: no checksum
 
+    def _rows(self, tensor: int, block: int | None) -> Pieces:
+        """Cut tensor's rows of block (None: its tail), straight from its source."""
+        view = self._views[tensor]
+        if isinstance(view, CutCopy):
+            rows = view.tail if block is None else view.blocks[block]
+            if rows is None:  # check_held let the put go on: never
+                raise BlocksNotHeld(block or 0, view.needed)
+            return [rows] if rows.nbytes else []
+        start = len(self.plan.hashes) if block is None else block
+        stop = self._tokens if block is None else (block + 1) * self._block
+        return self._cuts[tensor].runs(view, start * self._block, stop)
+
     def write_manifest(self, fd: int) -> None:
         """The manifest into fd, pre-sized to its planned size."""
         entry = self.plan.entry
         _check_size(fd, entry.file_size)
-        tail = (len(self.plan.hashes) * self._block, self._tokens)
         checksums = write_slots(
             fd,
             [
-                (slot, self._cuts[i].runs(pieces, *tail) if i in self._cuts else pieces)
-                for i, (slot, pieces) in enumerate(zip(entry.slots, self._views, strict=True))
+                (slot, self._rows(i, None) if i in self._cuts else cast(Pieces, view))
+                for i, (slot, view) in enumerate(zip(entry.slots, self._views, strict=True))
             ],
         )
         write_all(fd, memoryview(entry.head(checksums)), 0)

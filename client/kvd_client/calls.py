@@ -229,7 +229,9 @@ def put_entry(
 
     Cut into blocks (a manifest, FORMAT.md "Version 2") when the daemon offers blocks, the
     client's block size is not 0 and some layer is blocked with a whole block of tokens; the
-    daemon says how many leading blocks it holds already, and only the others are written."""
+    daemon says how many leading blocks it holds already, and only the others are written.
+    A cut tensor may come as a block_io.CutCopy that leaves out blocks taken to be held: a
+    daemon that holds fewer has the put aborted, raising block_io.BlocksNotHeld."""
     started = time.perf_counter()
     named = link.scope(identity)  # the header names it as the daemon does
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
@@ -247,7 +249,7 @@ def put_entry(
             meta=meta,
             limits=link.limits,
         )
-        writer = block_io.BlockWriter(plan, entry_io.views_of(_whole_slots(layers), tensors))
+        writer = block_io.BlockWriter(plan, block_io.sources(_whole_slots(layers), tensors))
         write: Callable[[int], None] = writer.write_manifest
         size, hashes, block_size = plan.entry.file_size, b"".join(plan.hashes), plan.block_size
     else:
@@ -261,7 +263,8 @@ def put_entry(
             meta=meta,
             limits=link.limits,
         )
-        write = partial(entry_io.write_entry, plan=plan, views=entry_io.tensor_views(plan, tensors))
+        views = entry_io.tensor_views(plan, block_io.whole(tensors))
+        write = partial(entry_io.write_entry, plan=plan, views=views)
         size = plan.file_size
     if link.server is None:  # planned without the daemon's word (its tenant and features)
         try:
@@ -350,7 +353,9 @@ def put_blocks(
 ) -> Call[None]:
     """Write blocks held.. of a begun put: their staging files asked for in batches, each
     batch written (Blocking) and closed before the next is asked for (or, when the put is
-    given up mid-batch, once its last write has ended)."""
+    given up mid-batch, once its last write has ended). Raises BlocksNotHeld first if the
+    writer lacks blocks the daemon does not hold."""
+    writer.check_held(held)
     count = len(writer.plan.hashes)
     for first in range(held, count, MAX_BLOCK_BATCH):
         batch = min(MAX_BLOCK_BATCH, count - first)

@@ -17,7 +17,7 @@ from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
-from kvd_protocol.messages import EntrySummary, Reply
+from kvd_protocol.messages import BLOCKS_FEATURE, EntrySummary, Reply
 
 from . import calls
 from .calls import Call, Exchange
@@ -100,6 +100,13 @@ class Client:
     @property
     def socket_path(self) -> str:
         return self._link.socket_path
+
+    @property
+    def block_tokens(self) -> int:
+        """The tokens per block of this client's puts against the daemon last connected to:
+        0 when they are whole entries (blocks off, not offered, or no daemon answered yet)."""
+        link = self._link
+        return link.block_tokens if link.offers(BLOCKS_FEATURE) else 0
 
     def close(self) -> None:
         with self._lock:

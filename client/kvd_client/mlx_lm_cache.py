@@ -14,18 +14,20 @@ What is stored when (the places mlx-lm's server snapshots its in-memory cache):
   any extension. Caches that always trim need none: the longer entry serves by trimming.
 
 Puts never block the engine on the daemon: the caches are snapshotted on the caller's thread
-(contiguous arrays of the live tokens, the only MLX work) and one background thread writes the
-snapshot into the daemon's staging file. No copy beyond the snapshot is needed while decoding
-goes on: mlx-lm writes into cache buffers in place (KVCache.update_and_fetch, a wrapped
-RotatingKVCache), but MLX only does so when nothing else references the buffer, and the
-pending put holds a reference to every array it reads until they are written.
+(copies of the live tokens, the only MLX work) and one background thread writes the snapshot
+into the daemon's staging file. A snapshot copies only what is new (snapshots.py): rows in
+blocks the daemon holds, or that a snapshot still waiting copied, are not copied again. No
+copy beyond the snapshot is needed while decoding goes on: mlx-lm writes into cache buffers in
+place (KVCache.update_and_fetch, a wrapped RotatingKVCache), but MLX only does so when nothing
+else references the buffer, and the pending put holds a reference to every array it reads
+until they are written. The snapshots waiting are bounded in bytes (backlog.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,13 +35,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import mlx.core as mx
 import mlx_lm
-from kvd_protocol.entry import LayerSpec, MetaValue
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import prompt_cache
+from . import snapshots
+from .backlog import Admission, Backlog, held_bytes
+from .block_io import BlocksNotHeld
 from .codecs import CodecError
 from .identity import Identity
+from .snapshots import Memo, Plan, Snapshot
 
 if TYPE_CHECKING:
     from mlx_lm.generate import GenerationResponse
@@ -56,6 +60,12 @@ _ALWAYS_TRIMMABLE: Final = (mlc.KVCache, mlc.QuantizedKVCache)
 
 ProgressCallback = Callable[[int, int], None]
 
+# The snapshots that may wait to be sent, in bytes. A fixed figure rather than a share of
+# memory: it bounds what the tier adds to the engine's memory whatever the machine, and 1 GiB
+# holds two whole 512 MiB caches (an 8B model's 4k tokens) or, since snapshots copy only new
+# rows, the new turns of a burst of many conversations.
+BACKLOG_BYTES: Final = 1 << 30
+
 
 @dataclass
 class ColdTierStats:
@@ -67,15 +77,16 @@ class ColdTierStats:
     stored: int = 0  # snapshots the daemon accepted
     unavailable: int = 0  # snapshots not handed over: the daemon was down or slow
     failed: int = 0  # snapshots refused by the codecs or the daemon
-    superseded: int = 0  # snapshots replaced by a newer one before they were sent
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    tokens: list[int]
-    layers: list[LayerSpec]
-    views: list[list[memoryview]]  # each holds its buffer: MLX will not write into it meanwhile
-    meta: dict[str, MetaValue]
+    superseded: int = 0  # snapshots a newer one covered before they were sent (or not taken)
+    dropped: int = 0  # snapshots dropped from a full backlog (logged at warning)
+    dropped_bytes: int = 0  # what they held
+    aborted: int = 0  # puts aborted: the daemon no longer held blocks the snapshot left out
+    requests: int = 0  # finished turns handed to store() (segment=False)
+    snapshots: int = 0  # store() calls, each on the engine's thread
+    snapshot_seconds: float = 0.0  # the engine's time in them, all told
+    snapshot_max_seconds: float = 0.0  # the longest one
+    bytes_copied: int = 0  # copied by them
+    bytes_written: int = 0  # into the daemon's files by their puts
 
 
 class ColdTier:
@@ -90,21 +101,20 @@ class ColdTier:
         *,
         identity: Identity | None = None,
         namespace: str = "",
-        backlog: int = 2,
+        backlog_bytes: int = BACKLOG_BYTES,
     ) -> None:
         """tokenizer: what mlx_lm.load returned. identity: by default Identity.for_model.
-        backlog: snapshots that may wait while one is being sent; beyond it the oldest waiting
-        one is dropped (each holds a copy of the caches' live tokens)."""
-        if backlog < 1:
-            raise ValueError(f"backlog must be at least 1, not {backlog}")
+        backlog_bytes: what the snapshots waiting while one is sent may hold (copies of the
+        caches' rows); beyond it segments go first, then the oldest (backlog.py)."""
         self.client = client
         self.model = model
         self.tokenizer = tokenizer
         self.identity = identity or Identity.for_model(model, tokenizer, namespace)
         self.stats = ColdTierStats()
         self._wire = self.identity.to_protocol()
-        self._backlog = backlog
-        self._waiting: deque[tuple[Future[Ticket], _Snapshot]] = deque()
+        self._backlog: Backlog[Snapshot] = Backlog(backlog_bytes)
+        self._futures: dict[Snapshot, Future[Ticket]] = {}
+        self._memo = Memo()
         self._busy = False
         self._closed = False
         self._changed = threading.Condition()
@@ -138,37 +148,96 @@ class ColdTier:
         else:
             self.stats.restored += 1
             self.stats.restored_tokens += restored.matched
+            if restored.block_tokens == self.client.block_tokens:
+                with self._changed:
+                    self._memo.held(restored.blocks)
         return restored
 
-    def store(self, tokens: Sequence[int], cache: Sequence[Any]) -> Future[Ticket]:
+    def store(
+        self, tokens: Sequence[int], cache: Sequence[Any], *, segment: bool = False
+    ) -> Future[Ticket]:
         """Hand the caches (holding exactly tokens) to the daemon: snapshot now, send in the
-        background. The future gives the daemon's ticket; it is cancelled if a newer snapshot
-        replaced it before it was sent. Never raises for the daemon's sake, nor for a cache
-        the codecs refuse (the future then holds the CodecError)."""
+        background. segment: a prefix on the way to a longer entry (a prompt boundary, the
+        server's system and user segments), worth less than a finished turn; of caches that
+        always trim only its whole blocks are stored (snapshots.plan). The future gives the
+        daemon's ticket; it is cancelled if the snapshot was not needed (a waiting or newer
+        one covers it, or nothing of a segment is) or dropped for room. Never raises for the
+        daemon's sake, nor for a cache the codecs refuse (the future then holds the
+        CodecError)."""
+        started = time.perf_counter()
         future: Future[Ticket] = Future()
         try:
-            snapshot = self._snapshot(tokens, cache)
-        except CodecError as exc:
-            self.stats.failed += 1
-            log.warning("cold tier: caches of %d tokens not stored: %s", len(tokens), exc)
-            future.set_exception(exc)
-            return future
+            self._store(future, tokens, cache, segment)
+        finally:
+            took = time.perf_counter() - started
+            self.stats.snapshots += 1
+            self.stats.requests += not segment
+            self.stats.snapshot_seconds += took
+            self.stats.snapshot_max_seconds = max(self.stats.snapshot_max_seconds, took)
+        return future
+
+    def _store(
+        self, future: Future[Ticket], tokens: Sequence[int], cache: Sequence[Any], segment: bool
+    ) -> None:
         with self._changed:
             if self._closed:
                 raise RuntimeError("store() on a closed ColdTier")
-            if len(self._waiting) == self._backlog:
-                dropped, _ = self._waiting.popleft()
-                dropped.cancel()
-                self.stats.superseded += 1
-            self._waiting.append((future, snapshot))
+            try:
+                plan = snapshots.plan(
+                    self._memo,
+                    tokens,
+                    cache,
+                    block_tokens=self.client.block_tokens,
+                    segment=segment,
+                )
+            except CodecError as exc:
+                self.stats.failed += 1
+                log.warning("cold tier: caches of %d tokens not stored: %s", len(tokens), exc)
+                future.set_exception(exc)
+                return
+            if plan is None or not self._admitted(plan):
+                future.cancel()
+                return
+        snapshot = snapshots.take(plan)  # the copies, with the lock let go
+        self.stats.bytes_copied += snapshot.copied
+        with self._changed:
+            self._memo.copied(snapshot.copies)
+            self._backlog.append(snapshot)
+            self._futures[snapshot] = future
             self._changed.notify_all()
-        return future
+
+    def _admitted(self, plan: Plan) -> bool:
+        """Whether the backlog takes plan, dropping what it decides (under the lock)."""
+        admission: Admission[Snapshot] = self._backlog.admit(plan)
+        for snapshot in admission.superseded:
+            self._futures.pop(snapshot).cancel()
+            self.stats.superseded += 1
+        for snapshot in admission.dropped:
+            self._dropped(snapshot.tokens, held_bytes([snapshot]))
+            self._futures.pop(snapshot).cancel()
+        if admission.covered:
+            self.stats.superseded += 1
+        elif not admission.taken:
+            self._dropped(plan.tokens, plan.nbytes)
+        return admission.taken
+
+    def _dropped(self, tokens: Sequence[int], nbytes: int) -> None:
+        self.stats.dropped += 1
+        self.stats.dropped_bytes += nbytes
+        log.warning(
+            "cold tier: a snapshot of %d tokens (%d bytes) dropped: the backlog holds %d of "
+            "its %d bytes",
+            len(tokens),
+            nbytes,
+            self._backlog.nbytes,
+            self._backlog.max_bytes,
+        )
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot stored so far was sent (the daemon serves it from then
         on); whether that happened within timeout seconds."""
         with self._changed:
-            return self._changed.wait_for(lambda: not self._waiting and not self._busy, timeout)
+            return self._changed.wait_for(lambda: not self._backlog and not self._busy, timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is waiting (at most timeout seconds), then stop the sending thread.
@@ -211,7 +280,7 @@ class ColdTier:
         def progress(done: int, total: int) -> None:
             # Called after each prefill chunk is evaluated; done == total - 1 is the last one.
             if stores_boundary and 0 < done == total - 1:
-                self.store(tokens[:boundary], cache)
+                self.store(tokens[:boundary], cache, segment=True)
             if prompt_progress_callback is not None:
                 prompt_progress_callback(matched + done, matched + total)
 
@@ -257,17 +326,14 @@ class ColdTier:
             return [int(t) for t in cast(list[int], prompt.tolist())]
         return [int(t) for t in prompt]
 
-    def _snapshot(self, tokens: Sequence[int], cache: Sequence[Any]) -> _Snapshot:
-        layers, tensors, meta = prompt_cache.encode(cache, len(tokens), copy=True)
-        return _Snapshot(list(tokens), layers, tensors, meta)
-
     def _send_forever(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._waiting or self._closed)
-                if not self._waiting:
+                self._changed.wait_for(lambda: self._backlog or self._closed)
+                if not self._backlog:
                     return
-                future, snapshot = self._waiting.popleft()
+                snapshot = self._backlog.popleft()
+                future = self._futures.pop(snapshot)
                 self._busy = future.set_running_or_notify_cancel()  # False: the caller cancelled
             if self._busy:
                 self._send(future, snapshot)
@@ -276,18 +342,30 @@ class ColdTier:
                 self._busy = False
                 self._changed.notify_all()
 
-    def _send(self, future: Future[Ticket], snapshot: _Snapshot) -> None:
+    def _send(self, future: Future[Ticket], snapshot: Snapshot) -> None:
+        written = self.client.stats.bytes_written
         try:
             ticket = self.client.put_entry(
-                self._wire, snapshot.tokens, snapshot.layers, snapshot.views, meta=snapshot.meta
+                self._wire, snapshot.tokens, snapshot.layers, snapshot.tensors, meta=snapshot.meta
             )
+        except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
+            with self._changed:
+                self._memo.forget(snapshot.hashes[exc.held :])
+            self.stats.aborted += 1
+            log.info("cold tier: put of %d tokens aborted: %s", len(snapshot.tokens), exc)
+            future.set_exception(exc.with_traceback(None))  # its frames hold the snapshot
         except Exception as exc:  # a put must never end the thread that sends them all
             self.stats.failed += 1
             log.warning("cold tier: put of %d tokens failed: %s", len(snapshot.tokens), exc)
-            future.set_exception(exc)
+            future.set_exception(exc.with_traceback(None))
         else:
+            if ticket.state.state in ("pending", "stored"):
+                with self._changed:
+                    self._memo.held(snapshot.hashes)
             self._count(ticket.state.state)
             future.set_result(ticket)
+        finally:
+            self.stats.bytes_written += self.client.stats.bytes_written - written
 
     def _count(self, state: str) -> None:
         if state in ("pending", "stored"):

@@ -43,7 +43,7 @@ from mlx_lm import utils as _utils
 from .batch_merge import merge_in_place
 from .client import Client
 from .identity import Identity
-from .mlx_lm_cache import ColdTier, ColdTierStats
+from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .model_folder import KvQuantization, folder_identity
 
 log = logging.getLogger("kvd_client")
@@ -59,15 +59,21 @@ class ServerTier:
     """kvd under one server process: one client, and the ColdTier of the model loaded now
     (mlx_lm.server holds one model at a time). Used from the generation thread only."""
 
-    def __init__(self, client: Client, namespace: str = "") -> None:
+    def __init__(
+        self, client: Client, namespace: str = "", backlog_bytes: int = BACKLOG_BYTES
+    ) -> None:
         self.client = client
         self.namespace = namespace
+        self.backlog_bytes = backlog_bytes
         self._key: object = None
         self._cold: ColdTier | None = None
 
     def model_loaded(self, key: object, model: Any, tokenizer: Any, identity: Identity) -> None:
         self._retire()
-        self._key, self._cold = key, ColdTier(self.client, model, tokenizer, identity=identity)
+        cold = ColdTier(
+            self.client, model, tokenizer, identity=identity, backlog_bytes=self.backlog_bytes
+        )
+        self._key, self._cold = key, cold
         log.info("kvd: model %s is served from %s", identity.model_id, self.client.socket_path)
 
     def model_unusable(self, key: object, why: str) -> None:
@@ -123,7 +129,9 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
     ) -> None:
         cold = self.tier.cold_tier(model)
         if cold is not None and tokens and _storable(tokens):
-            cold.store(tokens, prompt_cache)  # a snapshot now: memory may evict it at once
+            # A snapshot now (memory may evict it at once); the system and user segments of
+            # a prompt are prefixes of the request's finished turn.
+            cold.store(tokens, prompt_cache, segment=cache_type != "assistant")
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
 
@@ -167,7 +175,20 @@ def _describe(stats: ColdTierStats) -> str:
         f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), {stats.fresh} "
         f"lookups found nothing longer than memory ({stats.lookups_unavailable} with the daemon "
         f"unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
-        f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending"
+        f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending; "
+        + _described_snapshots(stats)
+    )
+
+
+def _described_snapshots(stats: ColdTierStats) -> str:
+    """The snapshots' part of the exit summary (benchmarks read it: keep its wording)."""
+    per_request = stats.bytes_written // stats.requests if stats.requests else 0
+    return (
+        f"snapshots: {stats.snapshots} taken in {stats.snapshot_seconds * 1000:.1f} ms "
+        f"(max {stats.snapshot_max_seconds * 1000:.1f} ms), {stats.bytes_copied} bytes copied, "
+        f"{stats.bytes_written} bytes written ({per_request} per request, {stats.requests} "
+        f"requests), {stats.dropped} dropped ({stats.dropped_bytes} bytes), "
+        f"{stats.aborted} aborted"
     )
 
 
@@ -189,7 +210,24 @@ def _kvd_flags() -> argparse.ArgumentParser:
         default="",
         help="keep this server's entries apart from others of the same model (default: none)",
     )
+    kvd.add_argument(
+        "--kvd-backlog-bytes",
+        type=_positive_bytes,
+        default=BACKLOG_BYTES,
+        help="what the snapshots waiting to be sent to kvd may hold, in bytes; beyond it "
+        f"segments are dropped first, then the oldest (default: {BACKLOG_BYTES})",
+    )
     return parser
+
+
+def _positive_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of bytes")
+    return value
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -202,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         flags.print_help()
         print()
-    tier = ServerTier(Client.connect(args.kvd_socket, name="kvd-mlx-lm-server"), args.kvd_namespace)
+    client = Client.connect(args.kvd_socket, name="kvd-mlx-lm-server")
+    tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes)
     stock.ModelProvider = partial(TieredModelProvider, tier=tier)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)

@@ -44,12 +44,15 @@ class Restored:
     """Caches rebuilt from an entry, covering the first `matched` tokens of the prompt.
 
     checkpoint: set when the entry is a generation checkpoint (get_checkpoint): where the
-    interrupted generation stands, its pending token and seed.
+    interrupted generation stands, its pending token and seed. blocks: the chained hashes of
+    the entry's blocks within the match (of block_tokens tokens each): the daemon holds them.
     """
 
     cache: list[Any]
     matched: int
     checkpoint: Checkpoint | None = None
+    blocks: tuple[bytes, ...] = ()
+    block_tokens: int = 0
 
 
 # --- put -------------------------------------------------------------------------------------
@@ -71,6 +74,16 @@ def encode(
     is written after the engine goes on decoding. Held that long, views of the caches'
     buffers would make the engine's next step copy every buffer whole instead: 0.9-1.1 s at
     4,000 tokens of 512 MiB on the CPU build, against 0.3-0.4 s for this copy."""
+    layers, arrays = snapshot_layers(cache, token_count)
+    tensors = [mx.array(a) for a in arrays] if copy else arrays
+    mx.eval(tensors)
+    pieces = [tensor_pieces(tensor) for tensor in tensors]
+    return layers, pieces, entry_meta(meta)
+
+
+def snapshot_layers(cache: Sequence[Any], token_count: int) -> tuple[list[LayerSpec], list[Any]]:
+    """Each layer's spec and the tensors of all of them (mx.array, views of the caches'
+    buffers, not evaluated), by the codec table; raises CodecError as encode does."""
     layers: list[LayerSpec] = []
     tensors: list[mx.array] = []
     for i, layer in enumerate(cache):
@@ -83,10 +96,13 @@ def encode(
         layers.append(
             LayerSpec(codec.kind, specs, codec.trimmable(state), state, blocked=codec.blocked)
         )
-        tensors.extend([mx.array(a) for a in arrays] if copy else arrays)
-    mx.eval(tensors)
-    pieces = [tensor_pieces(tensor) for tensor in tensors]
-    return layers, pieces, {**(meta or {}), MLX_LM_META: mlx_lm.__version__}
+        tensors.extend(arrays)
+    return layers, tensors
+
+
+def entry_meta(meta: Mapping[str, MetaValue] | None = None) -> dict[str, MetaValue]:
+    """An entry's meta: meta, and the mlx-lm version that made the caches."""
+    return {**(meta or {}), MLX_LM_META: mlx_lm.__version__}
 
 
 def put(
@@ -263,7 +279,11 @@ def _restore(
         log.warning("restore of entry %s missed: %s", hit.summary.id, miss)
     else:
         link.stats.restored += 1
-        restored = Restored(caches, hit.matched, hit.entry.header.checkpoint)
+        header = hit.entry.header
+        within = header.blocks[: hit.matched // header.block_tokens] if header.blocks else ()
+        restored = Restored(
+            caches, hit.matched, header.checkpoint, tuple(within), header.block_tokens
+        )
     finally:
         hit.entry.close()
     if damage is not None:
