@@ -42,6 +42,7 @@ from server_streams import (
     Timed,
     chat,
     chat_request,
+    exit_summary,
     http_server,
     identity_writes,
     kv_bytes_per_token,
@@ -55,8 +56,15 @@ from ttft import use_openblas
 
 SERVER_FLAGS = ("--prompt-cache-size", "4")  # both servers: at most 4 caches in memory
 PARTS = ("decode", "wear", "burst")
-DECODE_HEADER = ["server", "tokens/s", "× stock", "stall ms"]
-WEAR_HEADER = ["turns", "final context tokens", "its KV MiB", "kvd wrote MiB", "× its KV"]
+DECODE_HEADER = ["server", "tokens/s", "× stock", "stall ms", "ms per snapshot (logged)"]
+WEAR_HEADER = [
+    "turns",
+    "final context tokens",
+    "its KV MiB",
+    "kvd wrote MiB",
+    "× its KV",
+    "written per request KiB (logged)",
+]
 BURST_HEADER = [
     "conversations",
     "last turn tokens (median)",
@@ -64,6 +72,7 @@ BURST_HEADER = [
     "in part",
     "from nothing",
     "restored / last turns' tokens",
+    "snapshots dropped (logged)",
 ]
 
 Messages = list[dict[str, str]]
@@ -71,13 +80,13 @@ Messages = list[dict[str, str]]
 
 @contextmanager
 def kvd_server(model: Path, log: Path, daemon: Daemon | None) -> Iterator[HttpServer]:
-    """A server of model, stock with no daemon; its kvd lines are printed once it stopped."""
+    """A server of model, stock with no daemon; its exit summary is printed once it stopped."""
     socket = None if daemon is None else daemon.socket_path
     with http_server(model, log, kvd_socket=socket, extra=SERVER_FLAGS) as server:
         yield server
         server.stop()
     for line in server.logs().splitlines():
-        if "kvd: " in line and daemon is not None:
+        if "kvd: " in line and "superseded before sending" in line:
             print(f"  [{log.stem}] {line.strip()}")
 
 
@@ -111,16 +120,25 @@ def concurrent_streams(server: HttpServer, args: argparse.Namespace) -> Decode:
 def decode_rows(
     model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace
 ) -> list[list[str]]:
-    results = {}
-    for name, tier in (("stock mlx_lm.server (anchor)", None), ("kvd-mlx-lm-server", daemon)):
-        log = logs / f"decode-{'stock' if tier is None else 'kvd'}.log"
-        with kvd_server(model, log, tier) as server:
-            results[name] = concurrent_streams(server, args)
-    anchor = results["stock mlx_lm.server (anchor)"].rate
+    with kvd_server(model, logs / "decode-stock.log", None) as server:
+        stock = concurrent_streams(server, args)
+    with kvd_server(model, logs / "decode-kvd.log", daemon) as server:
+        tiered = concurrent_streams(server, args)
+    snapshots = exit_summary(server).snapshot_cell()
     return [
-        [name, f"{d.rate:.2f}", f"{d.rate / anchor:.2f}", f"{d.stall * 1000:,.0f}"]
-        for name, d in results.items()
+        ["stock mlx_lm.server (anchor)", f"{stock.rate:.2f}", "1.00", _ms(stock.stall), ""],
+        [
+            "kvd-mlx-lm-server, storing every request",
+            f"{tiered.rate:.2f}",
+            f"{tiered.rate / stock.rate:.2f}",
+            _ms(tiered.stall),
+            snapshots,
+        ],
     ]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f}"
 
 
 # --- wear ------------------------------------------------------------------------------------
@@ -136,12 +154,14 @@ def wear_row(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) 
     context = answer.prompt_tokens + answer.completion_tokens
     kv = context * kv_bytes_per_token("tiny")
     written = identity_writes(daemon)
+    per_request = exit_summary(server).written_per_request
     return [
         str(args.turns),
         f"{context:,}",
         f"{kv / 2**20:.1f}",
         f"{written / 2**20:.1f}",
         f"{written / kv:.2f}",
+        "not logged" if per_request is None else f"{per_request / 1024:,.0f}",
     ]
 
 
@@ -180,6 +200,10 @@ def burst_rows(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace
         [*first, {"role": "assistant", "content": answer.text}, user_message(16, 3000 + k)]
         for k, (first, answer) in enumerate(zip(firsts, answers, strict=True))
     ]
+    summary = exit_summary(server)
+    dropped = f"superseded {summary.superseded}"
+    if summary.dropped is not None:
+        dropped += f", dropped {summary.dropped} ({(summary.dropped_bytes or 0) / 2**20:.0f} MiB)"
     with kvd_server(model, logs / "burst-restarted.log", daemon) as server:
         restored = [chat(server, messages, stream=False).cached_tokens for messages in nexts]
     turns = [
@@ -195,6 +219,7 @@ def burst_rows(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace
         str(some),
         str(args.burst - whole - some),
         f"{sum(restored) / sum(turns):.2f}",
+        dropped,
     ]
 
 

@@ -125,6 +125,52 @@ def restores_logged(server: HttpServer) -> list[float]:
     return [float(match[3]) for match in _RESTORED.finditer(server.logs())]
 
 
+_SUPERSEDED: Final = re.compile(r"(\d+) superseded before sending")
+_SNAPSHOTS: Final = re.compile(
+    r"snapshots: (\d+) taken in ([\d.]+) ms \(max ([\d.]+) ms\), \d+ bytes copied, "
+    r"\d+ bytes written \((\d+) per request, \d+ requests\), (\d+) dropped \((\d+) bytes\)"
+)
+
+
+@dataclass(frozen=True)
+class ExitSummary:
+    """What kvd-mlx-lm-server's exit summary says of its snapshots; None where it does not
+    say it (a server before the summary told of them)."""
+
+    superseded: int  # snapshots replaced by a newer one before they were sent
+    snapshots: int | None = None
+    snapshot_ms: float | None = None  # the generation thread's time per snapshot
+    snapshot_max_ms: float | None = None
+    written_per_request: int | None = None
+    dropped: int | None = None  # snapshots dropped from a full backlog
+    dropped_bytes: int | None = None
+
+    def snapshot_cell(self) -> str:
+        if self.snapshot_ms is None:
+            return "not logged"
+        return f"{self.snapshot_ms:,.0f} (max {self.snapshot_max_ms:,.0f})"
+
+
+def exit_summary(server: HttpServer) -> ExitSummary:
+    """The figures of the last exit summary in a stopped kvd-mlx-lm-server's log."""
+    logs = server.logs()
+    superseded = [int(found[1]) for found in _SUPERSEDED.finditer(logs)]
+    assert superseded, f"no exit summary in the log:\n{logs}"
+    found = list(_SNAPSHOTS.finditer(logs))
+    if not found:
+        return ExitSummary(superseded[-1])
+    count, total, most, per_request, dropped, dropped_bytes = found[-1].groups()
+    return ExitSummary(
+        superseded[-1],
+        int(count),
+        float(total) / max(int(count), 1),
+        float(most),
+        int(per_request),
+        int(dropped),
+        int(dropped_bytes),
+    )
+
+
 def _status(daemon: Daemon) -> dict[str, Any]:
     with Client.connect(daemon.socket_path, require=True) as client:
         return client.status()
