@@ -45,6 +45,12 @@ from server_streams import (
 from ttft import use_openblas
 
 
+HEADER = [
+    *("prompt tokens", "server", "cached", "TTFT ms", "× warm"),
+    *("restore ms (logged)", "× faster than cold"),
+]
+
+
 def _ms(values: Sequence[float]) -> str:
     """Median and spread of seconds, in milliseconds."""
     median = statistics.median(values) * 1000
@@ -73,11 +79,13 @@ def ttft_rows(
     rows = []
     for length in lengths:
         request = prompt_request(length, seed=length, max_tokens=4)
+        cold_seconds = None
         if cold:
             with http_server(model, logs / f"stock-{length}.log", kvd_socket=None) as stock:
                 timed = timed_stream(stock, request)
+            cold_seconds = timed.first_chunk
             cells = [f"{timed.prompt_tokens:,}", "cold, stock mlx_lm.server", "0"]
-            rows.append([*cells, _ms([timed.first_chunk]), "", ""])
+            rows.append([*cells, _ms([cold_seconds]), "", "", "1.0"])
         socket = daemon.socket_path
         with http_server(model, logs / f"first-{length}.log", kvd_socket=socket) as first:
             timed_stream(first, request)  # computes the prefill and stores it in kvd
@@ -96,7 +104,11 @@ def ttft_rows(
             ("restarted, restored from kvd", restored, f"{ratio:.2f}", restore_ms),
         ):
             cells = [f"{runs[0].prompt_tokens:,}", path, f"{runs[0].cached_tokens:,}"]
-            rows.append([*cells, _ms([t.first_chunk for t in runs]), times, own])
+            seconds = [t.first_chunk for t in runs]
+            faster = (
+                "" if cold_seconds is None else f"{cold_seconds / statistics.median(seconds):.1f}"
+            )
+            rows.append([*cells, _ms(seconds), times, own, faster])
     return rows
 
 
@@ -114,8 +126,7 @@ def main() -> None:
         model = model_folder(root, args.shape)
         rows = ttft_rows(model, daemon, root, args.lengths, repeat=args.repeat, cold=args.cold)
     print(f"\nTime to first token, {args.shape} model (streaming request to its first chunk)\n")
-    header = ["prompt tokens", "server", "cached", "TTFT ms", "× warm", "restore ms (logged)"]
-    print_table(header, rows)
+    print_table(HEADER, rows)
 
 
 if __name__ == "__main__":
