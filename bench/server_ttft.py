@@ -44,7 +44,6 @@ from server_streams import (
 )
 from ttft import use_openblas
 
-
 HEADER = [
     *("prompt tokens", "server", "cached", "TTFT ms", "× warm"),
     *("restore ms (logged)", "× faster than cold"),
