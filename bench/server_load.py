@@ -6,7 +6,8 @@
   others end and the server snapshots their caches. Per server, stock mlx_lm.server (anchor)
   and kvd-mlx-lm-server storing every request's caches: the longest stream's decode tokens/s
   (goal: kvd >= 0.95x stock), and its stall: the longest gap between two of its chunks once
-  every stream has its first token, less the median gap.
+  every stream has its first token, less the median gap; --repeat rounds in each server, the
+  median and the spread.
 - wear: one --turns-turn conversation on the tiny model, each turn a new user message of
   --turn-tokens and a short answer: the bytes kvd wrote (status: bytes_written of every
   identity) over the KV bytes of the final context (goal <= 1.25x).
@@ -56,7 +57,10 @@ from ttft import use_openblas
 
 SERVER_FLAGS = ("--prompt-cache-size", "4")  # both servers: at most 4 caches in memory
 PARTS = ("decode", "wear", "burst")
-DECODE_HEADER = ["server", "tokens/s", "× stock", "stall ms", "ms per snapshot (logged)"]
+DECODE_HEADER = [
+    *("server", "tokens/s (spread)", "× stock", "stall ms (spread)"),
+    "gen. thread ms per snapshot (logged)",
+]
 WEAR_HEADER = [
     "turns",
     "final context tokens",
@@ -103,18 +107,23 @@ class Decode:
     stall: float  # seconds: its longest gap once every stream has its first token, less median
 
 
-def concurrent_streams(server: HttpServer, args: argparse.Namespace) -> Decode:
+def concurrent_streams(server: HttpServer, args: argparse.Namespace) -> list[Decode]:
+    """--repeat rounds of --streams streams, the system prompt prefilled once before."""
     system = {"role": "system", "content": user_message(args.system_tokens - 6, 7)["content"]}
-    _greedy(server, [system, user_message(8, 0)], 1)  # the system prompt's prefill, once
-    conversations = [[system, user_message(32, 100 + k)] for k in range(args.streams)]
+    _greedy(server, [system, user_message(8, 0)], 1)
     lengths = [args.step * (k + 1) for k in range(args.streams)]
-    with ThreadPoolExecutor(args.streams) as pool:
-        streams = list(pool.map(partial(_greedy, server), conversations, lengths))
-    longest = streams[-1]
-    all_running = max(s.started + s.first_chunk for s in streams)
-    times = [longest.started + t for t in longest.chunks]
-    gaps = [b - a for a, b in itertools.pairwise(times) if a >= all_running]
-    return Decode(longest.rate, max(gaps) - statistics.median(gaps))
+    rounds = []
+    for round_ in range(args.repeat):
+        seeds = range(100 + round_ * args.streams, 100 + (round_ + 1) * args.streams)
+        conversations = [[system, user_message(32, seed)] for seed in seeds]
+        with ThreadPoolExecutor(args.streams) as pool:
+            streams = list(pool.map(partial(_greedy, server), conversations, lengths))
+        longest = streams[-1]
+        all_running = max(s.started + s.first_chunk for s in streams)
+        times = [longest.started + t for t in longest.chunks]
+        gaps = [b - a for a, b in itertools.pairwise(times) if a >= all_running]
+        rounds.append(Decode(longest.rate, max(gaps) - statistics.median(gaps)))
+    return rounds
 
 
 def decode_rows(
@@ -125,20 +134,23 @@ def decode_rows(
     with kvd_server(model, logs / "decode-kvd.log", daemon) as server:
         tiered = concurrent_streams(server, args)
     snapshots = exit_summary(server).snapshot_cell()
+    anchor = statistics.median(d.rate for d in stock)
     return [
-        ["stock mlx_lm.server (anchor)", f"{stock.rate:.2f}", "1.00", _ms(stock.stall), ""],
-        [
-            "kvd-mlx-lm-server, storing every request",
-            f"{tiered.rate:.2f}",
-            f"{tiered.rate / stock.rate:.2f}",
-            _ms(tiered.stall),
-            snapshots,
-        ],
+        ["stock mlx_lm.server (anchor)", *_decode_cells(stock, anchor), ""],
+        ["kvd-mlx-lm-server, storing every request", *_decode_cells(tiered, anchor), snapshots],
     ]
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:,.0f}"
+def _decode_cells(rounds: list[Decode], anchor: float) -> list[str]:
+    """Median (and spread) of the rounds' rates, its ratio to anchor, and their stalls."""
+    rates = [d.rate for d in rounds]
+    stalls = [d.stall * 1000 for d in rounds]
+    median = statistics.median(rates)
+    return [
+        f"{median:.2f} ({min(rates):.2f}-{max(rates):.2f})",
+        f"{median / anchor:.2f}",
+        f"{statistics.median(stalls):,.0f} ({min(stalls):,.0f}-{max(stalls):,.0f})",
+    ]
 
 
 # --- wear ------------------------------------------------------------------------------------
@@ -229,6 +241,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--step", type=int, default=8, help="tokens between two streams' ends")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of decode streams")
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--turn-tokens", type=int, default=440)
     parser.add_argument("--burst", type=int, default=16)
