@@ -17,7 +17,7 @@
   its prompt and answer that the next prompt repeats, as the tokenizer makes them).
 
 Decode and burst use the kv8b shape (an 8B model's KV: 512 MiB at 2k tokens; see
-server_streams.py). The kvd lines of each server's log at its exit are printed as they are.
+_server_streams.py). Each kvd-mlx-lm-server's exit summary is printed as it logged it.
 OpenBLAS is preloaded when installed, as bench/ttft.py does.
 
     .venv/bin/python bench/server_load.py [--parts decode wear burst] [--system-tokens 2048]
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from _daemon import Daemon, running_daemon
-from server_streams import (
+from _server_streams import (
     HttpServer,
     Timed,
     chat,

@@ -15,7 +15,7 @@ gives the median and the spread, the ratio is the median of each pair's.
 --shape tiny is the tests' model folder (2 llama layers): the prefill it saves is small next
 to a real model's, so its TTFT is mostly a request's fixed cost. --shape kv8b has an 8B
 model's KV (32 layers, 8 KV heads, head_dim 128, float32: 512 MiB at 2k tokens) and little
-compute, so a restore costs what it would for a real 8B model (server_streams.py). OpenBLAS
+compute, so a restore costs what it would for an 8B model (_server_streams.py). OpenBLAS
 is preloaded when installed, as bench/ttft.py does.
 
     .venv/bin/python bench/server_ttft.py [--shape kv8b --lengths 2048 --repeat 3 --no-cold]
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from _daemon import Daemon, running_daemon
-from server_streams import (
+from _server_streams import (
     SHAPES,
     HttpServer,
     Timed,
