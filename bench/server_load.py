@@ -200,7 +200,7 @@ def _repeated(tokenizer: Any, last: Messages, answer: Sequence[int], following: 
     return min(same, len(nxt) - 1)
 
 
-def burst_rows(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) -> list[str]:
+def burst_row(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     firsts = [[user_message(args.burst_tokens - 3, 2000 + k)] for k in range(args.burst)]
     with (
@@ -261,7 +261,7 @@ def main() -> None:
             _print("Wear of one conversation", [row], WEAR_HEADER)
         if "burst" in args.parts:
             with running_daemon(_folder(root, "burst")) as daemon:
-                row = burst_rows(model_folder(root, "kv8b"), daemon, root, args)
+                row = burst_row(model_folder(root, "kv8b"), daemon, root, args)
             _print("A burst of conversations, then a restart", [row], BURST_HEADER)
 
 
