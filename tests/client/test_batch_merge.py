@@ -7,7 +7,8 @@ import copy
 
 import mlx.core as mx
 import numpy as np
-from kvd_client.batch_merge import merge_in_place
+import pytest
+from kvd_client.batch_merge import _agrees_with_mlx_lm, merge_in_place
 from kvd_client.codecs import mlc
 
 TOKENS = 300  # mlx-lm grows a KVCache by 256 rows: 512 rows of buffer, room for 212 more
@@ -97,3 +98,18 @@ def test_only_plain_kv_layers_of_one_sequence_are_marked() -> None:
     empty = mlc.KVCache()
     merge_in_place([rotating, batched, empty])
     assert all("merge" not in vars(layer) for layer in (rotating, batched, empty))
+
+
+def test_an_mlx_lm_whose_batch_cache_differs_keeps_its_own_merge(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As an mlx-lm would whose batch cache reads its whole buffer: a buffer with room differs.
+    monkeypatch.setattr(mlc.BatchKVCache, "keys_and_values", lambda self: (self.keys, self.values))
+    _agrees_with_mlx_lm.cache_clear()
+    try:
+        marked = _cache(5)
+        merge_in_place(marked)
+        assert all("merge" not in vars(layer) for layer in marked)
+        assert "restored caches are copied into the batch" in caplog.text
+    finally:
+        _agrees_with_mlx_lm.cache_clear()
