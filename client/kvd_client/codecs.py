@@ -50,7 +50,8 @@ class Codec(Protocol):
     @property
     def blocked(self) -> bool:
         """Whether the layer's tensors are cut by token into blocks: every one of them has
-        shape [batch, heads, tokens, ...] and holds exactly the layer's tokens."""
+        shape [batch, heads, tokens, ...] and holds exactly the layer's tokens, which its
+        meta's "offset" counts (so the layer's first n rows under offset n are its prefix)."""
         ...
 
     def snapshot(self, cache: Any) -> Snapshot:

@@ -1,14 +1,17 @@
 """`kvd-mlx-lm-server`: stock `mlx_lm.server` with kvd as the tier under its prompt cache.
 
     kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
+        [--kvd-block-tokens N] [--kvd-backlog-bytes N]
 
 mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
   usable prefix in kvd (restored on the generation thread, which owns the MLX stream);
 - every cache the server keeps in memory (finished prompt + generation, and the system and user
   segment boundaries the batched path cuts) is also handed to kvd: snapshotted on the generation
-  thread, sent by a thread of its own; a request never waits for the daemon. So an entry the
-  memory tier evicts is not lost, and other server processes of the same model find it;
+  thread (only the rows kvd's blocks do not hold yet are copied; a segment of caches that always
+  trim keeps its whole blocks only: the finished turn serves its prefixes), sent by a thread of
+  its own; a request never waits for the daemon. So an entry the memory tier evicts is not
+  lost, and other server processes of the same model find it;
 - the usage block's `cached_tokens` counts restored tokens too, since the server counts what the
   cache it gets back holds.
 
@@ -37,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
+from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
@@ -211,6 +215,14 @@ def _kvd_flags() -> argparse.ArgumentParser:
         help="keep this server's entries apart from others of the same model (default: none)",
     )
     kvd.add_argument(
+        "--kvd-block-tokens",
+        type=_block_tokens,
+        default=BLOCK_TOKENS,
+        help="tokens per block of the caches stored (a power of two in 16..65536; 0: whole "
+        "entries). Smaller blocks rewrite less of a growing conversation (each turn's tail "
+        f"is written again in the next turn's block) in more files (default: {BLOCK_TOKENS})",
+    )
+    kvd.add_argument(
         "--kvd-backlog-bytes",
         type=_positive_bytes,
         default=BACKLOG_BYTES,
@@ -218,6 +230,16 @@ def _kvd_flags() -> argparse.ArgumentParser:
         f"segments are dropped first, then the oldest (default: {BACKLOG_BYTES})",
     )
     return parser
+
+
+def _block_tokens(text: str) -> int:
+    try:
+        value = int(text)
+        return value and check_block_tokens(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not 0 or a power of two in 16..65536 tokens"
+        ) from None
 
 
 def _positive_bytes(text: str) -> int:
@@ -240,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         flags.print_help()
         print()
-    client = Client.connect(args.kvd_socket, name="kvd-mlx-lm-server")
+    client = Client.connect(
+        args.kvd_socket, name="kvd-mlx-lm-server", block_tokens=args.kvd_block_tokens
+    )
     tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes)
     stock.ModelProvider = partial(TieredModelProvider, tier=tier)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)

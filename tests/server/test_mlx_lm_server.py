@@ -212,6 +212,43 @@ def test_with_no_daemon_the_server_answers_as_stock(
     assert skipped >= 4
 
 
+def test_a_conversation_copies_its_rows_about_once_and_the_summary_counts_it(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    """Three turns after a system message, batched (system and user segments, then the
+    finished turn), in blocks of 16 tokens: every answer is stock's, the snapshots copied
+    little more than the final context's KV (a row kvd's blocks hold is not copied again,
+    segments keep whole blocks), and the exit summary accounts for them."""
+    messages = [{"role": "system", "content": words(300, seed=71)}]
+    log = tmp_path / "server.log"
+    with http_server(
+        models["a"], log, kvd_socket=daemon.socket_path, extra=["--kvd-block-tokens", "16"]
+    ) as server:
+        for turn in range(3):
+            messages.append({"role": "user", "content": words(120, seed=72 + turn)})
+            answer = chat(server, messages, stream=True)
+            _same_answer(answer, chat(stock_a, messages, stream=True))
+            messages.append({"role": "assistant", "content": answer.text})
+        assert server.stop() == 0
+    with Client.connect(daemon.socket_path, require=True) as client:
+        (entry,) = client.list_entries()  # the last turn, which superseded all before it
+    assert entry.tokens > answer.prompt_tokens
+    summary = re.search(
+        r"snapshots: (\d+) taken in [\d.]+ ms \(max [\d.]+ ms\), (\d+) bytes copied, (\d+) "
+        r"bytes written \((\d+) per request, (\d+) requests\), (\d+) dropped \((\d+) bytes\), "
+        r"(\d+) aborted",
+        log.read_text(),
+    )
+    assert summary is not None
+    taken, copied, written, per_request, requests, dropped, _, aborted = map(int, summary.groups())
+    assert requests == 3
+    assert taken >= 3 * 2  # a user segment and a finished turn each, the system segment once
+    kv_per_token = 2 * 2 * 2 * 32 * 4  # the model folder's layers, KV heads, head_dim, float32
+    assert entry.tokens * kv_per_token <= copied <= 1.25 * entry.tokens * kv_per_token
+    assert per_request == written // requests > 0
+    assert dropped == aborted == 0
+
+
 def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
     shown = subprocess.run(
         [sys.executable, "-m", "kvd_client.mlx_lm_server", "--help"],
@@ -220,5 +257,6 @@ def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
         timeout=120,
         check=True,
     ).stdout
-    for flag in ("--kvd-socket", "--kvd-namespace", "--model", "--prompt-cache-size", "--port"):
+    kvd = ("--kvd-socket", "--kvd-namespace", "--kvd-block-tokens", "--kvd-backlog-bytes")
+    for flag in (*kvd, "--model", "--prompt-cache-size", "--port"):
         assert flag in shown
