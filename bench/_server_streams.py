@@ -4,6 +4,7 @@ through the openai client timed chunk by chunk, the figures kvd-mlx-lm-server lo
 Shapes (random float32 weights, the tests' tokenizer; float16 matmuls on the CPU build do
 not use the BLAS):
 - tiny: the tests' model folder, 2 llama layers, 1 KiB of KV per token;
+- kv4: 4 layers of 8 KV heads of head_dim 128, 32 KiB of float32 KV per token;
 - kv8b: the KV of an 8B model (32 layers, 8 KV heads, head_dim 128) with little compute
   around it (hidden 64, 8 query heads): 256 KiB of float32 KV per token, 512 MiB at 2k tokens.
 """
@@ -30,6 +31,14 @@ PROMPT_OVERHEAD: Final = 3  # the chat template's tokens around one user message
 
 SHAPES: Final[dict[str, dict[str, int]]] = {
     "tiny": {},
+    "kv4": {  # 32 KiB of float32 KV a token: a file's fixed part is small beside it
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+    },
     "kv8b": {
         "num_hidden_layers": 32,
         "num_attention_heads": 8,

@@ -8,7 +8,8 @@
   (goal: kvd >= 0.95x stock), and its stall: the longest gap between two of its chunks once
   every stream has its first token, less the median gap; --repeat rounds in each server, the
   median and the spread.
-- wear: one --turns-turn conversation on the tiny model, each turn a new user message of
+- wear: one --turns-turn conversation on the --wear-shape model (the tiny one by default;
+  --block-tokens: the server's kvd block size), each turn a new user message of
   --turn-tokens and a short answer: the bytes kvd wrote (status: bytes_written of every
   identity) over the KV bytes of the final context (goal <= 1.25x).
 - burst: --burst concurrent conversations of --burst-tokens each, then the server stopped
@@ -39,6 +40,7 @@ from typing import Any
 
 from _daemon import Daemon, running_daemon
 from _server_streams import (
+    SHAPES,
     HttpServer,
     Timed,
     chat,
@@ -83,10 +85,12 @@ Messages = list[dict[str, str]]
 
 
 @contextmanager
-def kvd_server(model: Path, log: Path, daemon: Daemon | None) -> Iterator[HttpServer]:
+def kvd_server(
+    model: Path, log: Path, daemon: Daemon | None, flags: Sequence[str] = ()
+) -> Iterator[HttpServer]:
     """A server of model, stock with no daemon; its exit summary is printed once it stopped."""
     socket = None if daemon is None else daemon.socket_path
-    with http_server(model, log, kvd_socket=socket, extra=SERVER_FLAGS) as server:
+    with http_server(model, log, kvd_socket=socket, extra=[*SERVER_FLAGS, *flags]) as server:
         yield server
         server.stop()
     for line in server.logs().splitlines():
@@ -158,13 +162,14 @@ def _decode_cells(rounds: list[Decode], anchor: float) -> list[str]:
 
 def wear_row(model: Path, daemon: Daemon, logs: Path, args: argparse.Namespace) -> list[str]:
     messages: Messages = []
-    with kvd_server(model, logs / "wear.log", daemon) as server:
+    flags = [] if args.block_tokens is None else ["--kvd-block-tokens", str(args.block_tokens)]
+    with kvd_server(model, logs / "wear.log", daemon, flags) as server:
         for turn in range(args.turns):
             messages.append(user_message(args.turn_tokens, 1000 + turn))
             answer = _greedy(server, messages, 16)
             messages.append({"role": "assistant", "content": answer.text})
     context = answer.prompt_tokens + answer.completion_tokens
-    kv = context * kv_bytes_per_token("tiny")
+    kv = context * kv_bytes_per_token(args.wear_shape)
     written = identity_writes(daemon)
     per_request = exit_summary(server).written_per_request
     return [
@@ -244,6 +249,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of decode streams")
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--turn-tokens", type=int, default=440)
+    parser.add_argument("--wear-shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--block-tokens", type=int, help="the wear's server: --kvd-block-tokens")
     parser.add_argument("--burst", type=int, default=16)
     parser.add_argument("--burst-tokens", type=int, default=256)
     args = parser.parse_args()
@@ -257,7 +264,7 @@ def main() -> None:
             _print(f"Decode of the longest of {args.streams} streams", rows, DECODE_HEADER)
         if "wear" in args.parts:
             with running_daemon(_folder(root, "wear")) as daemon:
-                row = wear_row(model_folder(root, "tiny"), daemon, root, args)
+                row = wear_row(model_folder(root, args.wear_shape), daemon, root, args)
             _print("Wear of one conversation", [row], WEAR_HEADER)
         if "burst" in args.parts:
             with running_daemon(_folder(root, "burst")) as daemon:
