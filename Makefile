@@ -8,13 +8,29 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# The packages of every virtualenv here, run from its folder; each adds its kvd-client and mlx-lm.
+PIP_INSTALL := bin/python -m pip install --quiet --disable-pip-version-check -e ./protocol -e ".[dev]"
+# What depends on mlx-lm's version: the server, the ColdTier and the codecs of its cache classes.
+MLX_LM_TESTS := tests/server tests/client/test_mlx_lm_cache.py tests/client/test_codecs.py
+
 .PHONY: run test lint bench clean
 
 $(STAMP): pyproject.toml protocol/pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		-e ./protocol -e "./client[mlx-lm]" -e ".[dev]"
+	$(VENV)/$(PIP_INSTALL) -e "./client[mlx-lm]"
 	touch $(STAMP)
+
+# Another mlx-lm than .venv's, in a virtualenv of its own: make test-mlx-lm-0.32.0
+# (.ci/mlx-lm-versions picks the versions).
+.venv-mlx-lm-%/.installed: pyproject.toml protocol/pyproject.toml client/pyproject.toml
+	$(PYTHON) -m venv $(@D)
+	$(@D)/$(PIP_INSTALL) -e ./client "mlx-lm==$*"
+	touch $@
+
+.PRECIOUS: .venv-mlx-lm-%/.installed
+
+test-mlx-lm-%: .venv-mlx-lm-%/.installed
+	.venv-mlx-lm-$*/bin/pytest -q $(MLX_LM_TESTS)
 
 run: $(STAMP)
 	$(BIN)/kvd serve
@@ -31,4 +47,4 @@ bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-mlx-lm-* .mypy_cache .pytest_cache .ruff_cache .hypothesis

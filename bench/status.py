@@ -1,11 +1,13 @@
 """Status and a list page against the number of entries in the tier.
 
-The daemon's own Tier, its entries indexed as at start-up (records only, no entry files): the
-status report (what `kvctl status` asks for) and one page of `list` (100 entries after a
-random id), each timed as the daemon computes its reply. Anchor, in the same run: a ping round
-trip through the sans-I/O protocol (client send, server receive, reply, client receive), the
-cheapest request there is. For scale, one walk over every record: what each status cost
-(twice) before the tier kept its counts up as entries come and go.
+The daemon's own Tier, its entries indexed as at start-up (records only, no entry files), its
+identities known as the engines name them (four of each model, told apart by their KV cache):
+the status report (what `kvctl status` asks for), the identities' names as a status computes
+them after any of them changed (a status reuses them until then), and one page of `list` (100
+entries after a random id), each timed as the daemon computes its reply. Anchor, in the same
+run: a ping round trip through the sans-I/O protocol (client send, server receive, reply,
+client receive), the cheapest request there is. For scale, one walk over every record: what
+each status cost (twice) before the tier kept its counts up as entries come and go.
 
     .venv/bin/python bench/status.py [--sizes 1000,100000] [--identities 4] [--repeat 200]
 """
@@ -22,16 +24,19 @@ from functools import partial
 from pathlib import Path
 
 from kvd_protocol.connection import Connection, Role
+from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
 from kvd_protocol.messages import PROTOCOL_VERSION, Hello, HelloReply, Ping, PingReply
 from kvd_protocol.tokens import pack_tokens
 
 from kvd.config import Config
+from kvd.identity_names import names
 from kvd.records import EntryRecord
 from kvd.status import status_report
 from kvd.tier import Tier
 
 PAGE = 100
+KV_TRAITS = ("none", "8bit-g64", "4bit-g64", "8bit-g32")
 
 
 def median_us(run: Callable[[], object], repeat: int) -> float:
@@ -66,9 +71,28 @@ def ping_round_trip() -> Callable[[], None]:
     return run
 
 
+def variants(count: int) -> list[Identity]:
+    """count identities, four of each model (its KV cache plain or quantised three ways), with
+    the traits an engine says: what the status names them by."""
+    return [
+        Identity(
+            model_id=f"model-{i // len(KV_TRAITS)}",
+            config_fingerprint=f"cfg-{i}",
+            tokenizer_hash="tok",
+            codec_id="codecs/1",
+            runtime="mlx/cpu",
+            traits=f"kv={KV_TRAITS[i % len(KV_TRAITS)]},template=1a2b3c4d,adapter=none",
+        )
+        for i in range(count)
+    ]
+
+
 def filled_tier(folder: Path, entries: int, identities: int, rng: random.Random) -> Tier:
     tier = Tier(Config(dir=folder, socket=folder / "kvd.sock"), DEFAULT_LIMITS)
-    digests = [f"{i:032x}" for i in range(identities)]
+    named = variants(identities)
+    for identity in named:
+        tier.telemetry.seen(identity)
+    digests = [identity.digest() for identity in named]
     for n in range(entries):
         tier.catalog.add(
             EntryRecord(
@@ -108,8 +132,10 @@ def main() -> None:
             tier = filled_tier(Path(work), size, args.identities, rng)
             ids = list(tier.catalog.records)
 
+            known = {d: t.identity for d, t in tier.telemetry.identities.items()}
             timed = [
                 ("status", median_us(partial(status_report, tier, []), args.repeat)),
+                ("identity names, made anew", median_us(partial(names, known), args.repeat)),
                 (f"list page of {PAGE}", median_us(partial(page, tier, ids, rng), args.repeat)),
                 ("one walk over every record (scale)", median_us(partial(walk, tier), 5)),
             ]

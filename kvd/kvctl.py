@@ -24,6 +24,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, load_config
 from kvd.entry_files import read_header
+from kvd.identity_names import IdentityNameError, resolve
 from kvd.kvctl_tables import (
     SORTS,
     format_entry,
@@ -38,6 +39,7 @@ from kvd.progress import Progress
 from kvd.service import add_service_parser, run_service
 
 RECEIVE_BYTES = 1 << 16
+IDENTITY_FORMS = "its name, its digest, or the digest's first digits"
 
 
 class DaemonUnavailableError(Exception):
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     flush = commands.add_parser("flush", help="wait until every accepted put is durable")
     flush.add_argument("--wait", type=float, default=None, help="give up after this many seconds")
     listing = commands.add_parser("list", help="list entries")
-    listing.add_argument("--identity", help="only this identity digest")
+    listing.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
     listing.add_argument(
         "--sort", choices=sorted(SORTS), default="used", help="order (default used)"
     )
@@ -109,16 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     evict = commands.add_parser("evict", help="delete entries now")
     target = evict.add_mutually_exclusive_group(required=True)
     target.add_argument("--entry", help="one entry id")
-    target.add_argument("--identity", help="every entry of one identity digest")
+    target.add_argument("--identity", help=f"every entry of one identity ({IDENTITY_FORMS})")
     target.add_argument("--all", action="store_true", help="every entry")
     verify = commands.add_parser(
         "verify", help="check every entry's file whole; exit 1 naming each damaged one"
     )
-    verify.add_argument("--identity", help="only this identity digest")
+    verify.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
     commands.add_parser("metrics", help="the status in Prometheus text format")
     add_service_parser(commands)
     return parser
+
+
+def _identity(control: Control, given: str | None) -> str | None:
+    """The digest of the identity an --identity argument names (identity_names.resolve);
+    None for none given. Raises IdentityNameError."""
+    if given is None:
+        return None
+    status = _status(control)
+    return resolve(status["identities"], given, status.get("identities_left_out", 0))
 
 
 def _status(control: Control) -> dict[str, Any]:
@@ -252,7 +263,7 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         print("durable" if reply.durable else f"not durable: {reply.pending} still pending")
         return 0 if reply.durable else 1
     elif args.command == "list":
-        entries = _entries(control, args.identity)
+        entries = _entries(control, _identity(control, args.identity))
         if args.json:
             print(json.dumps([e.to_map() for e in entries], indent=2))
         else:
@@ -261,11 +272,12 @@ def _run(args: argparse.Namespace, control: Control) -> int:
     elif args.command == "show":
         return _show(control, args.entry, args.json)
     elif args.command == "evict":
-        reply = control.call(m.Evict, entry=args.entry, identity=args.identity, all=args.all)
+        identity = _identity(control, args.identity)
+        reply = control.call(m.Evict, entry=args.entry, identity=identity, all=args.all)
         assert isinstance(reply, m.EvictReply)
         print(f"evicted {reply.evicted} entries, {size(reply.bytes)}")
     elif args.command == "verify":
-        return _verify(control, args.identity, args.repair)
+        return _verify(control, _identity(control, args.identity), args.repair)
     elif args.command == "metrics":
         status = _status(control)
         sys.stdout.write(exposition(lambda: status).decode())
@@ -291,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProtocolError as exc:
         print(f"kvctl: the daemon refused: {exc}", file=sys.stderr)
         return 1
+    except IdentityNameError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return 2
     except DaemonUnavailableError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 3

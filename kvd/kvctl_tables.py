@@ -10,6 +10,8 @@ from typing import Any
 from kvd_protocol.entry import EntryHeader
 from kvd_protocol.messages import EntrySummary
 
+from kvd.identity_names import DIGEST_SHOWN
+
 
 def size(n: float) -> str:
     value = float(n)
@@ -36,10 +38,18 @@ def _when(seconds: float) -> str:
 
 
 def model_name(identity: Mapping[str, Any]) -> str:
-    """An identity as people know it: its model id (and namespace), else its digest."""
+    """An identity as people know it: its name (kvd.identity_names); from a daemon that
+    names none, its model id (and namespace), else its digest."""
+    if identity.get("name"):
+        return str(identity["name"])
     name = str(identity.get("model_id") or identity["identity"])
     namespace = identity.get("namespace")
     return f"{name} [{namespace}]" if namespace else name
+
+
+def short_digest(digest: str) -> str:
+    """The first digits of a digest, as many as `--identity` usually needs."""
+    return digest[:DIGEST_SHOWN]
 
 
 def _ratio(hits: int, misses: int) -> str:
@@ -124,7 +134,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     if status["identities"]:
-        header = ["model", "entries", "bytes", "hits", "misses", "hit %"]
+        header = ["identity", "digest", "entries", "bytes", "hits", "misses", "hit %"]
         header += ["restore ms p50/p95/p99", "tokens restored", "written"]
         table = []
         for i in status["identities"]:
@@ -133,6 +143,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             table.append(
                 [
                     model_name(i),
+                    short_digest(i["identity"]),
                     str(i["entries"]),
                     size(i["bytes"]),
                     str(i.get("hits", 0)),
@@ -143,7 +154,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
                     size(i.get("bytes_written", 0)),
                 ]
             )
-        lines += ["", *columns(header, table)]
+        lines += ["", *columns(header, table, left=2)]
     left_out = status.get("identities_left_out", 0)  # absent from an older daemon's
     if left_out:
         lines.append(
@@ -186,7 +197,7 @@ def format_list(
     entries: Sequence[EntrySummary], names: Mapping[str, str], sort: str, now: float
 ) -> str:
     """One row per entry: its model, size, age and last use; sorted by SORTS[sort]."""
-    header = ["entry", "model", "tokens", "bytes", "age", "last use", "leases", "kind", "state"]
+    header = ["entry", "identity", "tokens", "bytes", "age", "last use", "leases", "kind", "state"]
     rows = [
         [
             e.id,
@@ -204,15 +215,16 @@ def format_list(
     return "\n".join(columns(header, rows, left=2))
 
 
-def format_entry(summary: EntrySummary, header: EntryHeader, model: str, path: str) -> str:
+def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: str) -> str:
     """One entry: what it is for, what it holds, where its bytes are."""
     identity = header.identity
     now = time.time()
     rows = [
         ("entry", summary.id),
-        ("model", model),
+        ("name", name),
         ("identity", summary.identity),
         ("model id", identity.model_id),
+        ("traits", identity.traits or "-"),
         ("namespace", identity.namespace or "-"),
         ("config", identity.config_fingerprint),
         ("tokenizer", identity.tokenizer_hash),

@@ -1,8 +1,8 @@
 """The status report as Prometheus metrics: `kvctl metrics` and the daemon's /metrics.
 
 A collector over one status dict (status.status_report's): every figure a gauge or a
-counter, per identity with an `identity` label (and `model_id`, `namespace` when the status
-names them). Figures the status lacks (an older daemon) are left out, not reported as zero.
+counter, per identity with an `identity` label (and `name`, `model_id`, `namespace` when the
+status names them). Figures the status lacks (an older daemon) are left out, not reported as zero.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ IDENTITY_LATENCIES = (
     ("restore_ms", "kvd_identity_restore_seconds", "restore latency of one identity"),
     ("store_ms", "kvd_identity_store_seconds", "store latency of one identity (engine side)"),
 )
-IDENTITY_NAMES = ("model_id", "namespace")  # labels beside `identity`, when the status has them
+# Labels beside `identity`, when the status has them: `name` (kvd.identity_names) may change
+# as identities of its model come and go; the digest never does.
+IDENTITY_NAMES = ("name", "model_id", "namespace")
 QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99"}
 
 

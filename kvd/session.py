@@ -31,6 +31,7 @@ from kvd import __version__, socket_io
 from kvd.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.handouts import Handouts, descriptors_asked
 from kvd.logs import RateLimited, get_logger
+from kvd.miss_reasons import Miss
 from kvd.peercred import PeerCredentials
 from kvd.staged_put import DeclaredBlocks
 from kvd.tier import Tier, summary
@@ -54,6 +55,8 @@ FEATURES = (
     "restore_report",
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
+    m.IDENTITY_TRAITS_FEATURE,
+    m.LOOKUP_MISS_FEATURE,
 )
 
 
@@ -489,10 +492,22 @@ class Session:
         if self.peer.tenant:
             self._check_identity(request, request.identity)
         found = self.tier.lookup(
-            self.peer.session, request.identity, request.tokens, request.min_tokens
+            self.peer.session,
+            request.identity,
+            request.tokens,
+            request.min_tokens,
+            self.peer.tenant,
         )
-        if found is None:
-            return m.LookupReply(id=request.id, matched=0, entry=None, lease=None)
+        if isinstance(found, Miss):
+            told = request.explain  # a client that predates the reasons is told none
+            return m.LookupReply(
+                id=request.id,
+                matched=0,
+                entry=None,
+                lease=None,
+                miss=found.reason if told else None,
+                detail=found.detail if told else None,
+            )
         match, lease, fd = found
         return m.LookupReply(
             id=request.id,

@@ -126,18 +126,21 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
 
 def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
     """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
-    bytes first, then the most recently seen), by digest: each one's share of the tier (entry
-    files and unique blocks) and its telemetry; and how many were left out. O(identities)."""
+    bytes first, then the most recently seen), by digest: each one's name (unique among all
+    of them, listed or not), its share of the tier (entry files and unique blocks) and its
+    telemetry; and how many were left out. O(identities)."""
     entries = {digest: counts.entries for digest, counts in catalog.identities()}
     recency = {digest: rank for rank, digest in enumerate(reversed(telemetry.identities))}
     known = entries.keys() | telemetry.identities.keys()
     size = {digest: catalog.identity_bytes(digest) for digest in known}
     ranked = sorted(known, key=lambda d: (-size[d], recency.get(d, len(recency)), d))
     shown = sorted(ranked[:STATUS_IDENTITIES])
+    named = telemetry.names(known)
     return {
         "identities": [
             {
                 "identity": digest,
+                "name": named[digest],
                 "entries": entries.get(digest, 0),
                 "bytes": size[digest],
                 "block_bytes": catalog.blocks.identity_bytes(digest),

@@ -16,6 +16,10 @@ pass the time.
   weighs as the mean of those reported, and with no report at all every token weighs
   DEFAULT_PREFILL_COST, so that only reported differences between models rank them.
 
+Each identity's telemetry keeps the Identity a request or an entry's header named last (its
+names for people: model id, namespace, traits; status derives its name from them), and the
+digests are indexed by model id (a miss looks at the other identities of its model).
+
 Memory: an identity is whatever a client names, so the telemetry of identities that hold no
 entry (a lookup's, a refused put's) is kept for at most IDLE_IDENTITIES of them, the least
 recently seen forgotten first (their counts start again at zero if seen again); identities
@@ -28,12 +32,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import RestoreReport
+
+from kvd import identity_names
 
 # Histogram buckets grow by this factor from FIRST_BOUND_MS: a percentile is within ~12% of
 # the truth, and 100 buckets cover 0.05 ms to over 3 hours.
@@ -113,8 +119,9 @@ class DaySum:
 
 @dataclass
 class IdentityTelemetry:
-    model_id: str = ""
-    namespace: str = ""
+    # The identity as a request or an entry's header named it last (its names for people);
+    # None for one known by digest only.
+    identity: Identity | None = None
     hits: int = 0
     misses: Counter[str] = field(default_factory=Counter)
     restores: int = 0
@@ -127,11 +134,21 @@ class IdentityTelemetry:
     store_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     prefill_cost: float | None = None  # seconds per token, as reported; None: never
 
+    @property
+    def model_id(self) -> str:
+        return "" if self.identity is None else self.identity.model_id
+
+    @property
+    def namespace(self) -> str:
+        return "" if self.identity is None else self.identity.namespace
+
     def report(self) -> dict[str, object]:
         seconds = self.restore_ms.total_ms / 1000
         return {
             "model_id": self.model_id,
             "namespace": self.namespace,
+            "traits": "" if self.identity is None else self.identity.traits,
+            "runtime": "" if self.identity is None else self.identity.runtime,
             "hits": self.hits,
             "misses": sum(self.misses.values()),
             "misses_by_reason": dict(sorted(self.misses.items())),
@@ -155,6 +172,10 @@ class Telemetry:
 
     def __init__(self, held: Callable[[str], bool] = lambda digest: False) -> None:
         self.identities: OrderedDict[str, IdentityTelemetry] = OrderedDict()
+        # model id -> the digests of its identities known here (a miss's look at the others)
+        self.by_model: dict[str, set[str]] = {}
+        self._changes = 0  # identities learnt, renamed or forgotten: names() recomputes then
+        self._named: tuple[object, dict[str, str]] = (None, {})
         self.written_today = DaySum()
         self.restores = 0  # tier-wide: outlive the identities forgotten
         self.tokens_restored = 0
@@ -180,7 +201,8 @@ class Telemetry:
         O(identities), run once every IDLE_IDENTITIES new ones at most."""
         idle = [digest for digest in self.identities if not self._held(digest)]
         for digest in idle[: max(0, len(idle) - IDLE_IDENTITIES)]:
-            del self.identities[digest]
+            self._unlist(digest, self.identities.pop(digest).identity)
+            self._changes += 1
             cost = self._reported_costs.pop(digest, None)
             if cost is not None:
                 self._cost_sum -= cost
@@ -189,10 +211,41 @@ class Telemetry:
         self._sweep_at = len(self.identities) + IDLE_IDENTITIES
 
     def seen(self, identity: Identity) -> IdentityTelemetry:
-        """The telemetry of an identity a request named, with its names for people."""
-        found = self.of(identity.digest())
-        found.model_id, found.namespace = identity.model_id, identity.namespace
+        """The telemetry of an identity a request named, with its names for people: the
+        traits last said (an engine that says none leaves them as they were)."""
+        digest = identity.digest()
+        found = self.of(digest)
+        known = found.identity
+        if known is None:
+            self.by_model.setdefault(identity.model_id, set()).add(digest)
+        if known is not identity and (identity.traits or known is None or not known.traits):
+            if known is None or known.traits != identity.traits:
+                self._changes += 1
+            found.identity = identity
         return found
+
+    def names(self, digests: Iterable[str]) -> dict[str, str]:
+        """The names of these identities (identity_names.names), by digest; computed again
+        only when they or what the telemetry knows of them changed (a status at 2,000
+        identities of one model spends 30 ms on them)."""
+        wanted = frozenset(digests)
+        key = (self._changes, wanted)
+        if self._named[0] != key:
+            known = self.identities
+            named = identity_names.names(
+                {d: None if d not in known else known[d].identity for d in wanted}
+            )
+            self._named = key, named
+        return self._named[1]
+
+    def _unlist(self, digest: str, identity: Identity | None) -> None:
+        if identity is None:
+            return
+        digests = self.by_model.get(identity.model_id)
+        if digests is not None:
+            digests.discard(digest)
+            if not digests:
+                del self.by_model[identity.model_id]
 
     def lookup(self, identity: Identity, hit: bool, reason: str = "no entry") -> None:
         found = self.seen(identity)

@@ -30,7 +30,7 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
 from kvd_protocol.messages import EntrySummary, RestoreReport
 
-from kvd import entry_files, recovery, snapshot
+from kvd import entry_files, miss_reasons, recovery, snapshot
 from kvd.admission import ADMISSION_POLICIES
 from kvd.blocks import Block
 from kvd.catalog import Catalog
@@ -40,6 +40,7 @@ from kvd.durability import disk_free
 from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
 from kvd.logs import RateLimited, get_logger
+from kvd.miss_reasons import Miss
 from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
 from kvd.puts import HANDOUTS_PER_BLOCK, Puts
@@ -346,9 +347,15 @@ class Tier:
     # --- get: lookup (or a checkpoint), then release ---------------------------------------------
 
     def lookup(
-        self, owner: int, identity: Identity, tokens: bytes, min_tokens: int = 0
-    ) -> tuple[Match, int, int] | None:
-        """The best usable entry, its read-only descriptor and a lease; None on a miss, also
+        self,
+        owner: int,
+        identity: Identity,
+        tokens: bytes,
+        min_tokens: int = 0,
+        tenant: str = "",
+    ) -> tuple[Match, int, int] | Miss:
+        """The best usable entry, its read-only descriptor and a lease; or the Miss, why
+        nothing was usable (miss_reasons: told of the identities under tenant only), also
         when the best match is shorter than min_tokens.
 
         What only counts the lookup (hit and miss counters, telemetry, the entry's place in
@@ -356,12 +363,12 @@ class Tier:
         reply goes first: call book_lookups() next, before anything else changes the
         catalog (the session does once the reply is sent)."""
         self._check_leases(owner)
-        reason = "no entry"
+        reason, matched = miss_reasons.NO_ENTRY, 0
         while (index := self.catalog.index(identity.digest())) is not None and (
             match := index.best_match(tokens)
         ):
             if match.matched < min_tokens:
-                reason = "below min_tokens"
+                reason, matched = miss_reasons.BELOW_MIN_TOKENS, match.matched
                 break
             fd = self.catalog.open(match.record, self.quarantine.now)
             if fd is not None:
@@ -370,10 +377,20 @@ class Tier:
                 self.unbooked.append((identity, tokens, (index, match.record)))
                 return match, lease, fd
             if match.record.id in self.catalog.records:  # kept, but unreadable now
-                reason = "unreadable"
+                reason, matched = miss_reasons.UNREADABLE, match.matched
                 break
-        self.unbooked.append((identity, tokens, reason))
-        return None
+        miss = miss_reasons.explain(
+            self.catalog,
+            self.telemetry,
+            identity,
+            tokens,
+            reason=reason,
+            matched=matched,
+            min_tokens=min_tokens,
+            tenant=tenant,
+        )
+        self.unbooked.append((identity, tokens, miss.reason))
+        return miss
 
     def book_lookups(self) -> None:
         """Count the lookups answered since the last call (see lookup). Each is booked once,

@@ -149,6 +149,15 @@ class Daemon:
         assert self.process is not None
         return self.process.pid
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The daemon stopped (SIGSTOP: hung, as on a stuck disk) for the block, then resumed."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
     def stop(self) -> int:
         """SIGTERM (the daemon flushes, then exits) and wait; the exit code (0: clean).
 

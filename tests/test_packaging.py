@@ -103,6 +103,7 @@ PURE_IMPORTS = {
     "msgpack",
     "pathlib",  # PurePosixPath only: path strings, no file access
     "posixpath",
+    "re",  # an identity's traits are checked by pattern
     "struct",
     "sys",
     "types",

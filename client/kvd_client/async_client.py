@@ -23,16 +23,17 @@ from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import EntrySummary, Reply
 
 from . import calls
+from .breaker import Breaker
 from .calls import Call, Exchange
+from .client import new_link
 from .entry_io import TensorData
 from .link import (
     DEFAULT_BACKOFF,
+    DEFAULT_LOOKUP_TIMEOUT,
     Backoff,
     ClientStats,
     DaemonUnavailable,
     Link,
-    default_client_name,
-    default_socket_path,
 )
 from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
 from .transport import AsyncTransport, TransportClosed
@@ -48,10 +49,11 @@ class AsyncClient:
     """A connection to the kvd daemon, re-made as needed. Make one with
     `await AsyncClient.connect()`."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, *, owns_breaker: bool = False) -> None:
         self._link = link
         self._transport: AsyncTransport | None = None
         self._lock = asyncio.Lock()
+        self._owns_breaker = owns_breaker  # stopped when this client closes
 
     @classmethod
     async def connect(
@@ -64,24 +66,33 @@ class AsyncClient:
         backoff: Backoff = DEFAULT_BACKOFF,
         verify: bool = True,
         block_tokens: int = BLOCK_TOKENS,
+        lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT,
+        breaker: bool = True,
     ) -> AsyncClient:
-        """As Client.connect."""
-        link = Link(
-            socket_path or default_socket_path(),
+        """As Client.connect; the breaker's probe runs on a thread of its own."""
+        link = new_link(
+            socket_path,
             timeout,
-            name or default_client_name(),
+            name,
             backoff,
             verify=verify,
             block_tokens=block_tokens,
+            lookup_timeout=lookup_timeout,
+            breaker=breaker,
         )
-        client = cls(link)
+        client = cls(link, owns_breaker=True)
         try:
             async with client._lock:
                 await client._connect(force=True)
-        except DaemonUnavailable:
+        except DaemonUnavailable as exc:
             if require:
                 raise
+            link.failed(str(exc))
         return client
+
+    def twin(self) -> AsyncClient:
+        """As Client.twin."""
+        return AsyncClient(self._link.twin())
 
     @property
     def connected(self) -> bool:
@@ -95,7 +106,13 @@ class AsyncClient:
     def socket_path(self) -> str:
         return self._link.socket_path
 
+    @property
+    def breaker(self) -> Breaker | None:
+        return self._link.breaker
+
     async def close(self) -> None:
+        if self._owns_breaker and self._link.breaker is not None:
+            self._link.breaker.stop()
         async with self._lock:
             self._drop()
 
@@ -253,30 +270,49 @@ class AsyncClient:
     async def _exchange(self, step: Exchange) -> Reply:
         """As Client._exchange."""
         link = self._link
-        async with self._lock:
+        try:
+            async with asyncio.timeout(None if step.by is None else calls.left(step.by)):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise DaemonUnavailable(
+                f"{step.request.op}: the connection stayed busy past its due"
+            ) from None
+        try:
             fresh = calls.must_connect(link, step, connected=self._transport is not None)
-            if fresh:  # a connection made for this exchange
-                await self._connect()
-            while True:
-                frame = link.send(step.request)
-                try:
-                    return await self._round_trip(frame, link.deadline(step.wait))
-                except BaseException as exc:
-                    self._drop()  # whatever broke the exchange, the stream is out of step
-                    failure = calls.broken(step, exc, fresh=fresh)
-                    if failure is not None:
-                        raise failure from exc
-                fresh = True
-                await self._connect()
+            try:
+                return await self._exchange_locked(step, fresh=fresh)
+            except DaemonUnavailable as exc:
+                link.failed(str(exc))
+                raise
+        finally:
+            self._lock.release()
 
-    async def _connect(self, *, force: bool = False) -> None:
+    async def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
+        link = self._link
+        if fresh:  # a connection made for this exchange
+            await self._connect(by=step.by)
+        while True:
+            frame = link.send(step.request)
+            try:
+                timeout = link.deadline(step.wait, step.by, time.monotonic())
+                return await self._round_trip(frame, timeout)
+            except BaseException as exc:
+                self._drop()  # whatever broke the exchange, the stream is out of step
+                failure = calls.broken(step, exc, fresh=fresh)
+                if failure is not None:
+                    raise failure from exc
+            fresh = True
+            await self._connect(by=step.by)
+
+    async def _connect(self, *, force: bool = False, by: float | None = None) -> None:
         link = self._link
         now = time.monotonic()
         hello = link.begin_connect(now, force=force)
         try:
-            async with asyncio.timeout(link.timeout):
+            async with asyncio.timeout(link.connect_timeout(by, now)):
                 self._transport = await AsyncTransport.connect(link.socket_path)
-            link.connected(await self._round_trip(hello, link.timeout, hello=True))
+            timeout = link.connect_timeout(by, time.monotonic())
+            link.connected(await self._round_trip(hello, timeout, hello=True))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
             link.connect_failed(now)

@@ -11,8 +11,9 @@ batch counts them, the room beyond for the appends.
 This changes no value: MLX writes into a buffer in place only when no other array holds it,
 and copies otherwise, so a marked layer that was copied meanwhile (a memory tier's deep copy)
 is still right. A merge of several requests' caches at once, or of a layer not marked, is
-mlx-lm's own. The batch cache's fields are mlx-lm's internals: once per process a small
-cache is merged both ways and a token appended to each, and unless the two agree nothing is
+mlx-lm's own. The batch cache is set through its public state (mlx_lm_hooks.py checks the
+names used), whose meaning mlx-lm could still change: once per process a small cache is
+merged both ways and a token appended to each, and unless the two agree nothing is
 marked (a warning names the mlx-lm version), so another mlx-lm costs the copies, never a
 wrong answer.
 """
@@ -49,9 +50,15 @@ def _merged(layer: Any, caches: list[Any]) -> Any:
     if len(caches) != 1 or caches[0] is not layer:
         return mlc.BatchKVCache.merge(caches)
     batch = mlc.BatchKVCache([0])  # one sequence, no left padding
-    batch.keys, batch.values = layer.keys, layer.values
-    batch.offset = mx.array([layer.offset])
-    batch._idx = layer.offset  # the tokens held: the rest of the buffer is room
+    # keys, values, each sequence's offset, the left padding, and the tokens held (the rest
+    # of the buffers is room)
+    batch.state = (
+        layer.keys,
+        layer.values,
+        mx.array([layer.offset]),
+        batch.left_padding,
+        layer.offset,
+    )
     return batch
 
 
@@ -70,7 +77,7 @@ def _agrees_with_mlx_lm() -> bool:
         ours.merge = partial(_merged, ours)  # as merge_in_place marks it
         for batch in (ours.merge([ours]), mlc.BatchKVCache.merge([theirs])):
             before = batch.keys_and_values()
-            held.append([*before, *batch.update_and_fetch(token, token), batch.offset, batch._idx])
+            held.append([*before, *batch.update_and_fetch(token, token), *batch.state[2:]])
         if any(not bool(mx.array_equal(a, b).item()) for a, b in zip(*held, strict=True)):
             problem = "its merge holds other values"
     except Exception as exc:

@@ -32,6 +32,7 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
+    LOOKUP_MISS_FEATURE,
     MAX_BLOCK_BATCH,
     MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
@@ -88,6 +89,7 @@ R = TypeVar("R", bound=Reply)
 LIST_PAGE: Final = 1000  # entries asked for per list request
 TICKET_POLL_SECONDS: Final = 60.0  # Ticket.wait(None) asks again this often until settled
 UNAVAILABLE: Final = "unavailable"
+SKIPPED: Final = "the daemon did not answer lately: skipped until it does"
 
 
 # --- steps --------------------------------------------------------------------------------
@@ -99,11 +101,14 @@ class Exchange(NamedTuple):  # not a dataclass: one is made per request, at half
     wait: how long the daemon may take on purpose (a flush or ticket timeout), on top of the
     client's timeout; None when it may take as long as it likes. epoch: the connection the
     request belongs to (a put, lease or ticket lives on one); None means the current one,
-    connecting first if there is none."""
+    connecting first if there is none. by: when the exchange must be done, waiting for the
+    connection and connecting included (time.monotonic(); None: no bound but the timeout),
+    for an exchange on the engine's path (Link.due)."""
 
     request: Request
     wait: float | None = 0.0
     epoch: int | None = None
+    by: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,11 @@ def must_connect(link: Link, step: Exchange, *, connected: bool) -> bool:
     return False
 
 
+def left(by: float) -> float:
+    """Seconds until by (time.monotonic()), 0 when past."""
+    return max(by - time.monotonic(), 0.0)
+
+
 def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavailable | None:
     """What a driver raises (from exc) when step's exchange failed with exc and the
     connection was dropped: DaemonUnavailable for an OSError (timeouts included) or a
@@ -157,12 +167,12 @@ def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavaila
 # --- calls ------------------------------------------------------------------------------------
 
 
-def scoped(link: Link, identity: WireIdentity) -> Call[WireIdentity]:
+def scoped(link: Link, identity: WireIdentity, by: float | None = None) -> Call[WireIdentity]:
     """identity under the tenant the daemon gives this client (Link.scope). A client that no
-    daemon has answered yet (made while it was down) connects first, with a ping: raises
-    DaemonUnavailable as the call's own request would."""
+    daemon has answered yet (made while it was down) connects first, with a ping (done by
+    by): raises DaemonUnavailable as the call's own request would."""
     if link.server is None:
-        expect((yield Exchange(Ping(id=link.next_id()))), PingReply)
+        expect((yield Exchange(Ping(id=link.next_id()), by=by)), PingReply)
     return link.scope(identity)
 
 
@@ -263,9 +273,11 @@ def put_entry(
             meta=meta,
             limits=link.limits,
         )
-        views = entry_io.tensor_views(plan, block_io.whole(tensors))
+        views = _whole_views(link, plan, layers, tensors)
         write = partial(entry_io.write_entry, plan=plan, views=views)
         size = plan.file_size
+    if link.breaker is not None and link.breaker.skip_put():
+        return _not_begun(link, DaemonUnavailable(SKIPPED))
     if link.server is None:  # planned without the daemon's word (its tenant and features)
         try:
             yield from scoped(link, identity)
@@ -344,6 +356,18 @@ def _blocks_for(link: Link, tokens: bytes, layers: Sequence[LayerSpec]) -> bool:
     )
 
 
+def _whole_views(
+    link: Link, plan: EntryPlan, layers: Sequence[LayerSpec], tensors: Sequence[TensorData]
+) -> list[entry_io.Pieces]:
+    """The byte views of a version 1 entry's tensors, checked (TensorLayoutError) also before
+    the daemon's first word; a snapshot that left out blocks (block_io.CutCopy) is made whole
+    only after it: until then the put is planned again once the daemon answers."""
+    if link.server is None:
+        block_io.sources(_whole_slots(layers), tensors)
+        return []
+    return entry_io.tensor_views(plan, block_io.whole(tensors))
+
+
 def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
     return [tensor for layer in layers for tensor in layer.tensors]
 
@@ -372,8 +396,9 @@ def open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tupl
     caller to close. A block the daemon cannot open raises EntryFormatError (block_missing:
     the daemon has quarantined it); else DaemonUnavailable or DaemonError."""
     request = OpenBlocks(id=link.next_id(), lease=hit.lease, first=first, count=count)
+    due = link.due(time.monotonic())  # on the engine's path: a restore waits for it
     try:
-        reply = expect((yield Exchange(request, epoch=hit.epoch)), OpenBlocksReply)
+        reply = expect((yield Exchange(request, epoch=hit.epoch, by=due)), OpenBlocksReply)
     except DaemonError as exc:
         if exc.code is ErrorCode.NOT_FOUND and exc.message.startswith(Rule.BLOCK_MISSING):
             raise EntryFormatError(hit.summary.id, Rule.BLOCK_MISSING, exc.message) from None
@@ -430,9 +455,12 @@ def lookup(
     engine: an unreachable daemon or an unusable file is a miss, counted."""
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
+    explain = link.offers(LOOKUP_MISS_FEATURE)
 
     def ask(named: WireIdentity) -> Lookup:
-        return Lookup(id=link.next_id(), identity=named, tokens=packed, min_tokens=asked)
+        return Lookup(
+            id=link.next_id(), identity=named, tokens=packed, min_tokens=asked, explain=explain
+        )
 
     found = _found(
         link, ask, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
@@ -470,17 +498,24 @@ def _found(
     min_tokens: int = 0,
 ) -> Call[LookupHit | None]:
     """Map the entry a lookup or checkpoint reply offers (ask: the request, naming identity
-    under the tenant), after checking it answers the ask."""
+    under the tenant), after checking it answers the ask. Connecting and asking are done
+    within the lookup timeout (a miss past it), or skipped while the breaker is open."""
+    if link.breaker is not None and link.breaker.skip_lookup():
+        link.stats.failed_lookups += 1
+        link.stats.misses[UNAVAILABLE] += 1
+        return None
+    due = link.due(time.monotonic())
     try:
-        identity = yield from scoped(link, identity)
-        reply = expect((yield Exchange(ask(identity))), kind)
+        identity = yield from scoped(link, identity, due)
+        reply = expect((yield Exchange(ask(identity), by=due)), kind)
     except (DaemonUnavailable, DaemonError) as exc:
         link.stats.failed_lookups += 1
         link.stats.misses[UNAVAILABLE if isinstance(exc, DaemonUnavailable) else "refused"] += 1
         log.info("%s missed: %s", kind.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
-        link.stats.misses["no entry"] += 1
+        link.stats.misses[reply.miss or "no entry"] += 1
+        log.debug("%s missed (%s): %s", kind.op, reply.miss or "no entry", reply.detail or "-")
         return None
     epoch = link.epoch
     if reply.matched < min_tokens:  # a daemon without the feature: not worth mapping
@@ -560,11 +595,13 @@ def release_lease(
     report: RestoreReport | None = None,
 ) -> Call[None]:
     """End a lease, saying why the entry was unusable if damaged and how the restore went (to
-    a daemon that listens); a lease of a lost connection ended with it."""
+    a daemon that listens), waiting no longer than a lookup; a lease of a lost connection
+    ended with it."""
     damage = damaged if link.offers("release_damaged") else None
     told = report if link.offers("restore_report") else None
     try:
         request = Release(id=link.next_id(), lease=lease, damaged=damage, report=told)
-        expect((yield Exchange(request, epoch=epoch)), ReleaseReply)
+        due = link.due(time.monotonic())
+        expect((yield Exchange(request, epoch=epoch, by=due)), ReleaseReply)
     except (DaemonUnavailable, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

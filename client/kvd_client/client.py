@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -20,10 +21,12 @@ from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import BLOCKS_FEATURE, EntrySummary, Reply
 
 from . import calls
+from .breaker import Breaker
 from .calls import Call, Exchange
 from .entry_io import TensorData
 from .link import (
     DEFAULT_BACKOFF,
+    DEFAULT_LOOKUP_TIMEOUT,
     Backoff,
     ClientStats,
     DaemonUnavailable,
@@ -48,10 +51,11 @@ TIMEOUT_SLACK = 0.01
 class Client:
     """A connection to the kvd daemon, re-made as needed. Make one with Client.connect()."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, *, owns_breaker: bool = False) -> None:
         self._link = link
         self._transport: BlockingTransport | None = None
         self._lock = threading.RLock()
+        self._owns_breaker = owns_breaker  # stopped when this client closes
 
     @classmethod
     def connect(
@@ -64,30 +68,47 @@ class Client:
         backoff: Backoff = DEFAULT_BACKOFF,
         verify: bool = True,
         block_tokens: int = BLOCK_TOKENS,
+        lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT,
+        breaker: bool = True,
     ) -> Client:
         """Connect and say hello. A daemon that is down gives a client that is not connected
         (and retries on later calls), unless require: then DaemonUnavailable is raised.
+        timeout: seconds an exchange may take (puts, operator calls) before the daemon counts
+        as unavailable.
         verify: get() checks every tensor against its checksum as it copies it (the default;
         a mismatch is a miss, and the daemon is told to quarantine the entry).
         block_tokens: against a daemon that offers blocks, puts store plain and quantized KV
         in blocks of this many tokens (a power of two in 16..65536), each shared by every
-        entry of the same model with the same tokens up to it; 0: whole entries (version 1)."""
-        link = Link(
-            socket_path or default_socket_path(),
+        entry of the same model with the same tokens up to it; 0: whole entries (version 1).
+        lookup_timeout: seconds a lookup (or get) may wait for the daemon, connecting
+        included, before it is a miss; and each exchange of a restore after its hit.
+        breaker: once a call finds the daemon unavailable, lookups and puts skip it until a
+        probe in the background finds it answering (breaker.py); False: every call tries."""
+        link = new_link(
+            socket_path,
             timeout,
-            name or default_client_name(),
+            name,
             backoff,
             verify=verify,
             block_tokens=block_tokens,
+            lookup_timeout=lookup_timeout,
+            breaker=breaker,
         )
-        client = cls(link)
+        client = cls(link, owns_breaker=True)
         try:
             with client._lock:
                 client._connect(force=True)
-        except DaemonUnavailable:
+        except DaemonUnavailable as exc:
             if require:
                 raise
+            link.failed(str(exc))
         return client
+
+    def twin(self) -> Client:
+        """A client of the same daemon with the same settings on a connection of its own
+        (made on its first call), sharing this one's breaker: an exchange on one never waits
+        for the other's. Close it apart; its stats are its own."""
+        return Client(self._link.twin())
 
     @property
     def connected(self) -> bool:
@@ -102,6 +123,10 @@ class Client:
         return self._link.socket_path
 
     @property
+    def breaker(self) -> Breaker | None:
+        return self._link.breaker
+
+    @property
     def block_tokens(self) -> int:
         """The tokens per block of this client's puts against the daemon last connected to:
         0 when they are whole entries (blocks off, not offered, or no daemon answered yet)."""
@@ -109,6 +134,8 @@ class Client:
         return link.block_tokens if link.offers(BLOCKS_FEATURE) else 0
 
     def close(self) -> None:
+        if self._owns_breaker and self._link.breaker is not None:
+            self._link.breaker.stop()
         with self._lock:
             self._drop()
 
@@ -271,31 +298,47 @@ class Client:
 
     def _exchange(self, step: Exchange) -> Reply:
         """The reply to step's request, over the current connection or a new one; once more
-        on a new one when calls.broken says so."""
+        on a new one when calls.broken says so. An exchange due by a time waits for the
+        connection no longer than that (another thread's exchange may hold it)."""
         link = self._link
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if step.by is None else calls.left(step.by)):
+            raise DaemonUnavailable(f"{step.request.op}: the connection stayed busy past its due")
+        try:
             fresh = calls.must_connect(link, step, connected=self._transport is not None)
-            if fresh:  # a connection made for this exchange
-                self._connect()
-            while True:
-                frame = link.send(step.request)
-                try:
-                    return self._round_trip(frame, link.deadline(step.wait))
-                except BaseException as exc:
-                    self._drop()  # whatever broke the exchange, the stream is out of step
-                    failure = calls.broken(step, exc, fresh=fresh)
-                    if failure is not None:
-                        raise failure from exc
-                fresh = True
-                self._connect()
+            try:
+                return self._exchange_locked(step, fresh=fresh)
+            except DaemonUnavailable as exc:
+                link.failed(str(exc))
+                raise
+        finally:
+            self._lock.release()
 
-    def _connect(self, *, force: bool = False) -> None:
+    def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
+        link = self._link
+        if fresh:  # a connection made for this exchange
+            self._connect(by=step.by)
+        while True:
+            frame = link.send(step.request)
+            try:
+                return self._round_trip(frame, link.deadline(step.wait, step.by, time.monotonic()))
+            except BaseException as exc:
+                self._drop()  # whatever broke the exchange, the stream is out of step
+                failure = calls.broken(step, exc, fresh=fresh)
+                if failure is not None:
+                    raise failure from exc
+            fresh = True
+            self._connect(by=step.by)
+
+    def _connect(self, *, force: bool = False, by: float | None = None) -> None:
         link = self._link
         now = time.monotonic()
         hello = link.begin_connect(now, force=force)
         try:
-            self._transport = BlockingTransport.connect(link.socket_path, link.timeout)
-            link.connected(self._round_trip(hello, link.timeout, hello=True))
+            self._transport = BlockingTransport.connect(
+                link.socket_path, link.connect_timeout(by, now)
+            )
+            timeout = link.connect_timeout(by, time.monotonic())
+            link.connected(self._round_trip(hello, timeout, hello=True))
         except (OSError, ProtocolError, DaemonUnavailable) as exc:
             self._drop()
             link.connect_failed(now)
@@ -308,7 +351,7 @@ class Client:
         assert self._transport is not None
         transport, link = self._transport, self._link
         started = time.monotonic()
-        if timeout != transport.timeout:
+        if not _near(timeout, transport.timeout):
             transport.settimeout(timeout)
         try:
             transport.send(frame)
@@ -332,6 +375,47 @@ class Client:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+
+
+def _near(timeout: float | None, current: float | None) -> bool:
+    """Whether a socket timed out after current seconds serves an exchange due in timeout: the
+    same, or within TIMEOUT_SLACK (an exchange due by a time has a new timeout each time)."""
+    if timeout is None or current is None:
+        return timeout is current
+    return abs(timeout - current) <= TIMEOUT_SLACK
+
+
+def new_link(
+    socket_path: str | None,
+    timeout: float,
+    name: str | None,
+    backoff: Backoff,
+    *,
+    verify: bool,
+    block_tokens: int,
+    lookup_timeout: float,
+    breaker: bool,
+) -> Link:
+    """The link of a new Client or AsyncClient (see Client.connect): defaults filled in, and
+    with breaker, one whose probe pings on a blocking client of its own."""
+    path = socket_path or default_socket_path()
+    probe = partial(_answers, path, timeout)
+    return Link(
+        path,
+        timeout,
+        name or default_client_name(),
+        backoff,
+        verify=verify,
+        block_tokens=block_tokens,
+        lookup_timeout=lookup_timeout,
+        breaker=Breaker(path, probe, backoff.initial, backoff.maximum) if breaker else None,
+    )
+
+
+def _answers(socket_path: str, timeout: float) -> None:
+    """A breaker's probe: a ping on a connection of its own; raises unless answered."""
+    with Client.connect(socket_path, timeout, "kvd-probe", require=True, breaker=False) as probe:
+        probe.ping()
 
 
 class Ticket(TicketBase):

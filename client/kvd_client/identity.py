@@ -25,10 +25,14 @@ _TOKENIZER_SUFFIXES = (".model", ".tiktoken")
 
 @dataclass(frozen=True)
 class Identity:
+    """traits: what the fingerprints hash, in words for the daemon's names ("kv=8bit-g64,
+    template=1a2b3c4d"; kvd_protocol.identity.check_traits); not part of the identity."""
+
     model_id: str
     config_fingerprint: str
     tokenizer_hash: str
     namespace: str = ""
+    traits: str = ""
 
     @classmethod
     def for_model(
@@ -58,6 +62,7 @@ class Identity:
             codec_id=CODEC_ID,
             runtime=runtime(),
             namespace=self.namespace,
+            traits=self.traits,
         )
 
 

@@ -8,6 +8,7 @@ and the client's counters (ClientStats). The drivers move the bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections import Counter
@@ -22,6 +23,7 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    IDENTITY_TRAITS_FEATURE,
     MAX_PREFILL_COST,
     PROTOCOL_VERSION,
     U32,
@@ -32,6 +34,8 @@ from kvd_protocol.messages import (
     Request,
 )
 from kvd_protocol.paths import default_paths
+
+from .breaker import Breaker
 
 
 class DaemonUnavailable(ConnectionError):  # noqa: N818 - the documented name
@@ -58,6 +62,10 @@ class Backoff:
 
 
 DEFAULT_BACKOFF: Final = Backoff()
+# Seconds a lookup may take, connecting included, before it is a miss; and each exchange of a
+# restore after its hit. An engine waits no longer on the daemon before computing the prefill.
+DEFAULT_LOOKUP_TIMEOUT: Final = 0.1
+MIN_WAIT: Final = 0.001  # seconds: an exchange due now still gets a system call's worth
 
 
 @dataclass
@@ -97,6 +105,11 @@ def default_client_name() -> str:
 MIN_MEASURED_PREFILL: Final = 64  # tokens
 
 
+@dataclass
+class _PrefillCost:
+    seconds: float = 0.0  # per token
+
+
 class Link:
     """One client's protocol state across connections, free of I/O: the drivers move bytes."""
 
@@ -109,9 +122,18 @@ class Link:
         *,
         verify: bool,
         block_tokens: int = BLOCK_TOKENS,
+        lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT,
+        breaker: Breaker | None = None,
     ) -> None:
+        if not 0 < lookup_timeout < math.inf:
+            raise ValueError(
+                f"lookup_timeout must be a positive number of seconds, not {lookup_timeout}"
+            )
         self.socket_path = socket_path
         self.timeout = timeout
+        self.lookup_timeout = lookup_timeout
+        # Skips the daemon after a failure until it answers again; None: every call tries.
+        self.breaker = breaker
         self.name = name
         self.backoff = backoff
         self.verify = verify  # restores check every tensor against its checksum
@@ -123,9 +145,7 @@ class Link:
         self.connection: Connection | None = None
         self.epoch = 0  # counts connections made
         self.last_round_trip = 0.0  # seconds, measured by the driver
-        # Seconds of prefill per token, as the engine last measured it (0: not measured);
-        # sent with each put, for the daemon's cost eviction policy.
-        self.prefill_cost = 0.0
+        self._prefill = _PrefillCost()  # shared with twins: the engine measures, puts send
         self._last_id = 0
         self._delay = 0.0
         self._retry_at = float("-inf")
@@ -138,7 +158,13 @@ class Link:
         """The engine computed tokens of prefill in seconds; prefills shorter than
         MIN_MEASURED_PREFILL are mostly fixed costs and are not taken."""
         if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
-            self.prefill_cost = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
+            self._prefill.seconds = min(seconds / tokens, MAX_PREFILL_COST)  # the wire's bound
+
+    @property
+    def prefill_cost(self) -> float:
+        """Seconds of prefill per token, as the engine last measured it (0: not measured);
+        sent with each put, for the daemon's cost eviction policy."""
+        return self._prefill.seconds
 
     @property
     def tenant(self) -> str:
@@ -148,8 +174,11 @@ class Link:
         return "" if self.server is None else self.server.tenant
 
     def scope(self, identity: WireIdentity) -> WireIdentity:
-        """identity as the daemon knows it: its namespace under the tenant. Idempotent: an
-        identity read back from an entry's header is under it already."""
+        """identity as the daemon knows it: its namespace under the tenant, its traits left
+        out for a daemon that predates them. Idempotent: an identity read back from an
+        entry's header is under it already."""
+        if identity.traits and not self.offers(IDENTITY_TRAITS_FEATURE):
+            identity = dataclasses.replace(identity, traits="")
         tenant = self.tenant
         if identity.namespace.startswith(tenant):
             return identity
@@ -159,16 +188,47 @@ class Link:
         """Whether the daemon last connected to announced feature in its hello."""
         return self.server is not None and feature in self.server.features
 
-    def deadline(self, wait: float | None) -> float | None:
-        """Seconds an exchange may take before the daemon counts as slow."""
-        return None if wait is None else self.timeout + wait
+    def twin(self) -> Link:
+        """A link with the same settings and no connection, sharing the prefill measure and the
+        breaker."""
+        twin = Link(
+            self.socket_path,
+            self.timeout,
+            self.name,
+            self.backoff,
+            verify=self.verify,
+            block_tokens=self.block_tokens,
+            lookup_timeout=self.lookup_timeout,
+            breaker=self.breaker,
+        )
+        twin._prefill = self._prefill
+        return twin
+
+    def due(self, now: float) -> float:
+        """When an exchange on the engine's path begun now must be done (monotonic seconds)."""
+        return now + self.lookup_timeout
+
+    def deadline(self, wait: float | None, by: float | None, now: float) -> float | None:
+        """Seconds an exchange may take before the daemon counts as slow: the client's timeout
+        (plus what the daemon may take on purpose: wait, None for as long as it likes), and no
+        later than by (monotonic seconds, None for no bound)."""
+        own = None if wait is None else self.timeout + wait
+        if by is None:
+            return own
+        left = max(by - now, MIN_WAIT)
+        return left if own is None else min(own, left)
+
+    def connect_timeout(self, by: float | None, now: float) -> float:
+        """Seconds a connect and its hello may take: the client's timeout, no later than by."""
+        return self.timeout if by is None else min(self.timeout, max(by - now, MIN_WAIT))
 
     # --- connecting ---
 
     def begin_connect(self, now: float, *, force: bool = False) -> bytes:
         """Count a connect attempt and return the hello frame to send once connected; raises
-        DaemonUnavailable while backing off after a failed attempt (unless force)."""
-        if not force and now < self._retry_at:
+        DaemonUnavailable while backing off after a failed attempt (unless force, or with a
+        breaker: the engine's calls skip the daemon then, and the probe backs off)."""
+        if not force and self.breaker is None and now < self._retry_at:
             raise DaemonUnavailable(f"the daemon at {self.socket_path} is down; retrying later")
         self.stats.connect_attempts += 1
         self.connection = Connection(Role.CLIENT)
@@ -188,6 +248,11 @@ class Link:
         if self.epoch > 1:
             self.stats.reconnects += 1
         self._delay, self._retry_at = 0.0, float("-inf")
+
+    def failed(self, why: str) -> None:
+        """An exchange or a connect found the daemon unavailable: the breaker, if any, opens."""
+        if self.breaker is not None:
+            self.breaker.trip(why)
 
     def connect_failed(self, now: float) -> None:
         self._delay = min(self.backoff.maximum, self._delay * 2 or self.backoff.initial)

@@ -15,12 +15,13 @@ What is stored when (the places mlx-lm's server snapshots its in-memory cache):
 
 Puts never block the engine on the daemon: the caches are snapshotted on the caller's thread
 (copies of the live tokens, the only MLX work) and one background thread writes the snapshot
-into the daemon's staging file. A snapshot copies only what is new (snapshots.py): rows in
-blocks the daemon holds, or that a snapshot still waiting copied, are not copied again. No
-copy beyond the snapshot is needed while decoding goes on: mlx-lm writes into cache buffers in
-place (KVCache.update_and_fetch, a wrapped RotatingKVCache), but MLX only does so when nothing
-else references the buffer, and the pending put holds a reference to every array it reads
-until they are written. The snapshots waiting are bounded in bytes (backlog.py).
+into the daemon's staging file, on a connection of its own (Client.twin): a put stuck in a
+hung daemon holds nothing a lookup needs. A snapshot copies only what is new (snapshots.py):
+rows in blocks the daemon holds, or that a snapshot still waiting copied, are not copied
+again. No copy beyond the snapshot is needed while decoding goes on: mlx-lm writes into cache
+buffers in place (KVCache.update_and_fetch, a wrapped RotatingKVCache), but MLX only does so
+when nothing else references the buffer, and the pending put holds a reference to every array
+it reads until they are written. The snapshots waiting are bounded in bytes (backlog.py).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class ColdTier:
         backlog_bytes: what the snapshots waiting while one is sent may hold (copies of the
         caches' rows); beyond it segments go first, then the oldest (backlog.py)."""
         self.client = client
+        self._stores = client.twin()  # puts on a connection of their own: never before a lookup
         self.model = model
         self.tokenizer = tokenizer
         self.identity = identity or Identity.for_model(model, tokenizer, namespace)
@@ -247,6 +249,7 @@ class ColdTier:
             self._closed = True
             self._changed.notify_all()
         self._sender.join(timeout)
+        self._stores.close()
 
     def __enter__(self) -> ColdTier:
         return self
@@ -343,9 +346,9 @@ class ColdTier:
                 self._changed.notify_all()
 
     def _send(self, future: Future[Ticket], snapshot: Snapshot) -> None:
-        written = self.client.stats.bytes_written
+        written = self._stores.stats.bytes_written
         try:
-            ticket = self.client.put_entry(
+            ticket = self._stores.put_entry(
                 self._wire, snapshot.tokens, snapshot.layers, snapshot.tensors, meta=snapshot.meta
             )
         except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
@@ -365,7 +368,7 @@ class ColdTier:
             self._count(ticket.state.state)
             future.set_result(ticket)
         finally:
-            self.stats.bytes_written += self.client.stats.bytes_written - written
+            self.stats.bytes_written += self._stores.stats.bytes_written - written
 
     def _count(self, state: str) -> None:
         if state in ("pending", "stored"):

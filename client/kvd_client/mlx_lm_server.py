@@ -1,7 +1,7 @@
 """`kvd-mlx-lm-server`: stock `mlx_lm.server` with kvd as the tier under its prompt cache.
 
     kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
-        [--kvd-block-tokens N] [--kvd-backlog-bytes N]
+        [--kvd-lookup-timeout SECONDS] [--kvd-block-tokens N] [--kvd-backlog-bytes N]
 
 mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
@@ -18,23 +18,29 @@ mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under 
 The identity is the model folder's content (model_folder.py), the KV quantisation and the
 adapter. Prompts with images (negative ids in the cache key) stay in memory only. With no
 daemon, or one that restarts, lookups miss and stores are skipped (counted in ColdTier.stats,
-reconnecting by itself): the server answers as stock mlx_lm.server does.
+reconnecting by itself): the server answers as stock mlx_lm.server does. A hung daemon costs
+one request the lookup timeout at most: the client's breaker then skips it until a probe
+finds it answering, and the stores, on a connection of their own, never hold up a restore.
 
 Two names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
 run() builds the cache from it) and ModelProvider (so the tier follows the model loaded). All
-else, flags, HTTP API and batching, is mlx_lm.server's own. SIGTERM stops the server as Ctrl-C
-does, and the snapshots still waiting are sent before the process exits.
+else, flags, HTTP API and batching, is mlx_lm.server's own. What this relies on in mlx-lm is
+checked at start (mlx_lm_hooks.py): a missing or changed hook stops the server with an error
+naming the mlx-lm version found and the tested range. SIGTERM stops the server as Ctrl-C does,
+and the snapshots still waiting are sent before the process exits.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -44,13 +50,24 @@ from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
+from . import mlx_lm_hooks
 from .batch_merge import merge_in_place
+from .breaker import BreakerStats
 from .client import Client
 from .identity import Identity
+from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
+from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
 
 log = logging.getLogger("kvd_client")
+
+# Before the classes below subclass what it checks: this module is the server program, which
+# does not start on an mlx-lm whose surface it does not know.
+try:
+    mlx_lm_hooks.check_server()
+except MlxLmChangedError as changed:
+    raise SystemExit(str(changed)) from None
 
 # mlx-lm's partial type hints do not cover these: treated as untyped.
 stock: Any = _server
@@ -60,8 +77,9 @@ CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be se
 
 
 class ServerTier:
-    """kvd under one server process: one client, and the ColdTier of the model loaded now
-    (mlx_lm.server holds one model at a time). Used from the generation thread only."""
+    """kvd under one server process: one client (the restores'; the ColdTier sends its puts on
+    a twin of it, sharing its breaker), and the ColdTier of the model loaded now (mlx_lm.server
+    holds one model at a time). Used from the generation thread only."""
 
     def __init__(
         self, client: Client, namespace: str = "", backlog_bytes: int = BACKLOG_BYTES
@@ -91,6 +109,9 @@ class ServerTier:
     def close(self) -> None:
         self._retire()
         self.client.close()
+        breaker = self.client.breaker
+        if breaker is not None and breaker.stats.opened:
+            log.info("kvd: %s", _describe_breaker(breaker.stats))
 
     def _retire(self) -> None:
         if self._cold is not None:
@@ -140,16 +161,44 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
 
 
 class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
-    """mlx_lm.server's model provider, telling the tier which model is loaded."""
+    """mlx_lm.server's model provider, telling the tier which model is loaded. It follows the
+    public load(): after one that changed model_key or the model itself (a reload), the tier
+    is told of the model now loaded. stop is called, on the generation thread, with a load
+    whose outcome is not in the form checked at start."""
 
-    def __init__(self, cli_args: argparse.Namespace, *, tier: ServerTier) -> None:
-        super().__init__(cli_args)
-        self.tier = tier
-
-    def _load(
-        self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
+    def __init__(
+        self,
+        cli_args: argparse.Namespace,
+        *,
+        tier: ServerTier,
+        stop: Callable[[MlxLmChangedError], None],
     ) -> None:
-        super()._load(model_path, adapter_path, draft_model_path)
+        mlx_lm_hooks.check_cli_args(cli_args)
+        # Set first: some mlx-lm versions load the default model within __init__.
+        self.tier = tier
+        self._stop = stop
+        # Weakly: a model replaced must be freed before the next one loads.
+        self._told: tuple[object, weakref.ref[Any] | None] = (None, None)
+        super().__init__(cli_args)
+        mlx_lm_hooks.check_provider(self)
+        mlx_lm_hooks.warn_if_untested()
+
+    def load(
+        self, model_path: str, adapter_path: str | None = None, draft_model_path: str | None = None
+    ) -> tuple[Any, Any]:
+        loaded: tuple[Any, Any] = super().load(model_path, adapter_path, draft_model_path)
+        key, model = self._told
+        if self.model_key != key or model is None or model() is not self.model:
+            self._tell_tier()
+        return loaded
+
+    def _tell_tier(self) -> None:
+        try:
+            model_path, adapter_path, draft_model_path = mlx_lm_hooks.loaded_paths(self.model_key)
+        except MlxLmChangedError as changed:
+            self._stop(changed)
+            return
+        self._told = (self.model_key, weakref.ref(self.model))
         if draft_model_path is not None:
             self.tier.model_unusable(self.model_key, "speculative decoding is not supported")
             return
@@ -196,6 +245,13 @@ def _described_snapshots(stats: ColdTierStats) -> str:
     )
 
 
+def _describe_breaker(stats: BreakerStats) -> str:
+    return (
+        f"the daemon was skipped {stats.opened} times for not answering: "
+        f"{stats.skipped_lookups} lookups and {stats.skipped_puts} stores skipped"
+    )
+
+
 def _storable(tokens: Sequence[int]) -> bool:
     """Token ids kvd can key by: the server marks image patches with negative ids."""
     return min(tokens, default=0) >= 0
@@ -208,6 +264,14 @@ def _kvd_flags() -> argparse.ArgumentParser:
         "--kvd-socket",
         default=None,
         help="the kvd daemon's socket (default: $KVD_SOCKET, else the platform default)",
+    )
+    kvd.add_argument(
+        "--kvd-lookup-timeout",
+        type=_seconds,
+        default=DEFAULT_LOOKUP_TIMEOUT,
+        metavar="SECONDS",
+        help="a lookup not answered this long is a miss, and the daemon is skipped until it "
+        f"answers again (default: {DEFAULT_LOOKUP_TIMEOUT})",
     )
     kvd.add_argument(
         "--kvd-namespace",
@@ -230,6 +294,16 @@ def _kvd_flags() -> argparse.ArgumentParser:
         f"segments are dropped first, then the oldest (default: {BACKLOG_BYTES})",
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return seconds
 
 
 def _block_tokens(text: str) -> int:
@@ -256,6 +330,20 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # mlx_lm.server shuts down cleanly on it
 
 
+class _Stop:
+    """Stops the server from its generation thread, as Ctrl-C does, keeping the reason."""
+
+    def __init__(self) -> None:
+        self.changed: MlxLmChangedError | None = None
+
+    def __call__(self, changed: MlxLmChangedError) -> None:
+        if self.changed is not None:  # stopping already
+            return
+        log.error("kvd: %s", changed)
+        self.changed = changed
+        _thread.interrupt_main()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     flags = _kvd_flags()
     args, rest = flags.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -263,24 +351,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         flags.print_help()
         print()
     client = Client.connect(
-        args.kvd_socket, name="kvd-mlx-lm-server", block_tokens=args.kvd_block_tokens
+        args.kvd_socket,
+        name="kvd-mlx-lm-server",
+        lookup_timeout=args.kvd_lookup_timeout,
+        block_tokens=args.kvd_block_tokens,
     )
     tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes)
-    stock.ModelProvider = partial(TieredModelProvider, tier=tier)
+    stop = _Stop()
+    stock.ModelProvider = partial(TieredModelProvider, tier=tier, stop=stop)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sys.argv = [sys.argv[0], *rest]
     try:
         stock.main()
+    except MlxLmChangedError as changed:  # from the model provider's checks, before serving
+        stop.changed = changed
+    except KeyboardInterrupt:
+        if stop.changed is None:
+            raise
     finally:
         tier.close()
     # The server has stopped and the tier is closed. Leave without the interpreter's teardown:
     # MLX's stream threads are still joinable then, and destroying them aborts the process
     # (SIGABRT, which a service manager takes for a crash).
     logging.shutdown()
+    if stop.changed is not None:
+        print(stop.changed, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if stop.changed is None else 1)
 
 
 if __name__ == "__main__":

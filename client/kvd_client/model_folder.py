@@ -7,7 +7,9 @@ other weights never does.
 - tokenizer hash: the tokenizer files and the chat template in force (a template passed on the
   command line renders other tokens for the same conversation);
 - namespace: the adapter's content, then the caller's own namespace;
-- model id: the model type and a short weights digest, a name for people that is itself content.
+- model id: the model type and a short weights digest, a name for people that is itself content;
+- traits (not part of the identity, for the daemon's names): the KV quantisation, 8 hex digits of
+  the chat template's digest, and the adapter's folder name with 8 of its digest.
 
 A weight file's digest is the SHA-256 that names it in a Hugging Face cache (its symlink points
 at `blobs/<sha256>`), else an xxh3-128 of its bytes, remembered per (file, size, mtime, inode) in
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Final
 
 import xxhash
+from kvd_protocol.identity import join_traits
 
 from .identity import Identity, tokenizer_hash
 
@@ -34,6 +37,8 @@ _HUB_BLOB: Final = re.compile(r"[0-9a-f]{64}")
 _WEIGHT_PATTERN: Final = "*.safetensors"
 _ADAPTER_FILES: Final = ("adapter_config.json", "*.safetensors")
 _CHUNK: Final = 16 << 20
+_UNSAFE: Final = re.compile(r"[^A-Za-z0-9._+-]+")  # characters a trait's value may not hold
+_ADAPTER_NAME: Final = 24
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,13 @@ class KvQuantization:
 
     def describe(self) -> str:
         return "none" if self.bits is None else f"{self.bits}/{self.group_size}@{self.start}"
+
+    def trait(self) -> str:
+        """For people: none, 8bit-g64, or 8bit-g64-from512 when it starts at a token."""
+        if self.bits is None:
+            return "none"
+        start = f"-from{self.start}" if self.start else ""
+        return f"{self.bits}bit-g{self.group_size}{start}"
 
 
 def folder_identity(
@@ -65,21 +77,36 @@ def folder_identity(
     template = (chat_template or "").encode()
     tokens = _blake(tokenizer_hash(model_dir).encode() + b"\0" + template)
     model_type = json.loads(config).get("model_type", "model")
+    adapter, adapter_trait = "", "none"
+    if adapter_dir is not None:
+        adapter = _files_digest(adapter_dir, _ADAPTER_FILES, digests)
+        adapter_trait = _adapter_trait(adapter_dir, adapter)
+    traits = {
+        "kv": kv.trait(),
+        "template": _blake(template)[:8] if template else "none",
+        "adapter": adapter_trait,
+    }
     return Identity(
         model_id=f"{model_type}-{weights[:12]}",
         config_fingerprint=fingerprint,
         tokenizer_hash=tokens,
-        namespace=_namespace(adapter_dir, namespace, digests),
+        namespace=_namespace(adapter, namespace),
+        traits=join_traits(traits),
     )
 
 
-def _namespace(adapter_dir: Path | None, namespace: str, digests: DigestCache) -> str:
-    parts = []
-    if adapter_dir is not None:
-        parts.append(f"adapter-{_files_digest(adapter_dir, _ADAPTER_FILES, digests)[:16]}")
+def _namespace(adapter: str, namespace: str) -> str:
+    parts = [f"adapter-{adapter[:16]}"] if adapter else []
     if namespace:
         parts.append(namespace)
     return "/".join(parts)
+
+
+def _adapter_trait(folder: Path, digest: str) -> str:
+    """An adapter for people: its folder's name (what a trait may hold of it) and its digest's
+    first 8 hex digits, since folders of one name ("adapters") often hold different ones."""
+    name = _UNSAFE.sub("-", folder.resolve().name)[:_ADAPTER_NAME].strip("-.")
+    return f"{name}-{digest[:8]}" if name else digest[:8]
 
 
 def _files_digest(folder: Path, patterns: tuple[str, ...], digests: DigestCache) -> str:

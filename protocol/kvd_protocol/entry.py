@@ -57,7 +57,7 @@ from .entry_model import (
     header_checksum,  # re-exported
     state_map,
 )
-from .identity import Identity
+from .identity import TRAITS_META, Identity
 from .limits import DEFAULT_LIMITS, Limits
 from .tokens import TOKEN_BYTES
 
@@ -220,6 +220,15 @@ def _slots(
     return tuple(slots), cursor
 
 
+def _with_traits(identity: Identity, meta: Mapping[str, MetaValue] | None) -> dict[str, MetaValue]:
+    """meta with the identity's traits, which the header keeps there (its identity map holds
+    the fields a reader of any version knows)."""
+    found = {} if meta is None else dict(meta)
+    if identity.traits:
+        found[TRAITS_META] = identity.traits
+    return found
+
+
 def _draft(
     identity: Identity,
     tokens: bytes,
@@ -253,7 +262,7 @@ def _draft(
         min_reuse=min_reuse,
         layers=tuple(planned),
         checkpoint=checkpoint,
-        meta=entry_meta({} if meta is None else meta, limits),
+        meta=entry_meta(_with_traits(identity, meta), limits),
         data_start=0,
         file_size=align_up(cursor),  # the data's size, until placed
         block_tokens=block_tokens,

@@ -247,7 +247,7 @@ def _layer_map(layer: Layer, version: int) -> dict[str, Any]:
 
 def _header_map(header: EntryHeader) -> dict[str, Any]:
     found = {
-        "identity": header.identity.to_wire(),
+        "identity": header.identity.digest_fields(),  # its traits are in meta (TRAITS_META)
         "tokens": header.tokens,
         "created": header.created,
         "min_reuse": header.min_reuse,

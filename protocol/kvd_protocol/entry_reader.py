@@ -54,7 +54,7 @@ from .entry_model import (
     state_map,
 )
 from .errors import EntryFormatError, Rule
-from .identity import Identity
+from .identity import TRAITS_META, Identity, parse_traits
 from .limits import DEFAULT_LIMITS, Limits
 from .tokens import TOKEN_BYTES
 
@@ -366,7 +366,8 @@ def check_slot_digest(name: str, slot: Slot, digest: bytes) -> None:
 def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
     manifest = prefix.version == MANIFEST_VERSION
     raw = schema.fields(obj, "header", _MANIFEST_FIELDS if manifest else _HEADER_FIELDS)
-    identity = Identity.from_wire(raw["identity"], limits)
+    meta = entry_meta(raw["meta"], limits)
+    identity = _with_traits(Identity.from_wire(raw["identity"], limits), meta.get(TRAITS_META))
     tokens = _tokens(raw["tokens"], limits)
     count = len(tokens) // TOKEN_BYTES
     created = check_created(raw["created"])
@@ -383,13 +384,25 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
         min_reuse=min_reuse,
         layers=layers,
         checkpoint=schema.optional(raw["checkpoint"], Checkpoint.from_wire, limits),
-        meta=entry_meta(raw["meta"], limits),
+        meta=meta,
         data_start=prefix.data_start,
         file_size=prefix.file_size,
         block_tokens=block_tokens,
         blocks=blocks,
         version=prefix.version,
     )
+
+
+def _with_traits(identity: Identity, traits: object) -> Identity:
+    """identity with the traits its header keeps in meta. Ill-formed ones are left out, not
+    held against the entry: they are words for people, not part of the identity."""
+    if not isinstance(traits, str) or not traits or identity.traits:
+        return identity
+    try:
+        parse_traits(traits)
+    except ValueError:
+        return identity
+    return replace(identity, traits=traits)
 
 
 def _tokens(value: object, limits: Limits) -> bytes:

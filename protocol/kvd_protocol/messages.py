@@ -46,6 +46,8 @@ PROTOCOL_VERSION: Final = 1
 SKIP_REASONS: Final = ("duplicate", "covered")
 BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
 PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
+IDENTITY_TRAITS_FEATURE: Final = "identity_traits"  # an identity's traits
+LOOKUP_MISS_FEATURE: Final = "lookup_miss"  # lookup's explain, its reply's miss and detail
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -374,6 +376,9 @@ class Lookup(Request):
     identity: Identity = field(metadata=wire(_identity))
     tokens: bytes = field(metadata=wire(_tokens))
     min_tokens: int = field(default=0, metadata=wire(_token_count))
+    # Whether a miss's reply says why (miss, detail): a client that reads them asks, so that
+    # one that predates them never gets a field it does not know (feature "lookup_miss").
+    explain: bool = field(default=False, metadata=wire(_bool))
 
     def reply_descriptors(self) -> int:
         return 1
@@ -381,12 +386,16 @@ class Lookup(Request):
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class LookupReply(_OneDescriptorReply):
-    """A hit holds the entry, a lease to release, and fd: the entry file, read-only."""
+    """A hit holds the entry, a lease to release, and fd: the entry file, read-only. A miss
+    asked to explain itself holds miss, its reason (one of a fixed set: PROTOCOL.md), and
+    detail, in words."""
 
     op: ClassVar[str] = "lookup"
     matched: int = field(metadata=wire(_uint(0, U32)))
     entry: EntrySummary | None = field(metadata=wire(_optional(_entry)))
     lease: int | None = field(metadata=wire(_optional(_uint())))
+    miss: str | None = field(default=None, metadata=wire(_optional(_name)))
+    detail: str | None = field(default=None, metadata=wire(_optional(_prose)))
 
     def descriptor_count(self) -> int:
         return 1 if self.entry is not None else 0
@@ -394,6 +403,8 @@ class LookupReply(_OneDescriptorReply):
     def check_consistency(self) -> None:
         if (self.entry is None) != (self.lease is None):
             raise schema.SchemaError(f"{self.op}: entry and lease must be both set or both nil")
+        if self.entry is not None and (self.miss is not None or self.detail is not None):
+            raise schema.SchemaError(f"{self.op}: a hit has no miss reason")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

@@ -33,8 +33,9 @@ Decoder = Callable[[dict[str, Any], Limits], Any]
 
 _ENVELOPE: Final = frozenset({"op", "id"})
 _LOOKUP: Final = _ENVELOPE | {"identity", "tokens"}
-_LOOKUP_MIN: Final = _LOOKUP | {"min_tokens"}
+_LOOKUP_ANY: Final = _LOOKUP | {"min_tokens", "explain"}  # with its optional fields
 _LOOKUP_REPLY: Final = _ENVELOPE | {"matched", "entry", "lease"}
+_LOOKUP_REPLY_ANY: Final = _LOOKUP_REPLY | {"miss", "detail"}
 _ERROR: Final = _ENVELOPE | {"code", "message"}
 _CODES: Final = {code.value: code for code in ErrorCode}
 
@@ -55,10 +56,12 @@ def _id_only(kind: type[Ping] | type[PingReply]) -> Decoder:
 def _lookup(body: dict[str, Any], limits: Limits) -> Lookup | None:
     keys = body.keys()
     if keys == _LOOKUP:
-        min_tokens = 0
-    elif keys == _LOOKUP_MIN:
-        min_tokens = body["min_tokens"]
+        min_tokens, explain = 0, False
+    elif _LOOKUP <= keys <= _LOOKUP_ANY:
+        min_tokens, explain = body.get("min_tokens", 0), body.get("explain", False)
         if not (type(min_tokens) is int and 0 <= min_tokens <= limits.max_tokens):
+            return None
+        if type(explain) is not bool:
             return None
     else:
         return None
@@ -74,15 +77,23 @@ def _lookup(body: dict[str, Any], limits: Limits) -> Lookup | None:
     identity = Identity.known(body["identity"], limits)
     if identity is None:
         return None
-    values = {"id": request_id, "identity": identity, "tokens": tokens, "min_tokens": min_tokens}
+    values = {
+        "id": request_id,
+        "identity": identity,
+        "tokens": tokens,
+        "min_tokens": min_tokens,
+        "explain": explain,
+    }
     return Lookup.checked(values)
 
 
 def _lookup_reply(body: dict[str, Any], limits: Limits) -> LookupReply | None:
     """A miss; a hit (its entry summary to check) takes the generic path."""
-    if body.keys() != _LOOKUP_REPLY:
+    keys = body.keys()
+    if not _LOOKUP_REPLY <= keys <= _LOOKUP_REPLY_ANY:
         return None
     reply_id, matched = body["id"], body["matched"]
+    miss, detail = body.get("miss"), body.get("detail")
     if (
         type(reply_id) is int
         and 1 <= reply_id <= U32
@@ -90,8 +101,18 @@ def _lookup_reply(body: dict[str, Any], limits: Limits) -> LookupReply | None:
         and 0 <= matched <= U32
         and body["entry"] is None
         and body["lease"] is None
+        and (miss is None or (type(miss) is str and len(miss) <= limits.max_name_bytes >> 2))
+        and (detail is None or (type(detail) is str and len(detail) <= limits.max_frame_bytes >> 2))
     ):
-        values = {"id": reply_id, "matched": matched, "entry": None, "lease": None, "fd": None}
+        values = {
+            "id": reply_id,
+            "matched": matched,
+            "entry": None,
+            "lease": None,
+            "miss": miss,
+            "detail": detail,
+            "fd": None,
+        }
         return LookupReply.checked(values)
     return None
 
@@ -136,18 +157,25 @@ def _lookup_map(message: Lookup) -> dict[str, object]:
     }
     if message.min_tokens:  # left out at its default, as Record.to_map does
         body["min_tokens"] = message.min_tokens
+    if message.explain:
+        body["explain"] = True
     return body
 
 
 def _lookup_reply_map(message: LookupReply) -> dict[str, object]:
     entry = message.entry
-    return {
+    body: dict[str, object] = {
         "op": "lookup",
         "id": message.id,
         "matched": message.matched,
         "entry": None if entry is None else entry.to_map(),
         "lease": message.lease,
     }
+    if message.miss is not None:  # left out at their defaults, as Record.to_map does
+        body["miss"] = message.miss
+    if message.detail is not None:
+        body["detail"] = message.detail
+    return body
 
 
 def _error_map(message: ErrorReply) -> dict[str, object]:

@@ -150,8 +150,9 @@ def test_an_exchange_interrupted_before_its_reply_never_answers_the_next_one(
     daemon: Daemon,
 ) -> None:
     """A lookup interrupted while its reply is on the way leaves that reply unread: the client
-    drops the connection, so the next lookup gets its own answer (a miss), not the hit."""
-    with Client.connect(daemon.socket_path, require=True) as client:
+    drops the connection, so the next lookup gets its own answer (a miss), not the hit. (The
+    lookup may wait longer than the interruption comes.)"""
+    with Client.connect(daemon.socket_path, require=True, lookup_timeout=5.0) as client:
         _put_stored(client, PROMPT, seed=1)
         assert client.flush(SETTLE_SECONDS)
         os.kill(daemon.pid, signal.SIGSTOP)

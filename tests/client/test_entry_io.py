@@ -327,7 +327,7 @@ def test_ticket_of_an_unavailable_put_answers_without_raising(dead_socket: str) 
 
 
 def test_each_call_tries_to_reconnect_at_most_once(dead_socket: str) -> None:
-    with Client.connect(dead_socket, backoff=ALWAYS_RETRY) as client:
+    with Client.connect(dead_socket, backoff=ALWAYS_RETRY, breaker=False) as client:
         assert client.stats.connect_attempts == 1
         for _ in range(5):
             _put(client)
@@ -360,7 +360,7 @@ def test_a_daemon_that_never_answers_counts_as_unavailable(tmp_path: Path) -> No
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hung:
         hung.bind(str(path))
         hung.listen(8)  # connections queue up, nothing reads them: the hello gets no reply
-        with Client.connect(str(path), timeout=0.05, backoff=ALWAYS_RETRY) as client:
+        with Client.connect(str(path), timeout=0.05, backoff=ALWAYS_RETRY, breaker=False) as client:
             assert not client.connected
             assert _put(client) == "unavailable"
             assert client.lookup(IDENTITY, TOKENS) is None
@@ -369,7 +369,7 @@ def test_a_daemon_that_never_answers_counts_as_unavailable(tmp_path: Path) -> No
 
 def test_async_client_without_daemon_degrades(dead_socket: str) -> None:
     async def scenario() -> None:
-        client = await AsyncClient.connect(dead_socket, backoff=ALWAYS_RETRY)
+        client = await AsyncClient.connect(dead_socket, backoff=ALWAYS_RETRY, breaker=False)
         async with client:
             assert not client.connected
             tensors = _tensors()

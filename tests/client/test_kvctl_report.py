@@ -37,9 +37,10 @@ def test_status_names_each_model_with_its_hit_ratio_and_restore_times(daemon: Da
     shown = kvctl(daemon, "status")
     assert shown.returncode == 0, shown.stderr
     (row,) = [line for line in shown.stdout.splitlines() if line.startswith("tiny/report")]
-    assert row.startswith("tiny/report [tenant-a]")
     cells = row.split()
-    # model [namespace], entries, bytes (2 cells), hits, misses, hit %, p50/p95/p99, tokens...
+    # name (the model's only identity: its model id), digest, entries, bytes (2 cells), hits,
+    # misses, hit %, p50/p95/p99, tokens...
+    assert cells[:2] == ["tiny/report", IDENTITY.to_protocol().digest()[:12]]
     assert cells[2] == "2"
     assert (cells[5], cells[6], cells[7]) == ("2", "1", "66.7%")
     assert re.fullmatch(r"\d+\.\d/\d+\.\d/\d+\.\d", cells[8])
@@ -60,9 +61,9 @@ def test_list_has_a_header_model_names_and_sorts(daemon: Daemon) -> None:
     listed = kvctl(daemon, "list")
     assert listed.returncode == 0, listed.stderr
     header, first, _ = listed.stdout.splitlines()
-    assert header.split()[:4] == ["entry", "model", "tokens", "bytes"]
+    assert header.split()[:4] == ["entry", "identity", "tokens", "bytes"]
     assert first.startswith(restored)  # by last use: the restored one first
-    assert "tiny/report [tenant-a]" in first
+    assert first.split()[1] == "tiny/report"
     assert first.split()[-3:-2] == ["0"]  # no lease held now
     by_id = kvctl(daemon, "list", "--sort", "id").stdout.splitlines()[1:]
     assert [line.split()[0] for line in by_id] == sorted([restored, other])

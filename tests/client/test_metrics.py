@@ -95,7 +95,12 @@ def test_metrics_equal_the_status(daemon: Daemon) -> None:
         assert samples[(name, frozenset())] == at(status, path), name
     (mine,) = status["identities"]
     assert (mine["model_id"], mine["namespace"]) == ("tiny/metrics", "ops")
-    labels = {("identity", mine["identity"]), ("model_id", "tiny/metrics"), ("namespace", "ops")}
+    labels = {
+        ("identity", mine["identity"]),
+        ("name", "tiny/metrics"),  # the model's only identity: named by its model id
+        ("model_id", "tiny/metrics"),
+        ("namespace", "ops"),
+    }
     for name, key in PER_IDENTITY.items():
         assert samples[(name, frozenset(labels))] == mine[key], name
     assert mine["tokens_restored"] == 64

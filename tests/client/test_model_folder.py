@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -77,6 +79,33 @@ def test_kv_quantisation_chat_template_and_adapter_each_change_the_identity(
     assert adapted.namespace.endswith("/tenant")
     (adapter / "adapters.safetensors").write_bytes(b"other lora weights")
     assert _identity(folders["a"], tmp_path, adapter_dir=adapter, namespace="tenant") != adapted
+
+
+def test_traits_say_what_differs_and_leave_the_digest_as_it_was(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    plain = _identity(folders["a"], tmp_path)
+    template = hashlib.blake2b(CHAT_TEMPLATE.encode(), digest_size=16).hexdigest()[:8]
+    assert plain.traits == f"kv=none,template={template},adapter=none"
+    quantised = _identity(folders["a"], tmp_path, kv=KvQuantization(8, 64, 512))
+    assert quantised.traits.startswith("kv=8bit-g64-from512,")
+    assert _identity(folders["a"], tmp_path, kv=KvQuantization(4, 32)).traits.startswith(
+        "kv=4bit-g32,"
+    )
+    digests = DigestCache(tmp_path / "digests.json")
+    untemplated = folder_identity(folders["a"], chat_template=None, digests=digests)
+    assert untemplated.traits == "kv=none,template=none,adapter=none"
+    adapter = tmp_path / "my lora (v2)"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"rank": 8}))
+    (adapter / "adapters.safetensors").write_bytes(b"lora weights")
+    adapted = _identity(folders["a"], tmp_path, adapter_dir=adapter)
+    # The folder's name, cut to what a trait holds, and the digest the namespace holds.
+    assert adapted.traits.endswith(f",adapter=my-lora-v2-{adapted.namespace[8:16]}")
+    for identity in (plain, quantised, untemplated, adapted):
+        wire = identity.to_protocol()
+        assert wire.traits == identity.traits
+        assert wire.digest() == dataclasses.replace(wire, traits="").digest()
 
 
 def test_a_weight_file_is_read_once_and_again_only_when_it_changes(tmp_path: Path) -> None:

@@ -73,10 +73,10 @@ def test_the_next_turn_copies_only_the_rows_past_the_blocks_the_daemon_holds(
             cache, remaining = tier.prepare(second)
             assert len(remaining) == 30
         prefill(model, second[40:], cache)
-        held = client.stats.blocks_held
+        held = tier._stores.stats.blocks_held
         # Blocks 0 and 1 (rows 0..31) are the daemon's: rows 32..69 are copied.
         assert _copied(tier, second, cache) == (70 - 2 * BLOCK) * row
-        assert client.stats.blocks_held - held == 2
+        assert tier._stores.stats.blocks_held - held == 2
         _restores_as_uninterrupted(client, tier, second, 7)
 
 
@@ -116,9 +116,9 @@ def test_a_segment_of_caches_that_trim_keeps_its_whole_blocks_only(daemon: Daemo
         (entry,) = client.list_entries(tier.identity.to_protocol())
         assert entry.tokens == 2 * BLOCK
         # The finished turn shares the segment's blocks: its put writes the tail alone.
-        written = client.stats.blocks_written
+        written = tier._stores.stats.blocks_written
         assert _copied(tier, tokens, cache) == (40 - 2 * BLOCK) * row
-        assert client.stats.blocks_written == written
+        assert tier._stores.stats.blocks_written == written
 
 
 def test_a_segment_of_caches_that_may_not_trim_keeps_its_exact_length(daemon: Daemon) -> None:
@@ -162,9 +162,9 @@ def test_a_burst_keeps_finished_turns_over_segments_within_the_byte_bound(
     turn = 3 * BLOCK * row
     bound = 2 * turn + row
     caplog.set_level(logging.WARNING, logger="kvd_client")
-    with _tier(daemon, model, backlog_bytes=bound) as (client, tier):
+    with _tier(daemon, model, backlog_bytes=bound) as (_, tier):
         finished, segments = [], []
-        with client._lock:  # the sending thread waits on it: what comes queues up
+        with tier._stores._lock:  # the sending thread waits on it: what comes queues up
             first = prompt(3, seed=99)
             in_flight = tier.store(first, prefill(model, first))
             while len(tier._backlog):  # until the sending thread holds it

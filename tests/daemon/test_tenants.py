@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored
 from daemon_process import Daemon, running_daemon
+from identity_variants import variant
 from kvd_client import Client
 from kvd_client.link import DEFAULT_BACKOFF, Link
 from kvd_protocol import Checkpoint, LayerSpec, TensorSpec
@@ -233,3 +234,23 @@ def test_users_share_identities_when_the_daemon_says_so(tmp_path: Path) -> None:
         assert _as_nobody(share) == ["", len(PROMPT), "stored"]
         # The group member's longer entry superseded the owner's: one cache, shared.
         assert [e.tokens for e in owner.list_entries(IDENTITY)] == [len(LONGER)]
+
+
+def test_a_tenants_miss_is_explained_by_its_own_identities_only(tmp_path: Path) -> None:
+    """That another user's entries hold a prompt is that user's to know: the owner's entry
+    under other KV bits explains the owner's miss, never the tenant's."""
+    plain, quantised = variant("none"), variant("8bit-g64")
+    with running_daemon(tmp_path, FLAGS) as daemon, Client.connect(daemon.socket_path) as owner:
+        put_stored(owner, quantised, PROMPT, seed=1)
+
+        def look_up() -> dict[str, object]:
+            with Client.connect(daemon.socket_path, require=True) as client:
+                assert client.lookup(plain, [*PROMPT, 1]) is None
+                put_stored(client, quantised, PROMPT[:40], seed=2)
+                assert client.lookup(plain, [*PROMPT, 1]) is None
+                return dict(client.stats.misses)
+
+        # Once no entry at all; then its own quantised entry holds 40 tokens of the prompt.
+        assert _as_nobody(look_up) == {"no entry": 1, "kv differs": 1}
+        assert owner.lookup(plain, [*PROMPT, 1]) is None
+        assert owner.stats.misses == {"kv differs": 1}

@@ -4,6 +4,7 @@ decides, so every error stays the generic path's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -38,7 +39,13 @@ SAMPLES: list[Message] = [
     PingReply(id=7),
     Lookup(id=2, identity=IDENTITY, tokens=pack_tokens(range(5))),
     Lookup(id=3, identity=IDENTITY, tokens=b"", min_tokens=4),
+    Lookup(id=3, identity=IDENTITY, tokens=b"", explain=True),
+    Lookup(
+        id=3, identity=replace(IDENTITY, traits="kv=none"), tokens=b"", min_tokens=1, explain=True
+    ),
     LookupReply(id=4, matched=0, entry=None, lease=None),
+    LookupReply(id=4, matched=0, entry=None, lease=None, miss="no entry", detail="none here"),
+    LookupReply(id=4, matched=0, entry=None, lease=None, miss="other"),
     LookupReply(id=5, matched=64, entry=ENTRY, lease=9),
     ErrorReply(id=0, code=ErrorCode.BAD_FRAME, message="no"),
     ErrorReply(id=6, code=ErrorCode.NOT_FOUND, message="é" * 8),
@@ -97,7 +104,8 @@ _values = st.recursive(
     max_leaves=8,
 )
 _identity_maps = st.fixed_dictionaries(
-    {name: st.text(max_size=40) | _values for name in IDENTITY.to_wire()}
+    {name: st.text(max_size=40) | _values for name in IDENTITY.to_wire()},
+    optional={"traits": st.sampled_from(["kv=none", "kv=", "é=1"]) | _values},
 )
 
 
@@ -106,7 +114,8 @@ def _bodies(draw: st.DrawFn) -> dict[str, Any]:
     """A small message's map with fields dropped, changed or added."""
     body: dict[str, Any] = msgpack.unpackb(msgpack.packb(draw(st.sampled_from(SAMPLES)).to_wire()))
     for _ in range(draw(st.integers(0, 3))):
-        key = draw(st.sampled_from([*body, "id", "min_tokens", "extra", "code", "message"]))
+        keys = [*body, "id", "min_tokens", "explain", "miss", "detail", "extra", "code", "message"]
+        key = draw(st.sampled_from(keys))
         if draw(st.booleans()):
             body.pop(key, None)
         elif key == "identity" or draw(st.integers(0, 5)) == 0:

@@ -133,6 +133,10 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
             LookupReply(id=0, matched=0, entry=None, lease=None),
         ),
         (
+            Lookup(id=0, identity=replace(IDENTITY, traits="kv=none"), tokens=TOKENS, explain=True),
+            LookupReply(id=0, matched=0, entry=None, lease=None, miss="kv differs", detail="..."),
+        ),
+        (
             FindCheckpoint(id=0, identity=IDENTITY, key="gen-1", prompt=TOKENS[:8]),
             FindCheckpointReply(id=0, matched=64, entry=ENTRY, lease=6),
         ),

@@ -1,5 +1,6 @@
 """OpenAI-compatible server processes on free loopback ports: kvd-mlx-lm-server, or stock
-mlx_lm.server as the reference a kvd-backed server must answer exactly like."""
+mlx_lm.server as the reference a kvd-backed server must answer exactly like; chats with them,
+and a wait for what they store in kvd."""
 
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvd_client.client import Client
+from model_folders import words
 from openai import OpenAI
 
 START_SECONDS = 120.0
 STOP_SECONDS = 30.0
+SETTLE_SECONDS = 30.0  # bound on waiting for what a server stores in the background
+
+Messages = list[dict[str, str]]
 
 
 def free_port() -> int:
@@ -45,6 +51,14 @@ class HttpServer:
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, seconds: float = START_SECONDS) -> None:
+        """Until the server's log holds text."""
+        deadline = time.monotonic() + seconds
+        while text not in self.logs():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"never logged {text!r} within {seconds} s:\n{self.logs()}")
+            time.sleep(0.01)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_SECONDS
@@ -155,3 +169,20 @@ def _token_id(logprob: Any) -> int:
 def _cached(usage: Any) -> int:
     details = usage.prompt_tokens_details
     return int(details.cached_tokens or 0) if details is not None else 0
+
+
+def turn(seed: int, length: int) -> Messages:
+    """A conversation's first user turn of length words."""
+    return [{"role": "user", "content": words(length, seed)}]
+
+
+def wait_for_entry(socket_path: str, tokens: int) -> None:
+    """Until the kvd at socket_path holds an entry of at least tokens tokens (a server stores
+    in the background)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    with Client.connect(socket_path, require=True) as client:
+        while time.monotonic() < deadline:
+            if any(e.tokens >= tokens for e in client.list_entries()):
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"kvd never held an entry of {tokens} tokens")

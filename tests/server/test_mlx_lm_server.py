@@ -9,19 +9,23 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_process import Daemon
-from http_servers import Answer, HttpServer, chat, http_server
+from http_servers import (
+    SETTLE_SECONDS,
+    Answer,
+    HttpServer,
+    chat,
+    http_server,
+    turn,
+    wait_for_entry,
+)
 from kvd_client.client import Client
 from model_folders import build_model_folder, words
-
-Messages = list[dict[str, str]]
-SETTLE_SECONDS = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +51,6 @@ def _kvd_status(daemon: Daemon) -> dict[str, Any]:
         return dict(client.status())
 
 
-def _wait_for_entry(daemon: Daemon, tokens: int) -> None:
-    """Until kvd holds an entry of at least tokens tokens (the server stores in the background)."""
-    deadline = time.monotonic() + SETTLE_SECONDS
-    with Client.connect(daemon.socket_path, require=True) as client:
-        while time.monotonic() < deadline:
-            if any(e.tokens >= tokens for e in client.list_entries()):
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"kvd never held an entry of {tokens} tokens")
-
-
 def _same_answer(answer: Answer, expected: Answer) -> None:
     assert answer.text == expected.text
     if answer.tokens is not None and expected.tokens is not None:
@@ -65,15 +58,11 @@ def _same_answer(answer: Answer, expected: Answer) -> None:
     assert answer.prompt_tokens == expected.prompt_tokens
 
 
-def _turn(seed: int, length: int) -> Messages:
-    return [{"role": "user", "content": words(length, seed)}]
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_restarted_server_restores_the_prompt_from_kvd_and_answers_as_stock(
     daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path, stream: bool
 ) -> None:
-    messages = _turn(seed=11, length=1500)
+    messages = turn(seed=11, length=1500)
     expected = chat(stock_a, messages, stream=False)
     with http_server(models["a"], tmp_path / "first.log", kvd_socket=daemon.socket_path) as first:
         answer = chat(first, messages, stream=False)
@@ -94,13 +83,13 @@ def test_the_second_turn_sent_to_another_server_of_the_same_model_is_restored(
     daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
     """Two processes at once; the second of another folder holding the same files."""
-    turn1 = _turn(seed=21, length=800)
+    turn1 = turn(seed=21, length=800)
     with (
         http_server(models["a"], tmp_path / "one.log", kvd_socket=daemon.socket_path) as one,
         http_server(models["a_copy"], tmp_path / "two.log", kvd_socket=daemon.socket_path) as two,
     ):
         first = chat(one, turn1, stream=False)
-        _wait_for_entry(daemon, first.prompt_tokens)
+        wait_for_entry(daemon.socket_path, first.prompt_tokens)
         turn2 = [
             *turn1,
             {"role": "assistant", "content": first.text},
@@ -116,10 +105,10 @@ def test_the_second_turn_sent_to_another_server_of_the_same_model_is_restored(
 def test_a_model_with_other_weights_is_never_served_the_first_models_entries(
     daemon: Daemon, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    messages = _turn(seed=31, length=600)
+    messages = turn(seed=31, length=600)
     with http_server(models["a"], tmp_path / "a.log", kvd_socket=daemon.socket_path) as a:
         stored = chat(a, messages, stream=False)
-        _wait_for_entry(daemon, stored.prompt_tokens)
+        wait_for_entry(daemon.socket_path, stored.prompt_tokens)
     hits = _kvd_status(daemon)["hits"]
     with (
         http_server(models["b"], tmp_path / "stock-b.log", kvd_socket=None) as stock_b,
@@ -128,7 +117,7 @@ def test_a_model_with_other_weights_is_never_served_the_first_models_entries(
         answer = chat(b, messages, stream=False)
         _same_answer(answer, chat(stock_b, messages, stream=False))
         assert answer.cached_tokens == 0
-        _wait_for_entry(daemon, answer.prompt_tokens)
+        wait_for_entry(daemon.socket_path, answer.prompt_tokens)
     status = _kvd_status(daemon)
     assert status["hits"] == hits
     assert len(status["identities"]) == 2
@@ -137,7 +126,7 @@ def test_a_model_with_other_weights_is_never_served_the_first_models_entries(
 def test_requests_are_answered_correctly_while_kvd_is_killed_and_restarted(
     daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
-    long_turn = _turn(seed=41, length=3000)
+    long_turn = turn(seed=41, length=3000)
     expected = chat(stock_a, long_turn, stream=False)
     log = tmp_path / "server.log"
     with http_server(models["a"], log, kvd_socket=daemon.socket_path) as server:
@@ -146,23 +135,21 @@ def test_requests_are_answered_correctly_while_kvd_is_killed_and_restarted(
             target=lambda: answers.append(chat(server, long_turn, stream=False))
         )
         request.start()
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while "Prompt processing progress" not in server.logs():  # the prefill is under way
-            assert time.monotonic() < deadline, server.logs()
-            time.sleep(0.01)
+        server.wait_for_log("Prompt processing progress", SETTLE_SECONDS)  # the prefill is on
         daemon.kill()
         request.join(SETTLE_SECONDS)
         assert answers, "the request in flight when kvd died was never answered"
         _same_answer(answers[0], expected)
 
-        while_down = _turn(seed=42, length=400)
+        while_down = turn(seed=42, length=400)
         _same_answer(chat(server, while_down, stream=True), chat(stock_a, while_down, stream=True))
 
         daemon.start()
-        after = _turn(seed=43, length=400)
+        server.wait_for_log("answers again", SETTLE_SECONDS)  # skipped until the probe finds it
+        after = turn(seed=43, length=400)
         answer = chat(server, after, stream=False)
         _same_answer(answer, chat(stock_a, after, stream=False))
-        _wait_for_entry(daemon, answer.prompt_tokens)  # the server reconnected by itself
+        wait_for_entry(daemon.socket_path, answer.prompt_tokens)  # the server reconnected by itself
         assert server.stop() == 0
     with http_server(models["a"], tmp_path / "next.log", kvd_socket=daemon.socket_path) as next_:
         restored = chat(next_, after, stream=False)
@@ -173,13 +160,13 @@ def test_requests_are_answered_correctly_while_kvd_is_killed_and_restarted(
 def test_an_entry_evicted_from_memory_is_restored_from_kvd(
     daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
-    first, other = _turn(seed=51, length=500), _turn(seed=52, length=500)
+    first, other = turn(seed=51, length=500), turn(seed=52, length=500)
     log = tmp_path / "server.log"
     with http_server(
         models["a"], log, kvd_socket=daemon.socket_path, extra=["--prompt-cache-size", "1"]
     ) as server:
         stored = chat(server, first, stream=False)
-        _wait_for_entry(daemon, stored.prompt_tokens)
+        wait_for_entry(daemon.socket_path, stored.prompt_tokens)
         chat(server, other, stream=False)  # memory holds one cache: this one, now
         again = chat(server, first, stream=False)
     assert again.cached_tokens == again.prompt_tokens - 1
@@ -187,16 +174,47 @@ def test_an_entry_evicted_from_memory_is_restored_from_kvd(
     assert "kvd: restored" in log.read_text()
 
 
+def test_a_miss_beside_the_entries_of_other_kv_bits_says_so_at_debug_and_names_both(
+    daemon: Daemon, models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
+) -> None:
+    messages = turn(seed=71, length=400)
+    with http_server(
+        models["a"], tmp_path / "kv8.log", kvd_socket=daemon.socket_path, extra=["--kv-bits", "8"]
+    ) as quantised:
+        stored = chat(quantised, messages, stream=False)
+        wait_for_entry(daemon.socket_path, stored.prompt_tokens)
+    log = tmp_path / "plain.log"
+    with http_server(
+        models["a"], log, kvd_socket=daemon.socket_path, extra=["--log-level", "DEBUG"]
+    ) as plain:
+        answer = chat(plain, messages, stream=False)
+        _same_answer(answer, chat(stock_a, messages, stream=False))
+        assert answer.cached_tokens == 0
+    missed = re.search(
+        r"lookup missed \(kv differs\): identity ([0-9a-f]{12}) of the same model \((\S+)\) "
+        r"holds (\d+) tokens of this (\d+)-token prompt, this one \(([0-9a-f]{12})\) 0: "
+        r"they differ by kv (8bit-g64-from\d+), not none",
+        log.read_text(),
+    )
+    assert missed is not None, log.read_text()
+    other, model_id, held, prompt, mine, bits = missed.groups()
+    assert int(held) == int(prompt) - 1 == answer.prompt_tokens - 1
+    identities = {i["identity"][:12]: i for i in _kvd_status(daemon)["identities"]}
+    assert identities[other]["name"] == f"{model_id},kv={bits}"
+    assert identities[mine]["name"] == f"{model_id},kv=none"
+    assert identities[mine]["misses_by_reason"] == {"kv differs": 1}
+
+
 def test_with_no_daemon_the_server_answers_as_stock(
     models: dict[str, Path], stock_a: HttpServer, tmp_path: Path
 ) -> None:
-    messages = _turn(seed=61, length=300)
+    messages = turn(seed=61, length=300)
     nowhere = str(tmp_path / "no-daemon.sock")
     with http_server(models["a"], tmp_path / "server.log", kvd_socket=nowhere) as server:
         expected = chat(stock_a, messages, stream=False)
         for stream in (False, True, False):
             _same_answer(chat(server, messages, stream=stream), expected)
-        other = _turn(seed=62, length=300)
+        other = turn(seed=62, length=300)
         _same_answer(chat(server, other, stream=False), chat(stock_a, other, stream=False))
         assert server.stop() == 0
     # The tier's account at exit: the two lookups (the repeats hit memory) and every store
@@ -257,6 +275,14 @@ def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
         timeout=120,
         check=True,
     ).stdout
-    kvd = ("--kvd-socket", "--kvd-namespace", "--kvd-block-tokens", "--kvd-backlog-bytes")
-    for flag in (*kvd, "--model", "--prompt-cache-size", "--port"):
+    for flag in (
+        "--kvd-socket",
+        "--kvd-namespace",
+        "--kvd-lookup-timeout",
+        "--kvd-block-tokens",
+        "--kvd-backlog-bytes",
+        "--model",
+        "--prompt-cache-size",
+        "--port",
+    ):
         assert flag in shown

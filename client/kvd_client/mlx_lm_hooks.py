@@ -1,0 +1,182 @@
+"""What kvd-mlx-lm-server relies on in mlx-lm's server, checked before it serves.
+
+The server replaces two names of the mlx_lm.server module, overrides public methods of the
+classes behind them and reads a few attributes; a release of mlx-lm may rename or change any of
+them. Each is checked against the form the integration is tested with, and a missing or changed
+one is an error (MlxLmChangedError) that names the mlx-lm version found and the tested range: the
+tier never turns itself off unseen. The tested range is the one kvd-client declares for its
+mlx-lm extra (client/pyproject.toml), read from the installed package's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dis
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module, metadata
+from types import ModuleType
+from typing import Any, Final
+
+import mlx_lm
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+log = logging.getLogger("kvd_client")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A function of a module of mlx_lm (owner None) or a method of one of its classes, with
+    the signature the integration calls or overrides (parameters and defaults, no annotations):
+    a caller of a changed one would pass what the override does not take."""
+
+    module: str
+    owner: str | None
+    name: str
+    signature: str
+
+    @property
+    def where(self) -> str:
+        return ".".join(part for part in (self.module, self.owner, self.name) if part)
+
+
+HOOKS: Final = (
+    Hook("mlx_lm.server", "ModelProvider", "__init__", "(self, cli_args)"),
+    Hook(
+        "mlx_lm.server",
+        "ModelProvider",
+        "load",
+        "(self, model_path, adapter_path=None, draft_model_path=None)",
+    ),
+    Hook(
+        "mlx_lm.server", "LRUPromptCache", "__init__", f"(self, max_size=10, max_bytes={1 << 63})"
+    ),
+    Hook("mlx_lm.server", "LRUPromptCache", "fetch_nearest_cache", "(self, model, tokens)"),
+    Hook(
+        "mlx_lm.server",
+        "LRUPromptCache",
+        "insert_cache",
+        "(self, model, tokens, prompt_cache, *, cache_type='assistant')",
+    ),
+    Hook("mlx_lm.utils", None, "hf_repo_to_path", "(hf_repo)"),
+    # A restored cache joins the batch in place (batch_merge.py).
+    Hook("mlx_lm.models.cache", "KVCache", "merge", "(caches)"),
+    Hook("mlx_lm.models.cache", "BatchKVCache", "__init__", "(self, left_padding)"),
+    Hook("mlx_lm.models.cache", "BatchKVCache", "merge", "(caches)"),
+)
+# Module names of mlx_lm.server replaced before its main() runs, each with the function that
+# must look it up when called (so that it builds the replacement).
+REPLACED: Final = {"ModelProvider": "main", "LRUPromptCache": "run"}
+# Read from the model provider once it is built: its command line's KV quantisation and what
+# it holds after a load.
+CLI_ARGS: Final = ("kv_bits", "kv_group_size", "quantized_kv_start")
+PROVIDER_ATTRIBUTES: Final = ("cli_args", "model_key", "model", "tokenizer")
+
+
+class MlxLmChangedError(RuntimeError):
+    """mlx-lm's server is not in the form the integration is tested with."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        tested = tested_range_text()
+        super().__init__(
+            f"kvd-mlx-lm-server does not run on mlx-lm {mlx_lm.__version__}: "
+            f"{'; '.join(problems)}. It is tested with mlx-lm{tested}: "
+            f"pip install 'mlx-lm{tested}'"
+        )
+
+
+def tested_range() -> SpecifierSet:
+    """The mlx-lm versions kvd-client declares for its mlx-lm extra."""
+    for line in metadata.requires("kvd-client") or ():
+        requirement = Requirement(line)
+        if requirement.name == "mlx-lm":
+            return requirement.specifier
+    raise LookupError("kvd-client's metadata declares no mlx-lm range")
+
+
+def tested_range_text() -> str:
+    """The tested range as pip takes it, lower bound first: ">=0.32.0,<=0.32.2"."""
+    return ",".join(sorted(map(str, tested_range()), key=lambda bound: bound[0] != ">"))
+
+
+def check_server() -> None:
+    """Every name, method and signature of HOOKS and REPLACED; raises MlxLmChangedError listing
+    what is missing or changed."""
+    found = [p for hook in HOOKS if (p := _hook_problem(import_module(hook.module), hook))]
+    server = import_module("mlx_lm.server")
+    for name, user in REPLACED.items():
+        if not _reads_global(getattr(server, user, None), name):
+            found.append(f"mlx_lm.server.{user} no longer builds its {name} by that name")
+    if found:
+        raise MlxLmChangedError(list(dict.fromkeys(found)))  # a missing class once
+
+
+def check_cli_args(cli_args: argparse.Namespace) -> None:
+    """The options of the server's command line that the identity is made of."""
+    missing = [name for name in CLI_ARGS if not hasattr(cli_args, name)]
+    if missing:
+        raise MlxLmChangedError([f"its command line has no {', '.join(missing)}"])
+
+
+def check_provider(provider: Any) -> None:
+    """The attributes a built model provider must have for the tier to follow it."""
+    missing = [name for name in PROVIDER_ATTRIBUTES if not hasattr(provider, name)]
+    if missing:
+        raise MlxLmChangedError([f"ModelProvider has no {', '.join(missing)}"])
+
+
+def loaded_paths(model_key: object) -> tuple[str, str | None, str | None]:
+    """The model, adapter and draft model that a provider's model_key names after a load."""
+    match model_key:
+        case (str() as model, str() | None as adapter, str() | None as draft):
+            return model, adapter, draft
+    raise MlxLmChangedError(
+        [f"ModelProvider.model_key is {model_key!r}, not (model_path, adapter_path, draft_path)"]
+    )
+
+
+def warn_if_untested() -> None:
+    """A version outside the tested range whose hooks all passed runs, with a warning."""
+    if not tested_range().contains(mlx_lm.__version__, prereleases=True):
+        log.warning(
+            "kvd: mlx-lm %s is outside the range kvd-mlx-lm-server is tested with (mlx-lm%s); "
+            "every hook it relies on is in place",
+            mlx_lm.__version__,
+            tested_range_text(),
+        )
+
+
+def _hook_problem(module: ModuleType, hook: Hook) -> str | None:
+    owner: Any = module if hook.owner is None else getattr(module, hook.owner, None)
+    if owner is None or (hook.owner is not None and not inspect.isclass(owner)):
+        return f"{hook.module} has no class {hook.owner}"
+    function = getattr(owner, hook.name, None)
+    if not callable(function):
+        return f"{hook.where} is missing"
+    found = _bare_signature(function)
+    if found != hook.signature:
+        return f"{hook.where} is {found}, not {hook.signature}"
+    return None
+
+
+def _reads_global(function: object, name: str) -> bool:
+    """Whether function looks name up in its module when it runs (not an import's alias)."""
+    if not inspect.isfunction(function):
+        return False
+    return any(
+        step.opname == "LOAD_GLOBAL" and step.argval == name
+        for step in dis.get_instructions(function)
+    )
+
+
+def _bare_signature(function: Callable[..., Any]) -> str:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return "(unknown)"
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))

@@ -1,0 +1,142 @@
+"""Identities as people tell them apart: their aspects, the names the daemon derives from
+them, and the `--identity` argument kvctl resolves against those names.
+
+An identity's aspects are the traits its engine says (kv, template, adapter, then any other,
+in the engine's order), then what its fields hold: its namespace, runtime, codec, and the
+first 8 hex digits of its config fingerprint and tokenizer hash. A trait an engine did not
+say is UNSAID.
+
+Its name is its model id, then as few of the aspects that differ among the identities of that
+model as tell it apart from each of them, in that order: `llama-1489590bf7a7` while it is the
+model's only identity, `llama-1489590bf7a7,kv=8bit-g64` beside `llama-1489590bf7a7,kv=none`.
+A name is unique among the identities named together (the tier's); should two still share one
+(model ids are the engines' to choose), each ends with `,id=` and 12 digits of its digest. So a
+name can change as identities of its model come and go; the digest never does.
+"""
+
+from __future__ import annotations
+
+import string
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from kvd_protocol.identity import Identity
+
+TRAIT_ASPECTS: Final = ("kv", "template", "adapter")  # the engine library's, first
+FIELD_ASPECTS: Final = ("ns", "runtime", "codec", "config", "tokenizer")
+_FIELDS: Final = frozenset(FIELD_ASPECTS)
+# A field aspect that differs because a trait does says nothing more: config hashes kv,
+# tokenizer the template, the namespace the adapter.
+EXPLAINED_BY: Final = {"config": "kv", "tokenizer": "template", "ns": "adapter"}
+OTHER_TRAIT: Final = "trait"  # a trait beyond TRAIT_ASPECTS, as a miss reason names it
+UNSAID: Final = "-"
+SHORT_HASH: Final = 8
+DIGEST_SHOWN: Final = 12
+DIGEST_HEX: Final = 32  # Identity.digest()'s length
+_HEX: Final = frozenset(string.hexdigits.lower())
+
+
+def aspects(identity: Identity) -> dict[str, str]:
+    """identity's aspects, in order (see the module)."""
+    traits = identity.trait_map()
+    found = {key: traits.pop(key, UNSAID) for key in TRAIT_ASPECTS}
+    found.update(traits)  # the others, in the engine's order
+    found.update(
+        ns=identity.namespace or UNSAID,
+        runtime=identity.runtime,
+        codec=identity.codec_id,
+        config=identity.config_fingerprint[:SHORT_HASH],
+        tokenizer=identity.tokenizer_hash[:SHORT_HASH],
+    )
+    return found
+
+
+def differences(asked: Identity, other: Identity) -> list[tuple[str, str, str]]:
+    """What tells other from asked: (aspect, other's value, asked's), traits first; a trait
+    either did not say is not compared, nor a field aspect that a differing trait explains."""
+    mine, theirs = aspects(asked), aspects(other)
+    found = []
+    for key in theirs.keys() - _FIELDS:
+        value, asked_value = theirs[key], mine.get(key, UNSAID)
+        if UNSAID not in (value, asked_value) and value != asked_value:
+            found.append((key, value, asked_value))
+    traits = {key for key, _, _ in found}
+    for key in FIELD_ASPECTS:
+        if theirs[key] != mine[key] and EXPLAINED_BY.get(key) not in traits:
+            found.append((key, theirs[key], mine[key]))
+    order = list(theirs)
+    return sorted(found, key=lambda item: order.index(item[0]))
+
+
+def names(identities: Mapping[str, Identity | None]) -> dict[str, str]:
+    """Each identity's name, by digest (see the module); one known by digest only is named
+    by its digest. O(identities x aspects^2)."""
+    found: dict[str, str] = {}
+    models: dict[str, list[tuple[str, dict[str, str]]]] = {}
+    for digest, identity in identities.items():
+        if identity is None:
+            found[digest] = digest
+        else:
+            models.setdefault(identity.model_id, []).append((digest, aspects(identity)))
+    for model_id, members in models.items():
+        found.update(_model_names(model_id, members))
+    taken = Counter(found.values())
+    for digest, name in found.items():
+        if taken[name] > 1 and name != digest:
+            found[digest] = f"{name},id={digest[:DIGEST_SHOWN]}"
+    return found
+
+
+def _model_names(model_id: str, members: Sequence[tuple[str, dict[str, str]]]) -> dict[str, str]:
+    """The names of one model's identities: each the shortest prefix of the aspects that
+    vary among them which no other member shares."""
+    if len(members) == 1:
+        return {members[0][0]: model_id}
+    traits = dict.fromkeys(key for _, found in members for key in found if key not in _FIELDS)
+    keys = [*traits, *FIELD_ASPECTS]  # the traits any of them says first, as aspects() has it
+    varying = [k for k in keys if len({found.get(k, UNSAID) for _, found in members}) > 1]
+    rows = {digest: [found.get(k, UNSAID) for k in varying] for digest, found in members}
+    shared = Counter(tuple(row[:n]) for row in rows.values() for n in range(len(row) + 1))
+    named = {}
+    for digest, row in rows.items():
+        n = next((n for n in range(1, len(row) + 1) if shared[tuple(row[:n])] == 1), len(row))
+        parts = [f",{key}={value}" for key, value in zip(varying[:n], row[:n], strict=True)]
+        if shared[tuple(row)] > 1:  # the same aspects (hashes cut short): the digest tells
+            parts.append(f",id={digest[:DIGEST_SHOWN]}")
+        named[digest] = model_id + "".join(parts)
+    return named
+
+
+class IdentityNameError(LookupError):
+    """An --identity that names no identity, or more than one."""
+
+
+def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) -> str:
+    """The digest of the identity that given names, among the status's identities (listed;
+    left_out more not listed): a name, a digest, or a digest's unique prefix; a model id
+    whose identities have longer names stands for all of them. A whole digest passes as it
+    is (the daemon may hold an identity the status does not list). Raises IdentityNameError,
+    listing the candidates of an ambiguous one."""
+    named = [i for i in listed if i.get("name") == given]
+    if len(named) == 1:
+        return str(named[0]["identity"])
+    lowered = given.lower()
+    if len(lowered) == DIGEST_HEX and set(lowered) <= _HEX:
+        return lowered
+    candidates = named or [
+        i
+        for i in listed
+        if (set(lowered) <= _HEX and str(i["identity"]).startswith(lowered))
+        or str(i.get("name", "")).startswith(f"{given},")
+    ]
+    if len(candidates) == 1:
+        return str(candidates[0]["identity"])
+    if candidates:
+        rows = "\n".join(f"  {i.get('name', '')}  {i['identity']}" for i in candidates)
+        raise IdentityNameError(f"{given!r} names {len(candidates)} identities:\n{rows}")
+    unlisted = f"; {left_out} more it does not list go by their whole digest" if left_out else ""
+    raise IdentityNameError(
+        f"no identity is named {given!r}, nor has a digest starting so: `kvctl status` "
+        f"lists them{unlisted}"
+    )
