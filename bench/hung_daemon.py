@@ -23,9 +23,9 @@ from pathlib import Path
 from _daemon import running_daemon
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
+from _server_streams import print_table, prompt_request, timed_stream
 from http_servers import http_server  # the tests' server processes
 from model_folders import build_model_folder  # on the path through _daemon
-from server_ttft import _request, print_table, timed_stream
 
 LOOKUP_TIMEOUT = 0.1  # the server's default, given explicitly
 CLOSED = "answers again"  # the server's log line when the breaker closes
@@ -52,7 +52,7 @@ def main() -> None:
                 """TTFT (ms) of stock and of kvd for each of requests new prompts."""
                 pairs = []
                 for _ in range(requests):
-                    request = _request(args.length, next(seeds), max_tokens=4)
+                    request = prompt_request(args.length, next(seeds), max_tokens=4)
                     stock_ttft = timed_stream(stock, request).first_chunk
                     pairs.append((stock_ttft * 1000, timed_stream(kvd, request).first_chunk * 1000))
                 return pairs

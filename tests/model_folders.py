@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
@@ -52,9 +53,10 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def build_model_folder(folder: Path, *, seed: int) -> Path:
+def build_model_folder(folder: Path, *, seed: int, shape: Mapping[str, int] | None = None) -> Path:
     """A two-layer llama with random float32 weights drawn from seed, and the tokenizer
-    (the same for every seed: folders of other seeds differ in their weights only)."""
+    (the same for every seed: folders of other seeds differ in their weights only).
+    shape: config values that replace the small default's (layers, heads, head_dim...)."""
     folder.mkdir(parents=True)
     build_tokenizer(folder)
     eos = json.loads((folder / "tokenizer.json").read_text())["added_tokens"][1]
@@ -71,6 +73,7 @@ def build_model_folder(folder: Path, *, seed: int) -> Path:
         "vocab_size": VOCAB,
         "tie_word_embeddings": False,
         "eos_token_id": eos["id"],
+        **(shape or {}),
     }
     (folder / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)

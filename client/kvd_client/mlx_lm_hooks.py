@@ -62,6 +62,10 @@ HOOKS: Final = (
         "(self, model, tokens, prompt_cache, *, cache_type='assistant')",
     ),
     Hook("mlx_lm.utils", None, "hf_repo_to_path", "(hf_repo)"),
+    # A restored cache joins the batch in place (batch_merge.py).
+    Hook("mlx_lm.models.cache", "KVCache", "merge", "(caches)"),
+    Hook("mlx_lm.models.cache", "BatchKVCache", "__init__", "(self, left_padding)"),
+    Hook("mlx_lm.models.cache", "BatchKVCache", "merge", "(caches)"),
 )
 # Module names of mlx_lm.server replaced before its main() runs, each with the function that
 # must look it up when called (so that it builds the replacement).

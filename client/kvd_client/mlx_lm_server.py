@@ -51,6 +51,7 @@ from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
 from . import mlx_lm_hooks
+from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
 from .identity import Identity
@@ -140,6 +141,7 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         log.info(
             "kvd: restored %d of %d prompt tokens in %.1f ms", restored.matched, len(tokens), took
         )
+        merge_in_place(restored.cache)  # the batched path takes its buffers, room and all
         return restored.cache, tokens[restored.matched :]
 
     def insert_cache(
