@@ -110,7 +110,7 @@ def test_a_store_is_not_changed_by_decoding_that_follows_it(daemon: Daemon) -> N
         for token in tokens[-3:]:  # single steps: the ring is now written in place
             prefill(model, [token], cache)
         assert any(isinstance(layer, RotatingKVCache) for layer in cache)
-        with client._lock:  # the daemon cannot be reached: the put waits while we decode
+        with tier._stores._lock:  # the puts cannot reach the daemon: the put waits while we decode
             stored = tier.store(tokens, cache)
             want = _decode(model, cache)
         ticket = stored.result(SETTLE_SECONDS)
