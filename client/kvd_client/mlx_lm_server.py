@@ -46,7 +46,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
-from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
+from kvd_protocol.blocks import check_block_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
@@ -74,6 +74,10 @@ stock: Any = _server
 mlx_lm_utils: Any = _utils
 
 CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
+# Half the library's default block: a conversation's turns each rewrite their tail (half a
+# block on average) in the next turn's block; at 128 a 20-turn conversation writes 1.16x its
+# final KV, at 256 1.29x (docs/benchmarks.md, "Wear"). Still two blocks per mlx-lm KV step.
+SERVER_BLOCK_TOKENS: Final = 128
 
 
 class ServerTier:
@@ -281,10 +285,11 @@ def _kvd_flags() -> argparse.ArgumentParser:
     kvd.add_argument(
         "--kvd-block-tokens",
         type=_block_tokens,
-        default=BLOCK_TOKENS,
+        default=SERVER_BLOCK_TOKENS,
         help="tokens per block of the caches stored (a power of two in 16..65536; 0: whole "
         "entries). Smaller blocks rewrite less of a growing conversation (each turn's tail "
-        f"is written again in the next turn's block) in more files (default: {BLOCK_TOKENS})",
+        "is written again in the next turn's block) in more files "
+        f"(default: {SERVER_BLOCK_TOKENS})",
     )
     kvd.add_argument(
         "--kvd-backlog-bytes",
