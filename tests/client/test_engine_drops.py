@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 from daemon_process import Daemon
@@ -56,7 +57,7 @@ def test_a_burst_s_drops_show_in_status_and_metrics_as_the_tier_counted_them(
         assert turn.result(SETTLE_SECONDS).wait(SETTLE_SECONDS) == TicketState("stored")
         assert last_segment.result(SETTLE_SECONDS).wait(SETTLE_SECONDS) == TicketState("stored")
         assert tier.drain(SETTLE_SECONDS)
-        status = client.status()
+        status: dict[str, Any] = dict(client.status())
     assert all(future.cancelled() for future in segments)
     assert tier.stats.dropped == 2
     assert tier.stats.dropped_bytes == 2 * (2 * BLOCK) * row
@@ -92,7 +93,7 @@ def test_an_engine_that_dropped_nothing_shows_none(daemon: Daemon) -> None:
     tokens = prompt(20)
     with _tier(daemon, model) as (client, tier):
         _stored(tier, tokens, prefill(model, tokens))
-        status = client.status()
+        status: dict[str, Any] = dict(client.status())
     (mine,) = [i for i in status["identities"]]
     assert (mine["engine_dropped"], mine["engine_dropped_bytes"]) == (0, 0)
     assert status["engine_dropped"] == 0
@@ -135,6 +136,6 @@ def test_drops_go_with_the_first_put_of_a_connection_the_daemon_has_not_answered
         with tier._changed:
             tier._untold.add(4, 4096)
         _stored(tier, tokens, prefill(model, tokens))
-        status = client.status()
+        status: dict[str, Any] = dict(client.status())
     assert status["engine_dropped"] == 4
     assert status["engine_dropped_bytes"] == 4096
