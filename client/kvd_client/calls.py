@@ -237,9 +237,10 @@ def put_entry(
     meta: Mapping[str, MetaValue] | None,
     dropped: DropReport | None = None,
 ) -> Call[PutOutcome]:
-    """Plan, begin, write into the staging descriptors, commit (telling dropped, when the
-    daemon takes it: a put with no ticket did not). Caller mistakes (a layout the
-    planner rejects, a tensor that does not fit its slot) raise before the daemon is asked.
+    """Plan, begin, write into the staging descriptors, commit (with dropped, to a daemon
+    that offers "engine_drops": a put that gets no ticket tells nothing). Caller mistakes (a
+    layout the planner rejects, a tensor that does not fit its slot) raise before the daemon
+    is asked.
 
     Cut into blocks (a manifest, FORMAT.md "Version 2") when the daemon offers blocks, the
     client's block size is not 0 and some layer is blocked with a whole block of tokens; the

@@ -20,6 +20,8 @@ from test_snapshots import SETTLE_SECONDS, _row_bytes, _stored, _tier
 from tiny_engine import byte_tokenizer
 from tiny_models import prefill, prompt, tiny_llama
 
+from kvd.kvctl_tables import _engine_drops
+
 BLOCK = 16
 
 
@@ -139,3 +141,16 @@ def test_drops_go_with_the_first_put_of_a_connection_the_daemon_has_not_answered
         status: dict[str, Any] = dict(client.status())
     assert status["engine_dropped"] == 4
     assert status["engine_dropped_bytes"] == 4096
+
+
+def test_the_status_line_names_the_identities_that_dropped_most() -> None:
+    identities = [
+        {"identity": f"{n:032x}", "name": f"model-{n}", "engine_dropped": n} for n in range(6)
+    ]
+    status = {"engine_dropped": 15, "engine_dropped_bytes": 3 << 20, "identities": identities}
+    ((row, text),) = _engine_drops(status)
+    assert row == "engine drops"
+    assert text == (
+        "15 snapshots (3.0 MiB) dropped unsent: model-5 5, model-4 4, model-3 3 and 2 more"
+    )
+    assert _engine_drops({"identities": []}) == []  # a daemon that does not count them
