@@ -73,6 +73,29 @@ def _shared(status: Mapping[str, Any]) -> str:
     )
 
 
+DROPPING_SHOWN = 3  # identities named on the engine drops line, the most dropped first
+
+
+def _engine_drops(status: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The snapshots engines dropped unsent (their backlogs full), and which identities did;
+    no row from a daemon that does not count them."""
+    if "engine_dropped" not in status:
+        return []
+    count = status["engine_dropped"]
+    if not count:
+        return [("engine drops", "none")]
+    dropping = sorted(
+        (i for i in status["identities"] if i.get("engine_dropped")),
+        key=lambda i: -i["engine_dropped"],
+    )
+    named = [f"{model_name(i)} {i['engine_dropped']:,}" for i in dropping[:DROPPING_SHOWN]]
+    more = len(dropping) - DROPPING_SHOWN
+    text = f"{count:,} snapshots ({size(status['engine_dropped_bytes'])}) dropped unsent"
+    if named:
+        text += ": " + ", ".join(named) + (f" and {more} more" if more > 0 else "")
+    return [("engine drops", text)]
+
+
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     """Aligned columns: the first left ones flush left, the others flush right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -113,6 +136,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             f"{size(status.get('bytes_written_24h', 0))} in 24 h",
         ),
         ("shared", _shared(status)),
+        *_engine_drops(status),
         ("evictions", str(status["evictions"])),
         ("quarantined", str(status["quarantined"])),
         (

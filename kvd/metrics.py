@@ -50,6 +50,8 @@ COUNTERS = (
     ("restores", "kvd_restores", "restores the engines reported"),
     ("tokens_restored", "kvd_tokens_restored", "prefill tokens restored, not computed"),
     ("dedup_saved_bytes", "kvd_dedup_saved_bytes", "bytes not written: blocks already held"),
+    ("engine_dropped", "kvd_engine_dropped", "snapshots engines dropped unsent: backlog full"),
+    ("engine_dropped_bytes", "kvd_engine_dropped_bytes", "bytes of the snapshots engines dropped"),
 )
 WRITEBACK_GAUGES = (
     ("pending_bytes", "kvd_writeback_pending_bytes", "bytes waiting to be written"),
@@ -82,6 +84,8 @@ IDENTITY_COUNTERS = (
     ("tokens_restored", "kvd_identity_tokens_restored", "prefill tokens restored, not computed"),
     ("bytes_written", "kvd_identity_written_bytes", "bytes written for one identity"),
     ("dedup_saved_bytes", "kvd_identity_dedup_saved_bytes", "bytes not written: blocks held"),
+    ("engine_dropped", "kvd_identity_engine_dropped", "snapshots engines dropped unsent"),
+    ("engine_dropped_bytes", "kvd_identity_engine_dropped_bytes", "bytes engines dropped"),
 )
 # (status key, metric name, help): {p50, p95, p99} in milliseconds, exposed in seconds.
 IDENTITY_LATENCIES = (

@@ -57,6 +57,7 @@ FEATURES = (
     m.BLOCKS_FEATURE,
     m.IDENTITY_TRAITS_FEATURE,
     m.LOOKUP_MISS_FEATURE,
+    m.ENGINE_DROPS_FEATURE,
 )
 
 
@@ -475,7 +476,9 @@ class Session:
         return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
     async def _put_commit(self, request: m.PutCommit) -> m.PutCommitReply:
-        ticket = await self.tier.commit_put(self.peer.session, request.put, request.store_ms)
+        ticket = await self.tier.commit_put(
+            self.peer.session, request.put, request.store_ms, request.dropped
+        )
         return m.PutCommitReply(id=request.id, ticket=ticket)
 
     def _put_abort(self, request: m.PutAbort) -> m.PutAbortReply:

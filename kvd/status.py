@@ -102,6 +102,9 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         "bytes_written_24h": telemetry.written_today.total(time.time()),
         "tokens_restored": telemetry.tokens_restored,
         "restores": telemetry.restores,
+        # Snapshots the engines dropped unsent (their backlogs were full), as they reported.
+        "engine_dropped": telemetry.engine_dropped,
+        "engine_dropped_bytes": telemetry.engine_dropped_bytes,
         # What the daemon keeps of what clients named: each capped or aged (see its module).
         "kept": {
             "telemetry_identities": len(telemetry.identities),

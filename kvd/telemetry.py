@@ -9,6 +9,8 @@ pass the time.
   bytes read, tokens restored (prefill the engines did not compute).
 - Stores: bytes written per identity and for the whole tier in the last 24 hours (a ring of
   per-minute sums), and the engines' time from handing caches over to the commit.
+- Engine drops: snapshots the engines dropped before sending them (their backlog was full)
+  and the bytes those held, as they report them with their next commit.
 - Prefill cost: the seconds a token of prefill takes, as the identity's engines measure it
   and report with each put; a running mean (each report weighs PREFILL_REPORT_WEIGHT), so one
   slow prefill (a model still loading, a busy GPU) moves it only a little. The cost eviction
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvd_protocol.identity import Identity
-from kvd_protocol.messages import RestoreReport
+from kvd_protocol.messages import DropReport, RestoreReport
 
 from kvd import identity_names
 
@@ -133,6 +135,8 @@ class IdentityTelemetry:
     stores_reported: int = 0
     store_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     prefill_cost: float | None = None  # seconds per token, as reported; None: never
+    engine_dropped: int = 0  # snapshots the engines dropped unsent, as they reported
+    engine_dropped_bytes: int = 0
 
     @property
     def model_id(self) -> str:
@@ -159,6 +163,8 @@ class IdentityTelemetry:
             "bytes_written": self.bytes_written,
             "dedup_saved_bytes": self.dedup_saved_bytes,
             "store_ms": self.store_ms.summary(),
+            "engine_dropped": self.engine_dropped,
+            "engine_dropped_bytes": self.engine_dropped_bytes,
             "prefill_ms_per_token": (
                 None if self.prefill_cost is None else round(self.prefill_cost * 1000, 6)
             ),
@@ -179,6 +185,8 @@ class Telemetry:
         self.written_today = DaySum()
         self.restores = 0  # tier-wide: outlive the identities forgotten
         self.tokens_restored = 0
+        self.engine_dropped = 0
+        self.engine_dropped_bytes = 0
         self.forgotten = 0  # identities whose telemetry was forgotten
         self._held = held
         self._reported_costs: dict[str, float] = {}  # digest -> its prefill cost, if reported
@@ -280,6 +288,13 @@ class Telemetry:
         found = self.of(digest)
         found.stores_reported += 1
         found.store_ms.add(ms)
+
+    def drops_reported(self, digest: str, report: DropReport) -> None:
+        found = self.of(digest)
+        found.engine_dropped += report.snapshots
+        found.engine_dropped_bytes += report.bytes
+        self.engine_dropped += report.snapshots
+        self.engine_dropped_bytes += report.bytes
 
     def prefill_reported(self, identity: Identity, seconds_per_token: float) -> None:
         """An engine's measure of its prefill, with a put (finite and bounded: the protocol

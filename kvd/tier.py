@@ -28,7 +28,7 @@ from kvd_protocol.blocks import HASH_BYTES, block_name
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
-from kvd_protocol.messages import EntrySummary, RestoreReport
+from kvd_protocol.messages import DropReport, EntrySummary, RestoreReport
 
 from kvd import entry_files, miss_reasons, recovery, snapshot
 from kvd.admission import ADMISSION_POLICIES
@@ -323,13 +323,23 @@ class Tier:
         """Descriptors of the staging files of blocks first.. of the owner's put."""
         return await self.puts.block_files(owner, put_id, first, count)
 
-    async def commit_put(self, owner: int, put_id: int, store_ms: float | None = None) -> int:
+    async def commit_put(
+        self,
+        owner: int,
+        put_id: int,
+        store_ms: float | None = None,
+        dropped: DropReport | None = None,
+    ) -> int:
         """The owner's put, validated and queued; returns its ticket. store_ms: the engine's
-        time from handing the caches over to this commit, if it said."""
+        time from handing the caches over to this commit, if it said; dropped: the snapshots
+        of the put's identity it dropped since it last told, counted once the commit gives a
+        ticket (the engine keeps them for its next commit otherwise)."""
         put = self.puts.take(owner, put_id)
         ticket = await self.puts.commit(put)  # from take() on, nothing may come between
         if store_ms is not None:
             self.telemetry.store_reported(put.identity.digest(), store_ms)
+        if dropped is not None:
+            self.telemetry.drops_reported(put.identity.digest(), dropped)
         return ticket
 
     def abort_put(self, owner: int, put_id: int) -> None:

@@ -20,7 +20,7 @@ from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
-from kvd_protocol.messages import EntrySummary, Reply
+from kvd_protocol.messages import DropReport, EntrySummary, Reply
 
 from . import calls
 from .breaker import Breaker
@@ -167,6 +167,7 @@ class AsyncClient:
         min_reuse: int = 0,
         checkpoint: Checkpoint | None = None,
         meta: Mapping[str, MetaValue] | None = None,
+        dropped: DropReport | None = None,
     ) -> AsyncTicket:
         call = calls.put_entry(
             self._link,
@@ -178,6 +179,7 @@ class AsyncClient:
             min_reuse=min_reuse,
             checkpoint=checkpoint,
             meta=meta,
+            dropped=dropped,
         )
         return AsyncTicket(self, await self._run(call))
 

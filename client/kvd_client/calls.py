@@ -32,10 +32,12 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity as WireIdentity
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
+    ENGINE_DROPS_FEATURE,
     LOOKUP_MISS_FEATURE,
     MAX_BLOCK_BATCH,
     MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
+    DropReport,
     EntrySummary,
     ErrorReply,
     Evict,
@@ -233,9 +235,12 @@ def put_entry(
     min_reuse: int,
     checkpoint: Checkpoint | None,
     meta: Mapping[str, MetaValue] | None,
+    dropped: DropReport | None = None,
 ) -> Call[PutOutcome]:
-    """Plan, begin, write into the staging descriptors, commit. Caller mistakes (a layout the
-    planner rejects, a tensor that does not fit its slot) raise before the daemon is asked.
+    """Plan, begin, write into the staging descriptors, commit (with dropped, to a daemon
+    that offers "engine_drops": a put that gets no ticket tells nothing). Caller mistakes (a
+    layout the planner rejects, a tensor that does not fit its slot) raise before the daemon
+    is asked.
 
     Cut into blocks (a manifest, FORMAT.md "Version 2") when the daemon offers blocks, the
     client's block size is not 0 and some layer is blocked with a whole block of tokens; the
@@ -293,6 +298,7 @@ def put_entry(
             min_reuse=min_reuse,
             checkpoint=checkpoint,
             meta=meta,
+            dropped=dropped,
         )
         return (yield from again)
     request = PutBegin(
@@ -325,7 +331,12 @@ def put_entry(
             staging.release()  # a put given up mid-write: closed when the write ends
         took = (time.perf_counter() - started) * 1000
         store_ms = took if link.offers("restore_report") else None
-        commit = PutCommit(id=link.next_id(), put=begin.put, store_ms=store_ms)
+        commit = PutCommit(
+            id=link.next_id(),
+            put=begin.put,
+            store_ms=store_ms,
+            dropped=dropped if link.offers(ENGINE_DROPS_FEATURE) else None,
+        )
         ticket = expect((yield Exchange(commit, epoch=epoch)), PutCommitReply).ticket
     except Exception as exc:
         yield from _abort(link, begin.put, epoch)

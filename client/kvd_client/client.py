@@ -18,7 +18,7 @@ from kvd_protocol.blocks import BLOCK_TOKENS
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity as WireIdentity
-from kvd_protocol.messages import BLOCKS_FEATURE, EntrySummary, Reply
+from kvd_protocol.messages import BLOCKS_FEATURE, DropReport, EntrySummary, Reply
 
 from . import calls
 from .breaker import Breaker
@@ -194,8 +194,11 @@ class Client:
         min_reuse: int = 0,
         checkpoint: Checkpoint | None = None,
         meta: Mapping[str, MetaValue] | None = None,
+        dropped: DropReport | None = None,
     ) -> Ticket:
-        """Hand an entry to the daemon: one copy of each tensor into the staging file."""
+        """Hand an entry to the daemon: one copy of each tensor into the staging file.
+        dropped: snapshots of this identity the engine dropped since it last told, told with
+        the commit to a daemon that offers "engine_drops" (a ticket with an id: committed)."""
         call = calls.put_entry(
             self._link,
             identity,
@@ -206,6 +209,7 @@ class Client:
             min_reuse=min_reuse,
             checkpoint=checkpoint,
             meta=meta,
+            dropped=dropped,
         )
         return Ticket(self, self._run(call))
 

@@ -43,6 +43,7 @@ from . import snapshots
 from .backlog import Admission, Backlog, held_bytes
 from .block_io import BlocksNotHeld
 from .codecs import CodecError
+from .drops import Drops
 from .identity import Identity
 from .snapshots import Memo, Plan, Snapshot
 
@@ -117,6 +118,7 @@ class ColdTier:
         self._backlog: Backlog[Snapshot] = Backlog(backlog_bytes)
         self._futures: dict[Snapshot, Future[Ticket]] = {}
         self._memo = Memo()
+        self._untold = Drops()  # dropped, not yet told to the daemon: with the next commit
         self._busy = False
         self._closed = False
         self._changed = threading.Condition()
@@ -226,6 +228,7 @@ class ColdTier:
     def _dropped(self, tokens: Sequence[int], nbytes: int) -> None:
         self.stats.dropped += 1
         self.stats.dropped_bytes += nbytes
+        self._untold.add(1, nbytes)
         log.warning(
             "cold tier: a snapshot of %d tokens (%d bytes) dropped: the backlog holds %d of "
             "its %d bytes",
@@ -347,9 +350,16 @@ class ColdTier:
 
     def _send(self, future: Future[Ticket], snapshot: Snapshot) -> None:
         written = self._stores.stats.bytes_written
+        with self._changed:
+            told = self._untold.report()
         try:
             ticket = self._stores.put_entry(
-                self._wire, snapshot.tokens, snapshot.layers, snapshot.tensors, meta=snapshot.meta
+                self._wire,
+                snapshot.tokens,
+                snapshot.layers,
+                snapshot.tensors,
+                meta=snapshot.meta,
+                dropped=told,
             )
         except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
             with self._changed:
@@ -362,8 +372,10 @@ class ColdTier:
             log.warning("cold tier: put of %d tokens failed: %s", len(snapshot.tokens), exc)
             future.set_exception(exc.with_traceback(None))
         else:
-            if ticket.state.state in ("pending", "stored"):
-                with self._changed:
+            with self._changed:
+                if ticket.id is not None:  # committed: the daemon has heard of told
+                    self._untold.told(told)
+                if ticket.state.state in ("pending", "stored"):
                     self._memo.held(snapshot.hashes)
             self._count(ticket.state.state)
             future.set_result(ticket)

@@ -48,6 +48,7 @@ BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
 PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 IDENTITY_TRAITS_FEATURE: Final = "identity_traits"  # an identity's traits
 LOOKUP_MISS_FEATURE: Final = "lookup_miss"  # lookup's explain, its reply's miss and detail
+ENGINE_DROPS_FEATURE: Final = "engine_drops"  # put_commit's dropped
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -55,7 +56,8 @@ TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 MAX_WAIT_SECONDS: Final = 86_400.0  # a ticket or flush wait: a day
 MAX_REPORTED_MS: Final = 86_400_000.0  # store_ms and a restore report's ms: a day
 MAX_PREFILL_COST: Final = 60.0  # seconds of prefill per token: a minute
-MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read: a PiB
+MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read or a drop report held: a PiB
+MAX_REPORTED_DROPS: Final = U32  # snapshots one drop report counts
 MAX_LIST_PAGE: Final = 10_000  # entries in one list reply: ~1.3 MB, well within a frame
 
 
@@ -68,6 +70,10 @@ def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
 
 def _report(value: object, what: str, limits: Limits) -> RestoreReport:
     return RestoreReport.from_map(value, what, limits)
+
+
+def _drops(value: object, what: str, limits: Limits) -> DropReport:
+    return DropReport.from_map(value, what, limits)
 
 
 def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ...]:
@@ -321,15 +327,26 @@ class OpenBlocksReply(_BlockFilesReply):
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class DropReport(Record):
+    """Snapshots the engine dropped unsent (its backlog was full) and the bytes they held."""
+
+    snapshots: int = field(metadata=wire(_uint(0, MAX_REPORTED_DROPS)))
+    bytes: int = field(metadata=wire(_uint(0, MAX_REPORTED_BYTES)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutCommit(Request):
     """store_ms: the engine's time from handing the caches over to this commit (snapshot
-    and write), for the daemon's telemetry (feature "restore_report")."""
+    and write), for the daemon's telemetry (feature "restore_report"). dropped: the
+    snapshots of this put's identity the engine dropped since its last commit (feature
+    "engine_drops")."""
 
     op: ClassVar[str] = "put_commit"
     put: int = field(metadata=wire(_uint()))
     store_ms: float | None = field(
         default=None, metadata=wire(_optional(_at_most(MAX_REPORTED_MS)))
     )
+    dropped: DropReport | None = field(default=None, metadata=wire(_optional(_drops)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

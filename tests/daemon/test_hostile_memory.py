@@ -196,6 +196,12 @@ def test_hostile_numbers_are_refused_and_never_reach_status_or_metrics(
         reply = _answer(peer, m.Release(id=peer.next_id(), lease=lease, report=too_many))
         assert isinstance(reply, m.ErrorReply)
         assert "bytes" in reply.message
+        for snapshots, nbytes, named in ((-1, 1, "snapshots"), (1, 1 << 60, "bytes")):
+            drops = m.DropReport(snapshots=snapshots, bytes=nbytes)
+            reply = _answer(peer, m.PutCommit(id=peer.next_id(), put=1, dropped=drops))
+            assert isinstance(reply, m.ErrorReply), reply
+            assert reply.code.value == "bad_message", reply
+            assert named in reply.message, reply
         # The connection went on, and the lease is still the peer's to release.
         assert isinstance(_answer(peer, m.Ping(id=peer.next_id())), m.PingReply)
         fine = m.RestoreReport(miss=None, ms=2.5, bytes=1 << 20, tokens=len(PROMPT))
@@ -207,6 +213,7 @@ def test_hostile_numbers_are_refused_and_never_reach_status_or_metrics(
     assert mine["prefill_ms_per_token"] is None  # no hostile cost was taken
     assert mine["restores"] == 1
     assert mine["tokens_restored"] == len(PROMPT)
+    assert mine["engine_dropped"] == mine["engine_dropped_bytes"] == 0
     exposed = kvctl(daemon, "metrics")
     assert exposed.returncode == 0, exposed.stderr
     samples = [

@@ -17,7 +17,7 @@ from kvd_protocol.limits import Limits
 from kvd_protocol.messages import OPS, ErrorReply, HelloReply, Message, Reply, Request
 from wire_samples import HELLO, exchanges, feed
 
-LIMITS = Limits(max_frame_bytes=1024, max_in_flight=32, max_tokens=128)
+LIMITS = Limits(max_frame_bytes=1024, max_in_flight=64, max_tokens=128)
 HELLO_REPLY = HelloReply(id=1, protocol=1, server="0.1.0", limits=LIMITS, features=())
 PAIRS = exchanges()
 REQUESTS: list[Message] = [HELLO, *(request for request, _ in PAIRS)]

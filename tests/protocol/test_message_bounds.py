@@ -16,8 +16,10 @@ from kvd_protocol.messages import (
     MAX_LIST_PAGE,
     MAX_PREFILL_COST,
     MAX_REPORTED_BYTES,
+    MAX_REPORTED_DROPS,
     MAX_REPORTED_MS,
     MAX_WAIT_SECONDS,
+    DropReport,
     Flush,
     ListEntries,
     Lookup,
@@ -38,12 +40,15 @@ LIMITS = DEFAULT_LIMITS
 HOSTILE_FLOATS = (float("inf"), float("-inf"), float("nan"), -1.0, 1e300, 1.7976931348623157e308)
 REPORT = RestoreReport(miss=None, ms=12.5, bytes=1 << 20, tokens=100)
 PUT = PutBegin(id=2, identity=IDENTITY, tokens=pack_tokens([1, 2]), size=16384)
+COMMIT = PutCommit(id=2, put=1, dropped=DropReport(snapshots=3, bytes=1 << 20))
 LOOKUP = Lookup(id=2, identity=IDENTITY, tokens=pack_tokens([1, 2, 3]))
 
 # (a valid request, the path to one of its numeric fields, the largest value it accepts)
 BOUNDED: list[tuple[Message, tuple[str, ...], float]] = [
     (PUT, ("prefill_cost",), MAX_PREFILL_COST),
     (PutCommit(id=2, put=1, store_ms=3.0), ("store_ms",), MAX_REPORTED_MS),
+    (COMMIT, ("dropped", "snapshots"), MAX_REPORTED_DROPS),
+    (COMMIT, ("dropped", "bytes"), MAX_REPORTED_BYTES),
     (WaitTicket(id=2, ticket=1, timeout=1.0), ("timeout",), MAX_WAIT_SECONDS),
     (Flush(id=2, timeout=1.0), ("timeout",), MAX_WAIT_SECONDS),
     (Release(id=2, lease=1, report=REPORT), ("report", "ms"), MAX_REPORTED_MS),

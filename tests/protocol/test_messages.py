@@ -15,6 +15,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     MAX_BLOCK_BATCH,
     OPS,
+    DropReport,
     ErrorReply,
     Evict,
     FindCheckpoint,
@@ -29,6 +30,7 @@ from kvd_protocol.messages import (
     PutBeginReply,
     PutBlocks,
     PutBlocksReply,
+    PutCommit,
     Release,
     Reply,
     StatusReply,
@@ -46,6 +48,7 @@ OPTIONAL_FIELDS: dict[type[Message], set[str]] = {
     Release: {"damaged"},
     PutBegin: {"blocks", "block_tokens", "block_size", "prefill_cost"},
     PutBeginReply: {"held"},
+    PutCommit: {"store_ms", "dropped"},
 }
 
 
@@ -225,6 +228,23 @@ def test_put_begin_carries_a_prefill_cost_only_when_measured() -> None:
     for bad in (-0.001, float("inf"), "fast"):
         with pytest.raises(ProtocolError):
             _decode(PutBegin, {**measured.to_wire(), "prefill_cost": bad})
+
+
+def test_put_commit_carries_the_engine_s_drops_only_when_told() -> None:
+    plain = PutCommit(id=5, put=1)
+    assert "dropped" not in plain.to_wire()  # what a daemon that predates it accepts
+    told = replace(plain, dropped=DropReport(snapshots=2, bytes=4096))
+    assert told.to_wire()["dropped"] == {"snapshots": 2, "bytes": 4096}
+    assert _decode(PutCommit, told.to_wire()) == told
+    for bad in (
+        {"snapshots": 2},
+        {"snapshots": 2, "bytes": 1, "x": 0},
+        {"snapshots": 1.5, "bytes": 1},
+        3,
+    ):
+        with pytest.raises(ProtocolError) as caught:
+            _decode(PutCommit, {**told.to_wire(), "dropped": bad})
+        assert caught.value.code is ErrorCode.BAD_MESSAGE, bad
 
 
 def test_a_hello_reply_names_a_tenant_only_when_there_is_one() -> None:

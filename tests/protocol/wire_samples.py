@@ -12,6 +12,7 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     PROTOCOL_VERSION,
+    DropReport,
     EntrySummary,
     ErrorReply,
     Evict,
@@ -111,6 +112,10 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         ),
         (PutBlocks(id=0, put=10, first=1, count=3), PutBlocksReply(id=0, count=3)),
         (PutCommit(id=0, put=7), PutCommitReply(id=0, ticket=70)),
+        (
+            PutCommit(id=0, put=8, store_ms=2.5, dropped=DropReport(snapshots=2, bytes=1 << 20)),
+            PutCommitReply(id=0, ticket=71),
+        ),
         (PutAbort(id=0, put=8), PutAbortReply(id=0)),
         (
             WaitTicket(id=0, ticket=70, timeout=None),
