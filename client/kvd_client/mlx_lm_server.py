@@ -32,7 +32,6 @@ and the snapshots still waiting are sent before the process exits.
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import logging
 import os
@@ -44,7 +43,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from kvd_protocol.blocks import check_block_tokens
 from mlx_lm import server as _server
@@ -167,15 +166,15 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
 class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
     """mlx_lm.server's model provider, telling the tier which model is loaded. It follows the
     public load(): after one that changed model_key or the model itself (a reload), the tier
-    is told of the model now loaded. stop is called, on the generation thread, with a load
-    whose outcome is not in the form checked at start."""
+    is told of the model now loaded. stop is called, on the thread that loaded, with a load
+    whose outcome is not in the form checked at start; it does not return."""
 
     def __init__(
         self,
         cli_args: argparse.Namespace,
         *,
         tier: ServerTier,
-        stop: Callable[[MlxLmChangedError], None],
+        stop: Callable[[MlxLmChangedError], NoReturn],
     ) -> None:
         mlx_lm_hooks.check_cli_args(cli_args)
         # Set first: some mlx-lm versions load the default model within __init__.
@@ -201,7 +200,6 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
             model_path, adapter_path, draft_model_path = mlx_lm_hooks.loaded_paths(self.model_key)
         except MlxLmChangedError as changed:
             self._stop(changed)
-            return
         self._told = (self.model_key, weakref.ref(self.model))
         if draft_model_path is not None:
             self.tier.model_unusable(self.model_key, "speculative decoding is not supported")
@@ -335,18 +333,15 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # mlx_lm.server shuts down cleanly on it
 
 
-class _Stop:
-    """Stops the server from its generation thread, as Ctrl-C does, keeping the reason."""
-
-    def __init__(self) -> None:
-        self.changed: MlxLmChangedError | None = None
-
-    def __call__(self, changed: MlxLmChangedError) -> None:
-        if self.changed is not None:  # stopping already
-            return
-        log.error("kvd: %s", changed)
-        self.changed = changed
-        _thread.interrupt_main()
+def _exit_changed(changed: MlxLmChangedError) -> NoReturn:
+    """End the process at once, from whichever thread found the change, the message its
+    last line. Nothing is lost: the tier is told of a model only once it passed the check.
+    Not through mlx_lm.server's own shutdown: an interrupt that lands while its HTTP server
+    starts leaves that waiting for a serve_forever that never ran."""
+    logging.shutdown()
+    sys.stdout.flush()
+    print(changed, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -362,29 +357,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         block_tokens=args.kvd_block_tokens,
     )
     tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes)
-    stop = _Stop()
-    stock.ModelProvider = partial(TieredModelProvider, tier=tier, stop=stop)
+    stock.ModelProvider = partial(TieredModelProvider, tier=tier, stop=_exit_changed)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sys.argv = [sys.argv[0], *rest]
     try:
         stock.main()
     except MlxLmChangedError as changed:  # from the model provider's checks, before serving
-        stop.changed = changed
-    except KeyboardInterrupt:
-        if stop.changed is None:
-            raise
+        _exit_changed(changed)
     finally:
         tier.close()
     # The server has stopped and the tier is closed. Leave without the interpreter's teardown:
     # MLX's stream threads are still joinable then, and destroying them aborts the process
     # (SIGABRT, which a service manager takes for a crash).
     logging.shutdown()
-    if stop.changed is not None:
-        print(stop.changed, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if stop.changed is None else 1)
+    os._exit(0)
 
 
 if __name__ == "__main__":
