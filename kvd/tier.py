@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import anyio
-from kvd_protocol.blocks import HASH_BYTES, block_name
+from kvd_protocol.blocks import HASH_BYTES
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
@@ -34,12 +34,12 @@ from kvd import entry_files, miss_reasons, recovery, snapshot
 from kvd.admission import ADMISSION_POLICIES
 from kvd.blocks import Block
 from kvd.catalog import Catalog
-from kvd.check_limit import CheckLimit
 from kvd.config import Config
 from kvd.durability import disk_free
+from kvd.entry_checks import EntryChecks
 from kvd.eviction import EVICTION_POLICIES
 from kvd.leases import Leases
-from kvd.logs import RateLimited, get_logger
+from kvd.logs import get_logger
 from kvd.miss_reasons import Miss
 from kvd.prefix_index import Match, PrefixIndex
 from kvd.progress import Progress
@@ -53,7 +53,6 @@ from kvd.tier_dir import BLOCKS_FOLDER, TierDir
 from kvd.writer import Writer
 
 log = get_logger("kvd.tier")
-broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
 
 SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 LISTING_RETRY_S = 5.0  # start-up's listing failed (an I/O error): tried again after this
@@ -99,8 +98,7 @@ class Tier:
         self.started = time.time()
         self._lock_fd = -1
         self._snapshot_version = -1
-        self._checking: set[str] = set()  # entries reported damaged, being checked
-        self.checks = CheckLimit()  # the turns of checks clients ask for
+        self.checks = EntryChecks(self.catalog, self.quarantine, self.writer, limits)
         self.settled = anyio.Event()  # set once start-up has listed the directory (settle)
         self._unchecked: snapshot.Snapshot | None = None  # taken from it, not listed yet
         self._reaped = 0
@@ -522,80 +520,12 @@ class Tier:
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
-        """A client could not use the entry's file (damaged: why): the file is checked and
-        quarantined if it fails (a client's word alone never removes an entry). A pending
-        entry was checked whole at its commit. Checks are bounded (CheckLimit): a report that finds
-        no turn, or names an entry found intact a moment ago, is logged and not checked."""
-        if not record.durable or record.id in self._checking:
-            return  # checked at its commit, or another engine reported it too: one check
-        if self.checks.recently_intact(record.id):
-            self.checks.skipped += 1
-            broken_rules.warning(
-                "reported_damage_skipped", entry=record.id, reason="checked lately"
-            )
-            return
-        self._checking.add(record.id)
-        try:
-            async with self.checks.turn(owner):
-                problem = await self.check_entry(record, repair=True)
-        except ProtocolError as exc:
-            broken_rules.warning("reported_damage_skipped", entry=record.id, reason=exc.message)
-            return
-        except OSError as exc:
-            log.warning("reported_entry_unreadable", entry=record.id, error=str(exc))
-            return
-        finally:
-            self._checking.discard(record.id)
-        if problem is None:
-            self.checks.found_intact(record.id)
-            broken_rules.warning("reported_damage_not_found", entry=record.id, reported=damaged)
-
-    async def check_entry(self, record: EntryRecord, *, repair: bool) -> str | None:
-        """Validate a durable entry's file whole, head and every tensor's checksum: None if it
-        is intact, else what is wrong; with repair, a damaged file is quarantined and its
-        entry dropped. Raises OSError when the file cannot be read at all."""
-        path = self.catalog.path_of(record)
-        try:
-            header = await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
-            if header.blocks != record.blocks:
-                raise EntryFormatError(path.name, Rule.SCHEMA, "not the blocks the index holds")
-        except EntryFormatError as exc:
-            if repair and record.id in self.catalog.records:  # not dropped meanwhile
-                await self.quarantine.file(path, str(exc))  # first: dropping would unlink it
-                self.catalog.drop(record)
-            return str(exc)
-        for index, block in enumerate(self.catalog.blocks_of(record)):
-            name = block_name(block.hash)
-            try:
-                await anyio.to_thread.run_sync(
-                    entry_files.verify_block, block.path, name, header, index, self.limits
-                )
-            except (EntryFormatError, FileNotFoundError) as exc:
-                if repair and self.catalog.blocks.get(block.identity, block.hash) is block:
-                    self.writer.bad_block(block, str(exc))  # with every manifest listing it
-                return f"block {index} ({name}): {exc}"
-        return None
+        """A client could not use the entry's file (damaged: why): see EntryChecks.reported."""
+        await self.checks.reported(owner, record, damaged)
 
     async def verify(self, owner: int, entry: str, repair: bool) -> tuple[str | None, bool]:
-        """Check one durable entry by id for owner's connection: (what is wrong or None,
-        whether it was quarantined). REFUSED or OVER_LIMIT when it finds no turn (CheckLimit)."""
-        record = self.catalog.records.get(entry)
-        if record is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
-        if not record.durable:
-            raise ProtocolError(
-                ErrorCode.NOT_FOUND, f"entry {entry} is pending: its commit checked it"
-            )
-        try:
-            async with self.checks.turn(owner):
-                problem = await self.check_entry(record, repair=repair)
-        except OSError as exc:
-            if entry not in self.catalog.records:  # evicted while it waited or was read
-                raise ProtocolError(
-                    ErrorCode.NOT_FOUND, f"entry {entry} left the tier while it was checked"
-                ) from None
-            return f"unreadable: {exc}", False
-        return problem, problem is not None and repair and entry not in self.catalog.records
+        """Check one durable entry by id for owner's connection: see EntryChecks.verify."""
+        return await self.checks.verify(owner, entry, repair)
 
     def remove_empty_folders(self, folders: Iterable[Path]) -> int:
         """Remove identity folders a listing found empty, whose identity the tier no longer
