@@ -36,6 +36,7 @@ from .entry_model import (
     MAGIC,  # re-exported
     MANIFEST_VERSION,
     MAX_NDIM,
+    PREFILL_CHECKPOINT_META,  # re-exported
     PREFIX,  # re-exported
     PREFIX_BYTES,
     TOKEN_AXIS,  # the axis plan_manifest cuts into blocks
@@ -69,6 +70,7 @@ __all__ = [
     "MAGIC",
     "MANIFEST_VERSION",
     "MAX_NDIM",
+    "PREFILL_CHECKPOINT_META",
     "PREFIX",
     "PREFIX_BYTES",
     "TOKEN_AXIS",

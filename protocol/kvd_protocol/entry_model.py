@@ -26,6 +26,9 @@ MANIFEST_VERSION: Final = 2  # manifests and their block files
 FLAG_BLOCK: Final = 1  # prefix flags bit 0, version 2: a block file, not a manifest
 TOKEN_AXIS: Final = 2  # of a blocked layer's tensors: [batch, heads, tokens, ...]
 ALIGNMENT: Final = 16384  # the arm64 page size: every slot can be mapped and adopted by MLX
+# The entry meta key that marks a prefill checkpoint (True): the caches part-way through a
+# prompt's prefill, an untrimmable prefix evicted before whole turns (FORMAT.md).
+PREFILL_CHECKPOINT_META: Final = "prefill_checkpoint"
 
 # magic, version, flags, header length, data start, file size, reserved, header checksum.
 PREFIX: Final = struct.Struct("<8sHHIQQ8s8s")
@@ -141,6 +144,11 @@ class EntryHeader:
     def trimmable(self) -> bool:
         """True iff every layer can be cut to a shorter prefix."""
         return all(layer.trimmable for layer in self.layers)
+
+    @property
+    def prefill_checkpoint(self) -> bool:
+        """Whether the entry is a prefill checkpoint (its meta marks it)."""
+        return self.meta.get(PREFILL_CHECKPOINT_META) is True
 
     @property
     def slots(self) -> tuple[Slot, ...]:
