@@ -306,13 +306,16 @@ class ColdTier:
     def measured_prefill(self, response: GenerationResponse) -> None:
         """The first response of a generation: its prefill rate (mlx-lm's prompt_tps), for
         the checkpoint interval and the daemon's cost policy."""
-        if response.prompt_tps <= 0:
-            return
-        self.client.measured_prefill(
-            response.prompt_tokens, response.prompt_tokens / response.prompt_tps
-        )
-        if response.prompt_tokens >= MIN_MEASURED_PREFILL:
-            self._prefill_rate = response.prompt_tps
+        if response.prompt_tps > 0:
+            seconds = response.prompt_tokens / response.prompt_tps
+            self.measured_prefill_time(response.prompt_tokens, seconds)
+
+    def measured_prefill_time(self, tokens: int, seconds: float) -> None:
+        """The engine computed tokens of prefill in seconds (a batch's, all sequences told):
+        the rate for the checkpoint interval and the daemon's cost policy."""
+        self.client.measured_prefill(tokens, seconds)
+        if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
+            self._prefill_rate = tokens / seconds
 
     def _interval(self, prompt_tokens: int) -> int:
         """The interval by cost (prefill_checkpoints.choose_interval); 0 when the caches have

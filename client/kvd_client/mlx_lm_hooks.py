@@ -1,6 +1,6 @@
 """What kvd-mlx-lm-server relies on in mlx-lm's server, checked before it serves.
 
-The server replaces two names of the mlx_lm.server module, overrides public methods of the
+The server replaces four names of the mlx_lm.server module, overrides public methods of the
 classes behind them and reads a few attributes; a release of mlx-lm may rename or change any of
 them. Each is checked against the form the integration is tested with, and a missing or changed
 one is an error (MlxLmChangedError) that names the mlx-lm version found and the tested range: the
@@ -29,8 +29,9 @@ log = logging.getLogger("kvd_client")
 
 @dataclass(frozen=True)
 class Hook:
-    """A function of a module of mlx_lm (owner None) or a method of one of its classes, with
-    the signature the integration calls or overrides (parameters and defaults, no annotations):
+    """A function of a module of mlx_lm (owner None) or a method of one of its classes (a
+    nested class: dotted), with the signature the integration calls or overrides (parameters
+    and defaults, no annotations; a default that is not a plain value shows as its type):
     a caller of a changed one would pass what the override does not take."""
 
     module: str
@@ -62,14 +63,62 @@ HOOKS: Final = (
         "(self, model, tokens, prompt_cache, *, cache_type='assistant')",
     ),
     Hook("mlx_lm.utils", None, "hf_repo_to_path", "(hf_repo)"),
+    # The single-request path's generation, called with the prefill hooks (mlx_lm_cache.py).
+    Hook(
+        "mlx_lm.generate",
+        None,
+        "stream_generate",
+        "(model, tokenizer, prompt, max_tokens=256, draft_model=None, "
+        "stream=<ThreadLocalStream>, **kwargs)",
+    ),
+    Hook(
+        "mlx_lm.generate",
+        None,
+        "generate_step",
+        "(prompt, model, stream=<ThreadLocalStream>, *, max_tokens=256, sampler=None, "
+        "logits_processors=None, max_kv_size=None, prompt_cache=None, prefill_step_size=2048, "
+        "kv_bits=None, kv_group_size=64, quantized_kv_start=5000, "
+        "prompt_progress_callback=None, input_embeddings=None)",
+    ),
+    # The batched path's prefill checkpoints (batch_checkpoints.py).
+    Hook(
+        "mlx_lm.generate",
+        "BatchGenerator",
+        "__init__",
+        "(self, model, *, max_tokens=128, stop_tokens=None, sampler=None, "
+        "logits_processors=None, completion_batch_size=32, prefill_batch_size=8, "
+        "prefill_step_size=2048, max_kv_size=None, stream=None)",
+    ),
+    Hook(
+        "mlx_lm.generate",
+        "BatchGenerator",
+        "insert_segments",
+        "(self, segments, max_tokens=None, caches=None, all_tokens=None, samplers=None, "
+        "logits_processors=None, stop_sequences=None)",
+    ),
+    Hook("mlx_lm.generate", "BatchGenerator", "next", "(self)"),
+    Hook("mlx_lm.generate", "BatchGenerator", "extract_cache", "(self, uids)"),
+    Hook("mlx_lm.generate", "BatchGenerator", "remove", "(self, uids, return_prompt_caches=False)"),
+    Hook("mlx_lm.generate", "BatchGenerator", "stats", "(self)"),
+    Hook(
+        "mlx_lm.generate",
+        "PromptProcessingBatch.Response",
+        "__init__",
+        "(self, uid, progress, end_of_segment, end_of_prompt)",
+    ),
     # A restored cache joins the batch in place (batch_merge.py).
     Hook("mlx_lm.models.cache", "KVCache", "merge", "(caches)"),
     Hook("mlx_lm.models.cache", "BatchKVCache", "__init__", "(self, left_padding)"),
     Hook("mlx_lm.models.cache", "BatchKVCache", "merge", "(caches)"),
 )
-# Module names of mlx_lm.server replaced before its main() runs, each with the function that
-# must look it up when called (so that it builds the replacement).
-REPLACED: Final = {"ModelProvider": "main", "LRUPromptCache": "run"}
+# Module names of mlx_lm.server replaced before its main() runs, each with the function (or
+# method) that must look it up when called (so that it builds or calls the replacement).
+REPLACED: Final = {
+    "ModelProvider": "main",
+    "LRUPromptCache": "run",
+    "stream_generate": "ResponseGenerator._serve_single",
+    "BatchGenerator": "ResponseGenerator._generate",
+}
 # Read from the model provider once it is built: its command line's KV quantisation and what
 # it holds after a load.
 CLI_ARGS: Final = ("kv_bits", "kv_group_size", "quantized_kv_start")
@@ -109,8 +158,8 @@ def check_server() -> None:
     found = [p for hook in HOOKS if (p := _hook_problem(import_module(hook.module), hook))]
     server = import_module("mlx_lm.server")
     for name, user in REPLACED.items():
-        if not _reads_global(getattr(server, user, None), name):
-            found.append(f"mlx_lm.server.{user} no longer builds its {name} by that name")
+        if not _reads_global(_lookup(server, user), name):
+            found.append(f"mlx_lm.server.{user} no longer looks up {name} by that name")
     if found:
         raise MlxLmChangedError(list(dict.fromkeys(found)))  # a missing class once
 
@@ -151,7 +200,7 @@ def warn_if_untested() -> None:
 
 
 def _hook_problem(module: ModuleType, hook: Hook) -> str | None:
-    owner: Any = module if hook.owner is None else getattr(module, hook.owner, None)
+    owner: Any = module if hook.owner is None else _lookup(module, hook.owner)
     if owner is None or (hook.owner is not None and not inspect.isclass(owner)):
         return f"{hook.module} has no class {hook.owner}"
     function = getattr(owner, hook.name, None)
@@ -161,6 +210,14 @@ def _hook_problem(module: ModuleType, hook: Hook) -> str | None:
     if found != hook.signature:
         return f"{hook.where} is {found}, not {hook.signature}"
     return None
+
+
+def _lookup(module: ModuleType, dotted: str) -> Any:
+    """The attribute of module that dotted names ("Class.method"), or None."""
+    found: Any = module
+    for part in dotted.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 def _reads_global(function: object, name: str) -> bool:
@@ -178,5 +235,29 @@ def _bare_signature(function: Callable[..., Any]) -> str:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return "(unknown)"
-    bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+    bare = [
+        p.replace(annotation=inspect.Parameter.empty, default=_Default.of(p.default))
+        for p in signature.parameters.values()
+    ]
     return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
+
+
+class _Default:
+    """A default shown by its type: an object's repr may name the machine (an MLX stream's
+    device)."""
+
+    PLAIN: Final = (type(None), bool, int, float, str, bytes, tuple)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    @classmethod
+    def of(cls, value: object) -> object:
+        return (
+            value
+            if value is inspect.Parameter.empty or isinstance(value, cls.PLAIN)
+            else cls(value)
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__name__}>"

@@ -39,18 +39,21 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final, NoReturn
 
+import mlx_lm
 from kvd_protocol.blocks import check_block_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
 from . import mlx_lm_hooks
 from .backlog import Kind
+from .batch_checkpoints import BatchCheckpoints
 from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
@@ -59,6 +62,7 @@ from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
+from .prefill_checkpoints import BY_COST, PROMPT_BYTES, UNIT_TOKENS, CheckpointSettings
 
 log = logging.getLogger("kvd_client")
 
@@ -80,24 +84,45 @@ CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be se
 SERVER_BLOCK_TOKENS: Final = 128
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """The prompt a lookup of the prompt cache was for, and what it left to compute: the
+    single-request path calls stream_generate with that rest next."""
+
+    tokens: list[int]
+    rest: int  # how many of the last tokens the cache returned does not hold
+    cache: int  # the id of the cache returned (not the cache: the batch takes its buffers)
+
+
 class ServerTier:
     """kvd under one server process: one client (the restores'; the ColdTier sends its puts on
     a twin of it, sharing its breaker), and the ColdTier of the model loaded now (mlx_lm.server
     holds one model at a time). Used from the generation thread only."""
 
     def __init__(
-        self, client: Client, namespace: str = "", backlog_bytes: int = BACKLOG_BYTES
+        self,
+        client: Client,
+        namespace: str = "",
+        backlog_bytes: int = BACKLOG_BYTES,
+        checkpoints: CheckpointSettings = BY_COST,
     ) -> None:
         self.client = client
         self.namespace = namespace
         self.backlog_bytes = backlog_bytes
+        self.checkpoints = checkpoints
+        self.fetched: Fetched | None = None  # the last lookup's, until stream_generate takes it
         self._key: object = None
         self._cold: ColdTier | None = None
 
     def model_loaded(self, key: object, model: Any, tokenizer: Any, identity: Identity) -> None:
         self._retire()
         cold = ColdTier(
-            self.client, model, tokenizer, identity=identity, backlog_bytes=self.backlog_bytes
+            self.client,
+            model,
+            tokenizer,
+            identity=identity,
+            backlog_bytes=self.backlog_bytes,
+            checkpoints=self.checkpoints,
         )
         self._key, self._cold = key, cold
         log.info("kvd: model %s is served from %s", identity.model_id, self.client.socket_path)
@@ -109,6 +134,10 @@ class ServerTier:
 
     def cold_tier(self, key: object) -> ColdTier | None:
         return self._cold if key == self._key else None
+
+    def serving(self, model: Any) -> ColdTier | None:
+        """The ColdTier of model, if the tier serves it."""
+        return self._cold if self._cold is not None and self._cold.model is model else None
 
     def close(self) -> None:
         self._retire()
@@ -132,6 +161,12 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         self.tier = tier
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = self._nearest(model, tokens)
+        # A copy: the single-request path appends the tokens it generates to the list.
+        self.tier.fetched = Fetched(list(tokens), len(rest), id(cache))
+        return cache, rest
+
+    def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
         held = len(tokens) - len(rest)
         cold = self.tier.cold_tier(model)
@@ -163,6 +198,120 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
             kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
             cold.store(tokens, prompt_cache, kind=kind)
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+
+def tiered_stream_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: Any,
+    max_tokens: int = 256,
+    draft_model: Any = None,
+    *,
+    tier: ServerTier,
+    **kwargs: Any,
+) -> Iterator[Any]:
+    """mlx-lm's stream_generate as mlx_lm.server's single-request path calls it, right after
+    its lookup of the prompt cache (tier.fetched) with the rest of that prompt: for a model
+    the tier serves, its prefill stores prefill checkpoints and the prompt boundary, as the
+    batched path does, and its prefill rate is measured. Anything else (a draft model, input
+    embeddings, a prompt that is not the lookup's rest) is stock's own."""
+    fetched, tier.fetched = tier.fetched, None
+    cold = tier.serving(model)
+    cache = kwargs.get("prompt_cache")
+    if (
+        cold is None
+        or fetched is None
+        or cache is None
+        or draft_model is not None
+        or kwargs.get("input_embeddings") is not None
+        or not _continues(fetched, prompt, cache)
+    ):
+        return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)
+    start = len(fetched.tokens) - len(prompt)
+    called, kwargs["prompt_progress_callback"] = cold.prefill_hooks(
+        fetched.tokens, start, cache, kwargs.get("prompt_progress_callback")
+    )
+    return _measured(cold, mlx_lm.stream_generate(called, tokenizer, prompt, max_tokens, **kwargs))
+
+
+def _continues(fetched: Fetched, prompt: Any, cache: Any) -> bool:
+    """Whether prompt is what fetched left to compute, into its cache (or a fresh one)."""
+    if not isinstance(prompt, list) or not prompt or not _storable(fetched.tokens):
+        return False
+    start = len(fetched.tokens) - len(prompt)
+    fresh = start == 0 and fetched.rest == len(prompt)
+    return fetched.tokens[start:] == prompt and (id(cache) == fetched.cache or fresh)
+
+
+def _measured(cold: ColdTier, responses: Iterator[Any]) -> Iterator[Any]:
+    """responses, the first one's prefill told to the tier."""
+    first = next(responses, None)
+    if first is not None:
+        cold.measured_prefill(first)
+        yield first
+        yield from responses
+
+
+class TieredBatchGenerator(stock.BatchGenerator):  # type: ignore[misc]
+    """mlx-lm's BatchGenerator, storing prefill checkpoints (batch_checkpoints.py) of the
+    sequences of a model the tier serves, and measuring its prefill rate for the tier."""
+
+    def __init__(self, model: Any, *args: Any, tier: ServerTier, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
+        self.tier = tier
+        self._checkpoints = BatchCheckpoints()
+
+    def insert_segments(  # noqa: PLR0917 - mlx-lm's signature (mlx_lm_hooks.HOOKS)
+        self,
+        segments: list[list[list[int]]],
+        max_tokens: list[int] | None = None,
+        caches: list[Any] | None = None,
+        all_tokens: list[list[int]] | None = None,
+        samplers: list[Any] | None = None,
+        logits_processors: list[Any] | None = None,
+        stop_sequences: list[Any] | None = None,
+    ) -> list[int]:
+        insert = partial(
+            super().insert_segments,
+            max_tokens=max_tokens,
+            caches=caches,
+            all_tokens=all_tokens,
+            samplers=samplers,
+            logits_processors=logits_processors,
+            stop_sequences=stop_sequences,
+        )
+        cold = self.tier.serving(self.model)
+        held = all_tokens or [[] for _ in segments]
+        layers = caches or [None for _ in segments]
+        if cold is None or not len(segments) == len(held) == len(layers):
+            return list(insert(segments))  # stock's own, and its errors
+        cuts = [
+            self._checkpoints.cut(cold, segment, tokens, cache)
+            for segment, tokens, cache in zip(segments, held, layers, strict=True)
+        ]
+        uids: list[int] = insert([cut for cut, _ in cuts])
+        for uid, tokens, (_, at) in zip(uids, held, cuts, strict=True):
+            self._checkpoints.inserted(uid, len(tokens), at)
+        return uids
+
+    def next(self) -> tuple[list[Any], list[Any]]:
+        with self.stats() as step:
+            prompt_responses, generation_responses = super().next()
+        cold = self.tier.serving(self.model)
+        if cold is None:
+            return prompt_responses, generation_responses
+        if step.prompt_tokens:
+            self._checkpoints.measured(cold, step.prompt_tokens, step.prompt_time)
+        reached = self._checkpoints.reached(prompt_responses)
+        if reached:
+            for uid, (cache, tokens) in self.extract_cache(list(reached)).items():
+                if len(tokens) == reached[uid]:
+                    cold.store(tokens[:], cache, kind=Kind.PREFILL_CHECKPOINT)
+        return prompt_responses, generation_responses
+
+    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
+        self._checkpoints.forget(uids)
+        return super().remove(uids, return_prompt_caches)
 
 
 class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
@@ -234,6 +383,9 @@ def _describe(stats: ColdTierStats) -> str:
         f"unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
         f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending; "
         + _described_snapshots(stats)
+        + f"; prefill checkpoints: {stats.checkpoints} taken ({stats.checkpoint_bytes} bytes "
+        f"copied), {stats.checkpoint_restores} prompts restored from them "
+        f"({stats.checkpoint_restored_tokens} tokens)"
     )
 
 
@@ -298,7 +450,41 @@ def _kvd_flags() -> argparse.ArgumentParser:
         help="what the snapshots waiting to be sent to kvd may hold, in bytes; beyond it "
         f"segments are dropped first, then the oldest (default: {BACKLOG_BYTES})",
     )
+    kvd.add_argument(
+        "--kvd-checkpoint-interval",
+        type=_tokens,
+        default=None,
+        metavar="N",
+        help="tokens between the prefill checkpoints of a model whose caches cannot be "
+        "trimmed (hybrids, sliding windows): a prompt whose end changed restores all but the "
+        "last N; a multiple of --kvd-block-tokens, 0: none (default: chosen per model by "
+        "cost, the bytes of its state against the prefill time it saves)",
+    )
+    kvd.add_argument(
+        "--kvd-checkpoint-bytes",
+        type=_positive_bytes,
+        default=PROMPT_BYTES,
+        metavar="B",
+        help="what the prefill checkpoints of one prompt may write of their own state, in "
+        f"bytes, with the interval chosen by cost (default: {PROMPT_BYTES})",
+    )
     return parser
+
+
+def _parse_flags(
+    flags: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """The kvd flags and the rest (mlx_lm.server's); exits with a usage error for a
+    checkpoint interval that is not a multiple of the block size."""
+    args, rest = flags.parse_known_args(argv)
+    try:
+        args.kvd_checkpoints = CheckpointSettings(
+            args.kvd_checkpoint_interval, args.kvd_checkpoint_bytes
+        )
+        args.kvd_checkpoints.check_unit(args.kvd_block_tokens or UNIT_TOKENS)
+    except ValueError as exc:
+        flags.error(f"--kvd-checkpoint-interval: {exc} (--kvd-block-tokens)")
+    return args, rest
 
 
 def _seconds(text: str) -> float:
@@ -319,6 +505,16 @@ def _block_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not 0 or a power of two in 16..65536 tokens"
         ) from None
+
+
+def _tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens")
+    return value
 
 
 def _positive_bytes(text: str) -> int:
@@ -348,7 +544,7 @@ def _exit_changed(changed: MlxLmChangedError) -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> None:
     flags = _kvd_flags()
-    args, rest = flags.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, rest = _parse_flags(flags, sys.argv[1:] if argv is None else argv)
     if "-h" in rest or "--help" in rest:
         flags.print_help()
         print()
@@ -358,9 +554,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         lookup_timeout=args.kvd_lookup_timeout,
         block_tokens=args.kvd_block_tokens,
     )
-    tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes)
+    tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes, args.kvd_checkpoints)
     stock.ModelProvider = partial(TieredModelProvider, tier=tier, stop=_exit_changed)
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
+    stock.stream_generate = partial(tiered_stream_generate, tier=tier)
+    stock.BatchGenerator = partial(TieredBatchGenerator, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sys.argv = [sys.argv[0], *rest]
     try:

@@ -36,7 +36,7 @@ def changed_mlx_lm(root: Path, old: str = "", new: str = "") -> Path:
     )
     (package / "_version.py").write_text(f"__version__ = {FOUND_VERSION!r}\n")
     if old:
-        holders = (package / "server.py", package / "models" / "cache.py")
+        holders = (package / "server.py", package / "generate.py", package / "models" / "cache.py")
         texts = {p: p.read_text() for p in holders}
         found = [(p, text) for p, text in texts.items() if text.count(old) == 1]
         assert len(found) == 1, f"{old!r} is not in the installed mlx_lm once"
@@ -78,9 +78,33 @@ CHANGES = {
         "    prompt_cache = LRUPromptCache(model_provider.cli_args.prompt_cache_size)",
         "    from .models.cache import LRUPromptCache as PromptCache\n\n"
         "    prompt_cache = PromptCache(model_provider.cli_args.prompt_cache_size)",
-        "mlx_lm.server.run no longer builds its LRUPromptCache by that name",
+        "mlx_lm.server.run no longer looks up LRUPromptCache by that name",
     ),
-    "--kv-bits renamed": ('"--kv-bits",', '"--kv-quant-bits",', "its command line has no kv_bits"),
+    "the single-request path calls stream_generate by another name": (
+        "            for gen in stream_generate(",
+        "            for gen in generate_stream(",
+        "mlx_lm.server.ResponseGenerator._serve_single no longer looks up stream_generate by "
+        "that name",
+    ),
+    "the batched path builds its BatchGenerator by another name": (
+        "batch_generator = BatchGenerator(",
+        "batch_generator = ContinuousBatcher(",
+        "mlx_lm.server.ResponseGenerator._generate no longer looks up BatchGenerator by that name",
+    ),
+    "insert_segments takes another argument": (
+        "        stop_sequences: Optional[List[StopSequences]] = None,\n    ):\n"
+        "        num_segments = len(segments)",
+        "        stop_sequences: Optional[List[StopSequences]] = None,\n"
+        "        prefill_only: bool = False,\n    ):\n        num_segments = len(segments)",
+        "mlx_lm.generate.BatchGenerator.insert_segments is (self, segments, max_tokens=None, "
+        "caches=None, all_tokens=None, samplers=None, logits_processors=None, "
+        "stop_sequences=None, prefill_only=False), not ",
+    ),
+    "--kv-bits renamed": (
+        '"--kv-bits",\n        type=int,\n        default=None,',  # the server's, not generate's
+        '"--kv-quant-bits",\n        type=int,\n        default=None,',
+        "its command line has no kv_bits",
+    ),
     "model_key of another form": (
         "self.model_key = (model_path, adapter_path, draft_model_path)",
         "self.model_key = model_path",

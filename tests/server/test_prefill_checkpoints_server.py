@@ -1,0 +1,244 @@
+"""kvd-mlx-lm-server with hybrid models (qwen3_next, nemotron_h: recurrent state that cannot be
+trimmed): prefill checkpoints on the batched and the single-request path. Real kvd, real
+server processes, tiny hybrid model folders built here, the openai client at temperature 0;
+every answer is compared with stock mlx_lm.server's for the same request, and every restore is
+on a server started after the prompts it restores from were sent (its memory holds nothing)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from daemon_process import Daemon
+from http_servers import Answer, HttpServer, Messages, chat, http_server
+from mlx.utils import tree_flatten
+from mlx_lm.models import nemotron_h, qwen3_next
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from model_folders import VOCAB, build_tokenizer, words
+
+INTERVAL = 256  # tokens between checkpoints: two of the server's 128-token blocks
+CHECKPOINTS = ["--kvd-checkpoint-interval", str(INTERVAL)]
+MODEL_TYPES = ("qwen3_next", "nemotron_h")
+
+
+# The small configs of the hybrids (real layer kinds and cache classes): qwen3_next's three
+# Gated DeltaNet layers then one of attention; nemotron_h's Mamba-2, attention, Mamba-2, MLP.
+HYBRID_CONFIGS: dict[str, dict[str, object]] = {
+    "qwen3_next": {
+        **{"hidden_size": 64, "num_hidden_layers": 4, "full_attention_interval": 4},
+        **{"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        **{"head_dim": 32, "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
+        **{"max_position_embeddings": 8192, "linear_num_value_heads": 4},
+        **{"linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32},
+        **{"linear_conv_kernel_dim": 4, "num_experts": 0, "num_experts_per_tok": 0},
+        **{"decoder_sparse_step": 1, "shared_expert_intermediate_size": 0},
+        **{"moe_intermediate_size": 0, "mlp_only_layers": [], "rms_norm_eps": 1e-6},
+        "tie_word_embeddings": False,
+    },
+    "nemotron_h": {
+        **{"hybrid_override_pattern": "M*M-", "hidden_size": 64, "intermediate_size": 128},
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+        **{"max_position_embeddings": 8192, "attention_bias": False, "mamba_num_heads": 4},
+        **{"mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32},
+        **{"conv_kernel": 4, "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5},
+        **{"use_bias": False, "use_conv_bias": True},
+    },
+}
+HYBRID_MODULES: dict[str, Any] = {"qwen3_next": qwen3_next, "nemotron_h": nemotron_h}
+
+
+def build_hybrid_folder(folder: Path, *, seed: int, model_type: str) -> Path:
+    """A model folder of a small hybrid with random float32 weights, and the tokenizer."""
+    folder.mkdir(parents=True)
+    build_tokenizer(folder)
+    eos = json.loads((folder / "tokenizer.json").read_text())["added_tokens"][1]
+    config = {**HYBRID_CONFIGS[model_type], "model_type": model_type, "vocab_size": VOCAB}
+    config["eos_token_id"] = eos["id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    module = HYBRID_MODULES[model_type]
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: build_hybrid_folder(root / kind, seed=0, model_type=kind) for kind in MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def stock(
+    folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, HttpServer]]:
+    """Stock mlx_lm.server of each folder, without kvd: the answers to match."""
+    logs = tmp_path_factory.mktemp("stock")
+    with (
+        http_server(folders["qwen3_next"], logs / "q.log", kvd_socket=None) as qwen3_next,
+        http_server(folders["nemotron_h"], logs / "n.log", kvd_socket=None) as nemotron_h,
+    ):
+        yield {"qwen3_next": qwen3_next, "nemotron_h": nemotron_h}
+
+
+def _server(folder: Path, log: Path, daemon: Daemon) -> Any:
+    return http_server(folder, log, kvd_socket=daemon.socket_path, extra=CHECKPOINTS)
+
+
+def _user(text: str) -> Messages:
+    return [{"role": "user", "content": text}]
+
+
+def _shared(folder: Path, one: Messages, other: Messages) -> int:
+    """The tokens two prompts share from their start, as the server's tokenizer and chat
+    template make them."""
+    tokenizer: Any = load_tokenizer(folder)  # mlx-lm ships no type hints
+    a, b = (tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in (one, other))
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def _same_answer(answer: Answer, expected: Answer) -> None:
+    assert answer.text == expected.text
+    assert answer.tokens == expected.tokens
+    assert answer.prompt_tokens == expected.prompt_tokens
+
+
+def _restored_logged(server: HttpServer) -> list[tuple[int, int]]:
+    found = re.findall(r"kvd: restored (\d+) of (\d+) prompt tokens", server.logs())
+    return [(int(held), int(prompt)) for held, prompt in found]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_prompt_whose_end_changed_restores_all_but_one_interval_on_both_paths(
+    daemon: Daemon,
+    folders: dict[str, Path],
+    stock: dict[str, HttpServer],
+    tmp_path: Path,
+    model_type: str,
+) -> None:
+    """Batched (no seed) and single-request (a seed) path alike: the last 100 of 2,000 words
+    changed, a fresh server restores the shared tokens to within one interval and answers as
+    stock; an exact repeat on the single-request path restores all but the last token."""
+    folder, reference = folders[model_type], stock[model_type]
+    seeds = (None, 7)  # by the request's seed: the batched path, the single-request path
+    first = {seed: _user(f"{words(1900, seed or 0)} {words(100, 100)}") for seed in seeds}
+    changed = {seed: _user(f"{words(1900, seed or 0)} {words(100, 200)}") for seed in seeds}
+    with _server(folder, tmp_path / "first.log", daemon) as server:
+        for seed, messages in first.items():
+            chat(server, messages, stream=False, seed=seed)
+        assert server.stop() == 0
+    with _server(folder, tmp_path / "fresh.log", daemon) as fresh:
+        answers = []
+        for seed, messages in changed.items():
+            answer = chat(fresh, messages, stream=False, seed=seed)
+            _same_answer(answer, chat(reference, messages, stream=False, seed=seed))
+            shared = _shared(folder, first[seed], messages)
+            assert shared - INTERVAL <= answer.cached_tokens <= shared, seed
+            answers.append(answer)
+        repeat = chat(fresh, first[7], stream=False, seed=7)
+        _same_answer(repeat, chat(reference, first[7], stream=False, seed=7))
+        assert repeat.cached_tokens == repeat.prompt_tokens - 1
+        assert fresh.stop() == 0
+    assert _restored_logged(fresh) == [
+        (a.cached_tokens, a.prompt_tokens) for a in (*answers, repeat)
+    ]
+
+
+def test_each_turn_of_a_conversation_is_restored_from_kvd_on_a_fresh_server(
+    daemon: Daemon, folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
+) -> None:
+    folder = folders["qwen3_next"]
+    messages = _user(words(600, seed=31))
+    last_prompt = 0
+    for turn in range(5):
+        with _server(folder, tmp_path / f"turn{turn}.log", daemon) as server:
+            answer = chat(server, messages, stream=False)
+            assert server.stop() == 0
+        _same_answer(answer, chat(stock["qwen3_next"], messages, stream=False))
+        # At least the last turn's prompt but its last token: its boundary, or the whole
+        # last turn where the answer's text gives back the tokens generated.
+        assert answer.cached_tokens >= last_prompt - 1
+        assert (answer.cached_tokens > 0) == (turn > 0)
+        last_prompt = answer.prompt_tokens
+        messages = [
+            *messages,
+            {"role": "assistant", "content": answer.text},
+            {"role": "user", "content": words(80, seed=40 + turn)},
+        ]
+
+
+def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
+    daemon: Daemon, folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
+) -> None:
+    """Questions on one long document at once, batched: each prompt's prefill stores
+    checkpoints along the shared document, and a new question on a fresh server restores
+    all of the document but one interval at most."""
+    folder = folders["qwen3_next"]
+    document = words(1500, seed=51)
+
+    def asked(i: int) -> Messages:
+        return _user(f"{document} question {words(40, seed=600 + i)}")
+
+    answers: list[Answer] = []
+    log = tmp_path / "burst.log"
+    with _server(folder, log, daemon) as server:
+        threads = [
+            threading.Thread(
+                target=lambda i=i: answers.append(chat(server, asked(i), stream=False))
+            )
+            for i in range(6)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert server.stop() == 0
+    assert len(answers) == 6
+    taken = re.search(r"prefill checkpoints: (\d+) taken \((\d+) bytes copied\)", log.read_text())
+    assert taken is not None
+    assert int(taken[1]) >= 1500 // INTERVAL
+    with _server(folder, tmp_path / "fresh.log", daemon) as fresh:
+        answer = chat(fresh, asked(99), stream=False)
+        assert fresh.stop() == 0
+    _same_answer(answer, chat(stock["qwen3_next"], asked(99), stream=False))
+    shared = _shared(folder, asked(0), asked(99))
+    assert shared - INTERVAL <= answer.cached_tokens <= shared
+    summary = re.search(
+        r"prefill checkpoints: \d+ taken \(\d+ bytes copied\), (\d+) prompts restored from them "
+        r"\((\d+) tokens\)",
+        fresh.logs(),
+    )
+    assert summary is not None
+    assert (int(summary[1]), int(summary[2])) == (1, answer.cached_tokens)
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--kvd-checkpoint-interval", "200"], "200 is not a multiple of 128 tokens"),
+        (
+            ["--kvd-block-tokens", "64", "--kvd-checkpoint-interval", "-64"],
+            "not a number of tokens",
+        ),
+    ],
+)
+def test_a_checkpoint_setting_out_of_range_is_a_usage_error(flags: list[str], problem: str) -> None:
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvd_client.mlx_lm_server", "--model", "unused", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 2
+    assert problem in ran.stderr
+    assert "Traceback" not in ran.stderr
