@@ -124,7 +124,11 @@ class Plan:
 
     @property
     def trimmable(self) -> bool:
-        return all(layer.trimmable for layer in self.layers)
+        """Whether its entry serves shorter prefixes: the daemon never trims a prefill
+        checkpoint, whatever its layers."""
+        return self.kind is not Kind.PREFILL_CHECKPOINT and all(
+            layer.trimmable for layer in self.layers
+        )
 
     @property
     def new(self) -> list[int]:

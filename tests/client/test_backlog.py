@@ -89,3 +89,15 @@ def test_bytes_shared_by_several_snapshots_count_once() -> None:
     _filled(backlog, a)
     assert backlog.admit(b).taken
     assert backlog.nbytes == 25
+
+
+def test_prefill_checkpoints_go_before_segments_and_never_cover_shorter_ones() -> None:
+    backlog: Backlog[Item] = Backlog(30)
+    checkpoint = Item([1, 2], 10, kind=Kind.PREFILL_CHECKPOINT, trimmable=False)
+    segment, turn = Item([3], 10, kind=Kind.SEGMENT), Item([4], 10)
+    _filled(backlog, segment, checkpoint, turn)
+    admission = backlog.admit(Item([5], 10))
+    assert admission.dropped == [checkpoint]  # newer than the segment, worth less
+    backlog.append(Item([5], 10))
+    longer = Item([1, 2, 3], 10, kind=Kind.PREFILL_CHECKPOINT, trimmable=False)
+    assert not covers(longer, checkpoint)

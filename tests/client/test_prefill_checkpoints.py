@@ -11,6 +11,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from daemon_process import Daemon
+from kvd_client import snapshots
+from kvd_client.backlog import Kind
 from kvd_client.client import Client
 from kvd_client.mlx_lm_cache import ColdTier
 from kvd_client.prefill_checkpoints import (
@@ -21,9 +23,11 @@ from kvd_client.prefill_checkpoints import (
     choose_interval,
     positions,
 )
+from kvd_client.snapshots import Memo
+from kvd_protocol.entry import PREFILL_CHECKPOINT_META
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_engine import byte_tokenizer, uninterrupted
-from tiny_models import prompt, tiny_lfm2, tiny_llama
+from tiny_models import prefill, prompt, tiny_lfm2, tiny_llama
 
 BLOCK = 64
 STEPS = 6
@@ -178,3 +182,19 @@ def test_a_checkpointed_model_cuts_only_the_prefill_and_leaves_the_same_caches()
     expected = model(mx.array([tokens]), cache=whole)
     assert mx.allclose(logits[:, -1, :], expected[:, -1, :], atol=1e-4).item()
     assert wrapped.layers is model.layers  # everything but the call is the model's
+
+
+def test_a_prefill_checkpoint_is_never_trimmable_whatever_its_layers() -> None:
+    model = tiny_llama()
+    tokens = prompt(128, seed=13)
+    cache = prefill(model, tokens)
+    turn = snapshots.plan(Memo(), tokens, cache, block_tokens=BLOCK)
+    checkpoint = snapshots.plan(
+        Memo(), tokens, cache, block_tokens=BLOCK, kind=Kind.PREFILL_CHECKPOINT
+    )
+    assert turn is not None
+    assert turn.trimmable
+    assert checkpoint is not None
+    assert not checkpoint.trimmable
+    assert snapshots.take(checkpoint).meta[PREFILL_CHECKPOINT_META] is True
+    assert PREFILL_CHECKPOINT_META not in snapshots.take(turn).meta
