@@ -2,6 +2,7 @@
 
     kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
         [--kvd-lookup-timeout SECONDS] [--kvd-block-tokens N] [--kvd-backlog-bytes N]
+        [--kvd-checkpoint-interval N] [--kvd-checkpoint-bytes B]
 
 mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
@@ -12,6 +13,13 @@ mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under 
   trim keeps its whole blocks only: the finished turn serves its prefixes), sent by a thread of
   its own; a request never waits for the daemon. So an entry the memory tier evicts is not
   lost, and other server processes of the same model find it;
+- models whose caches cannot be trimmed (hybrids: Qwen3.5, Qwen3-Next, Nemotron-H, LFM2; sliding
+  windows that wrap) get prefill checkpoints on both paths (prefill_checkpoints.py): the
+  prefill stores the caches every N tokens and at the prompt boundary, so a prompt whose end
+  changed restores all but the last N tokens, and an exact repeat all but the last token. N
+  is chosen per model by cost (a checkpoint writes the model's state, which for Qwen3-Next-80B
+  is about 74 MiB, against the prefill time it saves) or set; the KV rows are the blocks the
+  checkpoints share, written once;
 - the usage block's `cached_tokens` counts restored tokens too, since the server counts what the
   cache it gets back holds.
 
@@ -22,12 +30,13 @@ reconnecting by itself): the server answers as stock mlx_lm.server does. A hung 
 one request the lookup timeout at most: the client's breaker then skips it until a probe
 finds it answering, and the stores, on a connection of their own, never hold up a restore.
 
-Two names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
-run() builds the cache from it) and ModelProvider (so the tier follows the model loaded). All
-else, flags, HTTP API and batching, is mlx_lm.server's own. What this relies on in mlx-lm is
-checked at start (mlx_lm_hooks.py): a missing or changed hook stops the server with an error
-naming the mlx-lm version found and the tested range. SIGTERM stops the server as Ctrl-C does,
-and the snapshots still waiting are sent before the process exits.
+Four names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
+run() builds the cache from it), ModelProvider (so the tier follows the model loaded), and for
+the prefill checkpoints BatchGenerator (batch_checkpoints.py) and stream_generate (the
+single-request path's). All else, flags, HTTP API and batching, is mlx_lm.server's own. What
+this relies on in mlx-lm is checked at start (mlx_lm_hooks.py): a missing or changed hook stops
+the server with an error naming the mlx-lm version found and the tested range. SIGTERM stops
+the server as Ctrl-C does, and the snapshots still waiting are sent before the process exits.
 """
 
 from __future__ import annotations

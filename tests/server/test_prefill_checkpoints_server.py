@@ -19,6 +19,7 @@ import mlx.core as mx
 import pytest
 from daemon_process import Daemon
 from http_servers import Answer, HttpServer, Messages, chat, http_server
+from kvd_client.batch_checkpoints import cut_segments
 from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h, qwen3_next
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -242,3 +243,19 @@ def test_a_checkpoint_setting_out_of_range_is_a_usage_error(flags: list[str], pr
     assert ran.returncode == 2
     assert problem in ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_segments_are_cut_inside_only_and_a_position_at_a_segment_end_is_the_servers() -> None:
+    """The prompt from token 100 on, in the server's segments [100, 300) [300, 700); the
+    positions 256 and 512 cut, 300 is the server's own end, 600 cuts."""
+    system, user = list(range(100, 300)), list(range(300, 700))
+    cut, inside = cut_segments([system, user], 100, [256, 300, 512, 600])
+    assert inside == [256, 512, 600]
+    assert [(s[0], s[-1] + 1) for s in cut] == [
+        (100, 256),
+        (256, 300),
+        (300, 512),
+        (512, 600),
+        (600, 700),
+    ]
+    assert cut_segments([user], 300, []) == ([user], [])
