@@ -310,6 +310,12 @@ class ColdTier:
             seconds = response.prompt_tokens / response.prompt_tps
             self.measured_prefill_time(response.prompt_tokens, seconds)
 
+    @property
+    def prefill_rate(self) -> float:
+        """The engine's prefill rate in tokens/s the interval is chosen by: the last measured
+        over at least MIN_MEASURED_PREFILL tokens, else ASSUMED_PREFILL_RATE."""
+        return self._prefill_rate
+
     def measured_prefill_time(self, tokens: int, seconds: float) -> None:
         """The engine computed tokens of prefill in seconds (a batch's, all sequences told):
         the rate for the checkpoint interval and the daemon's cost policy."""

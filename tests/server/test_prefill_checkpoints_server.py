@@ -16,10 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 from daemon_process import Daemon
-from http_servers import Answer, HttpServer, Messages, chat, http_server
+from http_servers import SETTLE_SECONDS, Answer, HttpServer, Messages, chat, http_server
 from kvd_client.batch_checkpoints import cut_segments
+from kvd_client.client import Client
+from kvd_client.identity import Identity
+from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
+from kvd_client.prefill_checkpoints import ASSUMED_PREFILL_RATE, CheckpointSettings
 from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h, qwen3_next
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -91,8 +96,8 @@ def stock(
         yield {"qwen3_next": qwen3_next, "nemotron_h": nemotron_h}
 
 
-def _server(folder: Path, log: Path, daemon: Daemon) -> Any:
-    return http_server(folder, log, kvd_socket=daemon.socket_path, extra=CHECKPOINTS)
+def _server(folder: Path, log: Path, daemon: Daemon, extra: list[str] = CHECKPOINTS) -> Any:
+    return http_server(folder, log, kvd_socket=daemon.socket_path, extra=extra)
 
 
 def _user(text: str) -> Messages:
@@ -157,11 +162,12 @@ def test_a_prompt_whose_end_changed_restores_all_but_one_interval_on_both_paths(
 def test_each_turn_of_a_conversation_is_restored_from_kvd_on_a_fresh_server(
     daemon: Daemon, folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
 ) -> None:
+    """With the interval chosen by cost (the default)."""
     folder = folders["qwen3_next"]
     messages = _user(words(600, seed=31))
     last_prompt = 0
     for turn in range(5):
-        with _server(folder, tmp_path / f"turn{turn}.log", daemon) as server:
+        with _server(folder, tmp_path / f"turn{turn}.log", daemon, extra=[]) as server:
             answer = chat(server, messages, stream=False)
             assert server.stop() == 0
         _same_answer(answer, chat(stock["qwen3_next"], messages, stream=False))
@@ -220,6 +226,38 @@ def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
     )
     assert summary is not None
     assert (int(summary[1]), int(summary[2])) == (1, answer.cached_tokens)
+
+
+def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_server_its_own_ends(
+    daemon: Daemon, folders: dict[str, Path]
+) -> None:
+    """In process, mlx_lm.server's BatchGenerator as the server builds it: a system and a user
+    segment; the server sees its own segment ends only (the system's, and the user's but the
+    last token, which mlx-lm splits off), the cuts between are stored as prefill
+    checkpoints, and the prefill rate measured is the tier's."""
+    model, tokenizer = mlx_lm.load(str(folders["qwen3_next"]))
+    system, user = words(300, seed=81), words(500, seed=82)
+    segments = [tokenizer.encode(text, add_special_tokens=False) for text in (system, user)]
+    length = sum(map(len, segments))
+    assert 256 < len(segments[0]) < 512 < 768 < length - 1  # a cut in each segment
+    with Client.connect(daemon.socket_path, require=True) as client:
+        tier = ServerTier(client, checkpoints=CheckpointSettings(interval=INTERVAL))
+        tier.model_loaded("key", model, tokenizer, Identity.for_model(model, tokenizer))
+        cold = tier.cold_tier("key")
+        assert cold is not None
+        generator = TieredBatchGenerator(model, tier=tier)
+        (uid,) = generator.insert_segments([segments], max_tokens=[2])
+        ends, finished = [], False
+        while not finished:
+            prompt_responses, generated = generator.next()
+            ends += [r.progress[0] for r in prompt_responses if r.end_of_segment]
+            finished = any(r.uid == uid and r.finish_reason for r in generated)
+        assert ends == [len(segments[0]), length - 1, length]  # the last: the prompt's end
+        assert cold.drain(SETTLE_SECONDS)
+        assert cold.stats.checkpoints == 3
+        assert sorted(e.tokens for e in client.list_entries()) == [256, 512, 768]
+        assert cold.prefill_rate != ASSUMED_PREFILL_RATE
+        tier.close()
 
 
 @pytest.mark.parametrize(
