@@ -235,7 +235,8 @@ def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_serve
     segment; the server sees its own segment ends only (the system's, and the user's but the
     last token, which mlx-lm splits off), the cuts between are stored as prefill
     checkpoints, and the prefill rate measured is the tier's."""
-    model, tokenizer = mlx_lm.load(str(folders["qwen3_next"]))
+    loaded: Any = mlx_lm.load(str(folders["qwen3_next"]))  # its hints name a 3-tuple too
+    model, tokenizer = loaded
     system, user = words(300, seed=81), words(500, seed=82)
     segments = [tokenizer.encode(text, add_special_tokens=False) for text in (system, user)]
     length = sum(map(len, segments))
