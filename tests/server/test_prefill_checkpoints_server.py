@@ -240,7 +240,8 @@ def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_serve
     system, user = words(300, seed=81), words(500, seed=82)
     segments = [tokenizer.encode(text, add_special_tokens=False) for text in (system, user)]
     length = sum(map(len, segments))
-    assert 256 < len(segments[0]) < 512 < 768 < length - 1  # a cut in each segment
+    assert INTERVAL < len(segments[0]) < 2 * INTERVAL  # cuts: one in the system segment,
+    assert 3 * INTERVAL < length - 1 < 4 * INTERVAL  # two in the user segment
     with Client.connect(daemon.socket_path, require=True) as client:
         tier = ServerTier(client, checkpoints=CheckpointSettings(interval=INTERVAL))
         tier.model_loaded("key", model, tokenizer, Identity.for_model(model, tokenizer))
