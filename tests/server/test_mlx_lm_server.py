@@ -281,6 +281,8 @@ def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
         "--kvd-lookup-timeout",
         "--kvd-block-tokens",
         "--kvd-backlog-bytes",
+        "--kvd-checkpoint-interval",
+        "--kvd-checkpoint-bytes",
         "--model",
         "--prompt-cache-size",
         "--port",
