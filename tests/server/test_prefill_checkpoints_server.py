@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
-from daemon_process import Daemon
+from daemon_process import Daemon, running_daemon
 from http_servers import SETTLE_SECONDS, Answer, HttpServer, Messages, chat, http_server
 from kvd_client.batch_checkpoints import cut_segments
 from kvd_client.client import Client
@@ -33,6 +34,11 @@ from model_folders import VOCAB, build_tokenizer, words
 INTERVAL = 256  # tokens between checkpoints: two of the server's 128-token blocks
 CHECKPOINTS = ["--kvd-checkpoint-interval", str(INTERVAL)]
 MODEL_TYPES = ("qwen3_next", "nemotron_h")
+BURST = 8  # questions after the first, AT_ONCE at a time
+AT_ONCE = 2
+# A third of what the burst stores: the document's KV (10 blocks of 64 KiB) and checkpoints
+# fit, with the last few questions' own tails.
+TIER_BYTES = 2 << 20
 
 
 # The small configs of the hybrids (real layer kinds and cache classes): qwen3_next's three
@@ -184,40 +190,47 @@ def test_each_turn_of_a_conversation_is_restored_from_kvd_on_a_fresh_server(
 
 
 def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
-    daemon: Daemon, folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
+    folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
 ) -> None:
-    """Questions on one long document at once, batched: each prompt's prefill stores
-    checkpoints along the shared document, and a new question on a fresh server restores
-    all of the document but one interval at most."""
+    """A question on a long document, then a burst of others on it, batched, on a tier whose
+    byte cap the burst overflows: each restores from the document's last checkpoint and
+    stores its own tail (a checkpoint, its prompt boundary, its turn: no other prompt's);
+    eviction keeps the checkpoint the questions use, so a new question on a fresh server
+    restores all of the document but one interval at most."""
     folder = folders["qwen3_next"]
     document = words(1500, seed=51)
 
     def asked(i: int) -> Messages:
         return _user(f"{document} question {words(40, seed=600 + i)}")
 
-    answers: list[Answer] = []
-    log = tmp_path / "burst.log"
-    with _server(folder, log, daemon) as server:
-        threads = [
-            threading.Thread(
-                target=lambda i=i: answers.append(chat(server, asked(i), stream=False))
-            )
-            for i in range(6)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert server.stop() == 0
-    assert len(answers) == 6
-    taken = re.search(r"prefill checkpoints: (\d+) taken \((\d+) bytes copied\)", log.read_text())
-    assert taken is not None
-    assert int(taken[1]) >= 1500 // INTERVAL
-    with _server(folder, tmp_path / "fresh.log", daemon) as fresh:
-        answer = chat(fresh, asked(99), stream=False)
-        assert fresh.stop() == 0
+    with running_daemon(tmp_path, ["--max-bytes", str(TIER_BYTES)]) as daemon:
+        log = tmp_path / "burst.log"
+        with _server(folder, log, daemon) as server:
+            first = chat(server, asked(0), stream=False)
+            _wait_for_tokens(daemon, first.prompt_tokens - 1)  # its prompt boundary, the last
+            answers: list[Answer] = []
+            for wave in range(0, BURST, AT_ONCE):
+                threads = [
+                    threading.Thread(
+                        target=lambda i=i: answers.append(chat(server, asked(i), stream=False))
+                    )
+                    for i in range(1 + wave, 1 + wave + AT_ONCE)
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            assert server.stop() == 0
+        assert len(answers) == BURST
+        shared = _shared(folder, asked(0), asked(99))
+        assert all(shared - INTERVAL <= a.cached_tokens <= shared for a in answers)
+        with Client.connect(daemon.socket_path, require=True) as client:
+            evictions: Any = client.status()["evictions"]
+        assert evictions > 0  # the burst overflowed the tier
+        with _server(folder, tmp_path / "fresh.log", daemon) as fresh:
+            answer = chat(fresh, asked(99), stream=False)
+            assert fresh.stop() == 0
     _same_answer(answer, chat(stock["qwen3_next"], asked(99), stream=False))
-    shared = _shared(folder, asked(0), asked(99))
     assert shared - INTERVAL <= answer.cached_tokens <= shared
     summary = re.search(
         r"prefill checkpoints: \d+ taken \(\d+ bytes copied\), (\d+) prompts restored from them "
@@ -226,6 +239,16 @@ def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
     )
     assert summary is not None
     assert (int(summary[1]), int(summary[2])) == (1, answer.cached_tokens)
+
+
+def _wait_for_tokens(daemon: Daemon, tokens: int) -> None:
+    """Until the daemon holds an entry of exactly tokens tokens (stores are in the
+    background)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    with Client.connect(daemon.socket_path, require=True) as client:
+        while tokens not in {e.tokens for e in client.list_entries()}:
+            assert time.monotonic() < deadline, f"kvd never held an entry of {tokens} tokens"
+            time.sleep(0.05)
 
 
 def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_server_its_own_ends(
