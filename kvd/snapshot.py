@@ -216,14 +216,12 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     count = head["rows"]
     ids = head["ids"]
     identities = head["identities"]
-    flags = {name: head[name] for name in _FLAGS}
     checkpoints = head["checkpoints"]
     manifests = head["manifests"]
     if not (
         isinstance(count, int)
         and isinstance(ids, tuple)
         and isinstance(identities, tuple)
-        and all(isinstance(column, bytes) for column in flags.values())
         and isinstance(checkpoints, dict)
         and isinstance(manifests, dict)
     ):
@@ -234,8 +232,9 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     # Checked in C (map, set), not value by value in Python: 100k rows at start-up.
     if not set(map(type, chain(ids, identities, checkpoints.values()))) <= {str}:
         raise ValueError("an id, identity or key that is not a string")
-    if len(ids) != count or any(len(c) != count or c.strip(b"\0\1") for c in flags.values()):
-        raise ValueError("ids or flags that do not match the rows")
+    if len(ids) != count:
+        raise ValueError("ids that do not match the rows")
+    flags = {name: _flags(head[name], count) for name in _FLAGS}
     if (ends[-1] if ends else 0) != len(tokens) or (
         lengths and (min(lengths) < 0 or any(map(TOKEN_BYTES.__rmod__, lengths)))
     ):
@@ -273,6 +272,13 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")
     return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
+
+
+def _flags(column: object, count: int) -> bytes:
+    """A column of flags: a byte per row, 0 or 1."""
+    if not isinstance(column, bytes) or len(column) != count or column.strip(b"\0\1"):
+        raise ValueError("a column of flags that does not match the rows")
+    return column
 
 
 def _sequence(value: object) -> tuple[object, ...]:
