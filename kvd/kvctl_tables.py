@@ -102,6 +102,8 @@ def _prefill_checkpoints(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     held = status.get("prefill_checkpoints")
     if held is None:
         return []
+    if not held["entries"] and not held["hits"]:
+        return [("prefill checkpoints", "none")]
     return [
         (
             "prefill checkpoints",
