@@ -76,28 +76,24 @@ class LruPolicy:
       and deleting its file would not free the disk until the reader lets go. Its bytes still
       count, so the others pay for them until the lease ends.
 
-    An entry's age is the uses (adds and touches, of any entry) since its own last use, plus
-    one: a logical clock of the policy's own, so two uses never tie. A prefill checkpoint's
-    age counts PREFILL_CHECKPOINT_DISCOUNT times (the module's rule): the oldest by that
-    measure goes first, and of a whole entry and a prefill checkpoint of the same age, the
-    prefill checkpoint.
-
     Whole entries and prefill checkpoints are kept in an OrderedDict each, oldest first (touch
     moves one to the end), so a selection merges the two heads and visits its victims and
-    the few skipped entries before them, not every entry.
+    the few skipped entries before them, not every entry. Between the heads, age decides: the
+    ticks of the catalog's logical clock (record.last_used: each put and each hit takes one,
+    in the order of adds and touches) since the entry's last use, plus one, and a prefill
+    checkpoint's counted PREFILL_CHECKPOINT_DISCOUNT times (the module's rule); of a whole
+    entry and a prefill checkpoint of the same age, the prefill checkpoint goes. The newest
+    entry's last use stands for now: the policy keeps nothing per entry but its place.
     """
 
     def __init__(self) -> None:
-        self._clock = 0  # uses so far
-        # Each entry with the clock at its last use, oldest first: whole entries, and prefill
-        # checkpoints.
-        self._wholes: OrderedDict[EntryRecord, int] = OrderedDict()
-        self._prefill_checkpoints: OrderedDict[EntryRecord, int] = OrderedDict()
+        self._wholes: OrderedDict[EntryRecord, None] = OrderedDict()
+        self._prefill_checkpoints: OrderedDict[EntryRecord, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._wholes) + len(self._prefill_checkpoints)
 
-    def _order(self, record: EntryRecord) -> OrderedDict[EntryRecord, int]:
+    def _order(self, record: EntryRecord) -> OrderedDict[EntryRecord, None]:
         return self._prefill_checkpoints if record.prefill_checkpoint else self._wholes
 
     def add(self, record: EntryRecord) -> None:
@@ -105,8 +101,7 @@ class LruPolicy:
         order = self._order(record)
         if record in order:
             raise ValueError(f"entry {record.id} is already tracked")
-        self._clock += 1
-        order[record] = self._clock
+        order[record] = None
 
     def remove(self, record: EntryRecord) -> None:
         """Stop tracking record; KeyError if it is not tracked."""
@@ -114,14 +109,17 @@ class LruPolicy:
 
     def touch(self, record: EntryRecord) -> None:
         """Make record the most recently used; KeyError if it is not tracked."""
-        order = self._order(record)
-        order.move_to_end(record)
-        self._clock += 1
-        order[record] = self._clock
+        self._order(record).move_to_end(record)
 
-    def age(self, record: EntryRecord) -> int:
-        """record's age as eviction weighs it (see the class); KeyError if not tracked."""
-        age = self._clock + 1 - self._order(record)[record]
+    def now(self) -> int:
+        """The logical clock's value now: the newest entry's last use (0 with none)."""
+        orders = (self._wholes, self._prefill_checkpoints)
+        return max((next(reversed(order)).last_used for order in orders if order), default=0)
+
+    @staticmethod
+    def age(record: EntryRecord, now: int) -> int:
+        """record's age at now (now()) as eviction weighs it (see the class)."""
+        age = max(1, now + 1 - record.last_used)
         return age * PREFILL_CHECKPOINT_DISCOUNT if record.prefill_checkpoint else age
 
     def select_victims(
@@ -133,6 +131,7 @@ class LruPolicy:
         Fewer if every evictable entry together is not enough. Nothing is removed: the caller
         deletes each victim's file and then calls remove().
         """
+        now = self.now()
         wholes = _evictable_in(self._wholes, among)
         checkpoints = _evictable_in(self._prefill_checkpoints, among)
         whole, checkpoint = next(wholes, None), next(checkpoints, None)
@@ -140,7 +139,7 @@ class LruPolicy:
         freed = 0
         while freed < over_bytes:
             if checkpoint is not None and (
-                whole is None or self.age(checkpoint) >= self.age(whole)
+                whole is None or self.age(checkpoint, now) >= self.age(whole, now)
             ):
                 victim, checkpoint = checkpoint, next(checkpoints, None)
             elif whole is not None:
@@ -153,7 +152,7 @@ class LruPolicy:
 
 
 def _evictable_in(
-    order: Mapping[EntryRecord, int], among: Callable[[EntryRecord], bool] | None
+    order: Mapping[EntryRecord, None], among: Callable[[EntryRecord], bool] | None
 ) -> Iterator[EntryRecord]:
     """The entries of order, in order, that eviction may take now (and among() accepts)."""
     return (r for r in order if evictable(r) and (among is None or among(r)))

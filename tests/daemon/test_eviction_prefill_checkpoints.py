@@ -40,11 +40,22 @@ def entry(
     )
 
 
+_clock = itertools.count(1)  # the catalog's logical clock: each put and each hit ticks
+
+
 def lru(*records: EntryRecord) -> LruPolicy:
+    """The records added in order, each put at the next tick, as the catalog does."""
     policy = LruPolicy()
     for record in records:
+        record.last_used = next(_clock)
         policy.add(record)
     return policy
+
+
+def use(policy: LruPolicy, record: EntryRecord) -> None:
+    """A lookup answered with record, as the tier books it: a touch, then the next tick."""
+    policy.touch(record)
+    record.last_used = next(_clock)
 
 
 def whole_and_checkpoint() -> tuple[EntryRecord, EntryRecord]:
@@ -67,15 +78,18 @@ def test_lru_evicts_a_prefill_checkpoint_before_a_whole_entry_of_the_same_size_a
 
 
 def test_lru_counts_a_prefill_checkpoints_age_twice() -> None:
-    """A whole entry of age 5 (uses since its own, plus one) against a prefill checkpoint of
-    age 2 (4 as counted) or 3 (6 as counted): the larger counted age goes first."""
+    """A whole entry of age 5 (ticks since its last use, plus one) against a prefill
+    checkpoint of age 2 (4 as counted) or 3 (6 as counted): the larger counted age goes
+    first."""
     assert PREFILL_CHECKPOINT_DISCOUNT == 2
     whole, checkpoint, others = entry(), entry(prefill_checkpoint=True), [entry() for _ in range(3)]
     policy = lru(whole, *others[:2], checkpoint, others[2])
-    assert (policy.age(whole), policy.age(checkpoint)) == (5, 4)
+    now = policy.now()
+    assert (policy.age(whole, now), policy.age(checkpoint, now)) == (5, 4)
     assert policy.select_victims(1) == [whole]
     policy = lru(whole, others[0], checkpoint, *others[1:])
-    assert (policy.age(whole), policy.age(checkpoint)) == (5, 6)
+    now = policy.now()
+    assert (policy.age(whole, now), policy.age(checkpoint, now)) == (5, 6)
     assert policy.select_victims(1) == [checkpoint]
 
 
@@ -83,7 +97,7 @@ def test_lru_keeps_a_prefill_checkpoint_used_recently_over_an_old_whole_entry() 
     whole, checkpoint = whole_and_checkpoint()
     policy = lru(whole, checkpoint, *(entry() for _ in range(4)))
     assert policy.select_victims(1) == [checkpoint]
-    policy.touch(checkpoint)  # a lookup answered with it
+    use(policy, checkpoint)
     assert policy.select_victims(1) == [whole]
 
 
@@ -95,9 +109,10 @@ def test_lru_keeps_the_prefill_checkpoints_a_burst_of_prompts_uses() -> None:
     for _ in range(3):
         for _ in range(4):
             unused.append(entry(prefill_checkpoint=True))
+            unused[-1].last_used = next(_clock)
             policy.add(unused[-1])
         for record in used:
-            policy.touch(record)
+            use(policy, record)
     victims = policy.select_victims(100 * len(unused))
     assert victims == unused
 
