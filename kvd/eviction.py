@@ -169,9 +169,9 @@ class CostPolicy:
     worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
     LruPolicy does. A prefill checkpoint is worth PREFILL_CHECKPOINT_DISCOUNT times less than a
     whole entry of the same tokens, bytes and idle time (the module's rule). An entry's bytes
-    are those it would take stored alone, its shared blocks
-    included (logical_bytes): counting only its own file would rank a manifest with a short
-    tail above its siblings, though evicting any of them leaves the shared blocks to the rest.
+    are those it would take stored alone, its shared blocks included (logical_bytes):
+    counting only its own file would rank a manifest with a short tail above its siblings,
+    though evicting any of them leaves the shared blocks to the rest.
 
     A selection samples SAMPLE entries at random and takes the least worth among the
     evictable ones, as Redis approximates LRU: each victim costs O(SAMPLE), never a sort of
