@@ -36,9 +36,21 @@ CHECKPOINTS = ["--kvd-checkpoint-interval", str(INTERVAL)]
 MODEL_TYPES = ("qwen3_next", "nemotron_h")
 BURST = 8  # questions after the first, AT_ONCE at a time
 AT_ONCE = 2
-# A third of what the burst stores: the document's KV (10 blocks of 64 KiB) and checkpoints
-# fit, with the last few questions' own tails.
-TIER_BYTES = 2 << 20
+# Tier caps the burst overflows (it stores about 5.9 MB): about half of it, and a third, where
+# the document's KV (10 blocks of 64 KiB) and checkpoints fit with the last wave's own tails.
+TIER_BYTES = (
+    3 << 20,
+    pytest.param(
+        2 << 20,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="the eviction rule counts a prefill checkpoint's age twice however often "
+            "prompts restore from it: the checkpoint each wave restores from goes before the "
+            "whole entries of the wave before, which no prompt uses (plain least recently "
+            "used keeps it)",
+        ),
+    ),
+)
 
 
 # The small configs of the hybrids (real layer kinds and cache classes): qwen3_next's three
@@ -189,8 +201,9 @@ def test_each_turn_of_a_conversation_is_restored_from_kvd_on_a_fresh_server(
         ]
 
 
+@pytest.mark.parametrize("tier_bytes", TIER_BYTES)
 def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
-    folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path
+    folders: dict[str, Path], stock: dict[str, HttpServer], tmp_path: Path, tier_bytes: int
 ) -> None:
     """A question on a long document, then a burst of others on it, batched, on a tier whose
     byte cap the burst overflows: each restores from the document's last checkpoint and
@@ -203,7 +216,7 @@ def test_a_burst_on_one_document_keeps_the_checkpoints_the_next_question_uses(
     def asked(i: int) -> Messages:
         return _user(f"{document} question {words(40, seed=600 + i)}")
 
-    with running_daemon(tmp_path, ["--max-bytes", str(TIER_BYTES)]) as daemon:
+    with running_daemon(tmp_path, ["--max-bytes", str(tier_bytes)]) as daemon:
         log = tmp_path / "burst.log"
         with _server(folder, log, daemon) as server:
             first = chat(server, asked(0), stream=False)
