@@ -175,6 +175,10 @@ def test_a_prompt_whose_end_changed_restores_all_but_one_interval_on_both_paths(
     assert _restored_logged(fresh) == [
         (a.cached_tokens, a.prompt_tokens) for a in (*answers, repeat)
     ]
+    with Client.connect(daemon.socket_path, require=True) as client:
+        checkpoints: Any = client.status()["prefill_checkpoints"]
+    assert checkpoints["hits"] == len(answers)  # the repeat: from its prompt boundary
+    assert checkpoints["restored_tokens"] == sum(a.cached_tokens for a in answers)
 
 
 def test_each_turn_of_a_conversation_is_restored_from_kvd_on_a_fresh_server(
@@ -293,7 +297,8 @@ def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_serve
         assert ends == [len(segments[0]), length - 1, length]  # the last: the prompt's end
         assert cold.drain(SETTLE_SECONDS)
         assert cold.stats.checkpoints == 3
-        assert sorted(e.tokens for e in client.list_entries()) == [256, 512, 768]
+        stored = sorted((e.tokens, e.prefill_checkpoint) for e in client.list_entries())
+        assert stored == [(256, True), (512, True), (768, True)]
         assert cold.prefill_rate != ASSUMED_PREFILL_RATE
         tier.close()
 
