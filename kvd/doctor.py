@@ -31,7 +31,7 @@ from typing import Any, Final
 from kvd import __version__
 from kvd.config import Config, ConfigError, load_config
 from kvd.durability import disk_free, full_fsync, preallocate, replace_durably
-from kvd.fd_limit import FDS_PER_CONNECTION, RESERVED_FDS, raise_open_file_limit
+from kvd.fd_limit import connections_for, descriptors_for, raise_open_file_limit
 from kvd.file_system import file_system_of
 from kvd.kvctl_tables import size
 from kvd.launchd_socket import launchd_sockets
@@ -295,13 +295,14 @@ def open_files(scratch: Scratch) -> Finding:
     raised = raise_open_file_limit()  # this process's own limit, as kvd raises its own
     hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     detail = f"soft {soft}, hard {hard_text}: raised to {raised}"
-    room = (raised - RESERVED_FDS) // FDS_PER_CONNECTION
     wanted = scratch.config.max_connections
-    if wanted > room:
-        return _fails(f"{detail}, room for {room} connections; max_connections is {wanted}")
-    if room < 1:
-        return _fails(f"{detail}: no room for a connection beside kvd's {RESERVED_FDS} files")
-    return _holds(f"{detail}, room for {room} connections")
+    needed = descriptors_for(max(wanted, 1))
+    if raised < needed:
+        connections = f"max_connections {wanted}" if wanted else "one connection"
+        return _fails(f"{detail}; {connections} needs {needed}")
+    if wanted:
+        return _holds(f"{detail}; max_connections {wanted} needs {needed}")
+    return _holds(f"{detail}: room for {connections_for(raised)} connections")
 
 
 def socket_folder(scratch: Scratch) -> Finding:

@@ -48,11 +48,12 @@ def file_system_of(path: Path) -> FileSystem:
     if sys.platform == "darwin":
         return _statfs(path)
     if sys.platform == "linux":
-        return _mountinfo(path.resolve(), MOUNTINFO.read_text())
+        return from_mountinfo(path.resolve(), MOUNTINFO.read_text())
     raise OSError(errno.ENOTSUP, f"file system types are not read on {sys.platform}")
 
 
-def _mountinfo(path: Path, table: str) -> FileSystem:
+def from_mountinfo(path: Path, table: str) -> FileSystem:
+    """The file system holding path (resolved), from the text of a mountinfo table."""
     best: FileSystem | None = None
     for line in table.splitlines():
         mount, _, after = line.partition(" - ")

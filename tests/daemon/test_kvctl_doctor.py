@@ -153,6 +153,18 @@ def test_a_floor_above_the_free_space_does_not_hold(tmp_path: Path, sockets: Pat
     assert "every put is refused" in found["free_space"]["detail"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a tmpfs is mounted on Linux")
+def test_a_floor_larger_than_the_disk_does_not_hold(small_disk: Path, sockets: Path) -> None:
+    result = doctor(
+        small_disk / "tier", sockets / "kvd.sock", "--json", env={"KVD_MIN_FREE": "64M"}
+    )
+    assert result.returncode == 1
+    found = as_json(result)
+    assert failing(found) == {"free_space"}
+    assert "under the floor min_free 64.0 MiB" in found["free_space"]["detail"]
+    assert found["file_system"]["detail"].startswith(f"tmpfs at {small_disk.resolve()}")
+
+
 def test_max_connections_beyond_the_open_file_limit_does_not_hold(
     tmp_path: Path, sockets: Path
 ) -> None:
@@ -162,7 +174,7 @@ def test_max_connections_beyond_the_open_file_limit_does_not_hold(
     assert result.returncode == 1
     found = as_json(result)
     assert failing(found) == {"open_files"}
-    assert "max_connections is 1000000000" in found["open_files"]["detail"]
+    assert "max_connections 1000000000 needs 4000000064" in found["open_files"]["detail"]
 
 
 def test_a_bad_setting_is_a_configuration_error(tmp_path: Path, sockets: Path) -> None:
