@@ -6,7 +6,7 @@ settings as kvd does (kvd/config.py) and need no daemon. They never change the t
 they try, they try on files of their own in a temporary folder made inside the tier's
 folder (before the tier exists, inside the nearest folder that does, on the same file
 system as it will be), removed at the end. The platform modules do the work; this module
-only asks them. docs/platform.md lists the checks with a run on each platform.
+only asks them. docs/platform.md lists the checks, a run on Linux and what a Mac shows.
 """
 
 from __future__ import annotations
