@@ -32,7 +32,6 @@ from .messages import (
     decode_request,
     peek_id,
 )
-from .small_messages import ENCODERS, REPLY_DECODERS, REQUEST_DECODERS
 
 
 class NeedData(Enum):
@@ -322,7 +321,7 @@ class Connection:
         return ConnectionClosed()
 
     def _request_event(self, body: object) -> Request | BadRequest:
-        op, request_id = body.get("op") if type(body) is dict else None, peek_id(body)
+        request_id = peek_id(body)
         if not request_id:
             return self._reject(0, ErrorCode.BAD_MESSAGE, f"no request id in 1..{U32}")
         if request_id in self._in_flight or request_id in self._unanswered:
@@ -333,15 +332,10 @@ class Connection:
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
-        decode = REQUEST_DECODERS.get(op) if type(op) is str else None
-        request: Request | None = None
-        if decode is not None:  # then body is a dict: op came from it
-            request = decode(body, self.limits)  # type: ignore[arg-type]
-        if request is None:  # not one of the small messages, or not of their usual shape
-            try:
-                request = decode_request(body, self.limits)
-            except ProtocolError as exc:
-                return self._reject(request_id, exc.code, exc.message)
+        try:
+            request = decode_request(body, self.limits)
+        except ProtocolError as exc:
+            return self._reject(request_id, exc.code, exc.message)
         try:  # a request the client's machine refuses is answered, not fatal
             self._states[Role.CLIENT] = self._after(Role.CLIENT, _step_of(request))
         except RemoteProtocolError as exc:
@@ -366,9 +360,7 @@ class Connection:
             raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
         op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
-            error = REPLY_DECODERS[op](body, self.limits) if type(body) is dict else None
-            if not isinstance(error, ErrorReply):
-                error = ErrorReply.from_wire(body, self.limits)
+            error = ErrorReply.from_wire(body, self.limits)
             if error.id and self._leave(error.id) is None:
                 raise RemoteProtocolError(
                     ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
@@ -381,13 +373,6 @@ class Connection:
             raise RemoteProtocolError(
                 ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
             )
-        decode = REPLY_DECODERS.get(expected)
-        small: Reply | None = (
-            None if decode is None or type(body) is not dict else decode(body, self.limits)
-        )
-        if small is not None:  # it declares no descriptors
-            self._leave(reply_id)
-            return small
         reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
         if wanted > self._claims.get(reply_id, 0):
@@ -421,9 +406,7 @@ class Connection:
         raise exc
 
     def _frame(self, message: Message) -> bytes:
-        encode = ENCODERS.get(type(message))
-        body = message.to_wire() if encode is None else encode(message)
         try:
-            return self._writer.frame(body)
+            return self._writer.frame(message.to_wire())
         except ProtocolError as exc:  # over the frame limit: the message is this side's
             raise LocalProtocolError(exc.code, exc.message) from None
