@@ -25,6 +25,10 @@ class Role(Enum):
     CLIENT = "client"
     SERVER = "server"
 
+    # Identity, as equality is: Enum's own hashes the name in Python, and the table and the
+    # machines are looked up by these on every message.
+    __hash__ = object.__hash__
+
 
 class State(Enum):
     HELLO_FIRST = "hello_first"  # the client's, at first: nothing but hello may come
@@ -32,6 +36,8 @@ class State(Enum):
     CLOSED = "closed"  # its stream ended at a frame boundary: nothing more comes
     FINAL = "final"  # the server's, once its final error went out: nothing more goes
     FAILED = "failed"  # both, after a fatal ProtocolError: nothing more either way
+
+    __hash__ = object.__hash__  # as Role's
 
 
 class Step(Enum):
@@ -41,6 +47,8 @@ class Step(Enum):
     DESCRIPTORS = "descriptors"  # descriptors beside the stream's bytes
     FINAL_ERROR = "final_error"  # the server's last word: an error reply with id 0
     END = "end"  # the end of the stream, once every frame before it is taken
+
+    __hash__ = object.__hash__  # as Role's
 
 
 CLIENT, SERVER = Role.CLIENT, Role.SERVER
