@@ -4,7 +4,7 @@ A Connection follows two machines, one for what each side sends: the client's (i
 requests, its descriptors, the end of its stream) and the server's (its replies, their
 descriptors, its final error, the end of its stream). Each machine is in one State; a Step
 is one thing its side did; TRANSITIONS holds, for (the side, its state, the step), the state
-after. A step the table does not hold is refused: refusal() says with which code and why.
+after. A step the table does not hold is refused: REFUSALS says with which code and why.
 What a refusal raises follows errors.py's rule (the kind names whose machine refused).
 
 What the table does not say is per request, not per connection: the ids in flight, the
@@ -77,21 +77,23 @@ TRANSITIONS: Final[Mapping[tuple[Role, State, Step], State]] = MappingProxyType(
 INITIAL: Final[Mapping[Role, State]] = MappingProxyType({CLIENT: HELLO_FIRST, SERVER: OPEN})
 
 
+# Why a step the table does not hold is refused: the first row whose role, state and step
+# match (None: any) says so. A FAILED machine's refusal is the fatal error's, the Connection's.
+REFUSALS: Final[tuple[tuple[Role | None, State | None, Step | None, ErrorCode, str], ...]] = (
+    (CLIENT, None, DESCRIPTORS, ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors"),
+    (None, CLOSED, None, ErrorCode.BAD_FRAME, "data after the end of the stream"),
+    (None, FINAL, None, ErrorCode.BAD_MESSAGE, "the final error was sent already"),
+    (None, None, FINAL_ERROR, ErrorCode.BAD_MESSAGE, "only a server sends a final error"),
+    (SERVER, None, None, ErrorCode.BAD_MESSAGE, "a server sends replies only"),
+    (CLIENT, None, REPLY, ErrorCode.BAD_MESSAGE, "a client sends requests only"),
+    (CLIENT, HELLO_FIRST, None, ErrorCode.HANDSHAKE_REQUIRED, "hello must come first"),
+    (CLIENT, OPEN, HELLO, ErrorCode.BAD_MESSAGE, "hello was already sent"),
+)
+
+
 def refusal(role: Role, state: State, step: Step) -> tuple[ErrorCode, str]:
-    """Why role's machine in state may not take step (one TRANSITIONS does not hold). A
-    FAILED machine's refusal is the fatal error's own, which the Connection gives."""
-    if step is DESCRIPTORS and role is CLIENT:
-        return ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors"
-    if state is CLOSED:
-        return ErrorCode.BAD_FRAME, "data after the end of the stream"
-    if state is FINAL:
-        return ErrorCode.BAD_MESSAGE, "the final error was sent already"
-    if step is FINAL_ERROR:
-        return ErrorCode.BAD_MESSAGE, "only a server sends a final error"
-    if role is SERVER:
-        return ErrorCode.BAD_MESSAGE, "a server sends replies only"
-    if step is REPLY:
-        return ErrorCode.BAD_MESSAGE, "a client sends requests only"
-    if state is HELLO_FIRST:
-        return ErrorCode.HANDSHAKE_REQUIRED, "hello must come first"
-    return ErrorCode.BAD_MESSAGE, "hello was already sent"
+    """The code and text of role's machine refusing step in state."""
+    for row_role, row_state, row_step, code, why in REFUSALS:
+        if row_role in (None, role) and row_state in (None, state) and row_step in (None, step):
+            return code, why
+    raise ValueError(f"no refusal for {step.value} in {role.value}'s {state.value}")

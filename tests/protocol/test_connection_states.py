@@ -21,8 +21,8 @@ from kvd_protocol.connection_states import (
 )
 from kvd_protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from kvd_protocol.framing import LENGTH
-from kvd_protocol.messages import ErrorReply, Lookup, Ping
-from wire_samples import HELLO, HELLO_REPLY, IDENTITY, TOKENS, drain
+from kvd_protocol.messages import ErrorReply, Lookup, LookupReply, Ping
+from wire_samples import HELLO, IDENTITY, TOKENS, connected_pair
 
 CLIENT, SERVER = Role.CLIENT, Role.SERVER
 ALL = list(itertools.product(Role, State, Step))
@@ -53,18 +53,13 @@ def _failed(connection: Connection) -> Connection:
 
 
 def _client_open() -> Connection:
-    client = Connection(Role.CLIENT)
-    client.send(HELLO)
+    client, _ = connected_pair()
     client.send(Lookup(id=2, identity=IDENTITY, tokens=TOKENS))  # its reply may hold one fd
     return client
 
 
 def _server_open() -> Connection:
-    server = Connection(Role.SERVER)
-    server.receive_data(_frame(HELLO.to_wire()))
-    assert drain(server) == [HELLO]
-    server.send(HELLO_REPLY)
-    return server
+    return connected_pair()[1]
 
 
 def _server_final() -> Connection:
@@ -119,7 +114,7 @@ ACTIONS: dict[tuple[bool, Step], Callable[[Connection], object]] = {
 }
 # A client reads every frame as a reply: its peer's replies, not its requests.
 CLIENT_RECEIVES: dict[Step, Callable[[Connection], object]] = {
-    Step.REPLY: _receive(_frame(HELLO_REPLY.to_wire())),
+    Step.REPLY: _receive(_frame(LookupReply(id=2, matched=0, entry=None, lease=None).to_wire())),
 }
 
 
