@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final, Literal, NoReturn, TypeAlias, cast
+from typing import Final, Literal, NoReturn, TypeAlias
 
 from .connection_states import INITIAL, TRANSITIONS, State, Step, refusal
 from .connection_states import Role as Role  # noqa: PLC0414 - re-exported: importers read it here
@@ -64,15 +64,21 @@ Event: TypeAlias = Request | Reply | BadRequest | ConnectionClosed
 _SENDING: Final = frozenset({State.HELLO_FIRST, State.OPEN})  # this side may still send
 
 
+# What sending (or receiving) a message is to the machine of the side that sends it, by the
+# message's class: one of OPS's, or an error reply.
+_STEPS: Final[Mapping[type[Message], Step]] = {
+    **{op.request: Step.REQUEST for op in OPS.values()},
+    **{op.reply: Step.REPLY for op in OPS.values()},
+    Hello: Step.HELLO,
+    ErrorReply: Step.REPLY,
+}
+
+
 def _step_of(message: Message) -> Step:
-    """What sending (or receiving) message is to the machine of the side that sends it."""
-    if type(message) is Hello:  # Hello has no subclasses
-        return Step.HELLO
-    if isinstance(message, Request):
-        return Step.REQUEST
-    if isinstance(message, Reply):
-        return Step.REPLY
-    raise LocalProtocolError(ErrorCode.BAD_MESSAGE, f"not a message: {type(message).__name__}")
+    step = _STEPS.get(type(message))
+    if step is None:
+        raise LocalProtocolError(ErrorCode.BAD_MESSAGE, f"not a message: {type(message).__name__}")
+    return step
 
 
 def _check_id(message: Message, lo: int) -> None:
@@ -168,17 +174,16 @@ class Connection:
         """The frame for message, after checking it is allowed now (if not: the rule of
         errors.py's ProtocolError)."""
         after = self._after(self.role, _step_of(message))
+        # The table lets a client send requests only, and a server replies only.
         if self._client:
-            request = cast(Request, message)  # the table lets a client send requests only
-            self._check_request(request)
-            frame = self._frame(request)
+            self._check_request(message)
+            frame = self._frame(message)
             self._states[Role.CLIENT] = after
-            self._enter(request)
+            self._enter(message)  # type: ignore[arg-type]
         else:
-            reply = cast(Reply, message)  # and a server replies only
-            self._check_reply(reply)
-            frame = self._frame(reply)
-            self._settle(reply)  # a reply leaves the server's machine OPEN
+            self._check_reply(message)  # type: ignore[arg-type]
+            frame = self._frame(message)
+            self._settle(message)  # type: ignore[arg-type]  # the server's machine stays OPEN
         return frame
 
     def send_final_error(self, code: ErrorCode, message: str) -> bytes:
@@ -190,7 +195,7 @@ class Connection:
         self._states[self.role] = after
         return frame
 
-    def _check_request(self, request: Request) -> None:
+    def _check_request(self, request: Message) -> None:
         _check_id(request, 1)
         if request.id in self._in_flight:
             raise LocalProtocolError(
@@ -288,8 +293,20 @@ class Connection:
             raise self._unusable(RemoteProtocolError)
         try:
             view = self._reader.next_frame()
-            if view is None:
-                return self._no_frame()
+            if view is None:  # no complete frame: more bytes are needed, or the stream ended
+                if self._fds and not self._reader.buffered:
+                    raise RemoteProtocolError(
+                        ErrorCode.BAD_DESCRIPTORS,
+                        f"{len(self._fds)} descriptor(s) arrived that no reply declares",
+                    )
+                if not self._reader.ended:
+                    return NEED_DATA
+                if self._reader.buffered:
+                    raise RemoteProtocolError(
+                        ErrorCode.BAD_FRAME, "the stream ended inside a frame"
+                    )
+                self._states[self._peer] = self._after(self._peer, Step.END)
+                return ConnectionClosed()
             with view:
                 try:
                     body = decode_body(view)
@@ -304,21 +321,6 @@ class Connection:
             self._fail(exc)
         except ProtocolError as exc:  # from decoding what the peer sent
             self._fail(RemoteProtocolError(exc.code, exc.message))
-
-    def _no_frame(self) -> ConnectionClosed | Literal[NeedData.NEED_DATA]:
-        """No complete frame is buffered: more bytes are needed, or the stream ended."""
-        buffered = self._reader.buffered
-        if self._fds and not buffered:
-            raise RemoteProtocolError(
-                ErrorCode.BAD_DESCRIPTORS,
-                f"{len(self._fds)} descriptor(s) arrived that no reply declares",
-            )
-        if not self._reader.ended:
-            return NEED_DATA
-        if buffered:
-            raise RemoteProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
-        self._states[self._peer] = self._after(self._peer, Step.END)
-        return ConnectionClosed()
 
     def _request_event(self, body: object) -> Request | BadRequest:
         request_id = peek_id(body)
