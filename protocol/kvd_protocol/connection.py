@@ -82,16 +82,9 @@ def _step_of(message: Message) -> Step:
 
 
 def _check_id(message: Message, lo: int) -> None:
-    if type(message.id) is int and lo <= message.id <= U32:  # the usual case, in one test
-        return
-    if (
-        not isinstance(message.id, int)
-        or isinstance(message.id, bool)
-        or not lo <= message.id <= U32
-    ):
-        raise LocalProtocolError(
-            ErrorCode.BAD_MESSAGE, f"message id {message.id!r} outside {lo}..{U32}"
-        )
+    value = message.id
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= U32:
+        raise LocalProtocolError(ErrorCode.BAD_MESSAGE, f"message id {value!r} outside {lo}..{U32}")
 
 
 class Connection:

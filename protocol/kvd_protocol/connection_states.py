@@ -1,7 +1,7 @@
 """The states of a kvd connection, and the one table of their transitions.
 
 A Connection follows two machines, one for what each side sends: the client's (its hello, its
-requests, its descriptors, the end of its stream) and the server's (its replies, their
+requests, the end of its stream; never a descriptor) and the server's (its replies, their
 descriptors, its final error, the end of its stream). Each machine is in one State; a Step
 is one thing its side did; TRANSITIONS holds, for (the side, its state, the step), the state
 after. A step the table does not hold is refused: REFUSALS says with which code and why.
