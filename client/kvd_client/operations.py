@@ -32,14 +32,14 @@ class RunsAwaiting(Protocol):
 class BlockingRunner:
     """Drives the calls of its operations to their end: they return their results."""
 
-    awaits: ClassVar[bool] = False
+    _awaits: ClassVar[bool] = False
     _run: RunsBlocking
 
 
 class AsyncRunner:
     """Drives the calls of its operations on the event loop: they return coroutines."""
 
-    awaits: ClassVar[bool] = True
+    _awaits: ClassVar[bool] = True
     _run: RunsAwaiting
 
 
@@ -53,7 +53,7 @@ class operation(Generic[S, P, T]):  # noqa: N801 - a decorator, as property is
         async def awaiting(runner: Any, *args: Any, **kwargs: Any) -> Any:
             return await runner._run(call(runner, *args, **kwargs))
 
-        # By the runner's awaits: the method it gets.
+        # By the runner's _awaits: the method it gets.
         self._methods = (update_wrapper(blocking, call), update_wrapper(awaiting, call))
 
     @overload
@@ -79,6 +79,6 @@ class operation(Generic[S, P, T]):  # noqa: N801 - a decorator, as property is
 
     def __get__(self, runner: BlockingRunner | AsyncRunner | None, owner: type[Any]) -> Any:
         if runner is not None:
-            return MethodType(self._methods[runner.awaits], runner)
-        awaits: bool | None = getattr(owner, "awaits", None)  # None: the class written once
+            return MethodType(self._methods[runner._awaits], runner)
+        awaits: bool | None = getattr(owner, "_awaits", None)  # None: the class written once
         return self if awaits is None else self._methods[awaits]
