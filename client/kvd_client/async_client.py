@@ -1,4 +1,4 @@
-"""The async client: the blocking client's API with await, on plain asyncio.
+"""The async client: the API of api.py with await, its calls driven on plain asyncio.
 
 It drives the same calls (calls.py, prompt_cache.py) as Client; a put's tensor copies run in
 a worker thread so the event loop keeps serving. A get's restore builds its MLX arrays on the
@@ -102,6 +102,7 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
         return client
 
     async def close(self) -> None:
+        """As Client.close."""
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         async with self._lock:

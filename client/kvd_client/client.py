@@ -1,7 +1,7 @@
-"""The blocking client: drives the calls of calls.py over a blocking Unix socket.
+"""The blocking client: the API of api.py, its calls driven over a blocking Unix socket.
 
 Put and lookup never raise into the engine when the daemon is absent, slow or restarting;
-see calls.py for what each operation does. Thread-safe: one exchange at a time.
+see api.py and calls.py for what each operation does. Thread-safe: one exchange at a time.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         return client
 
     def close(self) -> None:
+        """Close the connection; a client made by connect() also stops its breaker's probe."""
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         with self._lock:
