@@ -43,7 +43,7 @@ TIER_BYTES = (
     pytest.param(
         2 << 20,
         marks=pytest.mark.xfail(
-            strict=True,
+            strict=False,  # the order of a wave's two requests varies
             reason="the eviction rule counts a prefill checkpoint's age twice however often "
             "prompts restore from it: the checkpoint each wave restores from goes before the "
             "whole entries of the wave before, which no prompt uses (plain least recently "
