@@ -4,6 +4,7 @@ tokens and logits equal an uninterrupted run's."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,8 @@ from tiny_models import (
     tiny_llama,
     tiny_llama4,
     tiny_mamba2,
+    tiny_nemotron_h,
+    tiny_qwen3_next,
 )
 
 SETTLE_SECONDS = 30.0
@@ -44,6 +47,8 @@ MODELS = {
     "mamba2": tiny_mamba2,
     "llama4": tiny_llama4,  # ChunkedKVCache
     "falcon_h1": tiny_falcon_h1,  # CacheList
+    "qwen3_next": tiny_qwen3_next,  # Gated DeltaNet and attention
+    "nemotron_h": tiny_nemotron_h,  # Mamba-2 and attention
 }
 
 
@@ -207,9 +212,15 @@ def test_another_process_restores_what_this_one_put(daemon: Daemon) -> None:
             restored = client.get(Identity("tiny/llama", "cfg", "tok"), tokens, model=model)
         print(greedy(model, restored.cache, tokens[-1:], {STEPS})[0])
     """)
-    here = str(Path(__file__).parent)
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": str(here.parent)}  # tiny_models imports model_folders
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=here, check=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=here,
+        env=env,
+        check=True,
     )
     assert done.stdout.strip() == str(want)
 

@@ -9,6 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models import falcon_h1, lfm2, llama, llama4, mamba2
 from mlx_lm.models.cache import make_prompt_cache
+from model_folders import SMALL_CONFIGS, small_model
 
 VOCAB = 256
 
@@ -142,6 +143,24 @@ def tiny_falcon_h1(seed: int = 0) -> Any:
     )
     model: Any = falcon_h1.Model  # its constructor has no type hints
     return _ready(model(args), seed)
+
+
+def tiny_qwen3_next(seed: int = 0) -> Any:
+    """qwen3_next hybrid: three Gated DeltaNet layers (ArraysCache: convolution state and a
+    float32 recurrent state) and one attention layer (KVCache); the tests' model folders'."""
+    return _small("qwen3_next", seed)
+
+
+def tiny_nemotron_h(seed: int = 0) -> Any:
+    """nemotron_h hybrid: Mamba-2 layers (ArraysCache: convolution and SSM state) around one
+    attention layer (KVCache), and a feed-forward layer (no cache); the tests' model
+    folders'."""
+    return _small("nemotron_h", seed)
+
+
+def _small(model_type: str, seed: int) -> Any:
+    config = {"model_type": model_type, **SMALL_CONFIGS[model_type], "vocab_size": VOCAB}
+    return small_model(config, seed=seed)
 
 
 def prompt(length: int, seed: int = 1) -> list[int]:
