@@ -39,6 +39,15 @@ class RealModel:
     prefill_source: str
 
 
+# The Gated DeltaNet layers of both Qwen models (their config.json values, cited below).
+QWEN_GATED_DELTANET = {
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+
 # Qwen3.5-9B: the model card (hidden 4096; 32 layers as 8 x (3 Gated DeltaNet, 1 gated
 # attention); DeltaNet 32 value / 16 query-key heads of 128; attention 16 query / 4 KV heads
 # of 256) and the text_config of a Qwen/Qwen3.5-9B config.json
@@ -52,11 +61,7 @@ QWEN3_5_9B = {
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
     "head_dim": 256,
-    "linear_num_value_heads": 32,
-    "linear_num_key_heads": 16,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
+    **QWEN_GATED_DELTANET,
     "vocab_size": 248320,
 }
 
@@ -75,11 +80,7 @@ QWEN3_NEXT_80B = {
     "num_attention_heads": 16,
     "num_key_value_heads": 2,
     "head_dim": 256,
-    "linear_num_value_heads": 32,
-    "linear_num_key_heads": 16,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
+    **QWEN_GATED_DELTANET,
     "num_experts": 512,
     "num_experts_per_tok": 10,
     "decoder_sparse_step": 1,
