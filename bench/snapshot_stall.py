@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from _daemon import running_daemon
 from kvd_client import prompt_cache
+from kvd_client.backlog import Kind
 from kvd_client.client import Client
 from kvd_client.mlx_lm_cache import ColdTier
 from restore import DAEMON_FLAGS, HEAD_DIM, IDENTITY, KV_HEADS, LAYERS, TOKENS, realistic_cache
@@ -56,9 +57,12 @@ def one_rep(client: Client, tokens: int, rep: int) -> dict[str, Row]:
     ids = list(range(rep * 1_000_000, rep * 1_000_000 + tokens + MESSAGE + GENERATED))
     out: dict[str, Row] = {}
     with ColdTier(client, None, None, identity=IDENTITY) as tier:
-        steps = [(ROWS[0], 0, tokens, False), (ROWS[1], MESSAGE, tokens + MESSAGE, True)]
-        steps.append((ROWS[2], GENERATED, tokens + MESSAGE + GENERATED, False))
-        for name, grow, length, segment in steps:
+        steps = [
+            (ROWS[0], 0, tokens, Kind.TURN),
+            (ROWS[1], MESSAGE, tokens + MESSAGE, Kind.SEGMENT),
+        ]
+        steps.append((ROWS[2], GENERATED, tokens + MESSAGE + GENERATED, Kind.TURN))
+        for name, grow, length, kind in steps:
             if grow:
                 _grown(cache, grow)
             start = time.perf_counter()
@@ -66,7 +70,7 @@ def one_rep(client: Client, tokens: int, rep: int) -> dict[str, Row]:
             whole = time.perf_counter() - start
             copied = tier.stats.bytes_copied
             start = time.perf_counter()
-            tier.store(ids[:length], cache, segment=segment)
+            tier.store(ids[:length], cache, kind=kind)
             took = time.perf_counter() - start
             nbytes = sum(layer.keys[..., :length, :].nbytes * 2 for layer in cache)
             out[name] = (whole, took, nbytes, tier.stats.bytes_copied - copied)

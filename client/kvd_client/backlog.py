@@ -4,9 +4,10 @@ and when a new one comes, what it makes unnecessary or what is worth least goes.
 - A snapshot covers another when its entry serves the other's tokens: the same tokens, or
   more of them when it trims. A new snapshot that a waiting one covers is not taken; one it
   covers (an earlier turn of its conversation, its own request's segments) are superseded.
-- Over max_bytes, segments go before finished turns, the oldest first within each, the new
-  one included (it is the newest). A finished turn is thus never dropped while a segment is
-  kept. A snapshot larger than max_bytes alone is still taken when nothing else waits.
+- Over max_bytes, what is worth least goes first (Kind: prefill checkpoints, then segments,
+  then finished turns), the oldest first within each, the new one included (it is the
+  newest). A finished turn is thus never dropped while a segment or a checkpoint is kept. A
+  snapshot larger than max_bytes alone is still taken when nothing else waits.
 
 Bytes are counted by owner (Held.holds): a block copy several snapshots share once.
 """
@@ -15,7 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Generic, Protocol, TypeVar
+
+
+class Kind(IntEnum):
+    """What a snapshot is, in the order the backlog drops them (the least worth first)."""
+
+    PREFILL_CHECKPOINT = 0  # part-way through a prompt's prefill (prefill_checkpoints.py)
+    SEGMENT = 1  # a prefix on the way to a longer entry: the prompt boundary, a system prompt
+    TURN = 2  # a finished turn: prompt and generation
 
 
 class Held(Protocol):
@@ -25,7 +35,7 @@ class Held(Protocol):
     def tokens(self) -> list[int]: ...
 
     @property
-    def segment(self) -> bool: ...
+    def kind(self) -> Kind: ...
 
     @property
     def trimmable(self) -> bool: ...
@@ -107,6 +117,6 @@ class Backlog(Generic[T]):
 
 
 def _least_worth(items: Sequence[Held]) -> Held:
-    """The first to drop: a segment before a finished turn, the oldest first (items are in
-    age order)."""
-    return min(items, key=lambda item: not item.segment)
+    """The first to drop: the least worth by kind, the oldest first (items are in age
+    order)."""
+    return min(items, key=lambda item: item.kind)

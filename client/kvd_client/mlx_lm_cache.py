@@ -7,11 +7,13 @@ from kvd and hands its caches back after prefill and generation.
 
 What is stored when (the places mlx-lm's server snapshots its in-memory cache):
 - after generation, prompt + generated tokens: the next turn of a conversation extends them;
-- at the prompt boundary, all of the prompt but its last token, when the model's caches may
-  become untrimmable (rotating windows that wrap, chunked attention, recurrent state): the
-  entry stored after generation could then not serve this prompt again. The daemon caps a
-  match at the prompt's length - 1, so that snapshot serves both a repeat of the prompt and
-  any extension. Caches that always trim need none: the longer entry serves by trimming.
+- when the model's caches may become untrimmable (rotating windows that wrap, chunked
+  attention, recurrent state), so that the entry stored after generation could not serve this
+  prompt again: at the prompt boundary, all of the prompt but its last token (the daemon caps
+  a match at the prompt's length - 1, so that snapshot serves both a repeat of the prompt and
+  any extension), and prefill checkpoints along the prompt (prefill_checkpoints.py), so that
+  a prompt whose end changed restores all but the last interval. Caches that always trim need
+  neither: the longer entry serves by trimming.
 
 Puts never block the engine on the daemon: the caches are snapshotted on the caller's thread
 (copies of the live tokens, the only MLX work) and one background thread writes the snapshot
@@ -39,12 +41,15 @@ import mlx_lm
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import snapshots
-from .backlog import Admission, Backlog, held_bytes
+from . import prefill_checkpoints, snapshots
+from .backlog import Admission, Backlog, Kind, held_bytes
 from .block_io import BlocksNotHeld
 from .codecs import CodecError
 from .drops import Drops
 from .identity import Identity
+from .link import MIN_MEASURED_PREFILL
+from .prefill_checkpoints import CheckpointedModel, CheckpointSettings
+from .prompt_cache import snapshot_layers
 from .snapshots import Memo, Plan, Snapshot
 
 if TYPE_CHECKING:
@@ -75,6 +80,8 @@ class ColdTierStats:
     fresh: int = 0  # prompts for which the tier had no prefix (or none longer than asked)
     lookups_unavailable: int = 0  # of those, lookups the daemon did not answer (down, slow)
     restored_tokens: int = 0  # prompt tokens restored instead of computed
+    checkpoint_restores: int = 0  # of the prompts restored, those from a prefill checkpoint
+    checkpoint_restored_tokens: int = 0  # the tokens those restored
     computed_tokens: int = 0  # prompt tokens prepare() left to compute after restoring
     stored: int = 0  # snapshots the daemon accepted
     unavailable: int = 0  # snapshots not handed over: the daemon was down or slow
@@ -83,7 +90,9 @@ class ColdTierStats:
     dropped: int = 0  # snapshots dropped from a full backlog (logged at warning)
     dropped_bytes: int = 0  # what they held
     aborted: int = 0  # puts aborted: the daemon no longer held blocks the snapshot left out
-    requests: int = 0  # finished turns handed to store() (segment=False)
+    requests: int = 0  # finished turns handed to store() (Kind.TURN)
+    checkpoints: int = 0  # prefill checkpoints handed to store()
+    checkpoint_bytes: int = 0  # copied for them
     snapshots: int = 0  # store() calls, each on the engine's thread
     snapshot_seconds: float = 0.0  # the engine's time in them, all told
     snapshot_max_seconds: float = 0.0  # the longest one
@@ -104,10 +113,16 @@ class ColdTier:
         identity: Identity | None = None,
         namespace: str = "",
         backlog_bytes: int = BACKLOG_BYTES,
+        checkpoints: CheckpointSettings = prefill_checkpoints.BY_COST,
     ) -> None:
         """tokenizer: what mlx_lm.load returned. identity: by default Identity.for_model.
         backlog_bytes: what the snapshots waiting while one is sent may hold (copies of the
-        caches' rows); beyond it segments go first, then the oldest (backlog.py)."""
+        caches' rows); beyond it checkpoints and segments go first, then the oldest
+        (backlog.py). checkpoints: the prefill checkpoints' interval and bytes; a fixed
+        interval must be a multiple of the client's block size (ValueError)."""
+        self.unit = client.block_tokens or prefill_checkpoints.UNIT_TOKENS
+        checkpoints.check_unit(self.unit)
+        self.checkpoints = checkpoints
         self.client = client
         self._stores = client.twin()  # puts on a connection of their own: never before a lookup
         self.model = model
@@ -119,6 +134,8 @@ class ColdTier:
         self._futures: dict[Snapshot, Future[Ticket]] = {}
         self._memo = Memo()
         self._untold = Drops()  # dropped, not yet told to the daemon: with the next commit
+        self._state_bytes: int | None = None  # a checkpoint's own (prefill_checkpoints.py)
+        self._prefill_rate = prefill_checkpoints.ASSUMED_PREFILL_RATE  # tokens/s
         self._busy = False
         self._closed = False
         self._changed = threading.Condition()
@@ -152,18 +169,22 @@ class ColdTier:
         else:
             self.stats.restored += 1
             self.stats.restored_tokens += restored.matched
+            if restored.prefill_checkpoint:
+                self.stats.checkpoint_restores += 1
+                self.stats.checkpoint_restored_tokens += restored.matched
             if restored.block_tokens == self.client.block_tokens:
                 with self._changed:
                     self._memo.held(restored.blocks)
         return restored
 
     def store(
-        self, tokens: Sequence[int], cache: Sequence[Any], *, segment: bool = False
+        self, tokens: Sequence[int], cache: Sequence[Any], *, kind: Kind = Kind.TURN
     ) -> Future[Ticket]:
         """Hand the caches (holding exactly tokens) to the daemon: snapshot now, send in the
-        background. segment: a prefix on the way to a longer entry (a prompt boundary, the
-        server's system and user segments), worth less than a finished turn; of caches that
-        always trim only its whole blocks are stored (snapshots.plan). The future gives the
+        background. kind: a finished turn, or worth less: a segment (a prefix on the way to
+        a longer entry: a prompt boundary, the server's system and user segments; of caches
+        that always trim only its whole blocks are stored, snapshots.plan) or a prefill
+        checkpoint (the daemon keeps it as one). The future gives the
         daemon's ticket; it is cancelled if the snapshot was not needed (a waiting or newer
         one covers it, or nothing of a segment is) or dropped for room. Never raises for the
         daemon's sake, nor for a cache the codecs refuse (the future then holds the
@@ -171,17 +192,18 @@ class ColdTier:
         started = time.perf_counter()
         future: Future[Ticket] = Future()
         try:
-            self._store(future, tokens, cache, segment)
+            self._store(future, tokens, cache, kind)
         finally:
             took = time.perf_counter() - started
             self.stats.snapshots += 1
-            self.stats.requests += not segment
+            self.stats.requests += kind is Kind.TURN
+            self.stats.checkpoints += kind is Kind.PREFILL_CHECKPOINT
             self.stats.snapshot_seconds += took
             self.stats.snapshot_max_seconds = max(self.stats.snapshot_max_seconds, took)
         return future
 
     def _store(
-        self, future: Future[Ticket], tokens: Sequence[int], cache: Sequence[Any], segment: bool
+        self, future: Future[Ticket], tokens: Sequence[int], cache: Sequence[Any], kind: Kind
     ) -> None:
         with self._changed:
             if self._closed:
@@ -192,7 +214,7 @@ class ColdTier:
                     tokens,
                     cache,
                     block_tokens=self.client.block_tokens,
-                    segment=segment,
+                    kind=kind,
                 )
             except CodecError as exc:
                 self.stats.failed += 1
@@ -202,8 +224,11 @@ class ColdTier:
             if plan is None or not self._admitted(plan):
                 future.cancel()
                 return
+        self._state_seen(prefill_checkpoints.state_bytes(plan.layers, plan.arrays))
         snapshot = snapshots.take(plan)  # the copies, with the lock let go
         self.stats.bytes_copied += snapshot.copied
+        if kind is Kind.PREFILL_CHECKPOINT:
+            self.stats.checkpoint_bytes += snapshot.copied
         with self._changed:
             self._memo.copied(snapshot.copies)
             self._backlog.append(snapshot)
@@ -237,6 +262,80 @@ class ColdTier:
             self._backlog.nbytes,
             self._backlog.max_bytes,
         )
+
+    # --- prefill checkpoints and the prompt boundary ---
+
+    def prefill_hooks(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        cache: Sequence[Any],
+        progress: ProgressCallback | None = None,
+    ) -> tuple[Any, ProgressCallback]:
+        """For mlx-lm's generate_step prefilling tokens[start:] into cache (which holds the
+        first start): the model to call, its prefill cut at the prefill checkpoints (each
+        stored), and a progress callback that stores the prompt boundary when the caches may
+        become untrimmable, then calls progress with what it was given."""
+        untrimmable = not all(_always_trimmable(layer) for layer in cache)
+        at = self.checkpoint_positions(tokens, start, cache) if untrimmable else []
+
+        def take(position: int, caches: Sequence[Any]) -> None:
+            self.store(tokens[:position], caches, kind=Kind.PREFILL_CHECKPOINT)
+
+        def boundary(done: int, total: int) -> None:
+            # Called after each prefill chunk is evaluated; done == total - 1 is the last one.
+            if untrimmable and 0 < done == total - 1:
+                self.store(tokens[: len(tokens) - 1], cache, kind=Kind.SEGMENT)
+            if progress is not None:
+                progress(done, total)
+
+        model = CheckpointedModel(self.model, start, at, take) if at else self.model
+        return model, boundary
+
+    def checkpoint_positions(
+        self, tokens: Sequence[int], start: int, cache: Sequence[Any] | None = None
+    ) -> list[int]:
+        """Where a prefill of tokens from start (cache holds the first start; None: a fresh
+        one) stores prefill checkpoints: none when they are off or the caches always trim."""
+        layers = make_prompt_cache(self.model) if cache is None else cache
+        if self.checkpoints.interval == 0 or all(_always_trimmable(layer) for layer in layers):
+            return []
+        interval = self.checkpoints.interval or self._interval(len(tokens))
+        return prefill_checkpoints.positions(start, len(tokens) - 1, interval) if interval else []
+
+    def measured_prefill(self, response: GenerationResponse) -> None:
+        """The first response of a generation: its prefill rate (mlx-lm's prompt_tps), for
+        the checkpoint interval and the daemon's cost policy."""
+        if response.prompt_tps <= 0:
+            return
+        self.client.measured_prefill(
+            response.prompt_tokens, response.prompt_tokens / response.prompt_tps
+        )
+        if response.prompt_tokens >= MIN_MEASURED_PREFILL:
+            self._prefill_rate = response.prompt_tps
+
+    def _interval(self, prompt_tokens: int) -> int:
+        """The interval by cost (prefill_checkpoints.choose_interval); 0 when the caches have
+        no codec (nothing of them is stored)."""
+        if self._state_bytes is None:  # once per model: a one-token forward on scratch caches
+            scratch = make_prompt_cache(self.model)
+            self.model(mx.array([[0]]), cache=scratch)
+            mx.eval([layer.state for layer in scratch])
+            try:
+                self._state_seen(prefill_checkpoints.state_bytes(*snapshot_layers(scratch, 1)))
+            except CodecError:
+                return 0
+        assert self._state_bytes is not None
+        return prefill_checkpoints.choose_interval(
+            state_bytes=self._state_bytes,
+            prefill_rate=self._prefill_rate,
+            prompt_tokens=prompt_tokens,
+            unit=self.unit,
+            prompt_bytes=self.checkpoints.prompt_bytes,
+        )
+
+    def _state_seen(self, state_bytes: int) -> None:
+        self._state_bytes = max(state_bytes, self._state_bytes or 0)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot stored so far was sent (the daemon serves it from then
@@ -280,23 +379,19 @@ class ColdTier:
         tokens = self._tokens(prompt)
         cache, remaining = self.prepare(tokens)
         matched = len(tokens) - len(remaining)
-        boundary = len(tokens) - 1
-        stores_boundary = not all(_always_trimmable(layer) for layer in cache)
 
         def progress(done: int, total: int) -> None:
-            # Called after each prefill chunk is evaluated; done == total - 1 is the last one.
-            if stores_boundary and 0 < done == total - 1:
-                self.store(tokens[:boundary], cache, segment=True)
             if prompt_progress_callback is not None:
                 prompt_progress_callback(matched + done, matched + total)
 
+        model, hooked = self.prefill_hooks(tokens, matched, cache, progress)
         responses = mlx_lm.stream_generate(
-            self.model,
+            model,
             self.tokenizer,
             mx.array(remaining),
             max_tokens,
             prompt_cache=cache,
-            prompt_progress_callback=progress,
+            prompt_progress_callback=hooked,
             **kwargs,
         )
         # Every token a response carries has been run through the model: the caches
@@ -304,10 +399,8 @@ class ColdTier:
         generated: list[int] = []
         try:
             for response in responses:
-                if not generated and response.prompt_tps > 0:  # the prefill's own rate
-                    self.client.measured_prefill(
-                        response.prompt_tokens, response.prompt_tokens / response.prompt_tps
-                    )
+                if not generated:
+                    self.measured_prefill(response)
                 generated.append(response.token)
                 yield response
         except GeneratorExit:

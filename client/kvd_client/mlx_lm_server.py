@@ -50,6 +50,7 @@ from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
 from . import mlx_lm_hooks
+from .backlog import Kind
 from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
@@ -159,7 +160,8 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         if cold is not None and tokens and _storable(tokens):
             # A snapshot now (memory may evict it at once); the system and user segments of
             # a prompt are prefixes of the request's finished turn.
-            cold.store(tokens, prompt_cache, segment=cache_type != "assistant")
+            kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
+            cold.store(tokens, prompt_cache, kind=kind)
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
 

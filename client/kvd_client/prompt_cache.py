@@ -46,6 +46,7 @@ class Restored:
     checkpoint: set when the entry is a generation checkpoint (get_checkpoint): where the
     interrupted generation stands, its pending token and seed. blocks: the chained hashes of
     the entry's blocks within the match (of block_tokens tokens each): the daemon holds them.
+    prefill_checkpoint: the entry is a prefill checkpoint (prefill_checkpoints.py).
     """
 
     cache: list[Any]
@@ -53,6 +54,7 @@ class Restored:
     checkpoint: Checkpoint | None = None
     blocks: tuple[bytes, ...] = ()
     block_tokens: int = 0
+    prefill_checkpoint: bool = False
 
 
 # --- put -------------------------------------------------------------------------------------
@@ -282,7 +284,12 @@ def _restore(
         header = hit.entry.header
         within = header.blocks[: hit.matched // header.block_tokens] if header.blocks else ()
         restored = Restored(
-            caches, hit.matched, header.checkpoint, tuple(within), header.block_tokens
+            caches,
+            hit.matched,
+            header.checkpoint,
+            tuple(within),
+            header.block_tokens,
+            header.prefill_checkpoint,
         )
     finally:
         hit.entry.close()

@@ -30,9 +30,17 @@ from typing import Any, Final
 
 import mlx.core as mx
 from kvd_protocol.blocks import block_hashes
-from kvd_protocol.entry import TOKEN_AXIS, LayerSpec, MetaValue, TensorSpec, with_rows
+from kvd_protocol.entry import (
+    PREFILL_CHECKPOINT_META,
+    TOKEN_AXIS,
+    LayerSpec,
+    MetaValue,
+    TensorSpec,
+    with_rows,
+)
 from kvd_protocol.tokens import pack_tokens
 
+from .backlog import Kind
 from .block_io import CutCopy
 from .codecs import CodecError, tensor_pieces
 from .entry_io import TensorData
@@ -41,6 +49,10 @@ from .prompt_cache import entry_meta, snapshot_layers
 # Block hashes the memo remembers as held by the daemon: 16,384 blocks are 4M tokens of
 # 256, more than a tier holds for one model in a day; about 2 MiB.
 MEMO_BLOCKS: Final = 16384
+# The entry meta that marks a kind for the daemon.
+_KIND_META: Final[Mapping[Kind, Mapping[str, MetaValue]]] = {
+    Kind.PREFILL_CHECKPOINT: {PREFILL_CHECKPOINT_META: True}
+}
 
 
 @dataclass(eq=False)
@@ -100,7 +112,7 @@ class Plan:
     """A snapshot decided but not copied: what store() weighs before it copies."""
 
     tokens: list[int]
-    segment: bool
+    kind: Kind
     layers: list[LayerSpec]
     arrays: list[Any]  # each layer's tensors (views of the caches' buffers), flat
     block_tokens: int  # 0: not cut into blocks
@@ -112,7 +124,11 @@ class Plan:
 
     @property
     def trimmable(self) -> bool:
-        return all(layer.trimmable for layer in self.layers)
+        """Whether its entry serves shorter prefixes: the daemon never trims a prefill
+        checkpoint, whatever its layers."""
+        return self.kind is not Kind.PREFILL_CHECKPOINT and all(
+            layer.trimmable for layer in self.layers
+        )
 
     @property
     def new(self) -> list[int]:
@@ -138,7 +154,7 @@ class Snapshot:
     a cut tensor a CutCopy."""
 
     tokens: list[int]
-    segment: bool
+    kind: Kind
     trimmable: bool
     layers: list[LayerSpec]
     tensors: list[TensorData]
@@ -160,7 +176,7 @@ def plan(
     cache: Sequence[Any],
     *,
     block_tokens: int,
-    segment: bool = False,
+    kind: Kind = Kind.TURN,
 ) -> Plan | None:
     """What a snapshot of cache (holding exactly tokens) copies, the memo consulted (under
     its owner's lock); raises CodecError. block_tokens: the daemon's blocks (0: none).
@@ -171,7 +187,7 @@ def plan(
     block is left."""
     layers, arrays = snapshot_layers(cache, len(tokens))
     count = len(tokens)
-    if segment and block_tokens and layers and all(layer.blocked for layer in layers):
+    if kind is Kind.SEGMENT and block_tokens and layers and all(layer.blocked for layer in layers):
         count -= count % block_tokens
         if not count:
             return None
@@ -179,7 +195,7 @@ def plan(
     cut = [layer.blocked for layer in layers for _ in layer.tensors]
     whole = sum(_nbytes(a) for a in arrays)
     if not (block_tokens and count >= block_tokens and any(cut)):
-        return Plan(list(tokens[:count]), segment, layers, arrays, 0, (), 0, {}, 0, whole)
+        return Plan(list(tokens[:count]), kind, layers, arrays, 0, (), 0, {}, 0, whole)
     hashes = block_hashes(pack_tokens(tokens[:count]), block_tokens)
     held = memo.held_prefix(hashes)
     shared = {
@@ -190,7 +206,7 @@ def plan(
     tail_bytes = cut_bytes - len(hashes) * block_bytes
     return Plan(
         list(tokens[:count]),
-        segment,
+        kind,
         layers,
         arrays,
         block_tokens,
@@ -228,11 +244,11 @@ def take(plan: Plan) -> Snapshot:
         tensors.append(CutCopy(math.prod(array.shape[:TOKEN_AXIS]), blocks, _bytes_of(tail)))
     return Snapshot(
         plan.tokens,
-        plan.segment,
+        plan.kind,
         plan.trimmable,
         plan.layers,
         tensors,
-        entry_meta(),
+        entry_meta(_KIND_META.get(plan.kind)),
         plan.hashes,
         {plan.hashes[i]: copy for i, copy in copies.items()},
         plan.private_bytes,

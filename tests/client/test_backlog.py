@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
-from kvd_client.backlog import Backlog, covers, held_bytes
+from kvd_client.backlog import Backlog, Kind, covers, held_bytes
 
 
 @dataclass(eq=False)
 class Item:
     tokens: list[int]
     nbytes: int
-    segment: bool = False
+    kind: Kind = Kind.TURN
     trimmable: bool = True
     shared: dict[object, int] = field(default_factory=dict)
 
@@ -39,14 +39,14 @@ def test_an_entry_covers_its_prefixes_when_it_trims_and_its_own_tokens_always() 
 
 def test_a_longer_turn_supersedes_what_it_covers_and_a_covered_one_is_not_taken() -> None:
     backlog: Backlog[Item] = Backlog(100)
-    segment, other = Item([1, 2], 10, segment=True), Item([7, 8], 10)
+    segment, other = Item([1, 2], 10, kind=Kind.SEGMENT), Item([7, 8], 10)
     _filled(backlog, segment, other)
     admission = backlog.admit(Item([1, 2, 3], 10))
     assert admission.taken
     assert admission.superseded == [segment]
     assert not admission.dropped
     backlog.append(Item([1, 2, 3], 10))
-    covered = backlog.admit(Item([1, 2], 10, segment=True))
+    covered = backlog.admit(Item([1, 2], 10, kind=Kind.SEGMENT))
     assert covered.covered
     assert not covered.taken
     assert len(backlog) == 2
@@ -54,7 +54,7 @@ def test_a_longer_turn_supersedes_what_it_covers_and_a_covered_one_is_not_taken(
 
 def test_over_the_bound_segments_go_first_then_the_oldest_turn() -> None:
     backlog: Backlog[Item] = Backlog(30)
-    old, segment, newer = Item([1], 10), Item([2], 10, segment=True), Item([3], 10)
+    old, segment, newer = Item([1], 10), Item([2], 10, kind=Kind.SEGMENT), Item([3], 10)
     _filled(backlog, old, segment, newer)
     admission = backlog.admit(Item([4], 10))
     assert admission.taken
@@ -64,7 +64,7 @@ def test_over_the_bound_segments_go_first_then_the_oldest_turn() -> None:
     assert admission.taken
     assert admission.dropped == [old]
     backlog.append(Item([5], 10))
-    late = backlog.admit(Item([6], 10, segment=True))  # a segment is worth the least
+    late = backlog.admit(Item([6], 10, kind=Kind.SEGMENT))  # a segment is worth the least
     assert not late.taken
     assert not late.covered
     assert not late.dropped
@@ -89,3 +89,15 @@ def test_bytes_shared_by_several_snapshots_count_once() -> None:
     _filled(backlog, a)
     assert backlog.admit(b).taken
     assert backlog.nbytes == 25
+
+
+def test_prefill_checkpoints_go_before_segments_and_never_cover_shorter_ones() -> None:
+    backlog: Backlog[Item] = Backlog(30)
+    checkpoint = Item([1, 2], 10, kind=Kind.PREFILL_CHECKPOINT, trimmable=False)
+    segment, turn = Item([3], 10, kind=Kind.SEGMENT), Item([4], 10)
+    _filled(backlog, segment, checkpoint, turn)
+    admission = backlog.admit(Item([5], 10))
+    assert admission.dropped == [checkpoint]  # newer than the segment, worth less
+    backlog.append(Item([5], 10))
+    longer = Item([1, 2, 3], 10, kind=Kind.PREFILL_CHECKPOINT, trimmable=False)
+    assert not covers(longer, checkpoint)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from daemon_process import Daemon
+from kvd_client.backlog import Kind
 from kvd_client.client import Client
 from kvd_client.drops import Drops
 from kvd_client.mlx_lm_cache import ColdTier
@@ -49,10 +50,10 @@ def test_a_burst_s_drops_show_in_status_and_metrics_as_the_tier_counted_them(
             segments = []
             for tokens in conversations[:2]:
                 cut = tokens[: 2 * BLOCK + 8]
-                segments.append(tier.store(cut, prefill(model, cut), segment=True))
+                segments.append(tier.store(cut, prefill(model, cut), kind=Kind.SEGMENT))
             turn = tier.store(conversations[3], prefill(model, conversations[3]))
             cut = conversations[2][: 2 * BLOCK + 8]
-            last_segment = tier.store(cut, prefill(model, cut), segment=True)
+            last_segment = tier.store(cut, prefill(model, cut), kind=Kind.SEGMENT)
         assert in_flight.result(SETTLE_SECONDS).wait(SETTLE_SECONDS) == TicketState("stored")
         skipped = again.result(SETTLE_SECONDS)
         assert skipped.id is None  # no commit: nothing told with it

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from daemon_process import Daemon
+from kvd_client.backlog import Kind
 from kvd_client.block_io import BlocksNotHeld
 from kvd_client.client import Client
 from kvd_client.mlx_lm_cache import ColdTier
@@ -109,9 +110,9 @@ def test_a_segment_of_caches_that_trim_keeps_its_whole_blocks_only(daemon: Daemo
     with _tier(daemon, model) as (client, tier):
         cache = prefill(model, tokens)
         row = _row_bytes(cache)
-        _stored(tier, tokens, cache, segment=True)
+        _stored(tier, tokens, cache, kind=Kind.SEGMENT)
         assert tier.stats.bytes_copied == 2 * BLOCK * row
-        short = tier.store(tokens[:10], prefill(model, tokens[:10]), segment=True)
+        short = tier.store(tokens[:10], prefill(model, tokens[:10]), kind=Kind.SEGMENT)
         assert short.cancelled()  # not even a block: the finished turn will serve it
         (entry,) = client.list_entries(tier.identity.to_protocol())
         assert entry.tokens == 2 * BLOCK
@@ -125,7 +126,7 @@ def test_a_segment_of_caches_that_may_not_trim_keeps_its_exact_length(daemon: Da
     model = tiny_llama(4, sliding_window=8)
     tokens = prompt(40)
     with _tier(daemon, model) as (client, tier):
-        _stored(tier, tokens, prefill(model, tokens), segment=True)
+        _stored(tier, tokens, prefill(model, tokens), kind=Kind.SEGMENT)
         (entry,) = client.list_entries(tier.identity.to_protocol())
     assert entry.tokens == len(tokens)
 
@@ -172,7 +173,7 @@ def test_a_burst_keeps_finished_turns_over_segments_within_the_byte_bound(
             for tokens in conversations:
                 for length in (BLOCK + 4, 2 * BLOCK + 8):
                     segment = prefill(model, tokens[:length])
-                    segments.append(tier.store(tokens[:length], segment, segment=True))
+                    segments.append(tier.store(tokens[:length], segment, kind=Kind.SEGMENT))
                     assert tier._backlog.nbytes <= bound
                 finished.append(tier.store(tokens, prefill(model, tokens)))
                 assert tier._backlog.nbytes <= bound
