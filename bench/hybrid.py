@@ -1,0 +1,237 @@
+"""Prefill checkpoints of a hybrid model through the cold tier: the prefill a changed prompt
+saves against the bytes each prompt writes, per checkpoint interval, and what checkpointing
+costs decoding.
+
+The model is a qwen3_next folder built in a temp dir (Gated DeltaNet layers, whose
+ArraysCache cannot be trimmed, and one attention layer in four; random float32 weights),
+loaded by mlx_lm.load; a real `kvd serve` holds the tier. Per --repeat, for each interval
+(--intervals, multiples of the daemon's block size; 0 is no checkpoints) and for the interval
+chosen by cost, on an emptied tier:
+
+- first prompt: --tokens new random tokens through ColdTier.stream_generate (prefill, its
+  checkpoints stored, --max-tokens decoded greedily), on a fresh client and ColdTier;
+- second prompt: the same tokens but the last tenth changed, on a fresh client and ColdTier,
+  so what it reuses comes from kvd only: the tokens it restored, its time to first token.
+
+The anchor, measured in each rep: the second prompt through mlx_lm.stream_generate with no
+tier, all of it recomputed. Bytes written are ColdTierStats.bytes_written (what the puts
+wrote into the daemon's files); decode tokens/s is mlx-lm's generation_tps of the first
+prompt, whose checkpoints are sent while it decodes, against no checkpoints' in the same rep
+(target >= 0.95). Medians of the reps, the spread in brackets.
+
+    .venv/bin/python bench/hybrid.py [--tokens 2048] [--repeat 3] [--intervals 256 512 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from _daemon import running_daemon
+from kvd_client.client import Client
+from kvd_client.identity import Identity
+from kvd_client.mlx_lm_cache import ColdTier, ColdTierStats
+from kvd_client.prefill_checkpoints import CheckpointSettings
+from model_folders import VOCAB, build_model_folder  # on the path through _daemon
+
+# Bigger than the tests' qwen3_next so that prefill takes real time on a CPU: its Gated
+# DeltaNet runs token by token there (mlx-lm's ops path; Metal has a kernel).
+SHAPE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+}
+CHANGED = 0.1  # the share of the prompt the second one changes, at its end
+BY_COST = -1  # in the list of intervals: the one ColdTier chooses by cost
+SETTLE_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class Prompted:
+    """One prompt through the cold tier (or through mlx-lm alone: stats None)."""
+
+    first_token: float  # seconds from the call to the first response
+    decode_tps: float  # mlx-lm's generation_tps
+    stats: ColdTierStats | None = None
+    interval: int = 0  # the checkpoints' (the first position, or 0 when none was taken)
+
+
+@dataclass(frozen=True)
+class Rep:
+    anchor: Prompted  # the second prompt recomputed, mlx-lm alone
+    runs: dict[int, tuple[Prompted, Prompted]]  # interval: first and second prompt
+
+
+def prompts(tokens: int, seed: int) -> tuple[list[int], list[int]]:
+    """A prompt of random tokens and the same with its last tenth changed (its first changed
+    token differs)."""
+    pick = random.Random(seed)
+    first = [pick.randrange(VOCAB) for _ in range(tokens)]
+    kept = tokens - max(1, int(tokens * CHANGED))
+    tail = [pick.randrange(VOCAB) for _ in range(tokens - kept)]
+    tail[0] = (first[kept] + 1) % VOCAB
+    return first, first[:kept] + tail
+
+
+def _timed(responses: Iterator[Any]) -> tuple[float, Any]:
+    """Seconds to the first response, and the last response."""
+    started = time.perf_counter()
+    first = next(responses)
+    first_token = time.perf_counter() - started
+    rest = deque(responses, maxlen=1)  # decodes to the end, keeps the last
+    return first_token, rest[0] if rest else first
+
+
+def through_mlx_lm(model: Any, tokenizer: Any, tokens: list[int], max_tokens: int) -> Prompted:
+    """The anchor: the prompt prefilled whole by mlx-lm, no tier."""
+    first, last = _timed(mlx_lm.stream_generate(model, tokenizer, mx.array(tokens), max_tokens))
+    return Prompted(first, last.generation_tps)
+
+
+def through_tier(
+    socket: str,
+    loaded: tuple[Any, Any, Identity],
+    tokens: list[int],
+    interval: int,
+    max_tokens: int,
+) -> Prompted:
+    """The prompt through a fresh client and ColdTier, with the checkpoint interval given
+    (BY_COST: chosen by cost); closed, so every put was sent."""
+    model, tokenizer, identity = loaded
+    settings = CheckpointSettings(interval=None if interval == BY_COST else interval)
+    with (
+        Client.connect(socket, timeout=60.0, require=True) as client,
+        ColdTier(client, model, tokenizer, identity=identity, checkpoints=settings) as tier,
+    ):
+        positions = tier.checkpoint_positions(tokens, 0)
+        first, last = _timed(tier.stream_generate(tokens, max_tokens))
+        if not tier.drain(SETTLE_SECONDS):
+            raise RuntimeError("the puts were not sent in time")
+    return Prompted(first, last.generation_tps, tier.stats, positions[0] if positions else 0)
+
+
+def one_rep(
+    socket: str, loaded: tuple[Any, Any, Identity], args: argparse.Namespace, rep: int
+) -> Rep:
+    """Each interval's prompts are new tokens (no block of another interval's serves them),
+    on an emptied tier; the anchor recomputes the first interval's second prompt."""
+    runs = {}
+    for number, interval in enumerate([0, *args.intervals, BY_COST]):
+        first, second = prompts(args.tokens, seed=rep * 1000 + number)
+        if number == 0:
+            anchor = through_mlx_lm(loaded[0], loaded[1], second, args.max_tokens)
+        with Client.connect(socket, require=True) as client:
+            client.evict(all=True)
+        runs[interval] = (
+            through_tier(socket, loaded, first, interval, args.max_tokens),
+            through_tier(socket, loaded, second, interval, args.max_tokens),
+        )
+    return Rep(anchor, runs)
+
+
+def _spread(values: Sequence[float], form: str = "{:,.0f}") -> str:
+    median = form.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({form.format(min(values))}-{form.format(max(values))})"
+
+
+def _mib(nbytes: Sequence[int]) -> str:
+    return _spread([n / (1 << 20) for n in nbytes], "{:,.2f}")
+
+
+def print_table(reps: list[Rep], args: argparse.Namespace) -> None:
+    kept = args.tokens - max(1, int(args.tokens * CHANGED))
+    print(
+        f"\nqwen3_next {SHAPE['num_hidden_layers']} layers (hidden {SHAPE['hidden_size']}, 3 "
+        f"Gated DeltaNet: 1 attention), float32, CPU; prompts of {args.tokens:,} tokens, the "
+        f"second sharing {kept:,}; {args.max_tokens} tokens decoded; median (min-max) of "
+        f"{len(reps)} reps.\n"
+    )
+    print(
+        "| interval | checkpoints (1st prompt) | MiB written 1st / 2nd prompt "
+        "| restored (2nd) | 2nd prompt to first token, ms | × recompute "
+        "| decode tok/s (1st) | × no checkpoints |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    anchor = [rep.anchor.first_token * 1e3 for rep in reps]
+    print(
+        f"| recompute: mlx-lm, no kvd (anchor) | | | 0 | {_spread(anchor)} | 1.00 "
+        f"| {_spread([rep.anchor.decode_tps for rep in reps], '{:,.1f}')} | |"
+    )
+    for interval in [0, *args.intervals, BY_COST]:
+        firsts = [rep.runs[interval][0] for rep in reps]
+        seconds = [rep.runs[interval][1] for rep in reps]
+        chosen = "/".join(str(n) for n in sorted({run.interval for run in firsts}))
+        name = {0: "none (0)", BY_COST: f"by cost ({chosen})"}.get(interval, str(interval))
+        times = [
+            run.first_token / rep.anchor.first_token for run, rep in zip(seconds, reps, strict=True)
+        ]
+        versus = [
+            run.decode_tps / rep.runs[0][0].decode_tps
+            for run, rep in zip(firsts, reps, strict=True)
+        ]
+        print(
+            f"| {name} | {_spread([_stats(run).checkpoints for run in firsts])} "
+            f"| {_mib([_stats(run).bytes_written for run in firsts])} / "
+            f"{_mib([_stats(run).bytes_written for run in seconds])} "
+            f"| {_spread([_stats(run).restored_tokens for run in seconds])} "
+            f"| {_spread([run.first_token * 1e3 for run in seconds])} "
+            f"| {_spread(times, '{:.2f}')} "
+            f"| {_spread([run.decode_tps for run in firsts], '{:,.1f}')} "
+            f"| {_spread(versus, '{:.3f}')} |"
+        )
+
+
+def _stats(run: Prompted) -> ColdTierStats:
+    assert run.stats is not None, "a prompt through the cold tier has its stats"
+    return run.stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per prompt")
+    parser.add_argument(
+        "--intervals", type=int, nargs="+", default=[256, 512, 1024], help="fixed intervals"
+    )
+    args = parser.parse_args()
+    if args.tokens < 16 or any(interval < 1 for interval in args.intervals):
+        parser.error("prompts of 16 tokens or more, and intervals of 1 token or more")
+    with (
+        tempfile.TemporaryDirectory(prefix="kvd-bench-") as work,
+        running_daemon(Path(work)) as daemon,
+    ):
+        folder = build_model_folder(
+            Path(work) / "model", seed=0, shape=SHAPE, model_type="qwen3_next"
+        )
+        model, tokenizer = mlx_lm.load(str(folder))[:2]
+        loaded = (model, tokenizer, Identity.for_model(model, folder))
+        through_mlx_lm(model, tokenizer, prompts(64, seed=-1)[0], 4)  # warm-up, untimed
+        try:
+            reps = [one_rep(daemon.socket_path, loaded, args, rep) for rep in range(args.repeat)]
+        except ValueError as exc:  # an interval the daemon's block size does not divide
+            parser.error(str(exc))
+    print_table(reps, args)
+
+
+if __name__ == "__main__":
+    main()
