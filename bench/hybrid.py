@@ -15,11 +15,17 @@ chosen by cost, on an emptied tier:
 
 The anchor, measured in each rep: the second prompt through mlx_lm.stream_generate with no
 tier, all of it recomputed. Bytes written are ColdTierStats.bytes_written (what the puts
-wrote into the daemon's files); decode tokens/s is mlx-lm's generation_tps of the first
-prompt, whose checkpoints are sent while it decodes, against no checkpoints' in the same rep
-(target >= 0.95). Medians of the reps, the spread in brackets.
+wrote into the daemon's files). Medians of the reps, the spread in brackets.
+
+Decoding, with checkpoints (the smallest interval) against without: --decode-pairs pairs of
+first prompts (of 4 intervals, new tokens each, an emptied tier), the two of a pair run back
+to back in alternating order, each decoding --max-tokens while its puts are sent. Tokens per
+second of wall time (mlx-lm's generation_tps) swing with what else the machine runs; tokens
+per second of the process's CPU time (the sending thread's included) less so. The ratio of
+each pair, median and spread (target >= 0.95).
 
     .venv/bin/python bench/hybrid.py [--tokens 2048] [--repeat 3] [--intervals 256 512 1024]
+        [--decode-pairs 6] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import random
 import statistics
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +73,8 @@ class Prompted:
     """One prompt through the cold tier (or through mlx-lm alone: stats None)."""
 
     first_token: float  # seconds from the call to the first response
-    decode_tps: float  # mlx-lm's generation_tps
+    decode_tps: float  # decode tokens per second of the process's CPU time (_timed)
+    decode_wall_tps: float  # mlx-lm's generation_tps
     stats: ColdTierStats | None = None
     interval: int = 0  # the checkpoints' (the first position, or 0 when none was taken)
 
@@ -90,19 +96,23 @@ def prompts(tokens: int, seed: int) -> tuple[list[int], list[int]]:
     return first, first[:kept] + tail
 
 
-def _timed(responses: Iterator[Any]) -> tuple[float, Any]:
-    """Seconds to the first response, and the last response."""
+def _timed(responses: Iterator[Any]) -> tuple[float, float, float]:
+    """Seconds to the first response; decode tokens per second of this process's CPU time,
+    from the first response to the last (what the engine spends per token, whatever else
+    the machine runs); and mlx-lm's decode tokens per second of wall time."""
     started = time.perf_counter()
-    first = next(responses)
+    first = last = next(responses)
     first_token = time.perf_counter() - started
-    rest = deque(responses, maxlen=1)  # decodes to the end, keeps the last
-    return first_token, rest[0] if rest else first
+    cpu, cpu_seconds = time.process_time(), 0.0
+    for last in responses:  # noqa: B007 (the last one is kept)
+        cpu_seconds = time.process_time() - cpu
+    decoded = last.generation_tokens - first.generation_tokens
+    return first_token, decoded / cpu_seconds if decoded else 0.0, last.generation_tps
 
 
 def through_mlx_lm(model: Any, tokenizer: Any, tokens: list[int], max_tokens: int) -> Prompted:
     """The anchor: the prompt prefilled whole by mlx-lm, no tier."""
-    first, last = _timed(mlx_lm.stream_generate(model, tokenizer, mx.array(tokens), max_tokens))
-    return Prompted(first, last.generation_tps)
+    return Prompted(*_timed(mlx_lm.stream_generate(model, tokenizer, mx.array(tokens), max_tokens)))
 
 
 def through_tier(
@@ -121,10 +131,10 @@ def through_tier(
         ColdTier(client, model, tokenizer, identity=identity, checkpoints=settings) as tier,
     ):
         positions = tier.checkpoint_positions(tokens, 0)
-        first, last = _timed(tier.stream_generate(tokens, max_tokens))
+        timed = _timed(tier.stream_generate(tokens, max_tokens))
         if not tier.drain(SETTLE_SECONDS):
             raise RuntimeError("the puts were not sent in time")
-    return Prompted(first, last.generation_tps, tier.stats, positions[0] if positions else 0)
+    return Prompted(*timed, tier.stats, positions[0] if positions else 0)
 
 
 def one_rep(
@@ -137,13 +147,34 @@ def one_rep(
         first, second = prompts(args.tokens, seed=rep * 1000 + number)
         if number == 0:
             anchor = through_mlx_lm(loaded[0], loaded[1], second, args.max_tokens)
-        with Client.connect(socket, require=True) as client:
-            client.evict(all=True)
+        emptied(socket)
         runs[interval] = (
             through_tier(socket, loaded, first, interval, args.max_tokens),
             through_tier(socket, loaded, second, interval, args.max_tokens),
         )
     return Rep(anchor, runs)
+
+
+def emptied(socket: str) -> None:
+    with Client.connect(socket, require=True) as client:
+        client.evict(all=True)
+
+
+def decode_pairs(
+    socket: str, loaded: tuple[Any, Any, Identity], args: argparse.Namespace
+) -> list[tuple[Prompted, Prompted]]:
+    """Pairs of first prompts, without checkpoints and with the smallest interval, run back
+    to back in alternating order."""
+    interval = min(args.intervals)
+    pairs = []
+    for pair in range(args.decode_pairs):
+        runs = {}
+        for number, each in enumerate((0, interval) if pair % 2 == 0 else (interval, 0)):
+            emptied(socket)
+            tokens = prompts(4 * interval, seed=-1000 - 2 * pair - number)[0]
+            runs[each] = through_tier(socket, loaded, tokens, each, args.max_tokens)
+        pairs.append((runs[0], runs[interval]))
+    return pairs
 
 
 def _spread(values: Sequence[float], form: str = "{:,.0f}") -> str:
@@ -167,15 +198,11 @@ def print_table(reps: list[Rep], args: argparse.Namespace) -> None:
     )
     print(
         "| interval | checkpoints (1st prompt) | MiB written 1st / 2nd prompt "
-        "| restored (2nd) | 2nd prompt to first token, ms | × recompute "
-        "| decode tok/s (1st) | × no checkpoints |"
+        "| restored (2nd) | 2nd prompt to first token, ms | × recompute |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     anchor = [rep.anchor.first_token * 1e3 for rep in reps]
-    print(
-        f"| recompute: mlx-lm, no kvd (anchor) | | | 0 | {_spread(anchor)} | 1.00 "
-        f"| {_spread([rep.anchor.decode_tps for rep in reps], '{:,.1f}')} | |"
-    )
+    print(f"| recompute: mlx-lm, no kvd (anchor) | | | 0 | {_spread(anchor)} | 1.00 |")
     for interval in [0, *args.intervals, BY_COST]:
         firsts = [rep.runs[interval][0] for rep in reps]
         seconds = [rep.runs[interval][1] for rep in reps]
@@ -184,19 +211,41 @@ def print_table(reps: list[Rep], args: argparse.Namespace) -> None:
         times = [
             run.first_token / rep.anchor.first_token for run, rep in zip(seconds, reps, strict=True)
         ]
-        versus = [
-            run.decode_tps / rep.runs[0][0].decode_tps
-            for run, rep in zip(firsts, reps, strict=True)
-        ]
         print(
             f"| {name} | {_spread([_stats(run).checkpoints for run in firsts])} "
             f"| {_mib([_stats(run).bytes_written for run in firsts])} / "
             f"{_mib([_stats(run).bytes_written for run in seconds])} "
             f"| {_spread([_stats(run).restored_tokens for run in seconds])} "
             f"| {_spread([run.first_token * 1e3 for run in seconds])} "
-            f"| {_spread(times, '{:.2f}')} "
-            f"| {_spread([run.decode_tps for run in firsts], '{:,.1f}')} "
-            f"| {_spread(versus, '{:.3f}')} |"
+            f"| {_spread(times, '{:.2f}')} |"
+        )
+
+
+def print_decoding(pairs: list[tuple[Prompted, Prompted]], args: argparse.Namespace) -> None:
+    interval = min(args.intervals)
+    print(
+        f"\nDecoding {args.max_tokens} tokens after a prompt of {4 * interval:,} tokens, "
+        f"with checkpoints every {interval} against none: {len(pairs)} pairs, median (min-max)."
+        "\n"
+    )
+    print(
+        "| interval | checkpoints | tok/s, wall (mlx-lm) | × none | tok/s per CPU-second | × none |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, side in (("none (0)", 0), (str(interval), 1)):
+        runs = [pair[side] for pair in pairs]
+        nones = [pair[0] for pair in pairs]
+        wall = [
+            run.decode_wall_tps / none.decode_wall_tps
+            for run, none in zip(runs, nones, strict=True)
+        ]
+        cpu = [run.decode_tps / none.decode_tps for run, none in zip(runs, nones, strict=True)]
+        print(
+            f"| {name} | {_spread([_stats(run).checkpoints for run in runs])} "
+            f"| {_spread([run.decode_wall_tps for run in runs], '{:,.1f}')} "
+            f"| {_spread(wall, '{:.3f}')} "
+            f"| {_spread([run.decode_tps for run in runs], '{:,.1f}')} "
+            f"| {_spread(cpu, '{:.3f}')} |"
         )
 
 
@@ -213,6 +262,7 @@ def main() -> None:
     parser.add_argument(
         "--intervals", type=int, nargs="+", default=[256, 512, 1024], help="fixed intervals"
     )
+    parser.add_argument("--decode-pairs", type=int, default=6)
     args = parser.parse_args()
     if args.tokens < 16 or any(interval < 1 for interval in args.intervals):
         parser.error("prompts of 16 tokens or more, and intervals of 1 token or more")
@@ -228,9 +278,11 @@ def main() -> None:
         through_mlx_lm(model, tokenizer, prompts(64, seed=-1)[0], 4)  # warm-up, untimed
         try:
             reps = [one_rep(daemon.socket_path, loaded, args, rep) for rep in range(args.repeat)]
+            pairs = decode_pairs(daemon.socket_path, loaded, args)
         except ValueError as exc:  # an interval the daemon's block size does not divide
             parser.error(str(exc))
     print_table(reps, args)
+    print_decoding(pairs, args)
 
 
 if __name__ == "__main__":
