@@ -10,7 +10,10 @@ token into an ArraysCache, whose arrays are weighed. The KV bytes per token (bfl
 
 Break-even: the prefill tokens whose compute takes as long as writing one checkpoint's state
 at --ssd-gbps; a checkpoint every N tokens is worth its write when N is well above it. The
-bytes column "KV tokens" is how many tokens of KV the same bytes hold.
+bytes column "KV tokens" is how many tokens of KV the same bytes hold. The last column is the
+interval the engine chooses by cost (kvd_client.prefill_checkpoints.choose_interval, its
+own write rate, the default 1 GiB of checkpoints per prompt) for prompts of 8K and 64K
+tokens, in kvd-mlx-lm-server's blocks.
 
     .venv/bin/python bench/checkpoint_bytes.py [--ssd-gbps 2.0]
 """
@@ -23,10 +26,13 @@ from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
+from kvd_client.mlx_lm_server import SERVER_BLOCK_TOKENS
+from kvd_client.prefill_checkpoints import choose_interval
 from mlx_lm.models import nemotron_h, qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache
 
 KV_BYTES = 2  # bfloat16 keys and values
+PROMPTS = (8192, 65536)  # prompt tokens the interval by cost is shown for
 
 
 @dataclass(frozen=True)
@@ -205,20 +211,30 @@ def main() -> None:
         "| model | linear / attention layers | state of one linear layer (conv + recurrent) "
         "| state per checkpoint | KV per token (bf16) | KV tokens of the same bytes "
         f"| write at {args.ssd_gbps:g} GB/s | prefill tok/s (source) | break-even tokens "
-        "| checkpoints per GiB |"
+        "| checkpoints per GiB | interval by cost, 8K / 64K prompt |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in MODELS:
         state = layer_state(model.config)
         nbytes = model.linear_layers * sum(a.nbytes for a in state)
         kv = kv_bytes_per_token(model)
         write = nbytes / (args.ssd_gbps * 1e9)
+        intervals = [
+            choose_interval(
+                state_bytes=nbytes,
+                prefill_rate=model.prefill_tps,
+                prompt_tokens=tokens,
+                unit=SERVER_BLOCK_TOKENS,
+            )
+            for tokens in PROMPTS
+        ]
         print(
             f"| {model.name} | {model.linear_layers} / {model.attention_layers} "
             f"| {_described(state)} | {nbytes / (1 << 20):,.1f} MiB | {kv / 1024:,.0f} KiB "
             f"| {nbytes / kv:,.0f} | {write * 1e3:,.1f} ms "
             f"| {model.prefill_tps:,.0f} ({model.prefill_source}) "
-            f"| {write * model.prefill_tps:,.0f} | {(1 << 30) // nbytes:,} |"
+            f"| {write * model.prefill_tps:,.0f} | {(1 << 30) // nbytes:,} "
+            f"| {' / '.join(f'{n:,}' for n in intervals)} |"
         )
 
 
