@@ -55,11 +55,22 @@ class Counters:
 @dataclass
 class IdentityCounts:
     """One identity's share of the tier: its entries (not doomed ones), their manifest files'
-    bytes, their ids in order."""
+    bytes, their ids in order; and of those, its prefill checkpoints and their files' bytes
+    (the blocks they share are counted with the blocks)."""
 
     entries: int = 0
     bytes: int = 0
     ids: IdOrder = field(default_factory=IdOrder)
+    prefill_checkpoints: int = 0
+    prefill_checkpoint_bytes: int = 0
+
+    def count(self, record: EntryRecord, sign: int) -> None:
+        """Count one entry in (sign 1) or out (-1)."""
+        self.entries += sign
+        self.bytes += sign * record.nbytes
+        if record.prefill_checkpoint:
+            self.prefill_checkpoints += sign
+            self.prefill_checkpoint_bytes += sign * record.nbytes
 
 
 class Catalog:
@@ -286,6 +297,9 @@ class Catalog:
         added = sum(map(attrgetter("nbytes"), records))
         counts.entries += len(records)
         counts.bytes += added
+        for record in filter(attrgetter("prefill_checkpoint"), records):  # a C loop over most
+            counts.prefill_checkpoints += 1
+            counts.prefill_checkpoint_bytes += record.nbytes
         counts.ids.update(ids)
         self._ids.update(ids)
         self.version += len(records)
@@ -309,8 +323,7 @@ class Catalog:
         counts = self._identities.get(record.identity)
         if counts is None:
             counts = self._identities[record.identity] = IdentityCounts()
-        counts.entries += 1
-        counts.bytes += record.nbytes
+        counts.count(record, 1)
         counts.ids.add(record.id)
         self._ids.add(record.id)
         self.version += 1
@@ -346,8 +359,7 @@ class Catalog:
             if not self._checkpoints[key]:
                 del self._checkpoints[key]
         counts = self._identities[record.identity]
-        counts.entries -= 1
-        counts.bytes -= record.nbytes
+        counts.count(record, -1)
         counts.ids.remove(record.id)
         if not counts.entries:
             del self._identities[record.identity]

@@ -26,15 +26,22 @@ _UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.E
 
 def sync_file(fd: int) -> None:
     """Flush a file's data and metadata to stable storage (F_FULLFSYNC on macOS)."""
-    if sys.platform == "darwin":
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            # As SQLite does: file systems without F_FULLFSYNC (network, FAT, some external
-            # drives) refuse it; fsync is then the best there is, and reports real errors.
-            pass
-    os.fsync(fd)
+    if not full_fsync(fd):
+        os.fsync(fd)
+
+
+def full_fsync(fd: int) -> bool:
+    """macOS: ask the drive itself to flush fd's file (F_FULLFSYNC); False where the file
+    system refuses it, and off macOS (where fsync already does it)."""
+    if sys.platform != "darwin":
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    except OSError:
+        # As SQLite does: file systems without F_FULLFSYNC (network, FAT, some external
+        # drives) refuse it; fsync is then the best there is, and reports real errors.
+        return False
+    return True
 
 
 def sync_directory(path: Path | str) -> None:
@@ -67,13 +74,14 @@ def replace_durably(src: Path | str, dst: Path | str) -> None:
         sync_directory(src_dir)  # the rename also removed a name from here
 
 
-def preallocate(fd: int, size: int) -> None:
+def preallocate(fd: int, size: int) -> bool:
     """Grow the file to `size` bytes with the space reserved, so that ENOSPC comes now rather
     than in the middle of writing through a mapping (where it would be SIGBUS). Never
-    shrinks. File systems that cannot reserve space just get the size."""
+    shrinks. File systems that cannot reserve space just get the size: False then."""
     current = os.fstat(fd).st_size
     if size <= current:
-        return
+        return True
+    reserved = True
     if sys.platform == "darwin":
         request = _FSTORE.pack(_F_ALLOCATEALL, _F_PEOFPOSMODE, 0, size - current, 0)
         try:
@@ -81,6 +89,7 @@ def preallocate(fd: int, size: int) -> None:
         except OSError as error:
             if error.errno not in _UNSUPPORTED:
                 raise
+            reserved = False
         # F_PREALLOCATE reserves blocks but leaves the size as it was.
         os.ftruncate(fd, size)
     else:
@@ -90,6 +99,8 @@ def preallocate(fd: int, size: int) -> None:
             if error.errno not in _UNSUPPORTED:
                 raise
             os.ftruncate(fd, size)
+            reserved = False
+    return reserved
 
 
 def disk_free(path: Path | str) -> int:

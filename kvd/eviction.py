@@ -4,6 +4,15 @@ The cap and the floor hold after every commit, across identities: the tier keeps
 for all its entries, asks bytes_over() how much must go, and deletes what select_victims()
 names. The policy is a setting, a name in EVICTION_POLICIES (the one table of them): LruPolicy
 is the default; CostPolicy keeps what saves the most prefill per byte, aged by disuse.
+
+Every policy keeps one rule, whatever it ranks by: **prefill checkpoints are evicted before
+whole entries of the same size and use.** A prefill checkpoint (the caches part-way through a
+prompt's prefill) saves only the prefill up to a point the next prompt may never reach, and a
+prompt's checkpoints are many; a whole entry is a turn someone had. So a prefill checkpoint
+counts PREFILL_CHECKPOINT_DISCOUNT times less: LruPolicy takes it as unused that many times
+as long, CostPolicy as worth that many times less. One used recently still outlives an old
+whole entry, and a burst of prompts keeps the checkpoints the next prompts use (each hit is a
+use).
 """
 
 from __future__ import annotations
@@ -11,10 +20,13 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final, Protocol
 
 from kvd.records import EntryRecord
+
+# How many times less a prefill checkpoint counts than a whole entry (the module's rule).
+PREFILL_CHECKPOINT_DISCOUNT: Final = 2
 
 
 def bytes_over(total_bytes: int, max_bytes: int | None, disk_free: int, min_free: int) -> int:
@@ -64,48 +76,86 @@ class LruPolicy:
       and deleting its file would not free the disk until the reader lets go. Its bytes still
       count, so the others pay for them until the lease ends.
 
-    Entries are kept in an OrderedDict, oldest first (touch moves one to the end), so a
-    selection visits its victims and the few skipped entries before them, not every entry.
+    Whole entries and prefill checkpoints are kept in an OrderedDict each, oldest first (touch
+    moves one to the end), so a selection merges the two heads and visits its victims and
+    the few skipped entries before them, not every entry. Between the heads, age decides: the
+    ticks of the catalog's logical clock (record.last_used: each put and each hit takes one,
+    in the order of adds and touches) since the entry's last use, plus one, and a prefill
+    checkpoint's counted PREFILL_CHECKPOINT_DISCOUNT times (the module's rule); of a whole
+    entry and a prefill checkpoint of the same age, the prefill checkpoint goes. The newest
+    entry's last use stands for now: the policy keeps nothing per entry but its place.
     """
 
     def __init__(self) -> None:
-        self._order: OrderedDict[EntryRecord, None] = OrderedDict()
+        self._wholes: OrderedDict[EntryRecord, None] = OrderedDict()
+        self._prefill_checkpoints: OrderedDict[EntryRecord, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._wholes) + len(self._prefill_checkpoints)
+
+    def _order(self, record: EntryRecord) -> OrderedDict[EntryRecord, None]:
+        return self._prefill_checkpoints if record.prefill_checkpoint else self._wholes
 
     def add(self, record: EntryRecord) -> None:
         """Start tracking record as the most recently used; ValueError if already tracked."""
-        if record in self._order:
+        order = self._order(record)
+        if record in order:
             raise ValueError(f"entry {record.id} is already tracked")
-        self._order[record] = None
+        order[record] = None
 
     def remove(self, record: EntryRecord) -> None:
         """Stop tracking record; KeyError if it is not tracked."""
-        del self._order[record]
+        del self._order(record)[record]
 
     def touch(self, record: EntryRecord) -> None:
         """Make record the most recently used; KeyError if it is not tracked."""
-        self._order.move_to_end(record)
+        self._order(record).move_to_end(record)
+
+    def now(self) -> int:
+        """The logical clock's value now: the newest entry's last use (0 with none)."""
+        orders = (self._wholes, self._prefill_checkpoints)
+        return max((next(reversed(order)).last_used for order in orders if order), default=0)
+
+    @staticmethod
+    def age(record: EntryRecord, now: int) -> int:
+        """record's age at now (now()) as eviction weighs it (see the class)."""
+        age = max(1, now + 1 - record.last_used)
+        return age * PREFILL_CHECKPOINT_DISCOUNT if record.prefill_checkpoint else age
 
     def select_victims(
         self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
     ) -> list[EntryRecord]:
-        """The least recently used evictable entries (of those among() accepts: one model's,
-        for its quota) whose bytes add up to over_bytes.
+        """The oldest evictable entries by age() (of those among() accepts: one model's, for
+        its quota) whose bytes add up to over_bytes.
 
         Fewer if every evictable entry together is not enough. Nothing is removed: the caller
         deletes each victim's file and then calls remove().
         """
+        now = self.now()
+        wholes = _evictable_in(self._wholes, among)
+        checkpoints = _evictable_in(self._prefill_checkpoints, among)
+        whole, checkpoint = next(wholes, None), next(checkpoints, None)
         victims: list[EntryRecord] = []
         freed = 0
-        for record in self._order:
-            if freed >= over_bytes:
+        while freed < over_bytes:
+            if checkpoint is not None and (
+                whole is None or self.age(checkpoint, now) >= self.age(whole, now)
+            ):
+                victim, checkpoint = checkpoint, next(checkpoints, None)
+            elif whole is not None:
+                victim, whole = whole, next(wholes, None)
+            else:
                 break
-            if evictable(record) and (among is None or among(record)):
-                victims.append(record)
-                freed += record.nbytes
+            victims.append(victim)
+            freed += victim.nbytes
         return victims
+
+
+def _evictable_in(
+    order: Mapping[EntryRecord, None], among: Callable[[EntryRecord], bool] | None
+) -> Iterator[EntryRecord]:
+    """The entries of order, in order, that eviction may take now (and among() accepts)."""
+    return (r for r in order if evictable(r) and (among is None or among(r)))
 
 
 class CostPolicy:
@@ -117,9 +167,11 @@ class CostPolicy:
     (a quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
     since last use (or since it was made) in HALF_LIFE units: an entry unused for an hour is
     worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
-    LruPolicy does. An entry's bytes are those it would take stored alone, its shared blocks
-    included (logical_bytes): counting only its own file would rank a manifest with a short
-    tail above its siblings, though evicting any of them leaves the shared blocks to the rest.
+    LruPolicy does. A prefill checkpoint is worth PREFILL_CHECKPOINT_DISCOUNT times less than a
+    whole entry of the same tokens, bytes and idle time (the module's rule). An entry's bytes
+    are those it would take stored alone, its shared blocks included (logical_bytes):
+    counting only its own file would rank a manifest with a short tail above its siblings,
+    though evicting any of them leaves the shared blocks to the rest.
 
     A selection samples SAMPLE entries at random and takes the least worth among the
     evictable ones, as Redis approximates LRU: each victim costs O(SAMPLE), never a sort of
@@ -164,6 +216,8 @@ class CostPolicy:
     def worth(self, record: EntryRecord, now: float) -> float:
         idle = max(0.0, now - (record.used_at or record.created))
         saved = record.token_count * self._prefill_cost(record.identity)
+        if record.prefill_checkpoint:
+            saved /= PREFILL_CHECKPOINT_DISCOUNT
         return saved / max(1, record.logical_bytes) / (1 + idle / self.HALF_LIFE)
 
     def select_victims(

@@ -40,3 +40,8 @@ def raise_open_file_limit() -> int:
 def connections_for(open_files: int) -> int:
     """The default connection cap for a soft limit of open_files descriptors."""
     return max(1, (open_files - RESERVED_FDS) // FDS_PER_CONNECTION)
+
+
+def descriptors_for(connections: int) -> int:
+    """The open files kvd needs to serve this many connections at once."""
+    return RESERVED_FDS + FDS_PER_CONNECTION * connections

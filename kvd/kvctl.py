@@ -23,6 +23,7 @@ from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, load_config
+from kvd.doctor import add_doctor_parser, run_doctor
 from kvd.entry_files import read_header
 from kvd.identity_names import IdentityNameError, resolve
 from kvd.kvctl_tables import (
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
     commands.add_parser("metrics", help="the status in Prometheus text format")
     add_service_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "service":  # needs no daemon
         return run_service(args)
+    if args.command == "doctor":  # needs no daemon
+        return run_doctor(args)
     try:
         socket_path = str(load_config(args, os.environ).socket)
     except ConfigError as exc:

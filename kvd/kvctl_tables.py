@@ -96,6 +96,23 @@ def _engine_drops(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [("engine drops", text)]
 
 
+def _prefill_checkpoints(status: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The prefill checkpoints held and what lookups got from them; no row from a daemon
+    that does not count them."""
+    held = status.get("prefill_checkpoints")
+    if held is None:
+        return []
+    if not held["entries"] and not held["hits"]:
+        return [("prefill checkpoints", "none")]
+    return [
+        (
+            "prefill checkpoints",
+            f"{held['entries']:,} ({size(held['bytes'])}); {held['hits']:,} hits, "
+            f"{held['restored_tokens']:,} prompt tokens restored from them",
+        )
+    ]
+
+
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     """Aligned columns: the first left ones flush left, the others flush right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -136,6 +153,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             f"{size(status.get('bytes_written_24h', 0))} in 24 h",
         ),
         ("shared", _shared(status)),
+        *_prefill_checkpoints(status),
         *_engine_drops(status),
         ("evictions", str(status["evictions"])),
         ("quarantined", str(status["quarantined"])),
@@ -231,12 +249,20 @@ def format_list(
             ago(e.created, now),
             ago(e.used, now),
             str(e.leases),
-            "trimmable" if e.trimmable else "exact",
+            _kind(e),
             "durable" if e.durable else "pending",
         ]
         for e in sorted(entries, key=SORTS[sort])
     ]
     return "\n".join(columns(header, rows, left=2))
+
+
+def _kind(entry: EntrySummary) -> str:
+    """How a lookup may use the entry: cut to a shorter prefix, or only whole; a prefill
+    checkpoint (whole only) is named as such."""
+    if entry.prefill_checkpoint:
+        return "prefill checkpoint"
+    return "trimmable" if entry.trimmable else "exact"
 
 
 def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: str) -> str:
@@ -273,6 +299,8 @@ def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: st
                 f"from {header.blocks[0].hex()}; {tail} tokens in the file",
             )
         )
+    if header.prefill_checkpoint:
+        rows.append(("kind", "prefill checkpoint: served whole, to prompts that hold all of it"))
     if header.checkpoint is not None:
         rows.append(
             (

@@ -35,19 +35,32 @@ def prepare_socket_folder(folder: Path, group: int | None = None) -> None:
     or 0750 owned by group so that the group's members can reach the socket."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(f"{folder} is not a folder owned by uid {os.getuid()}")
-    if info.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
-        # A shared folder such as /tmp: tightening it would lock everyone else out of it.
-        raise PermissionError(
-            f"{folder} is shared with other users (mode {stat.S_IMODE(info.st_mode):o}); "
-            f"put the socket in a folder of its own, such as {folder / f'kvd-{os.getuid()}'}"
-        )
-    mode = 0o700 if group is None else 0o750
+    refusal = socket_folder_refusal(folder, info)
+    if refusal is not None:
+        raise PermissionError(refusal)
+    mode = socket_folder_mode(group)
     if group is not None and info.st_gid != group:
         os.chown(folder, -1, group)
     if stat.S_IMODE(info.st_mode) != mode:
         os.chmod(folder, mode)
+
+
+def socket_folder_refusal(folder: Path, info: os.stat_result) -> str | None:
+    """Why kvd refuses folder (as lstat gave it) for its socket; None when it takes it."""
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return f"{folder} is not a folder owned by uid {os.getuid()}"
+    if info.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+        # A shared folder such as /tmp: tightening it would lock everyone else out of it.
+        return (
+            f"{folder} is shared with other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"put the socket in a folder of its own, such as {folder / f'kvd-{os.getuid()}'}"
+        )
+    return None
+
+
+def socket_folder_mode(group: int | None) -> int:
+    """The mode kvd gives its socket's folder: the owner's, or the owner's and the group's."""
+    return 0o700 if group is None else 0o750
 
 
 def bind_socket(path: Path, group: int | None = None) -> socket.socket:

@@ -87,6 +87,16 @@ IDENTITY_COUNTERS = (
     ("engine_dropped", "kvd_identity_engine_dropped", "snapshots engines dropped unsent"),
     ("engine_dropped_bytes", "kvd_identity_engine_dropped_bytes", "bytes engines dropped"),
 )
+# The status's "prefill_checkpoints" map, of the tier (kvd_prefill_checkpoint_*) and of each
+# identity (kvd_identity_prefill_checkpoint_*, labelled as the other identity metrics).
+PREFILL_CHECKPOINT_GAUGES = (
+    ("entries", "prefill_checkpoint_entries", "prefill checkpoints held"),
+    ("bytes", "prefill_checkpoint_bytes", "bytes of the prefill checkpoints' files"),
+)
+PREFILL_CHECKPOINT_COUNTERS = (
+    ("hits", "prefill_checkpoint_hits", "lookups answered with a prefill checkpoint"),
+    ("restored_tokens", "prefill_checkpoint_restored_tokens", "prompt tokens those matched"),
+)
 # (status key, metric name, help): {p50, p95, p99} in milliseconds, exposed in seconds.
 IDENTITY_LATENCIES = (
     ("restore_ms", "kvd_identity_restore_seconds", "restore latency of one identity"),
@@ -121,19 +131,26 @@ def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
     def values(identity: Mapping[str, Any]) -> list[str]:
         return [str(identity["identity"]), *(str(identity.get(n) or "") for n in names)]
 
-    families: list[Metric] = []
-    for key, name, text in IDENTITY_GAUGES:
-        gauge = GaugeMetricFamily(name, text, labels=labels)
-        families.append(gauge)
-        for i in identities:
-            if _number(i.get(key)):
-                gauge.add_metric(values(i), i[key])
-    for key, name, text in IDENTITY_COUNTERS:
-        counter = CounterMetricFamily(name, text, labels=labels)
-        families.append(counter)
-        for i in identities:
-            if _number(i.get(key)):
-                counter.add_metric(values(i), i[key])
+    def labelled(
+        table_of: Callable[[Mapping[str, Any]], Mapping[str, Any]], gauges: Any, counters: Any
+    ) -> Iterator[Metric]:
+        for make, figures in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for key, name, text in figures:
+                family = make(name, text, labels=labels)
+                for i in identities:
+                    table = table_of(i)
+                    if _number(table.get(key)):
+                        family.add_metric(values(i), table[key])
+                yield family
+
+    families: list[Metric] = [
+        *labelled(lambda i: i, IDENTITY_GAUGES, IDENTITY_COUNTERS),
+        *labelled(
+            lambda i: i.get("prefill_checkpoints") or {},
+            _named("kvd_identity_", PREFILL_CHECKPOINT_GAUGES),
+            _named("kvd_identity_", PREFILL_CHECKPOINT_COUNTERS),
+        ),
+    ]
     misses = CounterMetricFamily(
         "kvd_identity_misses",
         "lookups of one identity the engines reported as misses, by reason",
@@ -165,9 +182,19 @@ def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
     yield from (family for family in families if family.samples)
 
 
+def _named(prefix: str, figures: Any) -> list[tuple[str, str, str]]:
+    """(key, prefix + name, help) of each of figures."""
+    return [(key, prefix + name, text) for key, name, text in figures]
+
+
 def status_metrics(status: Status) -> Iterator[Metric]:
     """Every metric of one status report."""
     yield from _flat(status, GAUGES, COUNTERS)
+    yield from _flat(
+        status.get("prefill_checkpoints", {}),
+        _named("kvd_", PREFILL_CHECKPOINT_GAUGES),
+        _named("kvd_", PREFILL_CHECKPOINT_COUNTERS),
+    )
     yield from _flat(status.get("writeback", {}), WRITEBACK_GAUGES, WRITEBACK_COUNTERS)
     yield from _flat(status.get("kept", {}), KEPT_GAUGES, KEPT_COUNTERS)
     yield from _identity_metrics(status.get("identities", []))

@@ -47,7 +47,7 @@ from kvd.catalog import Catalog
 from kvd.config import Config, quota_for
 from kvd.durability import disk_free
 from kvd.logs import RateLimited, get_logger
-from kvd.records import EntryRecord
+from kvd.records import EntryRecord, lookup_trimmable
 from kvd.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.telemetry import Telemetry
 from kvd.tickets import Tickets
@@ -422,13 +422,14 @@ class Puts:
                 identity=digest,
                 tokens=put.tokens,
                 nbytes=put.size,
-                trimmable=header.trimmable,
+                trimmable=lookup_trimmable(header),
                 min_reuse=header.min_reuse,
                 created=header.created,
                 last_used=self._catalog.tick(),
                 checkpoint_key=key,
                 blocks=put.blocks,
                 block_size=put.block_size,
+                prefill_checkpoint=header.prefill_checkpoint,
             )
             new_blocks = {put.blocks[i]: path for i, path in put.block_files.items()}
             ticket = self._writer.enqueue(record, put.path, put.reserved, new_blocks)

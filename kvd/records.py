@@ -28,7 +28,9 @@ class EntryRecord:
     apart from prompt lookups and are never returned by a prefix lookup. used_at: the wall-clock
     time of the last lease taken since the daemon started (0: none), for people. blocks: the
     hashes of its shared blocks in order (format v2; none for v1), each a file of block_size
-    bytes; nbytes stays the manifest file's own size.
+    bytes; nbytes stays the manifest file's own size. prefill_checkpoint: the caches part-way
+    through a prompt's prefill (its header's meta marks it), never trimmable (trimmable is
+    False: see lookup_trimmable) and evicted before whole entries (kvd.eviction).
     """
 
     id: str
@@ -45,6 +47,7 @@ class EntryRecord:
     used_at: float = 0.0
     blocks: tuple[bytes, ...] = ()
     block_size: int = 0
+    prefill_checkpoint: bool = False
 
     @property
     def token_count(self) -> int:
@@ -56,6 +59,13 @@ class EntryRecord:
         return self.nbytes + len(self.blocks) * self.block_size
 
 
+def lookup_trimmable(header: EntryHeader) -> bool:
+    """Whether a lookup may trim the entry: every layer can be cut, and it is no prefill
+    checkpoint, which serves only prompts that hold all of it (its place along the prompt
+    is the point of it; a shorter one serves the shorter prefixes)."""
+    return header.trimmable and not header.prefill_checkpoint
+
+
 def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> EntryRecord:
     """The record of a durable entry file, from its validated header (its block_size is its
     blocks' files' size, which the tier learns from them)."""
@@ -64,11 +74,12 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
         identity=header.identity.digest(),
         tokens=header.tokens,
         nbytes=header.file_size,
-        trimmable=header.trimmable,
+        trimmable=lookup_trimmable(header),
         min_reuse=header.min_reuse,
         created=header.created,
         last_used=last_used,
         durable=True,
         checkpoint_key=header.checkpoint.key if header.checkpoint else None,
         blocks=header.blocks,
+        prefill_checkpoint=header.prefill_checkpoint,
     )

@@ -14,12 +14,15 @@ each entry's row lists its blocks' hashes: a block file unchanged since is not r
 File: 8-byte magic, 8-byte xxh3-64 of the rest, 8-byte little-endian length of the head, the
 msgpack head, then the token section: every row's packed tokens end to end, in row order.
 The head is columnar, one value per row in each column, rows least recently used first:
-{"version": 3, "identities": [digest, ...], "rows": n, "ids": [id, ...], "checkpoints":
+{"version": 4, "identities": [digest, ...], "rows": n, "ids": [id, ...], "checkpoints":
 {row: key}, "manifests": {row: [hashes end to end, block_size]}, "blocks": [[identity, hash,
 size, mtime_ns], ...], and as packed little-endian arrays: "identity" (into identities),
 "token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used" (i64), "created" (f64),
-"trimmable" (one byte, 0 or 1)}. Columns decode in C, not row by row in Python, and the
-loaded records' tokens are views of the mapped token section: no entry's tokens are copied.
+"trimmable" and "prefill_checkpoint" (one byte each, 0 or 1)}. Columns decode in C, not row
+by row in Python, and the loaded records' tokens are views of the mapped token section: no
+entry's tokens are copied. A snapshot of another version (version 3 had no
+"prefill_checkpoint" column) is ignored as a foreign one: start-up reads every header again,
+which knows each entry's kind.
 
 The file is mapped read-only and stays mapped while a loaded entry remains. The daemon never
 writes it in place (a new snapshot is a new file renamed over it), so the mapping never
@@ -36,7 +39,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter
 from pathlib import Path
 from typing import TypeVar
@@ -56,11 +59,13 @@ log = get_logger("kvd.snapshot")
 Number = TypeVar("Number", int, float)
 
 MAGIC = b"KVDSNAP\n"
-VERSION = 3
+VERSION = 4
 _LENGTH = 8  # bytes of the head's length
 _PREFIX = len(MAGIC) + CHECKSUM_BYTES + _LENGTH
 # The packed columns of integers (i64); "created" is the one of floats (f64).
 _INTEGERS = ("identity", "token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used")
+# The columns of flags, one byte (0 or 1) per row.
+_FLAGS = ("trimmable", "prefill_checkpoint")
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ def save_snapshot(
         },
         "blocks": block_rows,
         "trimmable": bytes(r.trimmable for r in records),
+        "prefill_checkpoint": bytes(r.prefill_checkpoint for r in records),
         "created": _pack(array("d", [r.created for r in records])),
     }
     head.update({name: _pack(array("q", integers[name])) for name in _INTEGERS})
@@ -210,14 +216,12 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     count = head["rows"]
     ids = head["ids"]
     identities = head["identities"]
-    trimmable = head["trimmable"]
     checkpoints = head["checkpoints"]
     manifests = head["manifests"]
     if not (
         isinstance(count, int)
         and isinstance(ids, tuple)
         and isinstance(identities, tuple)
-        and isinstance(trimmable, bytes)
         and isinstance(checkpoints, dict)
         and isinstance(manifests, dict)
     ):
@@ -228,8 +232,9 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     # Checked in C (map, set), not value by value in Python: 100k rows at start-up.
     if not set(map(type, chain(ids, identities, checkpoints.values()))) <= {str}:
         raise ValueError("an id, identity or key that is not a string")
-    if len(ids) != count or len(trimmable) != count or trimmable.strip(b"\0\1"):
-        raise ValueError("ids or trimmable flags that do not match the rows")
+    if len(ids) != count:
+        raise ValueError("ids that do not match the rows")
+    flags = {name: _flags(head[name], count) for name in _FLAGS}
     if (ends[-1] if ends else 0) != len(tokens) or (
         lengths and (min(lengths) < 0 or any(map(TOKEN_BYTES.__rmod__, lengths)))
     ):
@@ -246,7 +251,7 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
             [digests[i] for i in numbers],
             map(tokens.__getitem__, map(slice, [0, *ends], ends)),
             map(sizes.setdefault, columns["nbytes"], columns["nbytes"]),
-            map(bool, trimmable),
+            map(bool, flags["trimmable"]),
             columns["min_reuse"],
             _unpack(array("d"), head["created"], count),
             columns["last_used"],
@@ -257,6 +262,8 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
         raise ValueError("a checkpoint or block list of no row")
     for row, key in checkpoints.items():
         records[row].checkpoint_key = key
+    for marked in compress(records, flags["prefill_checkpoint"]):
+        marked.prefill_checkpoint = True
     for row, (hashes, block_size) in manifests.items():
         if not (isinstance(hashes, bytes) and isinstance(block_size, int)):
             raise ValueError("a block list of the wrong types")
@@ -265,6 +272,13 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")
     return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
+
+
+def _flags(column: object, count: int) -> bytes:
+    """A column of flags: a byte per row, 0 or 1."""
+    if not isinstance(column, bytes) or len(column) != count or column.strip(b"\0\1"):
+        raise ValueError("a column of flags that does not match the rows")
+    return column
 
 
 def _sequence(value: object) -> tuple[object, ...]:

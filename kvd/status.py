@@ -16,7 +16,7 @@ from typing import Any, Final
 import psutil
 
 from kvd import __version__
-from kvd.catalog import Catalog
+from kvd.catalog import Catalog, IdentityCounts
 from kvd.durability import disk_free
 from kvd.session import Peer
 from kvd.telemetry import IdentityTelemetry, Telemetry
@@ -105,6 +105,10 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         # Snapshots the engines dropped unsent (their backlogs were full), as they reported.
         "engine_dropped": telemetry.engine_dropped,
         "engine_dropped_bytes": telemetry.engine_dropped_bytes,
+        # Prefill checkpoints: entries of their own kind (kvd.eviction's rule), counted apart.
+        "prefill_checkpoints": _prefill_checkpoints(
+            (counts for _, counts in catalog.identities()), telemetry
+        ),
         # What the daemon keeps of what clients named: each capped or aged (see its module).
         "kept": {
             "telemetry_identities": len(telemetry.identities),
@@ -132,7 +136,8 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
     bytes first, then the most recently seen), by digest: each one's name (unique among all
     of them, listed or not), its share of the tier (entry files and unique blocks) and its
     telemetry; and how many were left out. O(identities)."""
-    entries = {digest: counts.entries for digest, counts in catalog.identities()}
+    held = dict(catalog.identities())
+    entries = {digest: counts.entries for digest, counts in held.items()}
     recency = {digest: rank for rank, digest in enumerate(reversed(telemetry.identities))}
     known = entries.keys() | telemetry.identities.keys()
     size = {digest: catalog.identity_bytes(digest) for digest in known}
@@ -148,10 +153,31 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
                 "bytes": size[digest],
                 "block_bytes": catalog.blocks.identity_bytes(digest),
                 **_telemetry_report(telemetry, digest),
+                "prefill_checkpoints": _prefill_checkpoints(
+                    [held[digest]] if digest in held else [],
+                    telemetry.identities.get(digest) or IdentityTelemetry(),
+                ),
             }
             for digest in shown
         ],
         "identities_left_out": len(known) - len(shown),
+    }
+
+
+def _prefill_checkpoints(
+    counts: Iterable[IdentityCounts], telemetry: Telemetry | IdentityTelemetry
+) -> dict[str, int]:
+    """The prefill checkpoints of these identities' counts (entries, their files' bytes), and
+    the hits and restored tokens the telemetry counted (of the tier, or of one identity)."""
+    entries = nbytes = 0
+    for held in counts:
+        entries += held.prefill_checkpoints
+        nbytes += held.prefill_checkpoint_bytes
+    return {
+        "entries": entries,
+        "bytes": nbytes,
+        "hits": telemetry.prefill_checkpoint_hits,
+        "restored_tokens": telemetry.prefill_checkpoint_restored_tokens,
     }
 
 

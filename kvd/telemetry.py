@@ -9,6 +9,8 @@ pass the time.
   bytes read, tokens restored (prefill the engines did not compute).
 - Stores: bytes written per identity and for the whole tier in the last 24 hours (a ring of
   per-minute sums), and the engines' time from handing caches over to the commit.
+- Prefill checkpoints: lookups the daemon answered with one (hits), and the prompt tokens
+  those matched (restored_tokens), per identity and for the tier.
 - Engine drops: snapshots the engines dropped before sending them (their backlog was full)
   and the bytes those held, as they report them with their next commit.
 - Prefill cost: the seconds a token of prefill takes, as the identity's engines measure it
@@ -27,7 +29,7 @@ entry (a lookup's, a refused put's) is kept for at most IDLE_IDENTITIES of them,
 recently seen forgotten first (their counts start again at zero if seen again); identities
 with entries are kept while they have any. Miss reasons are the engines' words: at most
 MISS_REASONS of them per identity, later ones counted as OTHER_REASON. The tier-wide totals
-(restores, tokens restored) outlive what is forgotten.
+(restores, tokens restored, prefill checkpoint hits) outlive what is forgotten.
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ class IdentityTelemetry:
     prefill_cost: float | None = None  # seconds per token, as reported; None: never
     engine_dropped: int = 0  # snapshots the engines dropped unsent, as they reported
     engine_dropped_bytes: int = 0
+    prefill_checkpoint_hits: int = 0  # lookups answered with a prefill checkpoint
+    prefill_checkpoint_restored_tokens: int = 0  # the prompt tokens those matched
 
     @property
     def model_id(self) -> str:
@@ -187,6 +191,8 @@ class Telemetry:
         self.tokens_restored = 0
         self.engine_dropped = 0
         self.engine_dropped_bytes = 0
+        self.prefill_checkpoint_hits = 0
+        self.prefill_checkpoint_restored_tokens = 0
         self.forgotten = 0  # identities whose telemetry was forgotten
         self._held = held
         self._reported_costs: dict[str, float] = {}  # digest -> its prefill cost, if reported
@@ -261,6 +267,14 @@ class Telemetry:
             found.hits += 1
         else:
             _missed(found, reason)
+
+    def prefill_checkpoint_hit(self, digest: str, matched: int) -> None:
+        """A lookup answered with a prefill checkpoint, matched tokens of its prompt."""
+        found = self.of(digest)
+        found.prefill_checkpoint_hits += 1
+        found.prefill_checkpoint_restored_tokens += matched
+        self.prefill_checkpoint_hits += 1
+        self.prefill_checkpoint_restored_tokens += matched
 
     def restored(self, digest: str, report: RestoreReport) -> None:
         """An engine's word on a hit it was leased: restored, or a miss after all."""

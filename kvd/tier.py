@@ -104,7 +104,7 @@ class Tier:
         self._reaped = 0
         # Lookups answered and not yet counted (see lookup): identity, tokens, and the hit's
         # index and record, or the miss's reason.
-        self.unbooked: list[tuple[Identity, bytes, tuple[PrefixIndex, EntryRecord] | str]] = []
+        self.unbooked: list[tuple[Identity, bytes, tuple[PrefixIndex, Match] | str]] = []
 
     # --- the directory ---------------------------------------------------------------------
 
@@ -382,7 +382,7 @@ class Tier:
             if fd is not None:
                 match.record.used_at = time.time()  # before the reply: its summary says it
                 lease = self.leases.take(owner, match.record)
-                self.unbooked.append((identity, tokens, (index, match.record)))
+                self.unbooked.append((identity, tokens, (index, match)))
                 return match, lease, fd
             if match.record.id in self.catalog.records:  # kept, but unreadable now
                 reason, matched = miss_reasons.UNREADABLE, match.matched
@@ -411,9 +411,11 @@ class Tier:
                 counters.misses += 1
                 self.telemetry.lookup(identity, hit=False, reason=outcome)
             else:
-                index, record = outcome
+                index, (record, matched) = outcome
                 counters.hits += 1
                 self.telemetry.lookup(identity, hit=True)
+                if record.prefill_checkpoint:
+                    self.telemetry.prefill_checkpoint_hit(identity.digest(), matched)
                 index.touch(record, self.catalog.tick())
 
     def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
@@ -600,4 +602,5 @@ def summary(record: EntryRecord) -> EntrySummary:
         durable=record.durable,
         used=record.used_at or None,
         leases=record.leases,
+        prefill_checkpoint=record.prefill_checkpoint,
     )

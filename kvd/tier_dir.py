@@ -71,14 +71,21 @@ class TierDir:
         A shared folder (sticky or world-writable, such as /tmp) is refused as the tier's
         root rather than made private: that would lock everyone else out of it.
         """
-        if self.root.is_dir() and self.root.stat().st_mode & (stat.S_ISVTX | stat.S_IWOTH):
-            raise PermissionError(
-                f"{self.root} is shared with other users; the tier needs a folder of its own, "
-                f"such as {self.root / 'kvd'}"
-            )
+        refusal = self.refusal()
+        if refusal is not None:
+            raise PermissionError(refusal)
         for path in (self.root, self.staging, self.entries, self.quarantine, self.deleting):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path, 0o700)
+
+    def refusal(self) -> str | None:
+        """Why create() refuses the root as it is now; None when it takes it."""
+        if self.root.is_dir() and self.root.stat().st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+            return (
+                f"{self.root} is shared with other users; the tier needs a folder of its own, "
+                f"such as {self.root / 'kvd'}"
+            )
+        return None
 
     def lock(self) -> int:
         """Take the tier's lock for the life of the process; returns the lock's descriptor."""

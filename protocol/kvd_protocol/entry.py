@@ -51,6 +51,7 @@ from .entry_model import (
     align_up,
     check_checksums,
     check_created,
+    check_entry_kind,
     encode_block_header,
     encode_head,
     encode_header,
@@ -257,6 +258,8 @@ def _draft(
         state = state_map(spec.meta, f"{what}.meta")
         blocked = spec.blocked and version >= MANIFEST_VERSION
         planned.append(Layer(spec.kind, state, spec.trimmable, slots, blocked))
+    checked_meta = entry_meta(_with_traits(identity, meta), limits)
+    check_entry_kind(checked_meta, checkpoint is not None)
     return EntryHeader(
         identity=identity,
         tokens=tokens,
@@ -264,7 +267,7 @@ def _draft(
         min_reuse=min_reuse,
         layers=tuple(planned),
         checkpoint=checkpoint,
-        meta=entry_meta(_with_traits(identity, meta), limits),
+        meta=checked_meta,
         data_start=0,
         file_size=align_up(cursor),  # the data's size, until placed
         block_tokens=block_tokens,

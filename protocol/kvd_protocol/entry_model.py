@@ -223,6 +223,25 @@ def entry_meta(value: object, limits: Limits = DEFAULT_LIMITS) -> dict[str, Meta
     return out
 
 
+def check_entry_kind(meta: Mapping[str, MetaValue], generation_checkpoint: bool) -> None:
+    """An entry is a prompt cache, a generation checkpoint or a prefill checkpoint, never two
+    of them: PREFILL_CHECKPOINT_META is True when present, and never beside a generation
+    checkpoint (raises schema.SchemaError)."""
+    if PREFILL_CHECKPOINT_META not in meta:
+        return
+    value = meta[PREFILL_CHECKPOINT_META]
+    if value is not True:  # 1 and 1.0 equal True, but are not the mark
+        raise schema.SchemaError(
+            f"meta.{PREFILL_CHECKPOINT_META}: {value!r} ({type(value).__name__}), not true: "
+            "present, the key marks a prefill checkpoint and must be true"
+        )
+    if generation_checkpoint:
+        raise schema.SchemaError(
+            f"meta.{PREFILL_CHECKPOINT_META} and checkpoint both set: an entry is a prefill "
+            "checkpoint or a generation checkpoint, not both"
+        )
+
+
 def check_created(value: object) -> float:
     """Creation time in unix seconds: finite and non-negative (raises schema.SchemaError)."""
     return schema.number(value, "created", 0.0, _FLOAT_MAX)

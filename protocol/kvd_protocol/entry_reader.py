@@ -48,6 +48,7 @@ from .entry_model import (
     Slot,
     align_up,
     check_created,
+    check_entry_kind,
     encode_block_header,
     entry_meta,
     header_checksum,
@@ -377,13 +378,15 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
     layers = _layers(raw["layers"], prefix, limits, manifest)
     _check_no_overlap(slot for layer in layers for slot in layer.slots)
     block_tokens, blocks = _manifest_blocks(raw, tokens, layers, limits) if manifest else (0, ())
+    checkpoint = schema.optional(raw["checkpoint"], Checkpoint.from_wire, limits)
+    check_entry_kind(meta, checkpoint is not None)
     return EntryHeader(
         identity=identity,
         tokens=tokens,
         created=created,
         min_reuse=min_reuse,
         layers=layers,
-        checkpoint=schema.optional(raw["checkpoint"], Checkpoint.from_wire, limits),
+        checkpoint=checkpoint,
         meta=meta,
         data_start=prefix.data_start,
         file_size=prefix.file_size,

@@ -95,6 +95,8 @@ class EntrySummary(Record):
     # Fields added within version 1 (left out at their defaults):
     used: float | None = field(default=None, metadata=wire(_optional(_seconds)))  # last lease
     leases: int = field(default=0, metadata=wire(_uint()))  # readers holding it now
+    # A prefill checkpoint (FORMAT.md, meta prefill_checkpoint); trimmable is then false.
+    prefill_checkpoint: bool = field(default=False, metadata=wire(_bool))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

@@ -67,7 +67,13 @@ def test_a_prompt_whose_end_changed_restores_from_the_last_checkpoint_before_it(
         assert tier.stats.checkpoint_restored_tokens == 512
         # Its own prefill stored checkpoints from there on: one, at 640.
         assert tier.stats.checkpoints == 1
+        counted = tier.client.status()["prefill_checkpoints"]
     assert got == uninterrupted(model, byte_tokenizer(), changed, STEPS)
+    # The daemon keeps them as prefill checkpoints: 128, 256, ..., 640; one hit, 512 tokens.
+    assert isinstance(counted, dict)
+    assert counted["entries"] == 6
+    assert counted["hits"] == 1
+    assert counted["restored_tokens"] == 512
 
 
 def test_without_checkpoints_a_changed_end_restores_nothing_of_a_hybrid(daemon: Daemon) -> None:

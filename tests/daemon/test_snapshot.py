@@ -16,7 +16,9 @@ from kvd.records import EntryRecord
 from kvd.snapshot import EMPTY, MAGIC, load_snapshot, save_snapshot
 
 
-def record(entry_id: str, tokens: list[int], key: str | None = None) -> EntryRecord:
+def record(
+    entry_id: str, tokens: list[int], key: str | None = None, prefill_checkpoint: bool = False
+) -> EntryRecord:
     return EntryRecord(
         id=entry_id,
         identity="a" * 32,
@@ -28,12 +30,17 @@ def record(entry_id: str, tokens: list[int], key: str | None = None) -> EntryRec
         last_used=7,
         durable=True,
         checkpoint_key=key,
+        prefill_checkpoint=prefill_checkpoint,
     )
 
 
 @pytest.fixture
 def files(tmp_path: Path) -> list[tuple[Path, EntryRecord]]:
-    rows = [record("e1", [1, 2, 3]), record("e2", [1, 2], key="resume-1")]
+    rows = [
+        record("e1", [1, 2, 3]),
+        record("e2", [1, 2], key="resume-1"),
+        record("e3", [1, 2, 3, 4], prefill_checkpoint=True),
+    ]
     paths = []
     for r in rows:
         path = tmp_path / f"{r.id}.kve"
@@ -46,10 +53,11 @@ def test_round_trip_keeps_every_field_and_the_mtime(
     tmp_path: Path, files: list[tuple[Path, EntryRecord]]
 ) -> None:
     snapshot = tmp_path / "index.snapshot"
-    assert save_snapshot(snapshot, files) == 2
+    assert save_snapshot(snapshot, files) == 3
     loaded = load_snapshot(snapshot)
     rows = loaded.rows
-    assert set(rows) == {"e1", "e2"}
+    assert set(rows) == {"e1", "e2", "e3"}
+    assert [r.prefill_checkpoint for r in loaded.records] == [False, False, True]
     for path, original in files:
         row = rows[original.id]
         assert loaded.mtime_ns[row] == path.stat().st_mtime_ns
@@ -103,8 +111,8 @@ def test_rows_come_least_recently_used_first_and_share_one_token_buffer(tmp_path
 def test_a_vanished_file_is_left_out(tmp_path: Path, files: list[tuple[Path, EntryRecord]]) -> None:
     files[0][0].unlink()
     snapshot = tmp_path / "index.snapshot"
-    assert save_snapshot(snapshot, files) == 1
-    assert set(load_snapshot(snapshot).rows) == {"e2"}
+    assert save_snapshot(snapshot, files) == 2
+    assert set(load_snapshot(snapshot).rows) == {"e2", "e3"}
 
 
 def test_missing_snapshot_is_empty(tmp_path: Path) -> None:
@@ -159,24 +167,28 @@ def _short_tokens(head: dict[str, Any], tokens: bytes) -> bytes:
     "change",
     [
         _set("version", 1),
-        _set("rows", 3),
+        _set("rows", 4),
         _set("ids", ["e1"]),
-        _set("ids", ["e1", 2]),
-        _set("ids", ["e1", "e1"]),  # an id in two rows
+        _set("ids", ["e1", 2, "e3"]),
+        _set("ids", ["e1", "e1", "e3"]),  # an id in two rows
         _set("identities", []),
-        _set("identity", (5).to_bytes(8, "little") * 2),
-        _set("identity", (-1).to_bytes(8, "little", signed=True) * 2),
-        _set("nbytes", b"\0" * 12),
+        _set("identity", (5).to_bytes(8, "little") * 3),
+        _set("identity", (-1).to_bytes(8, "little", signed=True) * 3),
+        _set("nbytes", b"\0" * 20),
         _set("created", "not packed"),
-        _set("trimmable", b"\0\2"),
-        _set("token_bytes", (2).to_bytes(8, "little") + (18).to_bytes(8, "little")),
-        _set("checkpoints", {2: "resume-1"}),
+        _set("version", 3),  # no prefill_checkpoint column: the headers are read again
+        _set("trimmable", b"\0\2\0"),
+        _set("prefill_checkpoint", b"\0\1"),
+        _set("prefill_checkpoint", b"\0\1\2"),
+        _drop("prefill_checkpoint"),
+        _set("token_bytes", b"".join(n.to_bytes(8, "little") for n in (12, 2, 18))),
+        _set("checkpoints", {3: "resume-1"}),
         _set("checkpoints", {-1: "resume-1"}),
         _set("checkpoints", {1: 7}),
         _drop("last_used"),
         _set("manifests", {0: [b"\x01" * 15, 32768]}),
         _set("manifests", {0: [b"\x01" * 16, "big"]}),
-        _set("manifests", {2: [b"\x01" * 16, 32768]}),
+        _set("manifests", {3: [b"\x01" * 16, 32768]}),
         _set("blocks", [["a" * 32, b"not 16 bytes", 1, 2]]),
         _set("blocks", [["a" * 32, b"\x01" * 16, 1]]),
         _set("blocks", 7),
