@@ -253,9 +253,9 @@ class Session:
                         self._tasks.start_soon(self._answer, event, asked)
                 elif isinstance(event, ConnectionClosed):
                     self._end()
-        except ProtocolError as exc:
+        except RemoteProtocolError as exc:  # the peer's: said to it as the final error
             self._end(exc)
-        except Exception:  # a daemon bug: this connection only
+        except Exception:  # a daemon bug (a LocalProtocolError too): this connection only
             log.exception("session_failed", session=self.peer.session)
             self._end()
 

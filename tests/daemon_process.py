@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailable
+from kvd_client.link import DaemonUnavailableError
 
 START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0
@@ -128,7 +128,7 @@ class Daemon:
                     if settled:
                         self.wait_settled(opened, started + timeout - time.perf_counter())
                     return seconds
-                except DaemonUnavailable:
+                except DaemonUnavailableError:
                     pass
             time.sleep(POLL_SECONDS)
         self.kill()

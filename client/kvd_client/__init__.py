@@ -14,7 +14,7 @@ from kvd_protocol.identity import Identity as WireIdentity
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
 from kvd_client.client import Client, LookupResult, Ticket
 from kvd_client.entry_io import TensorLayoutError
-from kvd_client.link import Backoff, ClientStats, DaemonError, DaemonUnavailable
+from kvd_client.link import Backoff, ClientStats, DaemonError, DaemonUnavailableError
 from kvd_client.results import Evicted, TicketState
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ __all__ = [
     "CodecError",
     "ColdTier",
     "DaemonError",
-    "DaemonUnavailable",
+    "DaemonUnavailableError",
     "Evicted",
     "Identity",
     "LookupResult",

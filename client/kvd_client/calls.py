@@ -78,7 +78,7 @@ from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 
 from . import block_io, entry_io
 from .entry_io import TensorData
-from .link import DaemonError, DaemonUnavailable, Link
+from .link import DaemonError, DaemonUnavailableError, Link
 from .results import Evicted, LookupHit, PutOutcome, TicketBase, TicketState
 from .transport import TransportClosed
 from .workers import Descriptors
@@ -125,12 +125,13 @@ Call: TypeAlias = Generator[Step, object, T]
 
 
 def expect(reply: object, kind: type[R]) -> R:
-    """reply as kind; an error reply raises DaemonError (DaemonUnavailable when shutting down)."""
+    """reply as kind; an error reply raises DaemonError (DaemonUnavailableError when the
+    daemon is shutting down)."""
     if isinstance(reply, kind):
         return reply
     if isinstance(reply, ErrorReply):
         if reply.code is ErrorCode.SHUTTING_DOWN:
-            raise DaemonUnavailable(f"the daemon is shutting down: {reply.message}")
+            raise DaemonUnavailableError(f"the daemon is shutting down: {reply.message}")
         raise DaemonError(reply.code, reply.message)
     raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
 
@@ -138,11 +139,11 @@ def expect(reply: object, kind: type[R]) -> R:
 def must_connect(link: Link, step: Exchange, *, connected: bool) -> bool:
     """Whether a driver connects before sending step's request: the first request of a call
     when no connection is up. A later request belongs to its call's connection (epoch):
-    DaemonUnavailable if that was lost."""
+    DaemonUnavailableError if that was lost."""
     if step.epoch is None:
         return not connected
     if step.epoch != link.epoch or not connected:
-        raise DaemonUnavailable("the connection this request belongs to was lost")
+        raise DaemonUnavailableError("the connection this request belongs to was lost")
     return False
 
 
@@ -151,9 +152,9 @@ def left(by: float) -> float:
     return max(by - time.monotonic(), 0.0)
 
 
-def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavailable | None:
+def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavailableError | None:
     """What a driver raises (from exc) when step's exchange failed with exc and the
-    connection was dropped: DaemonUnavailable for an OSError (timeouts included) or a
+    connection was dropped: DaemonUnavailableError for an OSError (timeouts included) or a
     ProtocolError, or None to try once more on a new connection. That is worth it for the
     first request of a call, on a connection that had broken since the last call (a
     restarted daemon), unless the connection was made for this request (fresh). Never after
@@ -163,7 +164,7 @@ def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavaila
         raise exc
     if not fresh and step.epoch is None and isinstance(exc, TransportClosed):
         return None
-    return DaemonUnavailable(f"{step.request.op}: {exc or type(exc).__name__}")
+    return DaemonUnavailableError(f"{step.request.op}: {exc or type(exc).__name__}")
 
 
 # --- calls ------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavaila
 def scoped(link: Link, identity: WireIdentity, by: float | None = None) -> Call[WireIdentity]:
     """identity under the tenant the daemon gives this client (Link.scope). A client that no
     daemon has answered yet (made while it was down) connects first, with a ping (done by
-    by): raises DaemonUnavailable as the call's own request would."""
+    by): raises DaemonUnavailableError as the call's own request would."""
     if link.server is None:
         expect((yield Exchange(Ping(id=link.next_id()), by=by)), PingReply)
     return link.scope(identity)
@@ -282,11 +283,11 @@ def put_entry(
         write = partial(entry_io.write_entry, plan=plan, views=views)
         size = plan.file_size
     if link.breaker is not None and link.breaker.skip_put():
-        return _not_begun(link, DaemonUnavailable(SKIPPED))
+        return _not_begun(link, DaemonUnavailableError(SKIPPED))
     if link.server is None:  # planned without the daemon's word (its tenant and features)
         try:
             yield from scoped(link, identity)
-        except (DaemonUnavailable, DaemonError) as exc:
+        except (DaemonUnavailableError, DaemonError) as exc:
             return _not_begun(link, exc)
         again = put_entry(
             link,
@@ -313,7 +314,7 @@ def put_entry(
     )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
-    except (DaemonUnavailable, DaemonError) as exc:
+    except (DaemonUnavailableError, DaemonError) as exc:
         return _not_begun(link, exc)
     epoch = link.epoch
     if begin.skip is not None:
@@ -340,7 +341,7 @@ def put_entry(
         ticket = expect((yield Exchange(commit, epoch=epoch)), PutCommitReply).ticket
     except Exception as exc:
         yield from _abort(link, begin.put, epoch)
-        if isinstance(exc, DaemonUnavailable):
+        if isinstance(exc, DaemonUnavailableError):
             link.stats.unavailable_puts += 1
             return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), epoch)
         if isinstance(exc, DaemonError | OSError):
@@ -349,9 +350,9 @@ def put_entry(
     return PutOutcome(ticket, TicketState("pending"), epoch)
 
 
-def _not_begun(link: Link, exc: DaemonUnavailable | DaemonError) -> PutOutcome:
+def _not_begun(link: Link, exc: DaemonUnavailableError | DaemonError) -> PutOutcome:
     """A put the daemon could not be asked for (unavailable, counted) or refused (failed)."""
-    if isinstance(exc, DaemonUnavailable):
+    if isinstance(exc, DaemonUnavailableError):
         link.stats.unavailable_puts += 1
         return PutOutcome(None, TicketState(UNAVAILABLE, str(exc)), link.epoch)
     return PutOutcome(None, TicketState("failed", str(exc)), link.epoch)
@@ -405,7 +406,7 @@ def put_blocks(
 def open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:
     """Read-only descriptors of blocks first..first + count - 1 of a looked-up entry, for the
     caller to close. A block the daemon cannot open raises EntryFormatError (block_missing:
-    the daemon has quarantined it); else DaemonUnavailable or DaemonError."""
+    the daemon has quarantined it); else DaemonUnavailableError or DaemonError."""
     request = OpenBlocks(id=link.next_id(), lease=hit.lease, first=first, count=count)
     due = link.due(time.monotonic())  # on the engine's path: a restore waits for it
     try:
@@ -431,7 +432,7 @@ def _abort(link: Link, put: int, epoch: int) -> Call[None]:
     try:
         request = PutAbort(id=link.next_id(), put=put)
         expect((yield Exchange(request, epoch=epoch)), PutAbortReply)
-    except (DaemonUnavailable, DaemonError) as exc:
+    except (DaemonUnavailableError, DaemonError) as exc:
         log.debug("put_abort of put %d not confirmed: %s", put, exc)
 
 
@@ -451,7 +452,7 @@ def wait_ticket(link: Link, ticket: TicketBase, timeout: float | None) -> Call[T
         try:
             reply = expect((yield Exchange(request, wait=wait, epoch=ticket.epoch)), TicketReply)
             state = TicketState(reply.state, reply.reason)
-        except (DaemonUnavailable, DaemonError) as exc:
+        except (DaemonUnavailableError, DaemonError) as exc:
             state = TicketState(UNAVAILABLE, str(exc))
         if timeout is not None:
             break
@@ -519,9 +520,10 @@ def _found(
     try:
         identity = yield from scoped(link, identity, due)
         reply = expect((yield Exchange(ask(identity), by=due)), kind)
-    except (DaemonUnavailable, DaemonError) as exc:
+    except (DaemonUnavailableError, DaemonError) as exc:
         link.stats.failed_lookups += 1
-        link.stats.misses[UNAVAILABLE if isinstance(exc, DaemonUnavailable) else "refused"] += 1
+        unavailable = isinstance(exc, DaemonUnavailableError)
+        link.stats.misses[UNAVAILABLE if unavailable else "refused"] += 1
         log.info("%s missed: %s", kind.op, exc)
         return None
     if reply.entry is None or reply.lease is None or reply.fd is None:
@@ -614,5 +616,5 @@ def release_lease(
         request = Release(id=link.next_id(), lease=lease, damaged=damage, report=told)
         due = link.due(time.monotonic())
         expect((yield Exchange(request, epoch=epoch, by=due)), ReleaseReply)
-    except (DaemonUnavailable, DaemonError) as exc:
+    except (DaemonUnavailableError, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

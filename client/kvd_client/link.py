@@ -38,7 +38,7 @@ from kvd_protocol.paths import default_paths
 from .breaker import Breaker
 
 
-class DaemonUnavailable(ConnectionError):  # noqa: N818 - the documented name
+class DaemonUnavailableError(ConnectionError):
     """The daemon cannot be reached: not running, not answering in time, or the connection
     broke. Put and lookup never raise it; operator calls (ping, status, flush...) do."""
 
@@ -226,10 +226,11 @@ class Link:
 
     def begin_connect(self, now: float, *, force: bool = False) -> bytes:
         """Count a connect attempt and return the hello frame to send once connected; raises
-        DaemonUnavailable while backing off after a failed attempt (unless force, or with a
+        DaemonUnavailableError while backing off after a failed attempt (unless force, or with a
         breaker: the engine's calls skip the daemon then, and the probe backs off)."""
         if not force and self.breaker is None and now < self._retry_at:
-            raise DaemonUnavailable(f"the daemon at {self.socket_path} is down; retrying later")
+            down = f"the daemon at {self.socket_path} is down; retrying later"
+            raise DaemonUnavailableError(down)
         self.stats.connect_attempts += 1
         self.connection = Connection(Role.CLIENT)
         hello = Hello(
@@ -238,9 +239,9 @@ class Link:
         return self.connection.send(hello)
 
     def connected(self, reply: Reply) -> None:
-        """The hello reply arrived: adopt the daemon's limits, or raise DaemonUnavailable."""
+        """The hello reply arrived: adopt the daemon's limits, or raise DaemonUnavailableError."""
         if isinstance(reply, ErrorReply):
-            raise DaemonUnavailable(f"the daemon refused hello: {reply.code}: {reply.message}")
+            raise DaemonUnavailableError(f"the daemon refused hello: {reply.code}: {reply.message}")
         assert isinstance(reply, HelloReply)  # the Connection matched it to the hello
         self.server = reply
         self.limits = reply.limits

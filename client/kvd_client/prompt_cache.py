@@ -30,7 +30,7 @@ from .block_io import BlockReads
 from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
 from .identity import Identity
-from .link import DaemonError, DaemonUnavailable, Link
+from .link import DaemonError, DaemonUnavailableError, Link
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 from .results import LookupHit, PutOutcome
 
@@ -349,7 +349,7 @@ def _open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tup
     """calls.open_blocks, a daemon that cannot be asked or refuses being a miss."""
     try:
         return (yield from calls.open_blocks(link, hit, first, count))
-    except DaemonUnavailable as exc:
+    except DaemonUnavailableError as exc:
         raise Miss(calls.UNAVAILABLE, str(exc)) from exc
     except DaemonError as exc:
         raise Miss("refused", str(exc)) from exc

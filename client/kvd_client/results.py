@@ -1,7 +1,7 @@
 """What calls return: a put's ticket and its state, a lookup's hit, an eviction's count.
 
-TicketBase and LookupResultBase hold what the blocking and the async client's Ticket and
-LookupResult share; the clients add the methods that drive calls.
+TicketBase and LookupResultBase hold the state of a Ticket and a LookupResult, blocking or
+async; api.py adds the methods that run calls (wait, release).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from kvd_protocol.connection import (
     Event,
     Role,
 )
+from kvd_protocol.connection_states import State
 from kvd_protocol.entry import (
     ALIGNMENT,
     PREFIX_BYTES,
@@ -80,6 +81,7 @@ __all__ = [
     "Role",
     "Rule",
     "Slot",
+    "State",
     "TensorSpec",
     "check_block",
     "pack_tokens",

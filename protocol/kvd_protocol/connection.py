@@ -3,10 +3,8 @@
 In the manner of h11: the caller moves bytes (send() returns them; receive_data() takes them)
 and descriptors (a reply's `fds` go out in the same sendmsg as its frame; received ones are
 passed to receive_data()). The Connection never touches a socket and never closes a descriptor.
-See PROTOCOL.md for the rules it enforces. Its errors come in two kinds, as in h11:
-LocalProtocolError from send() (this side's misuse; nothing was sent, and the caller must not
-swallow it), RemoteProtocolError from receive_data() and next_event() (the peer's fault; fatal,
-answered by send_final_error() before closing).
+See PROTOCOL.md for the rules it enforces: what may happen when is one table of transitions
+(connection_states.py); what it raises follows the one rule of errors.py's ProtocolError.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final, Literal, NoReturn, TypeAlias
 
+from .connection_states import INITIAL, TRANSITIONS, State, Step, refusal
+from .connection_states import Role as Role  # noqa: PLC0414 - re-exported: importers read it here
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .framing import FrameReader, FrameWriter, decode_body
 from .limits import DEFAULT_LIMITS, Limits
@@ -32,12 +32,6 @@ from .messages import (
     decode_request,
     peek_id,
 )
-from .small_messages import ENCODERS, REPLY_DECODERS, REQUEST_DECODERS
-
-
-class Role(Enum):
-    CLIENT = "client"
-    SERVER = "server"
 
 
 class NeedData(Enum):
@@ -67,41 +61,57 @@ class ConnectionClosed:
 
 Event: TypeAlias = Request | Reply | BadRequest | ConnectionClosed
 
+_SENDING: Final = frozenset({State.HELLO_FIRST, State.OPEN})  # this side may still send
+
+
+# What sending (or receiving) a message is to the machine of the side that sends it, by the
+# message's class: one of OPS's, or an error reply.
+_STEPS: Final[Mapping[type[Message], Step]] = {
+    **{op.request: Step.REQUEST for op in OPS.values()},
+    **{op.reply: Step.REPLY for op in OPS.values()},
+    Hello: Step.HELLO,
+    ErrorReply: Step.REPLY,
+}
+
+
+def _step_of(message: Message) -> Step:
+    step = _STEPS.get(type(message))
+    if step is None:
+        raise LocalProtocolError(ErrorCode.BAD_MESSAGE, f"not a message: {type(message).__name__}")
+    return step
+
 
 def _check_id(message: Message, lo: int) -> None:
-    if type(message.id) is int and lo <= message.id <= U32:  # the usual case, in one test
-        return
-    if (
-        not isinstance(message.id, int)
-        or isinstance(message.id, bool)
-        or not lo <= message.id <= U32
-    ):
-        raise LocalProtocolError(
-            ErrorCode.BAD_MESSAGE, f"message id {message.id!r} outside {lo}..{U32}"
-        )
+    value = message.id
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= U32:
+        raise LocalProtocolError(ErrorCode.BAD_MESSAGE, f"message id {value!r} outside {lo}..{U32}")
 
 
 class Connection:
-    """The protocol state of one connection, for a client or a server."""
+    """The protocol state of one connection, for a client or a server: the two machines of
+    connection_states.py, and the requests in flight."""
 
     def __init__(self, role: Role, limits: Limits = DEFAULT_LIMITS) -> None:
         self.role = role
         self._client = role is Role.CLIENT
+        self._peer = Role.SERVER if self._client else Role.CLIENT
         self.limits = limits  # a client adopts the server's limits from the hello reply
         self._reader = FrameReader(limits.max_frame_bytes)
         self._writer = FrameWriter(limits.max_frame_bytes)
+        self._states = dict(INITIAL)  # each side's machine, by the role that sends
         self._in_flight: dict[int, str] = {}  # request id -> op, awaiting a reply
         self._claims: dict[int, int] = {}  # request id in flight -> its reply's most descriptors
         self._claimable = 0  # the sum of _claims
         self._unanswered: list[int] = []  # server: ids of BadRequest events not yet answered
         self._fds: deque[int] = deque()  # client: received descriptors not yet claimed
-        self._hello_sent = False  # client
-        self._hello_received = False  # server: hello request; client: hello reply
-        self._ended = False
-        self._error: ProtocolError | None = None
-        self._final_error_sent = False  # server: nothing may follow it
+        self._error: ProtocolError | None = None  # the fatal one, once both machines FAILED
 
     # --- state, for callers and tests ---
+
+    @property
+    def states(self) -> Mapping[Role, State]:
+        """The state of each side's machine."""
+        return dict(self._states)
 
     @property
     def in_flight(self) -> Mapping[int, str]:
@@ -128,7 +138,7 @@ class Connection:
     @property
     def can_send(self) -> bool:
         """False once failed or once the final error was sent: nothing more goes out."""
-        return self._error is None and not self._final_error_sent
+        return self._states[self.role] in _SENDING
 
     def take_descriptors(self) -> list[int]:
         """Client: every received descriptor not yet handed out in a reply, for the caller to
@@ -137,67 +147,52 @@ class Connection:
         self._fds.clear()
         return fds
 
+    # --- the table ---
+
+    def _after(self, role: Role, step: Step) -> State:
+        """The state role's machine takes on step (set by the caller once the step is done);
+        raises the refusal when the table has no such transition."""
+        state = self._states[role]
+        after = TRANSITIONS.get((role, state, step))
+        if after is None:
+            kind = LocalProtocolError if role is self.role else RemoteProtocolError
+            if state is State.FAILED:
+                raise self._unusable(kind)
+            raise kind(*refusal(role, state, step))
+        return after
+
     # --- sending ---
 
     def send(self, message: Message) -> bytes:
-        """The frame for message, after checking it is allowed now. A LocalProtocolError here
-        changes nothing: the message was not sent and the connection stays usable."""
-        if self._error is not None:
-            raise self._unusable(LocalProtocolError)
-        if self._final_error_sent:
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
+        """The frame for message, after checking it is allowed now (if not: the rule of
+        errors.py's ProtocolError)."""
+        after = self._after(self.role, _step_of(message))
+        # The table lets a client send requests only, and a server replies only.
         if self._client:
-            if not (  # the usual: a request after hello, its id valid and free (one test)
-                isinstance(message, Request)
-                and self._hello_sent
-                and type(message) is not Hello
-                and type(message.id) is int
-                and 1 <= message.id <= U32
-                and message.id not in self._in_flight
-                and len(self._in_flight) < self.limits.max_in_flight
-            ):
-                self._check_request(message)
+            self._check_request(message)
             frame = self._frame(message)
-            self._hello_sent = True  # the checks let nothing but hello through before it
-            self._enter(message)  # type: ignore[arg-type]  # _check_request: a Request
-        elif (  # the usual: a reply without descriptors to a request in flight (one test)
-            isinstance(message, Reply)
-            and type(message.id) is int
-            and self._in_flight.get(message.id) == message.op
-            and not message.descriptor_count()
-            and not message.fds
-        ):
-            frame = self._frame(message)
-            self._leave(message.id)  # as _settle does: not an answer to a bad request
+            self._states[Role.CLIENT] = after
+            self._enter(message)  # type: ignore[arg-type]
         else:
-            self._check_reply(message)
+            self._check_reply(message)  # type: ignore[arg-type]
             frame = self._frame(message)
-            self._settle(message)
+            self._settle(message)  # type: ignore[arg-type]  # the server's machine stays OPEN
         return frame
 
     def send_final_error(self, code: ErrorCode, message: str) -> bytes:
         """Server: the frame of a last error reply (id 0), said before closing: after a fatal
         RemoteProtocolError, or to turn a peer away. Allowed in any state, once; every send
         after it raises LocalProtocolError."""
-        if self.role is not Role.SERVER:
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "only a server sends a final error")
-        if self._final_error_sent:
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "the final error was sent already")
+        after = self._after(self.role, Step.FINAL_ERROR)
         frame = self._frame(ErrorReply(id=0, code=code, message=message))
-        self._final_error_sent = True
+        self._states[self.role] = after
         return frame
 
-    def _check_request(self, message: Message) -> None:
-        if not isinstance(message, Request):
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a client sends requests only")
-        _check_id(message, 1)
-        if self._hello_sent == (type(message) is Hello):  # Hello has no subclasses
-            if self._hello_sent:
-                raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "hello was already sent")
-            raise LocalProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
-        if message.id in self._in_flight:
+    def _check_request(self, request: Message) -> None:
+        _check_id(request, 1)
+        if request.id in self._in_flight:
             raise LocalProtocolError(
-                ErrorCode.DUPLICATE_ID, f"request id {message.id} is in flight"
+                ErrorCode.DUPLICATE_ID, f"request id {request.id} is in flight"
             )
         if len(self._in_flight) >= self.limits.max_in_flight:
             raise LocalProtocolError(
@@ -205,35 +200,33 @@ class Connection:
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
 
-    def _check_reply(self, message: Message) -> None:
-        if not isinstance(message, Reply):
-            raise LocalProtocolError(ErrorCode.BAD_MESSAGE, "a server sends replies only")
-        is_error = type(message) is ErrorReply  # ErrorReply has no subclasses
-        _check_id(message, 0 if is_error else 1)
-        fds, count = message.fds, message.descriptor_count()
+    def _check_reply(self, reply: Reply) -> None:
+        is_error = type(reply) is ErrorReply  # ErrorReply has no subclasses
+        _check_id(reply, 0 if is_error else 1)
+        fds, count = reply.fds, reply.descriptor_count()
         if len(fds) != count or (fds and not all(isinstance(fd, int) and fd >= 0 for fd in fds)):
             raise LocalProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
-                f"{message.op} reply holds {fds}, needs {count} descriptor(s)",
+                f"{reply.op} reply holds {fds}, needs {count} descriptor(s)",
             )
-        if len(fds) > self._claims.get(message.id, 0):
+        if len(fds) > self._claims.get(reply.id, 0):
             raise LocalProtocolError(
                 ErrorCode.BAD_DESCRIPTORS,
-                f"{message.op} reply holds {len(fds)} descriptor(s), more than its request asked",
+                f"{reply.op} reply holds {len(fds)} descriptor(s), more than its request asked",
             )
         if is_error:
-            if message.id in self._unanswered or message.id in self._in_flight:
+            if reply.id in self._unanswered or reply.id in self._in_flight:
                 return
-            if message.id == 0:  # a notice not tied to any request
+            if reply.id == 0:  # a notice not tied to any request
                 return
-        elif self._in_flight.get(message.id) == message.op:
+        elif self._in_flight.get(reply.id) == reply.op:
             return
         raise LocalProtocolError(
             ErrorCode.UNEXPECTED_REPLY,
-            f"no {message.op!r} request with id {message.id} awaits a reply",
+            f"no {reply.op!r} request with id {reply.id} awaits a reply",
         )
 
-    def _settle(self, reply: Message) -> None:
+    def _settle(self, reply: Reply) -> None:
         """Server: the request (or bad request) reply answers is answered."""
         if type(reply) is ErrorReply and reply.id in self._unanswered:
             self._unanswered.remove(reply.id)
@@ -261,20 +254,18 @@ class Connection:
 
         A server raises BAD_DESCRIPTORS for any descriptor and keeps none (the caller closes
         them). A client queues them first, so take_descriptors() returns them on any error."""
-        if data and not fds and not self._fds and not self._ended and self._error is None:
-            self._reader.feed(data)  # the usual: bytes alone, none of the checks below apply
-            return
         if self._error is not None:
             raise self._unusable(RemoteProtocolError)
-        if fds and not self._client:
-            self._fail(
-                RemoteProtocolError(ErrorCode.BAD_DESCRIPTORS, "clients never send descriptors")
-            )
         if fds:
-            self._fds.extend(fds)
-        if self._ended and (data or fds):
+            if self._client:
+                self._fds.extend(fds)
+            try:
+                self._states[self._peer] = self._after(self._peer, Step.DESCRIPTORS)
+            except RemoteProtocolError as exc:
+                self._fail(exc)
+        if self._reader.ended and (data or fds):
             self._fail(RemoteProtocolError(ErrorCode.BAD_FRAME, "data after the end of the stream"))
-        if len(self._fds) > self._claimable:
+        if self._fds and len(self._fds) > self._claimable:
             self._fail(
                 RemoteProtocolError(
                     ErrorCode.BAD_DESCRIPTORS,
@@ -285,7 +276,7 @@ class Connection:
         if data:
             self._reader.feed(data)
         else:
-            self._ended = True
+            self._reader.ended = True
 
     def next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
         """The next event, or NEED_DATA. Raises ProtocolError only for fatal errors: a
@@ -295,10 +286,20 @@ class Connection:
             raise self._unusable(RemoteProtocolError)
         try:
             view = self._reader.next_frame()
-            if view is None:
-                if not self._fds and not self._ended:  # the usual: between frames
+            if view is None:  # no complete frame: more bytes are needed, or the stream ended
+                if self._fds and not self._reader.buffered:
+                    raise RemoteProtocolError(
+                        ErrorCode.BAD_DESCRIPTORS,
+                        f"{len(self._fds)} descriptor(s) arrived that no reply declares",
+                    )
+                if not self._reader.ended:
                     return NEED_DATA
-                return self._no_frame()
+                if self._reader.buffered:
+                    raise RemoteProtocolError(
+                        ErrorCode.BAD_FRAME, "the stream ended inside a frame"
+                    )
+                self._states[self._peer] = self._after(self._peer, Step.END)
+                return ConnectionClosed()
             with view:
                 try:
                     body = decode_body(view)
@@ -314,23 +315,8 @@ class Connection:
         except ProtocolError as exc:  # from decoding what the peer sent
             self._fail(RemoteProtocolError(exc.code, exc.message))
 
-    def _no_frame(self) -> ConnectionClosed | Literal[NeedData.NEED_DATA]:
-        """No complete frame is buffered, and descriptors are or the stream ended."""
-        if self._fds and not self._reader.buffered:
-            raise RemoteProtocolError(
-                ErrorCode.BAD_DESCRIPTORS,
-                f"{len(self._fds)} descriptor(s) arrived that no reply declares",
-            )
-        if not self._ended:
-            return NEED_DATA
-        if self._reader.buffered:
-            raise RemoteProtocolError(ErrorCode.BAD_FRAME, "the stream ended inside a frame")
-        return ConnectionClosed()
-
     def _request_event(self, body: object) -> Request | BadRequest:
-        op, request_id = (body.get("op"), body.get("id")) if type(body) is dict else (None, 0)
-        if not (type(request_id) is int and 1 <= request_id <= U32):  # else as peek_id says
-            request_id = peek_id(body)
+        request_id = peek_id(body)
         if not request_id:
             return self._reject(0, ErrorCode.BAD_MESSAGE, f"no request id in 1..{U32}")
         if request_id in self._in_flight or request_id in self._unanswered:
@@ -341,20 +327,14 @@ class Connection:
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"{len(self._in_flight)} requests in flight, the limit",
             )
-        decode = REQUEST_DECODERS.get(op) if type(op) is str else None
-        request: Request | None = None
-        if decode is not None:  # then body is a dict: op came from it
-            request = decode(body, self.limits)  # type: ignore[arg-type]
-        if request is None:  # not one of the small messages, or not of their usual shape
-            try:
-                request = decode_request(body, self.limits)
-            except ProtocolError as exc:
-                return self._reject(request_id, exc.code, exc.message)
-        if self._hello_received == (type(request) is Hello):  # Hello has no subclasses
-            if self._hello_received:
-                return self._reject(request_id, ErrorCode.BAD_MESSAGE, "hello was already received")
-            return self._reject(request_id, ErrorCode.HANDSHAKE_REQUIRED, "hello must come first")
-        self._hello_received = True
+        try:
+            request = decode_request(body, self.limits)
+        except ProtocolError as exc:
+            return self._reject(request_id, exc.code, exc.message)
+        try:  # a request the client's machine refuses is answered, not fatal
+            self._states[Role.CLIENT] = self._after(Role.CLIENT, _step_of(request))
+        except RemoteProtocolError as exc:
+            return self._reject(request_id, exc.code, exc.message)
         self._enter(request)
         return request
 
@@ -370,15 +350,12 @@ class Connection:
         return BadRequest(request_id, code, message)
 
     def _reply_event(self, body: object) -> Reply:
+        self._after(Role.SERVER, Step.REPLY)  # OPEN stays OPEN: the checks below are per id
         if not (type(body) is dict or isinstance(body, Mapping)):
             raise RemoteProtocolError(ErrorCode.BAD_MESSAGE, "a reply must be a map")
-        op, reply_id = body.get("op"), body.get("id")
-        if type(reply_id) is not int:  # an int out of range is in flight no more than 0 is
-            reply_id = peek_id(body)
+        op, reply_id = body.get("op"), peek_id(body)
         if op == ErrorReply.op:
-            error = REPLY_DECODERS[op](body, self.limits) if type(body) is dict else None
-            if not isinstance(error, ErrorReply):
-                error = ErrorReply.from_wire(body, self.limits)
+            error = ErrorReply.from_wire(body, self.limits)
             if error.id and self._leave(error.id) is None:
                 raise RemoteProtocolError(
                     ErrorCode.UNEXPECTED_REPLY, f"error reply to id {error.id}, not in flight"
@@ -391,13 +368,6 @@ class Connection:
             raise RemoteProtocolError(
                 ErrorCode.UNEXPECTED_REPLY, f"{op!r} reply to a {expected!r} request"
             )
-        decode = REPLY_DECODERS.get(expected)
-        small: Reply | None = (
-            None if decode is None or type(body) is not dict else decode(body, self.limits)
-        )
-        if small is not None:  # it declares no descriptors
-            self._leave(reply_id)
-            return small
         reply = OPS[expected].reply.from_wire(body, self.limits)
         wanted = reply.descriptor_count()
         if wanted > self._claims.get(reply_id, 0):
@@ -414,7 +384,6 @@ class Connection:
         if wanted:
             reply = reply.with_fds(tuple(self._fds.popleft() for _ in range(wanted)))
         if type(reply) is HelloReply:
-            self._hello_received = True
             self.limits = reply.limits
             self._reader.max_frame_bytes = reply.limits.max_frame_bytes
             self._writer.max_frame_bytes = reply.limits.max_frame_bytes
@@ -428,12 +397,11 @@ class Connection:
 
     def _fail(self, exc: ProtocolError) -> NoReturn:
         self._error = exc
+        self._states = dict.fromkeys(Role, State.FAILED)
         raise exc
 
     def _frame(self, message: Message) -> bytes:
-        encode = ENCODERS.get(type(message))
-        body = message.to_wire() if encode is None else encode(message)
         try:
-            return self._writer.frame(body)
+            return self._writer.frame(message.to_wire())
         except ProtocolError as exc:  # over the frame limit: the message is this side's
             raise LocalProtocolError(exc.code, exc.message) from None

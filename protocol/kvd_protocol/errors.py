@@ -33,8 +33,13 @@ class ErrorCode(StrEnum):
 class ProtocolError(Exception):
     """A request that cannot be served, or a wire rule broken: the code says which.
 
-    The Connection raises one of its two kinds (as h11 does): LocalProtocolError for this
-    side's misuse, RemoteProtocolError for what the peer sent.
+    The Connection raises one of its two kinds (as h11 does), by one rule. The kind says whose
+    fault it is: LocalProtocolError when this side asked for what the protocol does not allow
+    now (a bug of the caller, never to be passed off as the peer's), RemoteProtocolError when
+    the peer sent it. Raised by send() or send_final_error(), it changes nothing: the message
+    was not sent. Raised by any other call, it is fatal: every later call raises (but a
+    server's one send_final_error(), its last word before closing). A request the server
+    refuses is no error: next_event() returns it as a BadRequest, to be answered.
     """
 
     def __init__(self, code: ErrorCode, message: str) -> None:
@@ -44,14 +49,12 @@ class ProtocolError(Exception):
 
 
 class LocalProtocolError(ProtocolError):
-    """This side asked the Connection for something the protocol does not allow now (a reply
-    nobody awaits, a frame over the limit, a send after the final error): a bug of the caller,
-    never to be dropped silently."""
+    """This side's fault (a reply nobody awaits, a frame over the limit, a send after the final
+    error, a server's bad requests left unanswered): see ProtocolError for the rule."""
 
 
 class RemoteProtocolError(ProtocolError):
-    """The peer broke the protocol; raised while receiving. Fatal: say so with a final error
-    (Connection.send_final_error) and close."""
+    """The peer's fault: see ProtocolError for the rule."""
 
 
 class Rule(StrEnum):

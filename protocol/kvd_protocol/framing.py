@@ -66,6 +66,7 @@ class FrameReader:
         self.max_frame_bytes = max_frame_bytes
         self._data: bytes | bytearray = b""
         self._pos = 0  # start of the first unconsumed byte in _data
+        self.ended = False  # set by the caller at the end of the stream: no byte follows
 
     @property
     def buffered(self) -> int:

@@ -39,6 +39,10 @@ class _WireFields:
     # (a peer that predates one neither sends nor expects it).
     optional: Mapping[str, object]
     consistency: bool  # the class has rules across fields (overrides check_consistency)
+    # Every field's default, wire or not (a reply's descriptors), that a decoded record holds
+    # until its map's values are set; None when the constructor must run (a default factory,
+    # __post_init__, a field the map does not give and has no default).
+    defaults: Mapping[str, object] | None
 
 
 _wire_fields_cache: dict[type[Record], _WireFields] = {}
@@ -47,13 +51,19 @@ _wire_fields_cache: dict[type[Record], _WireFields] = {}
 def _wire_fields(cls: type[Record]) -> _WireFields:
     """cls's wire fields, gathered on first use (callers look in the cache first: a call
     fewer per message)."""
-    wired = [f for f in dataclasses.fields(cls) if "check" in f.metadata]
+    every = dataclasses.fields(cls)
+    wired = [f for f in every if "check" in f.metadata]
     optional = {f.name: f.default for f in wired if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in every if f.default is not dataclasses.MISSING}
+    built = not hasattr(cls, "__post_init__") and all(
+        f.name in defaults or "check" in f.metadata for f in every
+    )
     found = _wire_fields_cache[cls] = _WireFields(
         checked=tuple((f.name, f.metadata["check"]) for f in wired),
         required=frozenset(f.name for f in wired if f.name not in optional) | cls.envelope,
         optional=optional,
         consistency=cls.check_consistency is not Record.check_consistency,
+        defaults=defaults if built else None,
     )
     return found
 
@@ -94,17 +104,14 @@ class Record:
         for name, check in spec.checked:  # a loop, not a comprehension: one call fewer
             if name in raw:
                 values[name] = check(raw[name], name, limits)
-        record = cls(**values)
+        if spec.defaults is None:
+            record = cls(**values)
+        else:  # what the constructor does, without its call per field of a frozen dataclass
+            record = object.__new__(cls)
+            record.__dict__.update(spec.defaults)
+            record.__dict__.update(values)
         if spec.consistency:
             record.check_consistency()
-        return record
-
-    @classmethod
-    def checked(cls, values: Mapping[str, object]) -> Self:
-        """The record holding values, one for each of its fields, all checked already: what
-        its constructor does, without a call per field (for small_messages' decoders)."""
-        record = object.__new__(cls)
-        record.__dict__.update(values)
         return record
 
     def to_map(self) -> dict[str, object]:

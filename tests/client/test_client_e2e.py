@@ -12,7 +12,7 @@ import pytest
 from daemon_process import START_SECONDS, Daemon
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailable
+from kvd_client.link import DaemonUnavailableError
 from kvd_client.results import TicketState
 from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.identity import Identity
@@ -129,7 +129,7 @@ def test_a_daemon_that_stops_answering_times_the_exchange_out(daemon: Daemon) ->
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            with pytest.raises(DaemonUnavailable, match=r"^ping: timed out$"):
+            with pytest.raises(DaemonUnavailableError, match=r"^ping: timed out$"):
                 client.ping()
             waited = time.monotonic() - started
             assert not client.connected
@@ -184,7 +184,7 @@ def test_client_survives_a_daemon_restart(daemon: Daemon) -> None:
             "unavailable"
         )
         assert client.lookup(IDENTITY, [*PROMPT, 1]) is None
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(DaemonUnavailableError):
             client.ping()
         assert client.stats.unavailable_puts == 1
         assert client.stats.failed_lookups == 1

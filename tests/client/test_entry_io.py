@@ -20,7 +20,7 @@ from kvd_client import entry_io
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
 from kvd_client.entry_io import TensorLayoutError
-from kvd_client.link import Backoff, DaemonUnavailable
+from kvd_client.link import Backoff, DaemonUnavailableError
 from kvd_protocol.entry import ALIGNMENT, EntryPlan, LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.entry_reader import parse_head, verify_slot
 from kvd_protocol.errors import EntryFormatError, Rule
@@ -301,11 +301,11 @@ def test_client_without_daemon_degrades(dead_socket: str) -> None:
         assert not client.connected
         assert _put(client) == "unavailable"
         assert client.lookup(IDENTITY, TOKENS) is None
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(DaemonUnavailableError):
             client.ping()
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(DaemonUnavailableError):
             client.status()
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(DaemonUnavailableError):
             client.flush()
         assert client.stats.unavailable_puts == 1
         assert client.stats.failed_lookups == 1
@@ -313,7 +313,7 @@ def test_client_without_daemon_degrades(dead_socket: str) -> None:
 
 
 def test_connect_with_require_raises_daemon_unavailable(dead_socket: str) -> None:
-    with pytest.raises(DaemonUnavailable, match="cannot connect"):
+    with pytest.raises(DaemonUnavailableError, match="cannot connect"):
         Client.connect(dead_socket, require=True)
 
 
@@ -377,12 +377,12 @@ def test_async_client_without_daemon_degrades(dead_socket: str) -> None:
             assert ticket.state.state == "unavailable"
             assert (await ticket.wait()).state == "unavailable"
             assert await client.lookup(IDENTITY, TOKENS) is None
-            with pytest.raises(DaemonUnavailable):
+            with pytest.raises(DaemonUnavailableError):
                 await client.ping()
             assert client.stats.unavailable_puts == 1
             assert client.stats.failed_lookups == 1
             assert client.stats.connect_attempts == 4
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(DaemonUnavailableError):
             await AsyncClient.connect(dead_socket, require=True)
 
     asyncio.run(scenario())

@@ -30,7 +30,7 @@ from daemon_e2e import (
 )
 from daemon_process import Daemon, running_daemon
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailable
+from kvd_client.link import DaemonUnavailableError
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
 from kvd_protocol.entry import LayerSpec, TensorSpec
@@ -108,7 +108,7 @@ def test_one_connection_over_the_cap_is_told_and_closed(tmp_path: Path) -> None:
     with running_daemon(tmp_path, ["--max-connections", "2"]) as daemon:
         first = Client.connect(daemon.socket_path, require=True)
         second = Client.connect(daemon.socket_path, require=True)
-        with pytest.raises(DaemonUnavailable, match="too_many_connections"):
+        with pytest.raises(DaemonUnavailableError, match="too_many_connections"):
             Client.connect(daemon.socket_path, require=True)
         first.ping()
         second.ping()

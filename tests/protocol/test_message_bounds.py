@@ -32,7 +32,6 @@ from kvd_protocol.messages import (
     WaitTicket,
     decode_request,
 )
-from kvd_protocol.small_messages import REQUEST_DECODERS
 from kvd_protocol.tokens import pack_tokens
 from wire_samples import HELLO, HELLO_REPLY, IDENTITY, drain
 
@@ -107,13 +106,13 @@ def test_a_number_at_its_bound_is_taken(
         assert isinstance(decoded, Message), decoded
 
 
-def test_the_small_lookup_decoder_leaves_a_min_tokens_past_the_limit_to_the_generic_path() -> None:
-    decode = REQUEST_DECODERS["lookup"]
+def test_a_lookup_min_tokens_is_bounded_by_the_limits_it_is_decoded_under() -> None:
     for limits in (LIMITS, Limits(max_tokens=64)):
         at = _with(LOOKUP, ("min_tokens",), limits.max_tokens)
-        assert decode(at, limits) == _decoded(at, limits)
+        assert _decoded(at, limits) == Lookup(
+            id=2, identity=IDENTITY, tokens=LOOKUP.tokens, min_tokens=limits.max_tokens
+        )
         over = _with(LOOKUP, ("min_tokens",), limits.max_tokens + 1)
-        assert decode(over, limits) is None
         assert str(_decoded(over, limits)).startswith("bad_message: ")
 
 
