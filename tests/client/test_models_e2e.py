@@ -30,6 +30,8 @@ from tiny_models import (
     tiny_llama,
     tiny_llama4,
     tiny_mamba2,
+    tiny_nemotron_h,
+    tiny_qwen3_next,
 )
 
 SETTLE_SECONDS = 30.0
@@ -44,6 +46,8 @@ MODELS = {
     "mamba2": tiny_mamba2,
     "llama4": tiny_llama4,  # ChunkedKVCache
     "falcon_h1": tiny_falcon_h1,  # CacheList
+    "qwen3_next": tiny_qwen3_next,  # Gated DeltaNet and attention
+    "nemotron_h": tiny_nemotron_h,  # Mamba-2 and attention
 }
 
 

@@ -4,7 +4,7 @@ and answers as a run without kvd; caches that always trim take none; the interva
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +27,7 @@ from kvd_client.snapshots import Memo
 from kvd_protocol.entry import PREFILL_CHECKPOINT_META
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_engine import byte_tokenizer, uninterrupted
-from tiny_models import prefill, prompt, tiny_lfm2, tiny_llama
+from tiny_models import prefill, prompt, tiny_lfm2, tiny_llama, tiny_nemotron_h, tiny_qwen3_next
 
 BLOCK = 64
 STEPS = 6
@@ -50,10 +50,11 @@ def _generate(tier: ColdTier, tokens: list[int]) -> list[int]:
     return got
 
 
+@pytest.mark.parametrize("make", [tiny_lfm2, tiny_qwen3_next, tiny_nemotron_h])
 def test_a_prompt_whose_end_changed_restores_from_the_last_checkpoint_before_it(
-    daemon: Daemon,
+    daemon: Daemon, make: Callable[[], Any]
 ) -> None:
-    model = tiny_lfm2()
+    model = make()
     interval = 2 * BLOCK
     first = prompt(700, seed=3)
     changed = first[:610] + prompt(90, seed=4)  # leaves the first at token 610

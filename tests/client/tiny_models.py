@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models import falcon_h1, lfm2, llama, llama4, mamba2
+from mlx_lm.models import falcon_h1, lfm2, llama, llama4, mamba2, nemotron_h, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
 
 VOCAB = 256
@@ -141,6 +141,68 @@ def tiny_falcon_h1(seed: int = 0) -> Any:
         vocab_size=VOCAB,
     )
     model: Any = falcon_h1.Model  # its constructor has no type hints
+    return _ready(model(args), seed)
+
+
+def tiny_qwen3_next(seed: int = 0) -> Any:
+    """qwen3_next hybrid: Gated DeltaNet layers (ArraysCache: convolution state and a float32
+    recurrent state) then one attention layer (KVCache), as Qwen3-Next's three to one."""
+    mx.random.seed(seed)
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,  # Metal's gated-delta kernel takes multiples of 32
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=0,  # dense feed-forward: experts hold no cache
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        moe_intermediate_size=0,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+    )
+    return _ready(qwen3_next.Model(args), seed)
+
+
+def tiny_nemotron_h(seed: int = 0) -> Any:
+    """nemotron_h hybrid: Mamba-2 layers (ArraysCache: convolution and SSM state) around one
+    attention layer (KVCache)."""
+    mx.random.seed(seed)
+    args = nemotron_h.ModelArgs(
+        model_type="nemotron_h",
+        vocab_size=VOCAB,
+        hybrid_override_pattern=["M", "*", "M"],
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=False,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        mamba_proj_bias=False,
+        ssm_state_size=32,  # Metal's SSM kernel takes multiples of 32
+        conv_kernel=4,
+        n_groups=1,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+    )
+    model: Any = nemotron_h.Model  # its constructor has no type hints
     return _ready(model(args), seed)
 
 
