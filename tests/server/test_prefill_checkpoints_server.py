@@ -6,7 +6,6 @@ on a server started after the prompts it restores from were sent (its memory hol
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -16,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 from daemon_process import Daemon, running_daemon
@@ -26,10 +24,8 @@ from kvd_client.client import Client
 from kvd_client.identity import Identity
 from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
 from kvd_client.prefill_checkpoints import ASSUMED_PREFILL_RATE, CheckpointSettings
-from mlx.utils import tree_flatten
-from mlx_lm.models import nemotron_h, qwen3_next
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from model_folders import VOCAB, build_tokenizer, words
+from model_folders import build_model_folder, words
 
 INTERVAL = 256  # tokens between checkpoints: two of the server's 128-token blocks
 CHECKPOINTS = ["--kvd-checkpoint-interval", str(INTERVAL)]
@@ -53,52 +49,10 @@ TIER_BYTES = (
 )
 
 
-# The small configs of the hybrids (real layer kinds and cache classes): qwen3_next's three
-# Gated DeltaNet layers then one of attention; nemotron_h's Mamba-2, attention, Mamba-2, MLP.
-HYBRID_CONFIGS: dict[str, dict[str, object]] = {
-    "qwen3_next": {
-        **{"hidden_size": 64, "num_hidden_layers": 4, "full_attention_interval": 4},
-        **{"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
-        **{"head_dim": 32, "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
-        **{"max_position_embeddings": 8192, "linear_num_value_heads": 4},
-        **{"linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32},
-        **{"linear_conv_kernel_dim": 4, "num_experts": 0, "num_experts_per_tok": 0},
-        **{"decoder_sparse_step": 1, "shared_expert_intermediate_size": 0},
-        **{"moe_intermediate_size": 0, "mlp_only_layers": [], "rms_norm_eps": 1e-6},
-        "tie_word_embeddings": False,
-    },
-    "nemotron_h": {
-        **{"hybrid_override_pattern": "M*M-", "hidden_size": 64, "intermediate_size": 128},
-        **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
-        **{"max_position_embeddings": 8192, "attention_bias": False, "mamba_num_heads": 4},
-        **{"mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32},
-        **{"conv_kernel": 4, "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5},
-        **{"use_bias": False, "use_conv_bias": True},
-    },
-}
-HYBRID_MODULES: dict[str, Any] = {"qwen3_next": qwen3_next, "nemotron_h": nemotron_h}
-
-
-def build_hybrid_folder(folder: Path, *, seed: int, model_type: str) -> Path:
-    """A model folder of a small hybrid with random float32 weights, and the tokenizer."""
-    folder.mkdir(parents=True)
-    build_tokenizer(folder)
-    eos = json.loads((folder / "tokenizer.json").read_text())["added_tokens"][1]
-    config = {**HYBRID_CONFIGS[model_type], "model_type": model_type, "vocab_size": VOCAB}
-    config["eos_token_id"] = eos["id"]
-    (folder / "config.json").write_text(json.dumps(config))
-    module = HYBRID_MODULES[model_type]
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {kind: build_hybrid_folder(root / kind, seed=0, model_type=kind) for kind in MODEL_TYPES}
+    return {kind: build_model_folder(root / kind, seed=0, model_type=kind) for kind in MODEL_TYPES}
 
 
 @pytest.fixture(scope="module")
