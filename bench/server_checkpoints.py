@@ -35,7 +35,7 @@ from kvd_client.identity import Identity
 from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
 from kvd_client.prefill_checkpoints import CheckpointSettings
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import qwen3_next
+from model_folders import SMALL_CONFIGS, small_model
 
 BLOCK = 128  # the server's default block
 DECODE = 64  # tokens generated after each prompt
@@ -50,40 +50,10 @@ SETTLE_SECONDS = 600.0
 
 
 def hybrid_model() -> Any:
-    args = qwen3_next.ModelArgs.from_dict(  # type: ignore[no-untyped-call]
-        {
-            "model_type": "qwen3_next",
-            "vocab_size": VOCAB,
-            "hidden_size": 256,
-            "num_hidden_layers": 4,
-            "full_attention_interval": 4,
-            "intermediate_size": 512,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 32768,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 0,
-            "num_experts_per_tok": 0,
-            "decoder_sparse_step": 1,
-            "shared_expert_intermediate_size": 0,
-            "moe_intermediate_size": 0,
-            "mlp_only_layers": [],
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False,
-        }
-    )
-    mx.random.seed(0)
-    model = qwen3_next.Model(args)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
+    """The tests' qwen3_next, wider: hidden 256, head_dim 64, a 512-wide feed-forward."""
+    shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    config = {**SMALL_CONFIGS["qwen3_next"], **shape, "max_position_embeddings": 32768}
+    return small_model({**config, "model_type": "qwen3_next", "vocab_size": VOCAB}, seed=0)
 
 
 @dataclass
