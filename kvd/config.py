@@ -127,8 +127,8 @@ class Config:
             "|".join(EVICTION_POLICIES),
             "which entries go first when the tier is over its cap: lru (least recently used) "
             "or cost (the least prefill saved per byte, by the prefill cost the engines "
-            "measure, aged by disuse); either takes prefill checkpoints before whole entries "
-            "of the same size and use",
+            "measure, aged by disuse); either takes a prefill checkpoint no prompt restored "
+            "from yet before whole entries of the same size and use",
         ),
     )
     admission: str = field(

@@ -5,14 +5,16 @@ for all its entries, asks bytes_over() how much must go, and deletes what select
 names. The policy is a setting, a name in EVICTION_POLICIES (the one table of them): LruPolicy
 is the default; CostPolicy keeps what saves the most prefill per byte, aged by disuse.
 
-Every policy keeps one rule, whatever it ranks by: **prefill checkpoints are evicted before
-whole entries of the same size and use.** A prefill checkpoint (the caches part-way through a
-prompt's prefill) saves only the prefill up to a point the next prompt may never reach, and a
-prompt's checkpoints are many; a whole entry is a turn someone had. So a prefill checkpoint
-counts PREFILL_CHECKPOINT_DISCOUNT times less: LruPolicy takes it as unused that many times
-as long, CostPolicy as worth that many times less. One used recently still outlives an old
-whole entry, and a burst of prompts keeps the checkpoints the next prompts use (each hit is a
-use).
+Every policy keeps one rule, whatever it ranks by: **a prefill checkpoint no prompt has
+restored from yet is evicted before whole entries of the same size and use.** A prefill
+checkpoint (the caches part-way through a prompt's prefill) saves only the prefill up to a
+point the next prompt may never reach, and a prompt's checkpoints are many; a whole entry is
+a turn someone had. So until its first use such a checkpoint counts
+PREFILL_CHECKPOINT_DISCOUNT times less: LruPolicy takes it as unused that many times as long,
+CostPolicy as worth that many times less. A prompt restoring from it shows it is worth what a
+whole entry is: from then on it ages as one, so a burst of prompts on one document keeps the
+checkpoint they all restore from over the turns they leave behind. (Its first use since the
+daemon started: after a restart a prefill checkpoint waits for a use again.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Final, Protocol
 
 from kvd.records import EntryRecord
 
-# How many times less a prefill checkpoint counts than a whole entry (the module's rule).
+# How many times less an unused prefill checkpoint counts than a whole entry (the rule).
 PREFILL_CHECKPOINT_DISCOUNT: Final = 2
 
 
@@ -76,51 +78,58 @@ class LruPolicy:
       and deleting its file would not free the disk until the reader lets go. Its bytes still
       count, so the others pay for them until the lease ends.
 
-    Whole entries and prefill checkpoints are kept in an OrderedDict each, oldest first (touch
-    moves one to the end), so a selection merges the two heads and visits its victims and
-    the few skipped entries before them, not every entry. Between the heads, age decides: the
-    ticks of the catalog's logical clock (record.last_used: each put and each hit takes one,
-    in the order of adds and touches) since the entry's last use, plus one, and a prefill
-    checkpoint's counted PREFILL_CHECKPOINT_DISCOUNT times (the module's rule); of a whole
-    entry and a prefill checkpoint of the same age, the prefill checkpoint goes. The newest
-    entry's last use stands for now: the policy keeps nothing per entry but its place.
+    Entries are kept in two OrderedDicts, oldest first: the prefill checkpoints not used yet
+    (speculative), and the rest (touch moves one to the end of the rest), so a selection
+    merges the two heads and visits its victims and the few skipped entries before them, not
+    every entry. Between the heads, age decides: the ticks of the catalog's logical clock
+    (record.last_used: each put and each hit takes one, in the order of adds and touches)
+    since the entry's last use, plus one, a speculative checkpoint's counted
+    PREFILL_CHECKPOINT_DISCOUNT times (the module's rule); of two of the same age, the
+    speculative checkpoint goes. The newest entry's last use stands for now: the policy
+    keeps nothing per entry but its place.
     """
 
     def __init__(self) -> None:
-        self._wholes: OrderedDict[EntryRecord, None] = OrderedDict()
-        self._prefill_checkpoints: OrderedDict[EntryRecord, None] = OrderedDict()
+        self._used: OrderedDict[EntryRecord, None] = OrderedDict()
+        self._speculative: OrderedDict[EntryRecord, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._wholes) + len(self._prefill_checkpoints)
+        return len(self._used) + len(self._speculative)
 
     def _order(self, record: EntryRecord) -> OrderedDict[EntryRecord, None]:
-        return self._prefill_checkpoints if record.prefill_checkpoint else self._wholes
+        return self._speculative if record in self._speculative else self._used
 
     def add(self, record: EntryRecord) -> None:
         """Start tracking record as the most recently used; ValueError if already tracked."""
-        order = self._order(record)
-        if record in order:
+        if record in self._used or record in self._speculative:
             raise ValueError(f"entry {record.id} is already tracked")
-        order[record] = None
+        if record.prefill_checkpoint and not record.used_at:
+            self._speculative[record] = None
+        else:
+            self._used[record] = None
 
     def remove(self, record: EntryRecord) -> None:
         """Stop tracking record; KeyError if it is not tracked."""
         del self._order(record)[record]
 
     def touch(self, record: EntryRecord) -> None:
-        """Make record the most recently used; KeyError if it is not tracked."""
-        self._order(record).move_to_end(record)
+        """Make record the most recently used (a speculative checkpoint is one no more);
+        KeyError if it is not tracked."""
+        if record in self._speculative:
+            del self._speculative[record]
+            self._used[record] = None
+        else:
+            self._used.move_to_end(record)
 
     def now(self) -> int:
         """The logical clock's value now: the newest entry's last use (0 with none)."""
-        orders = (self._wholes, self._prefill_checkpoints)
+        orders = (self._used, self._speculative)
         return max((next(reversed(order)).last_used for order in orders if order), default=0)
 
-    @staticmethod
-    def age(record: EntryRecord, now: int) -> int:
+    def age(self, record: EntryRecord, now: int) -> int:
         """record's age at now (now()) as eviction weighs it (see the class)."""
         age = max(1, now + 1 - record.last_used)
-        return age * PREFILL_CHECKPOINT_DISCOUNT if record.prefill_checkpoint else age
+        return age * PREFILL_CHECKPOINT_DISCOUNT if record in self._speculative else age
 
     def select_victims(
         self, over_bytes: int, among: Callable[[EntryRecord], bool] | None = None
@@ -132,18 +141,18 @@ class LruPolicy:
         deletes each victim's file and then calls remove().
         """
         now = self.now()
-        wholes = _evictable_in(self._wholes, among)
-        checkpoints = _evictable_in(self._prefill_checkpoints, among)
-        whole, checkpoint = next(wholes, None), next(checkpoints, None)
+        used_ones = _evictable_in(self._used, among)
+        speculative_ones = _evictable_in(self._speculative, among)
+        used, speculative = next(used_ones, None), next(speculative_ones, None)
         victims: list[EntryRecord] = []
         freed = 0
         while freed < over_bytes:
-            if checkpoint is not None and (
-                whole is None or self.age(checkpoint, now) >= self.age(whole, now)
+            if speculative is not None and (
+                used is None or self.age(speculative, now) >= self.age(used, now)
             ):
-                victim, checkpoint = checkpoint, next(checkpoints, None)
-            elif whole is not None:
-                victim, whole = whole, next(wholes, None)
+                victim, speculative = speculative, next(speculative_ones, None)
+            elif used is not None:
+                victim, used = used, next(used_ones, None)
             else:
                 break
             victims.append(victim)
@@ -167,8 +176,9 @@ class CostPolicy:
     (a quantized or sliding-window cache holds more prompt per byte), divided by 1 + its time
     since last use (or since it was made) in HALF_LIFE units: an entry unused for an hour is
     worth half as much, for a day a twenty-fifth. Pending and leased entries are skipped as
-    LruPolicy does. A prefill checkpoint is worth PREFILL_CHECKPOINT_DISCOUNT times less than a
-    whole entry of the same tokens, bytes and idle time (the module's rule). An entry's bytes
+    LruPolicy does. A prefill checkpoint not used since the daemon started (used_at 0) is
+    worth PREFILL_CHECKPOINT_DISCOUNT times less than a whole entry of the same tokens, bytes
+    and idle time (the module's rule). An entry's bytes
     are those it would take stored alone, its shared blocks included (logical_bytes):
     counting only its own file would rank a manifest with a short tail above its siblings,
     though evicting any of them leaves the shared blocks to the rest.
@@ -216,7 +226,7 @@ class CostPolicy:
     def worth(self, record: EntryRecord, now: float) -> float:
         idle = max(0.0, now - (record.used_at or record.created))
         saved = record.token_count * self._prefill_cost(record.identity)
-        if record.prefill_checkpoint:
+        if record.prefill_checkpoint and not record.used_at:
             saved /= PREFILL_CHECKPOINT_DISCOUNT
         return saved / max(1, record.logical_bytes) / (1 + idle / self.HALF_LIFE)
 

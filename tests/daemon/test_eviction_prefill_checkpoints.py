@@ -1,6 +1,6 @@
-"""The eviction rule of kvd.eviction, policy by policy: prefill checkpoints are evicted before
-whole entries of the same size and use (a prefill checkpoint counts
-PREFILL_CHECKPOINT_DISCOUNT times less)."""
+"""The eviction rule of kvd.eviction, policy by policy: a prefill checkpoint no prompt has
+restored from yet is evicted before whole entries of the same size and use (it counts
+PREFILL_CHECKPOINT_DISCOUNT times less); once used, it ages as a whole entry."""
 
 from __future__ import annotations
 
@@ -101,6 +101,38 @@ def test_lru_keeps_a_prefill_checkpoint_used_recently_over_an_old_whole_entry() 
     assert policy.select_victims(1) == [whole]
 
 
+def test_lru_ages_a_prefill_checkpoint_a_prompt_restored_from_as_a_whole_entry() -> None:
+    """Waves of prompts on one document, each restoring from the document's checkpoint and
+    leaving its own turns: the checkpoint outlives the turns of the wave before, which no
+    prompt uses, though it was used before they were put (counted twice, it would not)."""
+    document = entry(prefill_checkpoint=True)
+    policy = lru(document)
+    use(policy, document)  # the first wave restores from it ...
+    earlier = [entry(), entry()]
+    for record in earlier:  # ... and leaves its turns
+        record.last_used = next(_clock)
+        policy.add(record)
+    use(policy, document)  # the next wave restores from it
+    later = entry()
+    later.last_used = next(_clock)
+    policy.add(later)
+    now = policy.now()
+    assert policy.age(document, now) < policy.age(earlier[0], now)
+    assert PREFILL_CHECKPOINT_DISCOUNT * policy.age(document, now) >= policy.age(earlier[0], now)
+    assert policy.select_victims(200) == earlier
+
+
+def test_lru_takes_a_checkpoint_unused_since_a_restart_as_speculative_again() -> None:
+    """The policy learns uses from touches (and used_at, the first use since the start): a
+    checkpoint loaded again after a restart counts less until a prompt uses it."""
+    whole, checkpoint = whole_and_checkpoint()
+    policy = lru(checkpoint, whole)
+    use(policy, checkpoint)
+    assert policy.select_victims(1) == [whole]
+    restarted = lru(whole, checkpoint)  # loaded in the order of their last use, used_at 0
+    assert restarted.select_victims(1) == [checkpoint]
+
+
 def test_lru_keeps_the_prefill_checkpoints_a_burst_of_prompts_uses() -> None:
     """A burst of puts, each prompt's checkpoints new, a few of the old ones hit on the way:
     those hit outlive the ones never used, which go first, oldest first."""
@@ -162,6 +194,15 @@ def test_cost_values_a_prefill_checkpoint_at_a_fraction_of_a_whole_entry() -> No
             policy.worth(whole, 1000.0) / PREFILL_CHECKPOINT_DISCOUNT
         )
         assert policy.select_victims(1) == [checkpoint]
+
+
+def test_cost_values_a_used_prefill_checkpoint_as_a_whole_entry() -> None:
+    whole = entry(used_at=900.0)
+    checkpoint = entry(prefill_checkpoint=True, used_at=900.0)  # a prompt restored from it
+    policy = CostPolicy(clock=lambda: 1000.0, seed=1)
+    policy.add(checkpoint)
+    policy.add(whole)
+    assert policy.worth(checkpoint, 1000.0) == pytest.approx(policy.worth(whole, 1000.0))
 
 
 def test_cost_keeps_a_prefill_checkpoint_worth_more_than_a_whole_entry() -> None:

@@ -34,19 +34,7 @@ BURST = 8  # questions after the first, AT_ONCE at a time
 AT_ONCE = 2
 # Tier caps the burst overflows (it stores about 5.9 MB): about half of it, and a third, where
 # the document's KV (10 blocks of 64 KiB) and checkpoints fit with the last wave's own tails.
-TIER_BYTES = (
-    3 << 20,
-    pytest.param(
-        2 << 20,
-        marks=pytest.mark.xfail(
-            strict=False,  # the order of a wave's two requests varies
-            reason="the eviction rule counts a prefill checkpoint's age twice however often "
-            "prompts restore from it: the checkpoint each wave restores from goes before the "
-            "whole entries of the wave before, which no prompt uses (plain least recently "
-            "used keeps it)",
-        ),
-    ),
-)
+TIER_BYTES = (3 << 20, 2 << 20)
 
 
 @pytest.fixture(scope="module")
