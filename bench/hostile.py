@@ -37,8 +37,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 from _daemon import Daemon, socket_folder
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "daemon"))
 from blocks_e2e import (  # the end-to-end tests' raw clients
     kv_tensors,
     look_up,

@@ -27,8 +27,8 @@ from functools import partial
 
 from kvd_protocol.tokens import TOKEN_BYTES, token_count
 
-from kvd.prefix_index import PrefixIndex, scan_best_match
-from kvd.records import EntryRecord
+from kvd.store.prefix_index import PrefixIndex, scan_best_match
+from kvd.store.records import EntryRecord
 
 SYSTEM_PROMPTS = 32
 MIN_TOKENS, MAX_TOKENS = 256, 4096

@@ -55,7 +55,7 @@ from kvd_protocol.entry import LayerSpec, TensorSpec, plan_entry, plan_manifest
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
 
-from kvd.entry_files import create_staging
+from kvd.store.entry_files import create_staging
 
 MiB = 1 << 20
 IDENTITY = Identity("bench/put", "cfg", "tok", "codecs/1", "mlx/cpu")

@@ -1,6 +1,6 @@
 """What sealing a staging file at commit costs, against a page-cache read of the same file.
 
-At commit the daemon seals each file of the put (kvd/sealing.py): on Linux a read lease shows
+At commit the daemon seals each file of the put (kvd/store/sealing.py): on Linux a read lease shows
 that no writable descriptor is left (no copy); a client that kept one makes the daemon copy
 the file: a reflink (FICLONE) where the file system has them, else copy_file_range, else a
 pread/pwrite loop. Then the commit reads the file whole once for its checksums.
@@ -27,8 +27,8 @@ import psutil
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import Slot
 
-from kvd import sealing
-from kvd.entry_files import VERIFY_CHUNK, verify_slots
+from kvd.store import sealing
+from kvd.store.entry_files import VERIFY_CHUNK, verify_slots
 
 MiB = 1 << 20
 

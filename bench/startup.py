@@ -2,7 +2,7 @@
 
 Start-up is the time from spawning `kvd serve` to its first ping answered: the daemon reaps
 staging, reads and validates every entry header (or loads its index snapshot) and indexes
-them before it listens. Anchor: a bare `python -c "import kvd.server"`, spawn to exit, in
+them before it listens. Anchor: a bare `python -c "import kvd.serve.server"`, spawn to exit, in
 the same run: what any start costs before the tier is touched. Goal: 100k entries in 1 s.
 
 The tier is filled directly with valid entry files, a few identities, each entry shaped as
@@ -11,7 +11,7 @@ Each file holds its head and is extended to its full size without writing the da
 sparse file reads as zeros, and the slot checksums are those of zeros), so 100k entries
 take 1.6 GB of disk, not terabytes; the daemon runs with a cap that holds them all.
 
-With the index snapshot (kvd/snapshot.py: tier/index.snapshot, written periodically and at
+With the index snapshot (kvd/store/snapshot.py: tier/index.snapshot, written periodically and at
 a clean stop), each size is started both ways: without the snapshot (a full scan) and with
 it. The page cache is warm for every start (dropping it needs root); a first start after a
 reboot reads the headers from disk. A full scan of 100k entries takes minutes while headers
@@ -63,11 +63,11 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS
 from kvd_protocol.tokens import TOKEN_BYTES
 
-from kvd import snapshot
 from kvd.config import Config
-from kvd.entry_files import read_header, verify_data
-from kvd.tier import Tier
-from kvd.tier_dir import ENTRY_SUFFIX, TierDir
+from kvd.store import snapshot
+from kvd.store.entry_files import read_header, verify_data
+from kvd.store.tier import Tier
+from kvd.store.tier_dir import ENTRY_SUFFIX, TierDir
 
 IDENTITIES = 4
 FULL_SCAN_SECONDS = 600.0  # a full header scan of 100k entries takes minutes
@@ -180,7 +180,7 @@ def measured(run: Callable[[], Start], repeat: int) -> Cell:
 
 def import_seconds() -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import kvd.server"], check=True)
+    subprocess.run([sys.executable, "-c", "import kvd.serve.server"], check=True)
     return time.perf_counter() - start
 
 
@@ -276,7 +276,8 @@ def print_table(rows: list[Row], anchor: float, empty_rss: int, tokens: int, rep
     print(
         f"{IDENTITIES} identities; entries of {tokens} tokens, {LAYERS} layers × "
         f"(keys, values); up to {repeat} starts per cell (best, and best–worst); warm "
-        f'page cache; anchor `python -c "import kvd.server"`: {anchor * 1e3:.0f} ms (best of 5). '
+        f'page cache; anchor `python -c "import kvd.serve.server"`: '
+        f"{anchor * 1e3:.0f} ms (best of 5). "
         "CPU: the daemon's own, spawn to first ping; listed by: spawn to the end of start-up's "
         "listing of the directory (a start from the snapshot serves before it), and the CPU by "
         "then; RSS after both, and per entry beyond the entry's tokens "

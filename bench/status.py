@@ -31,9 +31,9 @@ from kvd_protocol.tokens import pack_tokens
 
 from kvd.config import Config
 from kvd.identity_names import names
-from kvd.records import EntryRecord
-from kvd.status import status_report
-from kvd.tier import Tier
+from kvd.serve.status import status_report
+from kvd.store.records import EntryRecord
+from kvd.store.tier import Tier
 
 PAGE = 100
 KV_TRAITS = ("none", "8bit-g64", "4bit-g64", "8bit-g32")

@@ -56,7 +56,7 @@ def conversation(logs: Path, daemon: Daemon, model: Path, extra: tuple[str, ...]
 def kvctl_output(daemon: Daemon, tmp: Path) -> Callable[..., str]:
     def run(*args: str, grep: str = "") -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
+            [sys.executable, "-m", "kvd.ops.kvctl", "--socket", daemon.socket_path, *args],
             capture_output=True,
             text=True,
             check=True,

@@ -8,11 +8,11 @@ import sys
 
 from kvd import __version__
 from kvd.config import ConfigError, add_config_arguments, load_config
-from kvd.listener import SocketInUseError
 from kvd.logs import configure_logging, get_logger
-from kvd.metrics_http import MetricsPortInUseError
-from kvd.server import serve
-from kvd.tier_dir import TierLockedError
+from kvd.serve.listener import SocketInUseError
+from kvd.serve.metrics_http import MetricsPortInUseError
+from kvd.serve.server import serve
+from kvd.store.tier_dir import TierLockedError
 
 
 def build_parser() -> argparse.ArgumentParser:

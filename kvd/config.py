@@ -28,11 +28,25 @@ from typing import Any
 from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
 
 from kvd import config_values as values
-from kvd.admission import ADMISSION_POLICIES
-from kvd.eviction import EVICTION_POLICIES
-from kvd.writeback import Overflow
 
 GIB = 1 << 30
+
+
+# The names each policy setting accepts. What a name does is its policy module's business
+# (eviction.EVICTION_POLICIES, admission.ADMISSION_POLICIES, writeback.OVERFLOW_RULES, each
+# keyed by these names), where the tier and the writer resolve the chosen one: the settings
+# never import policy code.
+EVICTION_POLICY_NAMES = ("lru", "cost")
+ADMISSION_POLICY_NAMES = ("always", "min-tokens", "second-hit")
+
+
+class Overflow(StrEnum):
+    """The write-behind queue's overflow policies, by setting value (what each does:
+    writeback.OVERFLOW_RULES)."""
+
+    DROP_OLDEST = "drop-oldest"
+    BLOCK = "block"
+    REFUSE = "refuse"
 
 
 class LogFormat(StrEnum):
@@ -123,8 +137,8 @@ class Config:
     eviction_policy: str = field(
         default="lru",
         metadata=setting(
-            values.one_of(EVICTION_POLICIES),
-            "|".join(EVICTION_POLICIES),
+            values.one_of(EVICTION_POLICY_NAMES),
+            "|".join(EVICTION_POLICY_NAMES),
             "which entries go first when the tier is over its cap: lru (least recently used) "
             "or cost (the least prefill saved per byte, by the prefill cost the engines "
             "measure, aged by disuse); either takes a prefill checkpoint no prompt restored "
@@ -134,8 +148,8 @@ class Config:
     admission: str = field(
         default="always",
         metadata=setting(
-            values.one_of(ADMISSION_POLICIES),
-            "|".join(ADMISSION_POLICIES),
+            values.one_of(ADMISSION_POLICY_NAMES),
+            "|".join(ADMISSION_POLICY_NAMES),
             "which puts are written (wear): always, only those of `admission_min_tokens` "
             "tokens or more, or a prefix seen a second time within `admission_window`",
         ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grp
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
 
@@ -107,11 +107,11 @@ def choice(kind: type[StrEnum]) -> Callable[[object], StrEnum]:
     return parse
 
 
-def one_of(table: Mapping[str, object]) -> Callable[[object], str]:
+def one_of(names: Collection[str]) -> Callable[[object], str]:
     def parse(value: object) -> str:
         name = text(value)
-        if name not in table:
-            raise ValueError(f"{value!r} is not one of: {', '.join(table)}")
+        if name not in names:
+            raise ValueError(f"{value!r} is not one of: {', '.join(names)}")
         return name
 
     return parse

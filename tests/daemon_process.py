@@ -272,7 +272,7 @@ def running_daemon(
 def kvctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     """`kvctl --socket <the daemon's> ARGS` in a process of its own, its output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "kvd.kvctl", "--socket", daemon.socket_path, *args],
+        [sys.executable, "-m", "kvd.ops.kvctl", "--socket", daemon.socket_path, *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,7 +21,7 @@ from test_snapshots import SETTLE_SECONDS, _row_bytes, _stored, _tier
 from tiny_engine import byte_tokenizer
 from tiny_models import prefill, prompt, tiny_llama
 
-from kvd.kvctl_tables import _engine_drops
+from kvd.ops.kvctl_tables import _engine_drops
 
 BLOCK = 16
 
