@@ -17,10 +17,12 @@ SMALL_FRAME_BYTES: Final = 256 << 10
 
 
 class FrameBudget:
-    """Bytes of partial frames held by every connection, and the most they may be."""
+    """Bytes of partial frames held by every connection, the most they may be, and how long
+    (seconds) a connection may take to finish a frame it began (frame_timeout)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, timeout: float) -> None:
         self.limit = limit
+        self.timeout = timeout
         self.held = 0
 
     def hold(self, was: int, now: int) -> bool:

@@ -67,7 +67,7 @@ class Server:
         self.max_connections = config.max_connections
         self._sessions = itertools.count(1)
         self._allowed_gid = _group_id(config.socket_group)
-        self.frames = FrameBudget(config.frame_buffer_bytes)
+        self.frames = FrameBudget(config.frame_buffer_bytes, config.frame_timeout)
 
     def status(self) -> dict[str, Any]:
         return status_report(self.tier, self.peers.values())

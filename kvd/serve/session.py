@@ -283,13 +283,13 @@ class Session:
             self._frame_timer.cancel()
             self._frame_timer = None
         elif partial and self._frame_timer is None:
-            timeout = self.tier.config.frame_timeout
+            timeout = self.frames.timeout
             loop = asyncio.get_running_loop()
             self._frame_timer = loop.call_later(timeout, self._frame_timed_out)
 
     def _frame_timed_out(self) -> None:
         self._frame_timer = None
-        frame_timeout = self.tier.config.frame_timeout
+        frame_timeout = self.frames.timeout
         broken_rules.warning("frame_timed_out", session=self.peer.session)
         self._end(
             RemoteProtocolError(
@@ -450,13 +450,13 @@ class Session:
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
         if self.peer.tenant:
             self._check_identity(request, request.identity)
-        self.tier.telemetry.prefill_reported(request.identity, request.prefill_cost)
         put, skip, fd = await self.tier.begin_put(
             self.peer.session,
             request.identity,
             request.tokens,
             request.size,
             DeclaredBlocks(request.hashes, request.block_tokens, request.block_size),
+            prefill_cost=request.prefill_cost,
         )
         return m.PutBeginReply(
             id=request.id,
@@ -553,13 +553,13 @@ class Session:
         """PERMISSION_DENIED unless the identity of digest is under the peer's tenant, as
         its names say (learnt from a request naming it, or from an entry's header at start).
         One without entries shows nothing: it passes. One whose names are unknown does not."""
-        if not self.tier.catalog.holds(digest):
+        if not self.tier.holds(digest):
             return
-        names = self.tier.telemetry.identities.get(digest)
-        if names is None:
+        namespace = self.tier.namespace_of(digest)
+        if namespace is None:
             raise self._refused(request, f"identity {digest}, whose namespace kvd does not know")
-        if not names.namespace.startswith(self.peer.tenant):
-            raise self._refused(request, f"identity {digest} (namespace {names.namespace!r})")
+        if not namespace.startswith(self.peer.tenant):
+            raise self._refused(request, f"identity {digest} (namespace {namespace!r})")
 
     def _refused(
         self, request: m.Request, named: str, instead: str = "name identities under it"
@@ -621,8 +621,8 @@ class Session:
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
             )
-        if self.peer.tenant and (record := self.tier.catalog.records.get(request.entry)):
-            self._check_digest(request, record.identity)
+        if self.peer.tenant and (digest := self.tier.identity_of(request.entry)):
+            self._check_digest(request, digest)
         problem, quarantined = await self.tier.verify(
             self.peer.session, request.entry, request.repair
         )

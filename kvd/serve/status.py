@@ -1,30 +1,23 @@
 """The status report: what `kvctl status` shows and the status request answers.
 
-It fits in a frame whatever clients did: at most STATUS_IDENTITIES identities are listed (those
-with the most bytes in the tier first, then the most recently seen), with a count of those left
-out; and it is strict JSON: a number that is not finite is reported as null.
+The tier's figures are its own (Tier.report, kvd.store.tier_report); this adds the clients and
+the daemon's process. It is strict JSON: a number that is not finite is reported as null.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 import psutil
 
 from kvd import __version__
 from kvd.serve.session import Peer
-from kvd.store.catalog import Catalog, IdentityCounts
-from kvd.store.durability import disk_free
-from kvd.store.telemetry import IdentityTelemetry, Telemetry
 from kvd.store.tier import Tier
 
 _process = psutil.Process()
-
-STATUS_IDENTITIES: Final = 1000  # ~0.7 MB of a status's msgpack, well within a frame
 
 
 def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
@@ -34,157 +27,18 @@ def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
 
 
 def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
-    catalog = tier.catalog
-    queue = tier.writer.queue
-    counters = catalog.counters
-    telemetry = tier.telemetry
-    try:
-        free = disk_free(tier.dirs.root)
-    except OSError:
-        free = -1
-    unique = catalog.total_bytes
-    return {
-        "entries": len(catalog),
-        "bytes": unique,
-        # Shared blocks (format v2): what the disk holds, what v1 files would hold, their
-        # ratio, the blocks themselves, and the bytes puts did not write for blocks held.
-        "unique_bytes": unique,
-        "logical_bytes": catalog.logical_bytes,
-        "dedup_ratio": round(catalog.logical_bytes / unique, 3) if unique else 1.0,
-        "blocks": {"count": len(catalog.blocks), "bytes": catalog.blocks.bytes},
-        "dedup_saved_bytes": tier.puts.dedup_saved_bytes,
-        "max_bytes": tier.config.max_bytes,
-        "min_free_bytes": tier.config.min_free,
-        "disk_free_bytes": free,
-        "hits": counters.hits,
-        "misses": counters.misses,
-        "evictions": counters.evictions,
-        "evicted_bytes": counters.evicted_bytes,
-        "superseded": counters.superseded,
-        "duplicates": counters.duplicates,
-        "quarantined": counters.quarantined,
-        "abandoned_puts": counters.abandoned,
-        # Files taken out of the tier: being unlinked off the event loop, and unlinked.
-        "deleting_bytes": catalog.deleter.pending_bytes,
-        "deleted_files": catalog.deleter.deleted,
-        "bytes_written": counters.bytes_written,
-        "leased_entries": catalog.leased,
-        "leased_bytes": catalog.leased_bytes,  # what eviction cannot free while they last
-        "leases_expired": tier.leases.expired,
-        "checks": tier.checks.counts(),  # verify and damage reports: run, refused, skipped
-        "admission": {
-            "policy": tier.config.admission,
-            "refused": tier.puts.not_admitted,
-            "saved_bytes": tier.puts.not_admitted_bytes,
-        },
-        "staged_bytes": tier.puts.staged_bytes,
-        "staged_puts": len(tier.puts),
-        "puts": {
-            # Files a client still held writable at commit (the daemon went on with a copy),
-            # commits refused for files that were not what their put_begin declared, and puts
-            # aborted for staging files grown past it.
-            "sealed_by_copy": tier.puts.sealed_by_copy,
-            "refused_at_commit": tier.puts.refused_at_commit,
-            "outgrown": tier.puts.outgrown,
-        },
-        "writeback": {
-            "pending_bytes": queue.pending_bytes,
-            "pending_count": queue.pending_count,
-            "max_bytes": queue.cap_bytes,
-            "policy": tier.config.writeback_policy.value,
-            "stored": queue.stored,
-            "dropped": queue.dropped + queue.cancelled,
-            "failed": queue.failed,
-            "refused": queue.refused,  # at commit
-            "refused_at_begin": tier.puts.refused,
-        },
-        **_identities(catalog, telemetry),
-        "bytes_written_24h": telemetry.written_today.total(time.time()),
-        "tokens_restored": telemetry.tokens_restored,
-        "restores": telemetry.restores,
-        # Snapshots the engines dropped unsent (their backlogs were full), as they reported.
-        "engine_dropped": telemetry.engine_dropped,
-        "engine_dropped_bytes": telemetry.engine_dropped_bytes,
-        # Prefill checkpoints: entries of their own kind (kvd.store.eviction's rule), counted apart.
-        "prefill_checkpoints": _prefill_checkpoints(
-            (counts for _, counts in catalog.identities()), telemetry
-        ),
-        # What the daemon keeps of what clients named: each capped or aged (see its module).
-        "kept": {
-            "telemetry_identities": len(telemetry.identities),
-            "telemetry_forgotten": telemetry.forgotten,
-            "tickets": len(tier.tickets),
-            "sightings": tier.admission.sightings(),
-        },
-        "clients": [
-            {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
-            for p in peers
-        ],
-        "daemon": {
-            "pid": os.getpid(),
-            "rss_bytes": _process.memory_info().rss,
-            "uptime_s": round(time.time() - tier.started, 3),
-            "version": __version__,
-            "dir": str(tier.dirs.root),
-            "socket": str(tier.config.socket),
-        },
+    report = tier.report()
+    report["clients"] = [
+        {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
+        for p in peers
+    ]
+    report["daemon"] = {
+        "pid": os.getpid(),
+        "rss_bytes": _process.memory_info().rss,
+        "version": __version__,
+        **tier.whereabouts(),
     }
-
-
-def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
-    """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
-    bytes first, then the most recently seen), by digest: each one's name (unique among all
-    of them, listed or not), its share of the tier (entry files and unique blocks) and its
-    telemetry; and how many were left out. O(identities)."""
-    held = dict(catalog.identities())
-    entries = {digest: counts.entries for digest, counts in held.items()}
-    recency = {digest: rank for rank, digest in enumerate(reversed(telemetry.identities))}
-    known = entries.keys() | telemetry.identities.keys()
-    size = {digest: catalog.identity_bytes(digest) for digest in known}
-    ranked = sorted(known, key=lambda d: (-size[d], recency.get(d, len(recency)), d))
-    shown = sorted(ranked[:STATUS_IDENTITIES])
-    named = telemetry.names(known)
-    return {
-        "identities": [
-            {
-                "identity": digest,
-                "name": named[digest],
-                "entries": entries.get(digest, 0),
-                "bytes": size[digest],
-                "block_bytes": catalog.blocks.identity_bytes(digest),
-                **_telemetry_report(telemetry, digest),
-                "prefill_checkpoints": _prefill_checkpoints(
-                    [held[digest]] if digest in held else [],
-                    telemetry.identities.get(digest) or IdentityTelemetry(),
-                ),
-            }
-            for digest in shown
-        ],
-        "identities_left_out": len(known) - len(shown),
-    }
-
-
-def _prefill_checkpoints(
-    counts: Iterable[IdentityCounts], telemetry: Telemetry | IdentityTelemetry
-) -> dict[str, int]:
-    """The prefill checkpoints of these identities' counts (entries, their files' bytes), and
-    the hits and restored tokens the telemetry counted (of the tier, or of one identity)."""
-    entries = nbytes = 0
-    for held in counts:
-        entries += held.prefill_checkpoints
-        nbytes += held.prefill_checkpoint_bytes
-    return {
-        "entries": entries,
-        "bytes": nbytes,
-        "hits": telemetry.prefill_checkpoint_hits,
-        "restored_tokens": telemetry.prefill_checkpoint_restored_tokens,
-    }
-
-
-def _telemetry_report(telemetry: Telemetry, digest: str) -> dict[str, object]:
-    """An identity's telemetry, without making one for it (a report is not a sighting)."""
-    found = telemetry.identities.get(digest)
-    return (found or IdentityTelemetry()).report()
+    return report
 
 
 def finite(value: Any) -> Any:

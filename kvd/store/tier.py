@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 from kvd_protocol.blocks import HASH_BYTES
@@ -50,6 +51,7 @@ from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.store.telemetry import Telemetry
 from kvd.store.tickets import TicketAnswer, Tickets
 from kvd.store.tier_dir import BLOCKS_FOLDER, TierDir
+from kvd.store.tier_report import tier_report
 from kvd.store.writer import Writer
 
 log = get_logger("kvd.store.tier")
@@ -62,7 +64,7 @@ class Tier:
     """The tier directory and everything the daemon knows about it.
 
     Requests come in through the methods below, each on behalf of an owner (the connection
-    asking); the rooms do the work. Status reads the catalog's and the writer's queries.
+    asking); the rooms do the work. Other parts call these methods, never a room's.
     """
 
     def __init__(self, config: Config, limits: Limits) -> None:
@@ -304,6 +306,29 @@ class Tier:
         """Hold the byte cap and the free-disk floor."""
         self.catalog.evict_to_cap(self.config.max_bytes, self.config.min_free)
 
+    def report(self) -> dict[str, Any]:
+        """The status report's figures of the tier (see tier_report)."""
+        return tier_report(
+            config=self.config,
+            root=self.dirs.root,
+            catalog=self.catalog,
+            puts=self.puts,
+            queue=self.writer.queue,
+            telemetry=self.telemetry,
+            leases=self.leases,
+            checks=self.checks,
+            tickets=self.tickets,
+            admission=self.admission,
+        )
+
+    def whereabouts(self) -> dict[str, Any]:
+        """Where the daemon keeps the tier and listens, and how long it has."""
+        return {
+            "uptime_s": round(time.time() - self.started, 3),
+            "dir": str(self.dirs.root),
+            "socket": str(self.config.socket),
+        }
+
     # --- put: begin, commit (or abort), then the ticket ----------------------------------------
 
     async def begin_put(
@@ -313,8 +338,13 @@ class Tier:
         tokens: bytes,
         size: int,
         declared: DeclaredBlocks = NO_BLOCKS,
+        *,
+        prefill_cost: float = 0.0,
     ) -> tuple[Put | None, str | None, int | None]:
+        """See Puts.begin; the telemetry learns the identity's names and the engine's
+        prefill_cost (seconds per token; 0: not measured) first."""
         self.telemetry.seen(identity)
+        self.telemetry.prefill_reported(identity, prefill_cost)
         return await self.puts.begin(owner, identity, tokens, size, declared)
 
     async def put_blocks(self, owner: int, put_id: int, first: int, count: int) -> list[int]:
@@ -554,6 +584,20 @@ class Tier:
         if removed:
             log.info("empty_identity_folders_removed", count=removed)
         return removed
+
+    def holds(self, digest: str) -> bool:
+        """Whether the tier holds an entry of the identity (pending ones included)."""
+        return self.catalog.holds(digest)
+
+    def namespace_of(self, digest: str) -> str | None:
+        """The identity's namespace, as a request or an entry's header told; None if unknown."""
+        names = self.telemetry.identities.get(digest)
+        return None if names is None else names.namespace
+
+    def identity_of(self, entry: str) -> str | None:
+        """The digest of the identity of the entry by id; None without such an entry."""
+        record = self.catalog.records.get(entry)
+        return None if record is None else record.identity
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""

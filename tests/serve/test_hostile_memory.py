@@ -27,11 +27,12 @@ from kvd_protocol.tokens import pack_tokens
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.serve.metrics import exposition
-from kvd.serve.status import STATUS_IDENTITIES, finite
+from kvd.serve.status import finite
 from kvd.store import tickets
 from kvd.store.admission import SecondHit
 from kvd.store.telemetry import IDLE_IDENTITIES, MISS_REASONS, OTHER_REASON, Telemetry
 from kvd.store.tickets import Tickets
+from kvd.store.tier_report import STATUS_IDENTITIES
 
 PROMPT = list(range(700, 764))
 HOSTILE_FLOATS = (float("inf"), float("-inf"), float("nan"), -1.0, 1e300, 1.7976931348623157e308)
