@@ -229,8 +229,6 @@ async def _settle(tier: Tier) -> None:
         await tier.settle()
     except Exception:
         log.exception("task_failed", task="settle")
-    finally:
-        tier.settled.set()
 
 
 async def keep_running(

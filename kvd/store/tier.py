@@ -14,13 +14,12 @@ before commit).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import operator
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from kvd.logs import get_logger
 from kvd.progress import Progress
 from kvd.store import entry_files, miss_reasons, recovery, snapshot
 from kvd.store.admission import ADMISSION_POLICIES
+from kvd.store.adoption import Adoption, Changed
 from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
 from kvd.store.durability import disk_free
@@ -50,7 +50,7 @@ from kvd.store.records import EntryRecord
 from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.store.telemetry import Telemetry
 from kvd.store.tickets import TicketAnswer, Tickets
-from kvd.store.tier_dir import BLOCKS_FOLDER, TierDir
+from kvd.store.tier_dir import TierDir
 from kvd.store.tier_report import tier_report
 from kvd.store.writer import Writer
 
@@ -101,6 +101,7 @@ class Tier:
         self._lock_fd = -1
         self._snapshot_version = -1
         self.checks = EntryChecks(self.catalog, self.quarantine, self.writer, limits)
+        self.adoption = Adoption(self.catalog, self.writer, self.quarantine, limits)
         self.settled = anyio.Event()  # set once start-up has listed the directory (settle)
         self._unchecked: snapshot.Snapshot | None = None  # taken from it, not listed yet
         self._reaped = 0
@@ -153,37 +154,40 @@ class Tier:
         so do its blocks whose file is gone; from then on files are checked by size alone.
         Until then a lookup serves an entry or block of the snapshot only while its file has
         the size and mtime recorded (Catalog.expect_mtimes), so nothing is handed out that the
-        listing would refuse; files added meanwhile appear when it ends. settled is set then."""
-        known = self._unchecked
-        if known is None:
+        listing would refuse; files added meanwhile appear when it ends. settled is set then,
+        or when it fails."""
+        try:
+            known = self._unchecked
+            if known is None:
+                return
+            while True:
+                try:
+                    listed = await anyio.to_thread.run_sync(
+                        recovery.list_against, self.dirs, self.limits, known
+                    )
+                    break
+                except OSError as exc:  # files stay checked by mtime too until a listing succeeds
+                    log.warning("startup_listing_failed", error=str(exc), retry_s=LISTING_RETRY_S)
+                    await anyio.sleep(LISTING_RETRY_S)
+            catalog = self.catalog
+            for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
+                if catalog.records.get(record.id) is record:
+                    catalog.forget(record)
+            present = {(b.identity, b.hash): b.size for b in listed.blocks}
+            for block in list(catalog.blocks):
+                if block.mtime_ns is None:
+                    continue
+                block.mtime_ns = None
+                size = present.get((block.identity, block.hash))
+                if size != block.size:
+                    why = "its file is gone" if size is None else f"its file is now {size} bytes"
+                    self.writer.bad_block(block, why)
+            catalog.expect_mtimes(None)
+            self._unchecked = None
+            await self._take(listed, sum(listed.matched))
+            self.evict_to_cap()
+        finally:  # what waits for it goes on, also when it failed
             self.settled.set()
-            return
-        while True:
-            try:
-                listed = await anyio.to_thread.run_sync(
-                    recovery.list_against, self.dirs, self.limits, known
-                )
-                break
-            except OSError as exc:  # files stay checked by mtime too until a listing succeeds
-                log.warning("startup_listing_failed", error=str(exc), retry_s=LISTING_RETRY_S)
-                await anyio.sleep(LISTING_RETRY_S)
-        catalog = self.catalog
-        for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
-            if catalog.records.get(record.id) is record:
-                catalog.forget(record)
-        present = {(b.identity, b.hash): b.size for b in listed.blocks}
-        for block in list(catalog.blocks):
-            if block.mtime_ns is None:
-                continue
-            block.mtime_ns = None
-            size = present.get((block.identity, block.hash))
-            if size != block.size:
-                why = "its file is gone" if size is None else f"its file is now {size} bytes"
-                self.writer.bad_block(block, why)
-        catalog.expect_mtimes(None)
-        self._unchecked = None
-        await self._take(listed, sum(listed.matched))
-        self.evict_to_cap()
 
     async def _take(self, listed: recovery.Listing, from_snapshot: int) -> None:
         """Index what a listing found beside the snapshot's rows; the tier is opened."""
@@ -559,31 +563,20 @@ class Tier:
         """Check one durable entry by id for owner's connection: see EntryChecks.verify."""
         return await self.checks.verify(owner, entry, repair)
 
-    def remove_empty_folders(self, folders: Iterable[Path]) -> int:
-        """Remove identity folders a listing found empty, whose identity the tier no longer
-        holds (no entry, pending ones included, no block, none being written): clients name
-        identities at will, and each would otherwise keep a folder, and the watcher a watch
-        on it, for ever. On the event loop (an rmdir of an empty folder or two), so that no
-        entry of the identity can be added meanwhile; the writer makes its folders again when
-        it needs them. How many went."""
-        removed = 0
-        for folder in folders:
-            digest = folder.name
-            if self.catalog.holds(digest) or self.catalog.blocks.identity_bytes(digest):
-                continue
-            if self.writer.writing(digest):
-                continue
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    (folder / BLOCKS_FOLDER).rmdir()
-                folder.rmdir()
-            except OSError as exc:  # not empty after all (a file came), or gone
-                log.debug("folder_kept", folder=folder.name, error=str(exc))
-                continue
-            removed += 1
-        if removed:
-            log.info("empty_identity_folders_removed", count=removed)
-        return removed
+    def entries_folder(self) -> Path:
+        return self.dirs.entries
+
+    async def wait_settled(self) -> None:
+        """Until start-up has listed the directory (settle), or given up."""
+        await self.settled.wait()
+
+    async def adopt(self, root: Path, found: Changed, everything: bool) -> None:
+        """Make the index agree with what a listing under root found (see Adoption), then
+        hold the cap and let the empty identity folders go."""
+        await self.adoption.reconcile(root, found, everything)
+        self.evict_to_cap()
+        if found.empty_folders:
+            self.adoption.remove_empty_folders(found.empty_folders)
 
     def holds(self, digest: str) -> bool:
         """Whether the tier holds an entry of the identity (pending ones included)."""

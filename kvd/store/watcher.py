@@ -28,19 +28,13 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-from kvd_protocol.blocks import parse_block_name
-from kvd_protocol.errors import EntryFormatError, Rule
-from kvd_protocol.limits import Limits
 from watchfiles import Change, awatch
 
 from kvd.logs import get_logger
-from kvd.store import entry_files
-from kvd.store.blocks import Block
-from kvd.store.records import EntryRecord, record_from_header
+from kvd.store.adoption import Changed, place
 from kvd.store.tier import Tier
 from kvd.store.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX
 
@@ -53,9 +47,9 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
     reconcile_first: catch up with the whole folder first, as a restarted watch must (the
     first one starts once start-up has listed the directory: Tier.settle).
     """
-    await tier.settled.wait()
+    await tier.wait_settled()
     while True:
-        await anyio.to_thread.run_sync(_make_folder, tier.dirs.entries)
+        await anyio.to_thread.run_sync(_make_folder, tier.entries_folder())
         if reconcile_first:
             await reconcile(tier, None)
         root = _root(tier)  # FSEvents reports resolved paths
@@ -69,7 +63,7 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
 
 
 async def reconcile_periodically(tier: Tier, every: float) -> None:
-    await tier.settled.wait()
+    await tier.wait_settled()
     while True:
         await anyio.sleep(every)
         await reconcile(tier, None)
@@ -80,33 +74,11 @@ def _make_folder(path: Path) -> None:
 
 
 def _root(tier: Tier) -> Path:
-    return Path(os.path.realpath(tier.dirs.entries))
-
-
-def _place(root: Path, path: Path) -> tuple[str, ...] | None:
-    """The path's parts under root, its folders resolved but not its own name (a symbolic
-    link is judged as itself, not as what it points to); None outside root."""
-    resolved = Path(os.path.realpath(path.parent)) / path.name
-    try:
-        return resolved.relative_to(root).parts
-    except ValueError:
-        return None
+    return Path(os.path.realpath(tier.entries_folder()))
 
 
 def _entry_id(name: str) -> str | None:
     return name[: -len(ENTRY_SUFFIX)] if name.endswith(ENTRY_SUFFIX) else None
-
-
-@dataclass
-class Changed:
-    """What a batch of events (or a whole listing) names: entry files by id, the ids of
-    those modified in place, and block files (by path) with those modified in place."""
-
-    entries: dict[str, Path] = field(default_factory=dict)
-    modified: set[str] = field(default_factory=set)
-    blocks: set[Path] = field(default_factory=set)
-    blocks_modified: set[Path] = field(default_factory=set)
-    empty_folders: set[Path] = field(default_factory=set)  # identity folders with no file
 
 
 def _listing(root: Path) -> Changed:
@@ -163,7 +135,7 @@ def _changed_entries(root: Path, changes: Iterable[tuple[Change, str]]) -> Chang
     candidates, modified = found.entries, found.modified
     for change, name in changes:
         path = Path(name)
-        parts = _place(root, path)
+        parts = place(root, path)
         if parts is None or not parts:
             continue
         if len(parts) == 1:
@@ -195,12 +167,7 @@ def _changed_entries(root: Path, changes: Iterable[tuple[Change, str]]) -> Chang
 
 async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) -> None:
     """Make the index agree with the paths of a batch of events (None: the whole entries
-    folder).
-
-    Entries are matched by id (their file name), so a batch of events costs its own size,
-    not the size of the tier.
-    """
-    catalog = tier.catalog
+    folder): see Tier.adopt."""
     root = _root(tier)
     try:
         if changes is None:
@@ -214,127 +181,4 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
         # changed on a half listing; the next full reconcile catches up.
         log.warning("reconcile_deferred", reason=str(exc))
         return
-    if changes is None:
-        on_disk = found.entries
-        durable = {r.id: r for r in catalog.durable()}
-        gone = durable.keys() - on_disk.keys()
-        candidates = {**on_disk, **{i: catalog.path_of(durable[i]) for i in gone}}
-        found.blocks |= {b.path for b in catalog.blocks if b.durable}  # those gone, too
-    else:
-        candidates = found.entries
-        on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
-    modified = found.modified
-    # Blocks first: a manifest copied in with its blocks finds them held.
-    adopted = []
-    for path in found.blocks:
-        block = await _reconcile_block(tier, root, path, path in found.blocks_modified)
-        if block is not None:
-            adopted.append(block)
-    for entry_id, path in candidates.items():
-        if catalog.is_doomed(entry_id):
-            continue  # removed from the index, its file kept until its last lease ends
-        record = catalog.records.get(entry_id)
-        if record is None:
-            if entry_id in on_disk:
-                await _adopt(tier, path)
-        elif not record.durable:
-            continue  # the writer's own file, on its way into place
-        elif entry_id not in on_disk:
-            log.warning("entry_removed_outside", entry=record.id)
-            catalog.drop(record)
-        elif path.parent.name != record.identity:
-            # The same name in another identity's folder: not where this entry lives.
-            await tier.quarantine.file(path, "a copy of an entry in another identity's folder")
-        elif entry_id in modified:
-            await _recheck(tier, record, path)
-    orphans = catalog.blocks.collect_orphans(adopted)
-    if orphans:
-        log.info("orphan_blocks_collected", count=orphans)
-    tier.evict_to_cap()
-    if found.empty_folders:
-        tier.remove_empty_folders(found.empty_folders)
-
-
-async def _reconcile_block(tier: Tier, root: Path, path: Path, modified: bool) -> Block | None:
-    """Make the block store agree with one path under a blocks folder; the block adopted, if
-    it was unknown (no manifest lists it yet)."""
-    parts = _place(root, path)
-    block_hash = parse_block_name(path.name)
-    if parts is None or len(parts) != 3 or block_hash is None:
-        if os.path.lexists(path):
-            log.info("foreign_file_ignored", path=str(path), reason="not a block file")
-        return None
-    identity = parts[0]
-    block = tier.catalog.blocks.get(identity, block_hash)
-    if block is not None and not block.durable:
-        return None  # the writer's own, on its way into place
-    if not os.path.lexists(path):
-        if block is not None and not os.path.lexists(block.path):
-            log.warning("block_removed_outside", block=path.name, identity=identity)
-            tier.writer.bad_block(block, "its file was removed behind the daemon's back")
-        return None
-    if block is not None and not modified:
-        return None
-    try:
-        header = await anyio.to_thread.run_sync(entry_files.read_block_header, path, tier.limits)
-        if header.identity != identity:
-            raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
-        if block is not None and header.file_size != block.size:
-            raise EntryFormatError(path.name, Rule.FILE_SIZE, "not the block the store holds")
-    except FileNotFoundError:
-        return None  # removed meanwhile: its deletion event follows
-    except (EntryFormatError, OSError) as exc:
-        if block is None:
-            await tier.quarantine.file(path, str(exc))
-        elif tier.catalog.blocks.get(identity, block_hash) is block:
-            log.warning("block_modified_outside", block=path.name, reason=str(exc))
-            tier.writer.bad_block(block, str(exc))
-        return None
-    if block is not None or tier.catalog.blocks.get(identity, block_hash) is not None:
-        return None
-    # Held with no ref: the manifests of this batch attach to it, or it is collected.
-    return tier.catalog.blocks.adopt(identity, block_hash, header.file_size, path)
-
-
-async def _adopt(tier: Tier, path: Path) -> None:
-    try:
-        header = await anyio.to_thread.run_sync(entry_files.read_header, path, tier.limits)
-        if header.identity.digest() != path.parent.name:
-            raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
-    except (EntryFormatError, OSError) as exc:
-        await tier.quarantine.file(path, str(exc))
-        return
-    record = record_from_header(path.stem, header, last_used=tier.catalog.tick())
-    if path.stem in tier.catalog.records:  # adopted meanwhile (a second event for the same file)
-        return
-    problem = tier.catalog.unservable(record)
-    if problem is not None:
-        await tier.quarantine.file(path, problem)
-        return
-    try:
-        tier.catalog.add(record)
-    except ValueError:  # the same tokens as an indexed entry: a copy under another name
-        await tier.quarantine.file(path, "a duplicate of another entry")
-        return
-    log.info("entry_adopted", entry=record.id, identity=record.identity)
-
-
-def _still_valid(path: Path, record: EntryRecord, limits: Limits) -> None:
-    """Raise EntryFormatError unless the file still holds the indexed entry, data included
-    (blocking: run in a thread)."""
-    header = entry_files.read_header(path, limits)
-    if header.file_size != record.nbytes or header.tokens != record.tokens:
-        raise EntryFormatError(path.name, Rule.SCHEMA, "not the entry the index holds")
-    entry_files.verify_data(path, header)
-
-
-async def _recheck(tier: Tier, record: EntryRecord, path: Path) -> None:
-    """An indexed entry's file was modified in place: keep it only if still valid."""
-    try:
-        await anyio.to_thread.run_sync(_still_valid, path, record, tier.limits)
-    except FileNotFoundError:
-        return  # removed meanwhile: its deletion event follows
-    except (EntryFormatError, OSError) as exc:
-        log.warning("entry_modified_outside", entry=record.id, reason=str(exc))
-        await tier.quarantine.file(path, str(exc))
-        tier.catalog.drop(record)  # its file is in quarantine: nothing left to unlink here
+    await tier.adopt(root, found, everything=changes is None)
