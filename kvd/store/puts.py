@@ -107,12 +107,17 @@ class Puts:
         tokens: bytes,
         size: int,
         declared: DeclaredBlocks = NO_BLOCKS,
+        *,
+        prefill_cost: float = 0.0,
     ) -> tuple[Put | None, str | None, int | None]:
         """A staging file for a new entry (its manifest, for one with blocks: put.held says
-        how many of them the tier holds), or the reason none is needed.
+        how many of them the tier holds), or the reason none is needed. The telemetry learns
+        the identity's names and the engine's prefill_cost (seconds per token; 0: not
+        measured) first.
 
         Returns (put, None, fd) or (None, "duplicate" | "covered", None).
         """
+        self._telemetry.prefill_reported(identity, prefill_cost)
         digest = identity.digest()
         blocks = declared.hashes
         held = self._catalog.blocks.held(digest, blocks)

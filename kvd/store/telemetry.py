@@ -311,19 +311,20 @@ class Telemetry:
         self.engine_dropped_bytes += report.bytes
 
     def prefill_reported(self, identity: Identity, seconds_per_token: float) -> None:
-        """An engine's measure of its prefill, with a put (finite and bounded: the protocol
-        checks it); 0 (not measured) is ignored."""
+        """A put named the identity, with the engine's measure of its prefill (finite and
+        bounded: the protocol checks it); 0 (not measured) is ignored."""
+        found = self.seen(identity)
         if not 0 < seconds_per_token < math.inf:
             return
-        found = self.seen(identity)
+        digest = identity.digest()
         previous = found.prefill_cost
         found.prefill_cost = (
             seconds_per_token
             if previous is None
             else previous + PREFILL_REPORT_WEIGHT * (seconds_per_token - previous)
         )
-        self._cost_sum += found.prefill_cost - self._reported_costs.get(identity.digest(), 0.0)
-        self._reported_costs[identity.digest()] = found.prefill_cost
+        self._cost_sum += found.prefill_cost - self._reported_costs.get(digest, 0.0)
+        self._reported_costs[digest] = found.prefill_cost
         self._mean_costs()
 
     def _mean_costs(self) -> None:

@@ -345,11 +345,10 @@ class Tier:
         *,
         prefill_cost: float = 0.0,
     ) -> tuple[Put | None, str | None, int | None]:
-        """See Puts.begin; the telemetry learns the identity's names and the engine's
-        prefill_cost (seconds per token; 0: not measured) first."""
-        self.telemetry.seen(identity)
-        self.telemetry.prefill_reported(identity, prefill_cost)
-        return await self.puts.begin(owner, identity, tokens, size, declared)
+        """See Puts.begin."""
+        return await self.puts.begin(
+            owner, identity, tokens, size, declared, prefill_cost=prefill_cost
+        )
 
     async def put_blocks(self, owner: int, put_id: int, first: int, count: int) -> list[int]:
         """Descriptors of the staging files of blocks first.. of the owner's put."""
@@ -368,10 +367,11 @@ class Tier:
         ticket (the engine keeps them for its next commit otherwise)."""
         put = self.puts.take(owner, put_id)
         ticket = await self.puts.commit(put)  # from take() on, nothing may come between
+        digest = put.identity.digest()
         if store_ms is not None:
-            self.telemetry.store_reported(put.identity.digest(), store_ms)
+            self.telemetry.store_reported(digest, store_ms)
         if dropped is not None:
-            self.telemetry.drops_reported(put.identity.digest(), dropped)
+            self.telemetry.drops_reported(digest, dropped)
         return ticket
 
     def abort_put(self, owner: int, put_id: int) -> None:
