@@ -135,7 +135,7 @@ class Server:
                     scrapes = partial(serve_metrics, metrics, self.status)
                     tasks.start_soon(keep_running, "metrics", scrapes)
                 log.info("serving", socket=str(self.config.socket), version=__version__)
-                notifier.ready(f"serving {len(self.tier.catalog)} entries")
+                notifier.ready(f"serving {len(self.tier)} entries")
                 await self._wait_for_signal(listener, notifier)
                 tasks.cancel_scope.cancel()
         finally:

@@ -32,11 +32,10 @@ def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
         {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
         for p in peers
     ]
-    report["daemon"] = {
+    report["daemon"] |= {
         "pid": os.getpid(),
         "rss_bytes": _process.memory_info().rss,
         "version": __version__,
-        **tier.whereabouts(),
     }
     return report
 

@@ -2,8 +2,10 @@
 
 Its rooms, each with one job: the catalog (catalog.py: records, indexes, counts, eviction
 order), puts (puts.py), the writer (writer.py: the write-behind queue and its task), tickets
-(tickets.py) and leases (leases.py). No locks: only the event loop touches this state;
-blocking file work (validation, fsync, rename, scans) runs in worker threads via entry_files.
+(tickets.py), leases (leases.py) and adoption (adoption.py: files made behind the daemon's
+back). Other parts call the tier's methods, never a room's. No locks: only the event loop
+touches this state; blocking file work (validation, fsync, rename, scans) runs in worker
+threads via entry_files.
 
 An entry's life: put_begin creates a staging file -> commit seals it and checks it whole,
 indexes it (readable at once: read-your-writes) and queues it -> the writer syncs it and
@@ -323,15 +325,8 @@ class Tier:
             checks=self.checks,
             tickets=self.tickets,
             admission=self.admission,
+            started=self.started,
         )
-
-    def whereabouts(self) -> dict[str, Any]:
-        """Where the daemon keeps the tier and listens, and how long it has."""
-        return {
-            "uptime_s": round(time.time() - self.started, 3),
-            "dir": str(self.dirs.root),
-            "socket": str(self.config.socket),
-        }
 
     # --- put: begin, commit (or abort), then the ticket ----------------------------------------
 
@@ -562,6 +557,10 @@ class Tier:
     async def verify(self, owner: int, entry: str, repair: bool) -> tuple[str | None, bool]:
         """Check one durable entry by id for owner's connection: see EntryChecks.verify."""
         return await self.checks.verify(owner, entry, repair)
+
+    def __len__(self) -> int:
+        """The entries the tier holds, pending ones included."""
+        return len(self.catalog)
 
     def entries_folder(self) -> Path:
         return self.dirs.entries

@@ -38,8 +38,10 @@ def tier_report(
     checks: EntryChecks,
     tickets: Tickets,
     admission: Admission,
+    started: float,
 ) -> dict[str, Any]:
-    """Everything the status report says of the tier (the daemon's process aside)."""
+    """Everything the status report says of the tier; of the daemon, how long it has served
+    (since started) and where (the status report adds its process)."""
     counters = catalog.counters
     try:
         free = disk_free(root)
@@ -118,6 +120,11 @@ def tier_report(
             "telemetry_forgotten": telemetry.forgotten,
             "tickets": len(tickets),
             "sightings": admission.sightings(),
+        },
+        "daemon": {
+            "uptime_s": round(time.time() - started, 3),
+            "dir": str(root),
+            "socket": str(config.socket),
         },
     }
 
