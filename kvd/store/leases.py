@@ -49,7 +49,7 @@ class Leases:
     def held_by(self, owner: int) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def take(self, owner: int, record: EntryRecord) -> int:
+    def grant(self, owner: int, record: EntryRecord) -> int:
         """A new lease on record for owner; a use of the entry."""
         lease = next(self._ids)
         self._leases[lease] = Lease(record, owner)

@@ -267,7 +267,7 @@ class Puts:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no put {put_id} on this connection")
         return put
 
-    def take(self, owner: int, put_id: int) -> Put:
+    def pop(self, owner: int, put_id: int) -> Put:
         """The owner's put, now the caller's: to commit or to abort. Its bytes stay staged
         until then: a commit validating its file holds its room as the put did."""
         put = self._owned(owner, put_id)
@@ -390,7 +390,7 @@ class Puts:
     async def commit(self, put: Put) -> int:
         """Validate the written header, index the entry and queue it; returns its ticket.
 
-        The put is the caller's from take() on: unless it is queued, its staging file goes
+        The put is the caller's from pop() on: unless it is queued, its staging file goes
         here, whatever ends the commit (a refusal, a bad file, the putter hanging up while
         it waits for room).
         """

@@ -360,7 +360,7 @@ class Tier:
         time from handing the caches over to this commit, if it said; dropped: the snapshots
         of the put's identity it dropped since it last told, counted once the commit gives a
         ticket (the engine keeps them for its next commit otherwise)."""
-        put = self.puts.take(owner, put_id)
+        put = self.puts.pop(owner, put_id)
         ticket = await self.puts.commit(put)  # from take() on, nothing may come between
         digest = put.identity.digest()
         if store_ms is not None:
@@ -370,7 +370,7 @@ class Tier:
         return ticket
 
     def abort_put(self, owner: int, put_id: int) -> None:
-        self.puts.abort(self.puts.take(owner, put_id))
+        self.puts.abort(self.puts.pop(owner, put_id))
 
     async def wait_ticket(self, ticket: int, timeout: float | None) -> TicketAnswer:
         return await self.tickets.wait(ticket, timeout)
@@ -410,7 +410,7 @@ class Tier:
             fd = self.catalog.open(match.record, self.quarantine.now)
             if fd is not None:
                 match.record.used_at = time.time()  # before the reply: its summary says it
-                lease = self.leases.take(owner, match.record)
+                lease = self.leases.grant(owner, match.record)
                 self.unbooked.append((identity, tokens, (index, match)))
                 return match, lease, fd
             if match.record.id in self.catalog.records:  # kept, but unreadable now
@@ -520,7 +520,7 @@ class Tier:
                     counters.hits += 1
                     self.telemetry.lookup(identity, hit=True)
                     record.used_at = time.time()
-                    return record, self.leases.take(owner, record), fd
+                    return record, self.leases.grant(owner, record), fd
         counters.misses += 1
         self.telemetry.lookup(identity, hit=False, reason="no checkpoint")
         return None

@@ -149,7 +149,7 @@ def test_refs_pins_and_bytes_follow_every_change(steps: list[tuple[object, ...]]
                         doomed[record.id] = record
                 case ("lease", int(n)) if live:
                     record = live[n % len(live)]
-                    held.append((leases.take(1, record), record))
+                    held.append((leases.grant(1, record), record))
                 case ("release", int(n)) if held:
                     lease, _ = held.pop(n % len(held))
                     leases.release(1, lease)

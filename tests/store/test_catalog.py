@@ -89,7 +89,7 @@ def test_counts_follow_every_change(steps: list[tuple[object, ...]]) -> None:
                         doomed[record.id] = record
                 case ("lease", int(n), int(owner)) if live:
                     record = live[n % len(live)]
-                    held.append((owner, leases.take(owner, record), record))
+                    held.append((owner, leases.grant(owner, record), record))
                 case ("release", int(n)) if held:
                     owner, lease, record = held.pop(n % len(held))
                     leases.release(owner, lease)
