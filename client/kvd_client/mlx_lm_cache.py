@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import mlx.core as mx
@@ -277,7 +277,7 @@ class ColdTier:
         stored), and a progress callback that stores the prompt boundary when the caches may
         become untrimmable, then calls progress with what it was given."""
         untrimmable = not all(_always_trimmable(layer) for layer in cache)
-        at = self.checkpoint_positions(tokens, start, cache) if untrimmable else []
+        at = self.checkpoint_positions(tokens, start, cache)  # none for caches that trim
 
         def take(position: int, caches: Sequence[Any]) -> None:
             self.store(tokens[:position], caches, kind=Kind.PREFILL_CHECKPOINT)
@@ -325,7 +325,7 @@ class ColdTier:
 
     def _interval(self, prompt_tokens: int) -> int:
         """The interval by cost (prefill_checkpoints.choose_interval); 0 when the caches have
-        no codec (nothing of them is stored)."""
+        no codec (nothing of them is stored): checkpoints are then off for the model."""
         if self._state_bytes is None:  # once per model: a one-token forward on scratch caches
             scratch = make_prompt_cache(self.model)
             self.model(mx.array([[0]]), cache=scratch)
@@ -333,6 +333,7 @@ class ColdTier:
             try:
                 self._state_seen(prefill_checkpoints.state_bytes(*snapshot_layers(scratch, 1)))
             except CodecError:
+                self.checkpoints = replace(self.checkpoints, interval=0)  # not asked again
                 return 0
         assert self._state_bytes is not None
         return prefill_checkpoints.choose_interval(

@@ -14,6 +14,7 @@ from daemon_process import Daemon
 from kvd_client import snapshots
 from kvd_client.backlog import Kind
 from kvd_client.client import Client
+from kvd_client.identity import Identity
 from kvd_client.mlx_lm_cache import ColdTier
 from kvd_client.prefill_checkpoints import (
     COST_SHARE,
@@ -25,7 +26,7 @@ from kvd_client.prefill_checkpoints import (
 )
 from kvd_client.snapshots import Memo
 from kvd_protocol.entry import PREFILL_CHECKPOINT_META
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from tiny_engine import byte_tokenizer, uninterrupted
 from tiny_models import prefill, prompt, tiny_lfm2, tiny_llama, tiny_nemotron_h, tiny_qwen3_next
 
@@ -205,3 +206,34 @@ def test_a_prefill_checkpoint_is_never_trimmable_whatever_its_layers() -> None:
     assert not checkpoint.trimmable
     assert snapshots.take(checkpoint).meta[PREFILL_CHECKPOINT_META] is True
     assert PREFILL_CHECKPOINT_META not in snapshots.take(turn).meta
+
+
+def test_caches_without_a_codec_turn_checkpoints_off_after_one_try(daemon: Daemon) -> None:
+    """A cache class kvd has no codec for cannot be stored: the one-token forward that
+    weighs the state is tried once, and no prompt is cut for checkpoints."""
+
+    class Unknown(ArraysCache):
+        """Not ArraysCache itself: codecs match classes exactly."""
+
+    class Model:
+        def __init__(self) -> None:
+            self.inner = tiny_lfm2()
+            self.layers = self.inner.layers
+            self.calls = 0
+
+        def make_cache(self) -> list[Any]:
+            return [
+                Unknown(2) if isinstance(c, ArraysCache) else c for c in self.inner.make_cache()
+            ]
+
+        def __call__(self, inputs: mx.array, cache: Any = None) -> Any:
+            self.calls += 1
+            return self.inner(inputs, cache=cache)
+
+    model = Model()
+    with _tier(daemon, model, identity=Identity("tiny/unknown-cache", "cfg", "tok")) as tier:
+        tokens = prompt(600, seed=14)
+        assert tier.checkpoint_positions(tokens, 0) == []
+        assert model.calls == 1
+        assert tier.checkpoint_positions(tokens, 0) == []
+        assert model.calls == 1
