@@ -6,11 +6,12 @@ Every setting can come from four sources; a later one wins:
 
 A setting is a field of `Config`: its name is the file's key, its default and type are the
 field's, and its metadata (setting()) holds its parser, its flag's metavar and its help. The
-flags, the variables, the keys of the file and the README's table (settings_table()) all
-derive from those fields. The file is `--config FILE`, else `$KVD_CONFIG`, else the platform's
-default file (kvd_protocol.paths); a missing default file is fine, a missing named one is an
-error. Every value a source gives is checked, even one a later source overrides, and a bad
-one raises ConfigError naming the source and the key. Values: see config_values.
+flags, the variables, the keys of the file and the table in docs/operations.md
+(settings_table()) all derive from those fields. The file is `--config FILE`, else
+`$KVD_CONFIG`, else the platform's default file (kvd_protocol.paths); a missing default file
+is fine, a missing named one is an error. Every value a source gives is checked, even one a
+later source overrides, and a bad one raises ConfigError naming the source and the key.
+Values: see config_values.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ GIB = 1 << 30
 # never import policy code.
 EVICTION_POLICY_NAMES = ("lru", "cost")
 ADMISSION_POLICY_NAMES = ("always", "min-tokens", "second-hit")
+REMOTE_UPLOAD_POLICY_NAMES = ("always", "second-hit", "never")
 
 
 class Overflow(StrEnum):
@@ -78,12 +80,20 @@ DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one res
 DEFAULT_LEASE_MAX_AGE = 300.0
 # Partial frames of all connections together: 32 frames of the largest size at once.
 DEFAULT_FRAME_BUFFER_BYTES = 256 << 20
+# A get waits this long at most for blocks only the remote store holds: a 32k-token prefix of
+# an 8B-shaped model is ~4 GiB, a few seconds over 10 GbE, while its prefill takes minutes.
+DEFAULT_REMOTE_FETCH_TIMEOUT = 5.0
+DEFAULT_REMOTE_MIN_TOKENS = 256  # fewer tokens recompute faster than a round trip pays
+DEFAULT_REMOTE_REQUEST_TIMEOUT = 10.0
+DEFAULT_REMOTE_UPLOAD_BYTES = 1 * GIB
+DEFAULT_REMOTE_UPLOAD_RATE = 128 << 20  # about 1 Gbit/s: fills a gigabit link, not 10 GbE
+DEFAULT_REMOTE_REQUESTS = 8
 
 
 def setting(
     parse: Callable[[object], Any], metavar: str, help_text: str, shown_default: str = ""
 ) -> dict[str, Any]:
-    """The metadata that makes a Config field a setting; shown_default, for the README, when
+    """The metadata that makes a Config field a setting; shown_default, for the settings table, when
     the default is not a plain value (a per-platform path)."""
     return {"parse": parse, "metavar": metavar, "help": help_text, "shown": shown_default}
 
@@ -286,6 +296,98 @@ class Config:
             "false",
         ),
     )
+    remote: str = field(
+        default="",
+        metadata=setting(
+            values.remote_url,
+            "s3://BUCKET/PREFIX",
+            "a remote tier in an S3-compatible store, shared by every kvd pointed at the same "
+            "bucket and prefix (the prefix keeps tenants apart); empty: local only",
+            "none",
+        ),
+    )
+    remote_endpoint: str = field(
+        default="",
+        metadata=setting(
+            values.endpoint_url,
+            "URL",
+            "the S3 server, http(s)://HOST[:PORT] (SeaweedFS, MinIO, Garage, Ceph RGW...); "
+            "empty: AWS S3 in `remote_region`",
+            "AWS",
+        ),
+    )
+    remote_region: str = field(
+        default="us-east-1",
+        metadata=setting(values.text, "REGION", "the region requests are signed for"),
+    )
+    remote_credentials_file: Path | None = field(
+        default=None,
+        metadata=setting(
+            values.optional_path,
+            "FILE",
+            "an AWS-style credentials file, which must be 0600; unset: the environment "
+            "(`AWS_ACCESS_KEY_ID`, ...), then `~/.aws/credentials` (`AWS_PROFILE`)",
+            "none",
+        ),
+    )
+    remote_fetch_timeout: float = field(
+        default=DEFAULT_REMOTE_FETCH_TIMEOUT,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "longest a get waits for blocks only the remote holds; then it answers with what "
+            "is local",
+        ),
+    )
+    remote_min_tokens: int = field(
+        default=DEFAULT_REMOTE_MIN_TOKENS,
+        metadata=setting(
+            values.count,
+            "N",
+            "a get asks the remote only for a prefix at least this many tokens beyond what "
+            "the tier holds",
+        ),
+    )
+    remote_request_timeout: float = field(
+        default=DEFAULT_REMOTE_REQUEST_TIMEOUT,
+        metadata=setting(
+            values.duration,
+            "SECONDS",
+            "a request to the store that takes longer (to connect, or between two reads) "
+            "fails, and counts against the store's health",
+        ),
+    )
+    remote_requests: int = field(
+        default=DEFAULT_REMOTE_REQUESTS,
+        metadata=setting(
+            values.positive_count,
+            "N",
+            "requests to the store at once; fetches come before uploads, which take at most half",
+        ),
+    )
+    remote_upload: str = field(
+        default="always",
+        metadata=setting(
+            values.one_of(REMOTE_UPLOAD_POLICY_NAMES),
+            "|".join(REMOTE_UPLOAD_POLICY_NAMES),
+            "which stored entries' blocks go to the remote: always, once a lookup has hit "
+            "the entry (second-hit), or never (fetch only); prefill checkpoints never do",
+        ),
+    )
+    remote_upload_bytes: int = field(
+        default=DEFAULT_REMOTE_UPLOAD_BYTES,
+        metadata=setting(
+            values.positive_size,
+            "SIZE",
+            "upload queue cap; over it the oldest queued upload is dropped (counted)",
+        ),
+    )
+    remote_upload_rate: int = field(
+        default=DEFAULT_REMOTE_UPLOAD_RATE,
+        metadata=setting(
+            values.parse_size, "SIZE", "bytes per second uploads may send (0: no cap)"
+        ),
+    )
     config_file: Path | None = None  # the file that was read, if any (not itself a setting)
 
 
@@ -350,7 +452,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_table() -> str:
-    """The README's table of settings, in Markdown."""
+    """The table of settings (docs/operations.md), in Markdown."""
     rows = [
         "| key | flag / variable | default | meaning |",
         "|---|---|---|---|",

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlsplit
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -66,6 +67,13 @@ def count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"expected a whole number >= 0, got {value!r}")
     return value
+
+
+def positive_count(value: object) -> int:
+    number = count(value)
+    if number == 0:
+        raise ValueError("must be greater than zero")
+    return number
 
 
 def port(value: object) -> int:
@@ -147,6 +155,57 @@ def path(value: object) -> Path:
     if not name:
         raise ValueError("must not be empty")
     return Path(name)
+
+
+def optional_path(value: object) -> Path | None:
+    """A path, or None for an empty value (the setting is off)."""
+    name = text(value)
+    return Path(name) if name else None
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9._/-]*")
+
+
+def remote_url(value: object) -> str:
+    """`s3://BUCKET/PREFIX` (the prefix optional), or "" for none: the bucket an S3 bucket
+    name, the prefix path segments of letters, digits and `._-`; kept without a trailing /."""
+    url = text(value).strip()
+    if not url:
+        return ""
+    scheme, sep, rest = url.partition("://")
+    if scheme != "s3" or not sep:
+        raise ValueError(f"{url!r} is not s3://BUCKET/PREFIX")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ValueError(f"{bucket!r} is not an S3 bucket name (3-63 of a-z, 0-9, '.', '-')")
+    segments = prefix.split("/") if prefix else []
+    if not _KEY_PREFIX.fullmatch(prefix) or any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"{prefix!r} is not a key prefix (segments of A-Z, a-z, 0-9, '._-')")
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
+def endpoint_url(value: object) -> str:
+    """`http://HOST[:PORT]` or `https://HOST[:PORT]`, or "" for AWS's own endpoint."""
+    url = text(value).strip().rstrip("/")
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError:
+        raise ValueError(f"{url!r} has no valid port") from None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ValueError(f"{url!r} is not http(s)://HOST[:PORT] (no path, no user)")
+    return url
 
 
 def format_size(size: int) -> str:

@@ -233,6 +233,17 @@ VALID = {
     "lease_max_age": ("120", 120.0),
     "frame_buffer_bytes": ("64MiB", 64 << 20),
     "share_between_users": ("true", True),
+    "remote": ("s3://kvd-cache/team-a/", "s3://kvd-cache/team-a"),
+    "remote_endpoint": ("https://127.0.0.1:8333/", "https://127.0.0.1:8333"),
+    "remote_region": ("eu-west-1", "eu-west-1"),
+    "remote_credentials_file": ("/etc/kvd/s3.ini", Path("/etc/kvd/s3.ini")),
+    "remote_fetch_timeout": ("2.5", 2.5),
+    "remote_min_tokens": ("512", 512),
+    "remote_request_timeout": ("3", 3.0),
+    "remote_requests": ("16", 16),
+    "remote_upload": ("second-hit", "second-hit"),
+    "remote_upload_bytes": ("256M", 256 << 20),
+    "remote_upload_rate": ("0", 0),
 }
 
 
@@ -366,6 +377,16 @@ BAD = [
     ("metrics_port", "-1"),
     ("dir", ""),
     ("socket", "/" + "s" * 103),
+    ("remote", "https://kvd-cache/team"),
+    ("remote", "s3://Upper/team"),
+    ("remote", "s3://kvd-cache/a/../b"),
+    ("remote_endpoint", "ftp://127.0.0.1"),
+    ("remote_endpoint", "http://user@127.0.0.1:8333"),
+    ("remote_endpoint", "http://127.0.0.1:99999"),
+    ("remote_endpoint", "http://127.0.0.1:8333/bucket"),
+    ("remote_requests", "0"),
+    ("remote_upload", "sometimes"),
+    ("remote_upload_bytes", "0"),
 ]
 
 
@@ -437,12 +458,12 @@ def test_a_short_flag_socket_rescues_a_too_long_default(environ: dict[str, str])
     assert load(["--socket", "/tmp/k.sock"], environ).socket == Path("/tmp/k.sock")
 
 
-def test_the_readme_table_is_the_settings_table() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_operations_table_is_the_settings_table() -> None:
+    readme = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
     lines = readme.splitlines()
     start = lines.index("| key | flag / variable | default | meaning |")
     end = lines.index("", start)
     assert "\n".join(lines[start:end]) == settings_table(), (
-        "README.md's configuration table is out of date: replace it with the output of "
+        "docs/operations.md's settings table is out of date: replace it with the output of "
         "python -c 'from kvd.config import settings_table; print(settings_table())'"
     )

@@ -1,6 +1,6 @@
 """kvd's parts import one way (docs/design.md, "Inside the daemon"): ops, then serve, then
-store, then the modules every part shares at the top of kvd/. Only the entry points reach
-into any part, and no module but an entry point imports one."""
+remote, then store, then the modules every part shares at the top of kvd/. Only the entry
+points reach into any part, and no module but an entry point imports one."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ ENTRY_POINTS = {"kvd.__main__", "kvd.cli"}
 MAY_IMPORT = {
     TOP: {TOP},
     "store": {"store", TOP},
-    "serve": {"serve", "store", TOP},
-    "ops": {"ops", "serve", "store", TOP},
+    "remote": {"remote", "store", TOP},
+    "serve": {"serve", "remote", "store", TOP},
+    "ops": {"ops", "serve", "remote", "store", TOP},
 }
 
 
