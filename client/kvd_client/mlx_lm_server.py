@@ -66,7 +66,7 @@ from .batch_checkpoints import BatchCheckpoints
 from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
-from .identity import Identity
+from .identity import EngineIdentity
 from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
@@ -123,7 +123,9 @@ class ServerTier:
         self._key: object = None
         self._cold: ColdTier | None = None
 
-    def model_loaded(self, key: object, model: Any, tokenizer: Any, identity: Identity) -> None:
+    def model_loaded(
+        self, key: object, model: Any, tokenizer: Any, identity: EngineIdentity
+    ) -> None:
         self._retire()
         cold = ColdTier(
             self.client,
@@ -371,7 +373,7 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
             return
         self.tier.model_loaded(self.model_key, self.model, self.tokenizer, identity)
 
-    def _identity(self, model_path: str, adapter_path: str | None) -> Identity:
+    def _identity(self, model_path: str, adapter_path: str | None) -> EngineIdentity:
         folder = Path(model_path)
         if not folder.exists():  # a Hugging Face repository: mlx_lm.load fetched it already
             folder = mlx_lm_utils.hf_repo_to_path(model_path)

@@ -29,7 +29,7 @@ from . import calls
 from .block_io import BlockReads
 from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
-from .identity import Identity
+from .identity import EngineIdentity
 from .link import DaemonError, DaemonUnavailableError, Link
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 from .results import LookupHit, PutOutcome
@@ -109,7 +109,7 @@ def entry_meta(meta: Mapping[str, MetaValue] | None = None) -> dict[str, MetaVal
 
 def put(
     link: Link,
-    identity: Identity,
+    identity: EngineIdentity,
     tokens: Sequence[int],
     cache: Sequence[Any],
     *,
@@ -244,7 +244,7 @@ def _check_model(header: EntryHeader, codecs: Sequence[Codec], templates: list[A
 
 
 def get(
-    link: Link, identity: Identity, tokens: Sequence[int], *, model: Any, min_tokens: int = 0
+    link: Link, identity: EngineIdentity, tokens: Sequence[int], *, model: Any, min_tokens: int = 0
 ) -> Call[Restored | None]:
     """The caches of the longest usable cached prefix of tokens, or None (a miss), also when
     it is shorter than min_tokens."""
@@ -254,7 +254,7 @@ def get(
 
 
 def get_checkpoint(
-    link: Link, identity: Identity, key: str, prompt: Sequence[int], *, model: Any
+    link: Link, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any
 ) -> Call[Restored | None]:
     """The newest generation checkpoint under key that extends prompt, restored whole."""
     started = time.perf_counter()
