@@ -96,7 +96,7 @@ class Adoption:
             elif entry_id not in on_disk:
                 log.warning("entry_removed_outside", entry=record.id)
                 self._catalog.drop(record)
-            elif path.parent.name != record.identity:
+            elif path.parent.name != record.digest:
                 # The same name in another identity's folder: not where this entry lives.
                 await self._quarantine.file(path, "a copy of an entry in another identity's folder")
             elif entry_id in modified:
@@ -169,7 +169,7 @@ class Adoption:
         except ValueError:  # the same tokens as an indexed entry: a copy under another name
             await self._quarantine.file(path, "a duplicate of another entry")
             return
-        log.info("entry_adopted", entry=record.id, identity=record.identity)
+        log.info("entry_adopted", entry=record.id, identity=record.digest)
 
     async def _recheck(self, record: EntryRecord, path: Path) -> None:
         """An indexed entry's file was modified in place: keep it only if still valid."""

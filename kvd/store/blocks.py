@@ -45,7 +45,7 @@ class Block:
     directory to check that (a block taken from the snapshot); None otherwise."""
 
     hash: bytes
-    identity: str
+    digest: str
     size: int
     path: Path
     refs: int = 0
@@ -174,7 +174,7 @@ class BlockStore:
     def placed(self, block: Block, path: Path) -> bool:
         """The writer renamed a pending block's file into place: it is durable. False when
         the block was collected meanwhile (the caller then removes the file it placed)."""
-        if self.get(block.identity, block.hash) is not block:
+        if self.get(block.digest, block.hash) is not block:
             return False
         block.path = path
         block.durable = True
@@ -183,7 +183,7 @@ class BlockStore:
     def forget(self, block: Block) -> None:
         """The block's file is gone or was moved aside (quarantined): out of the store, refs
         or not, nothing unlinked. The caller drops the manifests that list it."""
-        if self.get(block.identity, block.hash) is block:
+        if self.get(block.digest, block.hash) is block:
             self._leave(block)
 
     def collect_orphans(self, among: Iterable[Block] | None = None) -> int:
@@ -212,17 +212,17 @@ class BlockStore:
         return block
 
     def _collect_if_free(self, block: Block) -> None:
-        if block.refs or block.pins or self.get(block.identity, block.hash) is not block:
+        if block.refs or block.pins or self.get(block.digest, block.hash) is not block:
             return
         self._leave(block)
         self.collected += 1
         self._deleter.delete(block.path)
 
     def _leave(self, block: Block) -> None:
-        blocks = self._blocks[block.identity]
+        blocks = self._blocks[block.digest]
         del blocks[block.hash]
-        self._identity_bytes[block.identity] -= block.size
+        self._identity_bytes[block.digest] -= block.size
         if not blocks:
-            del self._blocks[block.identity]
-            del self._identity_bytes[block.identity]
+            del self._blocks[block.digest]
+            del self._identity_bytes[block.digest]
         self.bytes -= block.size

@@ -131,7 +131,7 @@ class Catalog:
         a block with no ref, and ending once its refs are found (a folder of blocks removed
         at once costs about one walk, as the first blocks' manifests take the others' refs)."""
         found: list[EntryRecord] = []
-        counts = self._identities.get(block.identity)
+        counts = self._identities.get(block.digest)
         if not block.refs or counts is None:
             return found
         for entry_id in counts.ids.after(None):
@@ -200,7 +200,7 @@ class Catalog:
     def path_of(self, record: EntryRecord) -> Path:
         """Where the entry's file is: its place under entries/, unless it is still staged."""
         staged = self._staged.get(record.id)
-        return staged if staged is not None else self.dirs.entry_path(record.identity, record.id)
+        return staged if staged is not None else self.dirs.entry_path(record.digest, record.id)
 
     # --- entries joining and leaving --------------------------------------------------------
 
@@ -215,9 +215,9 @@ class Catalog:
         if not record.blocks:
             return None
         if not record.block_size:
-            first = self.blocks.get(record.identity, record.blocks[0])
+            first = self.blocks.get(record.digest, record.blocks[0])
             record.block_size = 0 if first is None else first.size
-        return self.blocks.lacks(record.identity, record.blocks, record.block_size)
+        return self.blocks.lacks(record.digest, record.blocks, record.block_size)
 
     def add(
         self,
@@ -232,9 +232,9 @@ class Catalog:
         KeyError for a block neither held nor staged.
         """
         if record.checkpoint_key is None:
-            index = self._indexes.get(record.identity) or PrefixIndex()
+            index = self._indexes.get(record.digest) or PrefixIndex()
             index.add(record)  # first: one of the two steps that may refuse
-            self._indexes[record.identity] = index
+            self._indexes[record.digest] = index
         try:
             self._join(record, staged_blocks)
         except KeyError:
@@ -263,7 +263,7 @@ class Catalog:
                 refused.append((record, problem))
                 continue
             if record.checkpoint_key is None:
-                prompts.setdefault(record.identity, []).append(record)
+                prompts.setdefault(record.digest, []).append(record)
             joining.append(record)
         duplicates: list[EntryRecord] = []
         for digest, batch in prompts.items():
@@ -279,7 +279,7 @@ class Catalog:
             if record.blocks or record.checkpoint_key is not None:
                 self._join(record)  # every block is held: unservable() said so
             else:
-                plain.setdefault(record.identity, []).append(record)
+                plain.setdefault(record.digest, []).append(record)
         for digest, records_of in plain.items():
             self._join_plain(digest, records_of)
         for record in joined:  # in their order across identities: the eviction order
@@ -313,16 +313,16 @@ class Catalog:
         changed, for a block neither held nor staged."""
         if record.blocks:
             self._blocks_of[record.id] = self.blocks.attach(
-                record.identity, record.blocks, record.block_size, staged_blocks
+                record.digest, record.blocks, record.block_size, staged_blocks
             )
         if record.checkpoint_key is not None:
-            self._checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(
+            self._checkpoints.setdefault((record.digest, record.checkpoint_key), []).append(
                 record
             )
         self._records[record.id] = record
-        counts = self._identities.get(record.identity)
+        counts = self._identities.get(record.digest)
         if counts is None:
-            counts = self._identities[record.identity] = IdentityCounts()
+            counts = self._identities[record.digest] = IdentityCounts()
         counts.count(record, 1)
         counts.ids.add(record.id)
         self._ids.add(record.id)
@@ -354,15 +354,15 @@ class Catalog:
         if record.checkpoint_key is None:
             self._unindex(record)
         else:
-            key = (record.identity, record.checkpoint_key)
+            key = (record.digest, record.checkpoint_key)
             self._checkpoints[key].remove(record)
             if not self._checkpoints[key]:
                 del self._checkpoints[key]
-        counts = self._identities[record.identity]
+        counts = self._identities[record.digest]
         counts.count(record, -1)
         counts.ids.remove(record.id)
         if not counts.entries:
-            del self._identities[record.identity]
+            del self._identities[record.digest]
         self._ids.remove(record.id)
         self.eviction.remove(record)
         if record.leases:
@@ -371,10 +371,10 @@ class Catalog:
             self._delete_file(record)
 
     def _unindex(self, record: EntryRecord) -> None:
-        index = self._indexes[record.identity]
+        index = self._indexes[record.digest]
         index.remove(record)
         if not len(index):
-            del self._indexes[record.identity]
+            del self._indexes[record.digest]
 
     def moved(self, record: EntryRecord, path: Path) -> None:
         """The entry's file is now at path (quarantined): drop() unlinks that, not its place."""
@@ -408,7 +408,7 @@ class Catalog:
         checked it) is forgotten, its file left for the listing to read again."""
         candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
-            candidates.append(self.dirs.entry_path(record.identity, record.id))
+            candidates.append(self.dirs.entry_path(record.digest, record.id))
         mtime = None if self._recorded_mtime is None else self._recorded_mtime(record.id)
         for path in candidates:
             try:
@@ -490,7 +490,7 @@ class Catalog:
         target = self.identity_bytes(digest) - over_bytes
 
         def mine(record: EntryRecord) -> bool:
-            return record.identity == digest
+            return record.digest == digest
 
         self._evict_while(lambda: self.identity_bytes(digest) - target, mine)
 

@@ -91,7 +91,7 @@ def _check_held(
     take it, with every other manifest listing it. Its head is enough: the block itself
     was checked whole at its own put's commit. One gone since is the caller's to see."""
     name = block_name(block.hash)
-    final = dirs.block_path(block.identity, block.hash)
+    final = dirs.block_path(block.digest, block.hash)
     head = entry_files.held_block_head((block.path, final), name, limits)
     if head is not None:
         check_block(manifest, index, head, name)

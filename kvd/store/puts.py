@@ -424,7 +424,7 @@ class Puts:
             self._keep_quota(put)
             record = EntryRecord(
                 id=new_entry_id(),
-                identity=digest,
+                digest=digest,
                 tokens=put.tokens,
                 nbytes=put.size,
                 trimmable=lookup_trimmable(header),

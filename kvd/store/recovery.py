@@ -33,7 +33,7 @@ from kvd.store.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX, TierDir
 class FoundBlock:
     """A valid block file under an identity's blocks folder."""
 
-    identity: str
+    digest: str
     hash: bytes
     size: int
     path: Path
@@ -102,7 +102,7 @@ def list_against(
             entry_id = entry.name[: -len(ENTRY_SUFFIX)]
             row = rows.get(entry_id)
             try:
-                if row is not None and known.records[row].identity == folder.name:
+                if row is not None and known.records[row].digest == folder.name:
                     if unchanged:
                         matched[row] = 1
                         continue

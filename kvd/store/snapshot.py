@@ -72,7 +72,7 @@ _FLAGS = ("trimmable", "prefill_checkpoint")
 class BlockRow:
     """One durable block as the snapshot remembers it."""
 
-    identity: str
+    digest: str
     hash: bytes
     size: int
     mtime_ns: int
@@ -119,10 +119,10 @@ def save_snapshot(
             continue
     rows.sort(key=lambda row: row[1].last_used)  # least recently used first: start-up's order
     records = [record for _, record in rows]
-    identities = sorted({r.identity for r in records})
+    identities = sorted({r.digest for r in records})
     number = {digest: i for i, digest in enumerate(identities)}
     integers = {
-        "identity": [number[r.identity] for r in records],
+        "identity": [number[r.digest] for r in records],
         "token_bytes": [len(r.tokens) for r in records],
         "nbytes": [r.nbytes for r in records],
         "mtime_ns": [mtime_ns for mtime_ns, _ in rows],
@@ -135,7 +135,7 @@ def save_snapshot(
             mtime_ns = block.path.stat().st_mtime_ns
         except FileNotFoundError:
             continue
-        block_rows.append([block.identity, block.hash, block.size, mtime_ns])
+        block_rows.append([block.digest, block.hash, block.size, mtime_ns])
     head: dict[str, object] = {
         "version": VERSION,
         "identities": identities,
@@ -271,7 +271,7 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")
-    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
+    return Snapshot(records, columns["mtime_ns"], {(b.digest, b.hash): b for b in blocks})
 
 
 def _flags(column: object, count: int) -> bytes:

@@ -128,8 +128,8 @@ class Tier:
         if known.records or known.blocks:
             blocks = self.catalog.blocks
             for row in known.blocks.values():
-                path = self.dirs.block_path(row.identity, row.hash)
-                blocks.adopt(row.identity, row.hash, row.size, path, row.mtime_ns)
+                path = self.dirs.block_path(row.digest, row.hash)
+                blocks.adopt(row.digest, row.hash, row.size, path, row.mtime_ns)
             self.catalog.expect_mtimes(known.mtime_of)
             self._unchecked = known
             await self._index(known.records)
@@ -175,12 +175,12 @@ class Tier:
             for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
                 if catalog.records.get(record.id) is record:
                     catalog.forget(record)
-            present = {(b.identity, b.hash): b.size for b in listed.blocks}
+            present = {(b.digest, b.hash): b.size for b in listed.blocks}
             for block in list(catalog.blocks):
                 if block.mtime_ns is None:
                     continue
                 block.mtime_ns = None
-                size = present.get((block.identity, block.hash))
+                size = present.get((block.digest, block.hash))
                 if size != block.size:
                     why = "its file is gone" if size is None else f"its file is now {size} bytes"
                     self.writer.bad_block(block, why)
@@ -197,8 +197,8 @@ class Tier:
             await self.quarantine.file(path, reason)
         blocks = self.catalog.blocks
         for block in listed.blocks:
-            if blocks.get(block.identity, block.hash) is None:
-                blocks.adopt(block.identity, block.hash, block.size, block.path)
+            if blocks.get(block.digest, block.hash) is None:
+                blocks.adopt(block.digest, block.hash, block.size, block.path)
         await self._index(listed.found)
         orphans = blocks.collect_orphans()  # of puts a crash cut off
         log.info(
@@ -269,7 +269,7 @@ class Tier:
             log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
             return None
         # Durable entries are never staged: each file is at its place under entries/.
-        rows = [(self.dirs.entry_path(r.identity, r.id), r) for r in records]
+        rows = [(self.dirs.entry_path(r.digest, r.id), r) for r in records]
         return snapshot.save_snapshot(self.dirs.snapshot, rows, blocks)
 
     async def snapshot_periodically(self, every: float) -> None:
@@ -488,7 +488,7 @@ class Tier:
     def _open_block(self, block: Block) -> int | None:
         candidates = [block.path]
         if not block.durable:  # the writer may have placed it a moment ago
-            candidates.append(self.dirs.block_path(block.identity, block.hash))
+            candidates.append(self.dirs.block_path(block.digest, block.hash))
         for path in candidates:
             try:
                 return entry_files.open_entry(path, block.size, block.mtime_ns)
@@ -503,7 +503,7 @@ class Tier:
             except OSError as exc:  # EIO, or out of descriptors: not now, the block kept
                 log.warning("block_unreadable", block=block.hash.hex(), error=str(exc))
                 return None
-        if self.catalog.blocks.get(block.identity, block.hash) is block:
+        if self.catalog.blocks.get(block.digest, block.hash) is block:
             self.writer.bad_block(block, "its file is gone")
         return None
 
@@ -547,7 +547,7 @@ class Tier:
         telemetry."""
         record = self.leases.release(owner, lease_id)
         if report is not None:
-            self.telemetry.restored(record.identity, report)
+            self.telemetry.restored(record.digest, report)
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
@@ -589,7 +589,7 @@ class Tier:
     def identity_of(self, entry: str) -> str | None:
         """The digest of the identity of the entry by id; None without such an entry."""
         record = self.catalog.records.get(entry)
-        return None if record is None else record.identity
+        return None if record is None else record.digest
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""
@@ -630,7 +630,7 @@ def summary(record: EntryRecord) -> EntrySummary:
     """An entry as a lookup or a list page shows it."""
     return EntrySummary(
         id=record.id,
-        identity=record.identity,
+        identity=record.digest,
         tokens=record.token_count,
         bytes=record.logical_bytes,  # what restoring it reads: its file and its blocks
         trimmable=record.trimmable,

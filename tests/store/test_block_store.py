@@ -57,9 +57,9 @@ class Begun:
 
     def __init__(self, catalog: Catalog, staging: Path, record: EntryRecord) -> None:
         store = catalog.blocks
-        held = store.held(record.identity, record.blocks)
+        held = store.held(record.digest, record.blocks)
         self.record = record
-        self.pinned = store.pin(record.identity, record.blocks[:held])
+        self.pinned = store.pin(record.digest, record.blocks[:held])
         self.staged: dict[bytes, Path] = {}
         for block_hash in record.blocks[held:]:
             path = staging / f"{new_entry_id()}.tmp"
@@ -95,15 +95,15 @@ def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging
     for record in kept:
         listed = catalog.blocks_of(record)
         assert [b.hash for b in listed] == list(record.blocks)
-        assert all(store.get(record.identity, b.hash) is b for b in listed), "a kept block went"
+        assert all(store.get(record.digest, b.hash) is b for b in listed), "a kept block went"
     on_disk = {p for p in staging.iterdir()}
     staged = {p for b in begun for p in b.staged.values()}
     assert on_disk == {b.path for b in blocks} | staged, "a file no block or put owns"
     assert store.bytes == sum(b.size for b in blocks) == BLOCK_SIZE * len(blocks)
     assert len(store) == len(blocks)
     for digest in DIGESTS:
-        mine = [b for b in blocks if b.identity == digest]
-        manifests = sum(r.nbytes for r in catalog.records.values() if r.identity == digest)
+        mine = [b for b in blocks if b.digest == digest]
+        manifests = sum(r.nbytes for r in catalog.records.values() if r.digest == digest)
         assert catalog.identity_bytes(digest) == manifests + BLOCK_SIZE * len(mine)
     assert catalog.total_bytes == sum(r.nbytes for r in kept) + store.bytes
     assert catalog.logical_bytes == sum(r.nbytes + len(r.blocks) * BLOCK_SIZE for r in kept)

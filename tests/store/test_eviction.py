@@ -29,7 +29,7 @@ def entry(
     n = next(_ids)
     return EntryRecord(
         id=f"e{n}",
-        identity=identity,
+        digest=identity,
         tokens=pack_tokens([n] if tokens is None else range(tokens)),
         nbytes=nbytes,
         trimmable=True,

@@ -21,7 +21,7 @@ def record(
 ) -> EntryRecord:
     return EntryRecord(
         id=entry_id,
-        identity="a" * 32,
+        digest="a" * 32,
         tokens=pack_tokens(tokens),
         nbytes=16384 * len(tokens),
         trimmable=key is None,
