@@ -114,13 +114,13 @@ class Adoption:
             if os.path.lexists(path):
                 log.info("foreign_file_ignored", path=str(path), reason="not a block file")
             return None
-        identity = parts[0]
-        block = self._catalog.blocks.get(identity, block_hash)
+        digest = parts[0]
+        block = self._catalog.blocks.get(digest, block_hash)
         if block is not None and not block.durable:
             return None  # the writer's own, on its way into place
         if not os.path.lexists(path):
             if block is not None and not os.path.lexists(block.path):
-                log.warning("block_removed_outside", block=path.name, identity=identity)
+                log.warning("block_removed_outside", block=path.name, identity=digest)
                 self._writer.bad_block(block, "its file was removed behind the daemon's back")
             return None
         if block is not None and not modified:
@@ -129,7 +129,7 @@ class Adoption:
             header = await anyio.to_thread.run_sync(
                 entry_files.read_block_header, path, self._limits
             )
-            if header.identity != identity:
+            if header.digest != digest:
                 raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
             if block is not None and header.file_size != block.size:
                 raise EntryFormatError(path.name, Rule.FILE_SIZE, "not the block the store holds")
@@ -138,14 +138,14 @@ class Adoption:
         except (EntryFormatError, OSError) as exc:
             if block is None:
                 await self._quarantine.file(path, str(exc))
-            elif self._catalog.blocks.get(identity, block_hash) is block:
+            elif self._catalog.blocks.get(digest, block_hash) is block:
                 log.warning("block_modified_outside", block=path.name, reason=str(exc))
                 self._writer.bad_block(block, str(exc))
             return None
-        if block is not None or self._catalog.blocks.get(identity, block_hash) is not None:
+        if block is not None or self._catalog.blocks.get(digest, block_hash) is not None:
             return None
         # Held with no ref: the manifests of this batch attach to it, or it is collected.
-        return self._catalog.blocks.adopt(identity, block_hash, header.file_size, path)
+        return self._catalog.blocks.adopt(digest, block_hash, header.file_size, path)
 
     async def _adopt(self, path: Path) -> None:
         try:

@@ -193,7 +193,7 @@ class CostPolicy:
 
     def __init__(
         self,
-        prefill_cost: Callable[[str], float] = lambda identity: 1.0,
+        prefill_cost: Callable[[str], float] = lambda digest: 1.0,
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
     ) -> None:

@@ -288,16 +288,16 @@ def _sequence(value: object) -> tuple[object, ...]:
 
 
 def _block_row(row: object) -> BlockRow:
-    identity, block_hash, size, mtime_ns = _sequence(row)
+    digest, block_hash, size, mtime_ns = _sequence(row)
     if not (
-        isinstance(identity, str)
+        isinstance(digest, str)
         and isinstance(block_hash, bytes)
         and len(block_hash) == HASH_BYTES
         and isinstance(size, int)
         and isinstance(mtime_ns, int)
     ):
         raise ValueError("a block row of the wrong types")
-    return BlockRow(sys.intern(identity), block_hash, size, mtime_ns)
+    return BlockRow(sys.intern(digest), block_hash, size, mtime_ns)
 
 
 def _pack(column: array[Number]) -> bytes:

@@ -334,7 +334,7 @@ class ManifestPlan:
         sums = iter(checksums)
         return BlockHeader(
             hash=self.hashes[index],
-            identity=header.identity.digest(),
+            digest=header.identity.digest(),
             parent=self.hashes[index - 1] if index else ZERO_HASH,
             tokens=header.tokens[index * step : (index + 1) * step],
             layers=tuple(_placed(slots, sums, 0) for slots in self.block_layers),
@@ -434,7 +434,7 @@ def _block_plan(
         relative.append(slots)
     draft = BlockHeader(
         hash=hashes[0],
-        identity=entry.header.identity.digest(),
+        digest=entry.header.identity.digest(),
         parent=ZERO_HASH,
         tokens=entry.header.tokens[: block_tokens * TOKEN_BYTES],
         layers=tuple(relative),

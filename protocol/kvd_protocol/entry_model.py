@@ -335,7 +335,7 @@ class BlockHeader:
     """A parsed (or planned) block file header: one block's rows of every blocked layer."""
 
     hash: bytes  # xxh3_128(parent || tokens): the block's name
-    identity: str  # the identity digest of the entries it belongs to
+    digest: str  # the identity digest of the entries it belongs to
     parent: bytes  # the previous block's hash; ZERO_HASH for a first block
     tokens: bytes  # exactly block_tokens packed u32 tokens
     layers: tuple[tuple[Slot, ...], ...]  # the slots of each blocked layer, in order
@@ -356,7 +356,7 @@ def encode_block_header(block: BlockHeader) -> bytes:
     """The msgpack header bytes of a block file."""
     return _pack(
         {
-            "identity": block.identity,
+            "identity": block.digest,
             "parent": block.parent,
             "tokens": block.tokens,
             "layers": [{"slots": _slot_maps(slots)} for slots in block.layers],

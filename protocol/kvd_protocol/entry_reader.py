@@ -225,8 +225,8 @@ def _block_mismatch(manifest: EntryHeader, index: int, block: BlockHeader) -> st
     step = manifest.block_tokens * TOKEN_BYTES
     if block.tokens != manifest.tokens[index * step : (index + 1) * step]:
         return "other tokens"
-    if block.identity != manifest.identity.digest():
-        return f"identity {block.identity}, the manifest's is {manifest.identity.digest()}"
+    if block.digest != manifest.identity.digest():
+        return f"identity {block.digest}, the manifest's is {manifest.identity.digest()}"
     blocked = [layer.slots for layer in manifest.layers if layer.blocked]
     if len(block.layers) != len(blocked):
         return f"{len(block.layers)} layers for {len(blocked)} blocked layers"
@@ -456,9 +456,9 @@ def _manifest_blocks(
 
 def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
     raw = schema.fields(obj, "block header", _BLOCK_FIELDS)
-    identity = schema.text(raw["identity"], "identity", limits.max_name_bytes)
-    if not is_hex_digest(identity, _DIGEST_BYTES):
-        raise schema.SchemaError(f"identity: {identity[:64]!r} is not an identity digest")
+    digest = schema.text(raw["identity"], "identity", limits.max_name_bytes)
+    if not is_hex_digest(digest, _DIGEST_BYTES):
+        raise schema.SchemaError(f"identity: {digest[:64]!r} is not an identity digest")
     parent = schema.binary(raw["parent"], "parent", HASH_BYTES)
     if len(parent) != HASH_BYTES:
         raise schema.SchemaError(f"parent: {len(parent)} bytes, not {HASH_BYTES}")
@@ -477,7 +477,7 @@ def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
     _check_no_overlap(slot for slots in layers for slot in slots)
     return BlockHeader(
         hash=block_hash(parent, tokens),
-        identity=identity,
+        digest=digest,
         parent=parent,
         tokens=tokens,
         layers=tuple(layers),

@@ -171,9 +171,9 @@ def test_a_forged_block_header_parses_or_fails_cleanly(path: tuple[Any, ...], va
         return
     assert all(s.start % ALIGNMENT == 0 and s.end <= len(blob) for s in parsed.slots)
     layout = [(s.dtype, s.shape) for s in parsed.slots]
-    if (parsed.hash, parsed.identity, layout) == (
+    if (parsed.hash, parsed.digest, layout) == (
         BLOCK.hash,
-        BLOCK.identity,
+        BLOCK.digest,
         [(s.dtype, s.shape) for s in BLOCK.slots],
     ):  # still the manifest's block 1 in all that check_block compares
         check_block(MANIFEST, 1, parsed, "staging")

@@ -63,7 +63,7 @@ def test_a_manifest_round_trips_through_files(tmp_path: Path) -> None:
         assert block == header
         assert block.hash == plan.hashes[index]
         assert block.parent == (plan.hashes[index - 1] if index else ZERO_HASH)
-        assert block.identity == IDENTITY.digest()
+        assert block.digest == IDENTITY.digest()
         assert block.block_tokens == 16
         check_block(read_back, index, block, name)
         for slot in block.slots:
