@@ -373,7 +373,7 @@ class BlockReads:
         cut = self._cuts.get(index)
         if cut is None:
             return tail
-        rows = (len(self.header.blocks) * self._block, self._tokens)
+        rows = (len(self.header.block_hashes) * self._block, self._tokens)
 
         def take(pieces: Sequence[memoryview]) -> None:
             self._targets[index] = pieces
@@ -391,7 +391,7 @@ class BlockReads:
         slots, checksums = self._head(index, fd)
         first, end = index * self._block, (index + 1) * self._block
         runs = [self._rows(i, first, end) for i in self._order]
-        name = block_name(self.header.blocks[index])
+        name = block_name(self.header.block_hashes[index])
         read_slots(fd, slots, runs, checksums if self._verify else None, name)
 
     def _rows(self, index: int, first: int, end: int) -> list[memoryview]:
@@ -411,7 +411,7 @@ class BlockReads:
             checksums = heads.check(index, data, size)
             if checksums is not None:
                 return heads.slots, checksums
-        name = block_name(self.header.blocks[index])
+        name = block_name(self.header.block_hashes[index])
         prefix = parse_prefix(name, data, self._limits)
         end = PREFIX_BYTES + prefix.header_length
         if len(data) < end:

@@ -174,7 +174,7 @@ class ColdTier:
                 self.stats.checkpoint_restored_tokens += restored.matched
             if restored.block_tokens == self.client.block_tokens:
                 with self._changed:
-                    self._memo.held(restored.blocks)
+                    self._memo.held(restored.block_hashes)
         return restored
 
     def store(

@@ -290,13 +290,13 @@ def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: st
         ("state", "durable" if summary.durable else "pending"),
         ("file", f"{path} ({size(header.file_size)})"),
     ]
-    if header.blocks:
-        tail = header.token_count - len(header.blocks) * header.block_tokens
+    if header.block_hashes:
+        tail = header.token_count - len(header.block_hashes) * header.block_tokens
         rows.append(
             (
                 "blocks",
-                f"{len(header.blocks)} shared blocks of {header.block_tokens} tokens, "
-                f"from {header.blocks[0].hex()}; {tail} tokens in the file",
+                f"{len(header.block_hashes)} shared blocks of {header.block_tokens} tokens, "
+                f"from {header.block_hashes[0].hex()}; {tail} tokens in the file",
             )
         )
     if header.prefill_checkpoint:

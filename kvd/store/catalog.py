@@ -212,12 +212,12 @@ class Catalog:
         """Why an entry found on disk cannot join (a block of its missing or of the wrong
         size), or None. A record read from its header learns its block size here, from its
         first block's file."""
-        if not record.blocks:
+        if not record.block_hashes:
             return None
         if not record.block_size:
-            first = self.blocks.get(record.digest, record.blocks[0])
+            first = self.blocks.get(record.digest, record.block_hashes[0])
             record.block_size = 0 if first is None else first.size
-        return self.blocks.lacks(record.digest, record.blocks, record.block_size)
+        return self.blocks.lacks(record.digest, record.block_hashes, record.block_size)
 
     def add(
         self,
@@ -276,7 +276,7 @@ class Catalog:
         joined = [record for record in joining if record.id not in refused_ids]
         plain: dict[str, list[EntryRecord]] = {}  # by identity: no blocks, no checkpoint
         for record in joined:
-            if record.blocks or record.checkpoint_key is not None:
+            if record.block_hashes or record.checkpoint_key is not None:
                 self._join(record)  # every block is held: unservable() said so
             else:
                 plain.setdefault(record.digest, []).append(record)
@@ -311,14 +311,12 @@ class Catalog:
     ) -> None:
         """Everything of add() but the prompt index and the eviction order; KeyError, nothing
         changed, for a block neither held nor staged."""
-        if record.blocks:
+        if record.block_hashes:
             self._blocks_of[record.id] = self.blocks.attach(
-                record.digest, record.blocks, record.block_size, staged_blocks
+                record.digest, record.block_hashes, record.block_size, staged_blocks
             )
         if record.checkpoint_key is not None:
-            self._checkpoints.setdefault((record.digest, record.checkpoint_key), []).append(
-                record
-            )
+            self._checkpoints.setdefault((record.digest, record.checkpoint_key), []).append(record)
         self._records[record.id] = record
         counts = self._identities.get(record.digest)
         if counts is None:

@@ -74,7 +74,7 @@ class EntryChecks:
         path = self.catalog.path_of(record)
         try:
             header = await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
-            if header.blocks != record.blocks:
+            if header.block_hashes != record.block_hashes:
                 raise EntryFormatError(path.name, Rule.SCHEMA, "not the blocks the index holds")
         except EntryFormatError as exc:
             if repair and record.id in self.catalog.records:  # not dropped meanwhile

@@ -279,13 +279,13 @@ class Puts:
         first+count-1, made (pre-sized) on first asking. Only blocks the tier does not hold
         are the engine's to write: BAD_MESSAGE for a range outside held..n."""
         put = self._owned(owner, put_id)
-        if first < put.held or first + count > len(put.blocks) or count < 1:
+        if first < put.held or first + count > len(put.block_hashes) or count < 1:
             raise ProtocolError(
                 ErrorCode.BAD_MESSAGE,
                 f"blocks {first}..{first + count - 1} are not put {put_id}'s to write: it "
-                f"writes blocks {put.held}..{len(put.blocks) - 1}",
+                f"writes blocks {put.held}..{len(put.block_hashes) - 1}",
             )
-        new_blocks = len(put.blocks) - put.held
+        new_blocks = len(put.block_hashes) - put.held
         if put.handed + count > HANDOUTS_PER_BLOCK * new_blocks:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
@@ -318,7 +318,7 @@ class Puts:
             os.close(fd)
         digest = put.identity.digest()
         for index in indexes:
-            block = self._catalog.blocks.get(digest, put.blocks[index])
+            block = self._catalog.blocks.get(digest, put.block_hashes[index])
             path = put.block_files[index]
             if block is None or block.path != path:
                 self._catalog.deleter.delete(path)
@@ -396,7 +396,9 @@ class Puts:
         """
         queued = False
         try:
-            unwritten = [i for i in range(put.held, len(put.blocks)) if i not in put.block_files]
+            unwritten = [
+                i for i in range(put.held, len(put.block_hashes)) if i not in put.block_files
+            ]
             if unwritten:
                 raise ProtocolError(
                     ErrorCode.INVALID_ENTRY,
@@ -415,7 +417,7 @@ class Puts:
                 ticket = self._tickets.issue()
                 self._tickets.settle(ticket, "stored", "duplicate")
                 return ticket
-            if self._catalog.blocks.held(digest, put.blocks[: put.held]) < put.held:
+            if self._catalog.blocks.held(digest, put.block_hashes[: put.held]) < put.held:
                 raise ProtocolError(
                     ErrorCode.NOT_FOUND,
                     f"{Rule.BLOCK_MISSING.value}: a block held for put {put.id} at put_begin "
@@ -432,11 +434,11 @@ class Puts:
                 created=header.created,
                 last_used=self._catalog.tick(),
                 checkpoint_key=key,
-                blocks=put.blocks,
+                block_hashes=put.block_hashes,
                 block_size=put.block_size,
                 prefill_checkpoint=header.prefill_checkpoint,
             )
-            new_blocks = {put.blocks[i]: path for i, path in put.block_files.items()}
+            new_blocks = {put.block_hashes[i]: path for i, path in put.block_files.items()}
             ticket = self._writer.enqueue(record, put.path, put.reserved, new_blocks)
             queued = True
             saved = put.held * put.block_size

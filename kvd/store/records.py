@@ -45,7 +45,7 @@ class EntryRecord:
     leases: int = 0
     checkpoint_key: str | None = None
     used_at: float = 0.0
-    blocks: tuple[bytes, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
     block_size: int = 0
     prefill_checkpoint: bool = False
 
@@ -56,7 +56,7 @@ class EntryRecord:
     @property
     def logical_bytes(self) -> int:
         """What the entry takes stored alone: its file and each of its blocks."""
-        return self.nbytes + len(self.blocks) * self.block_size
+        return self.nbytes + len(self.block_hashes) * self.block_size
 
 
 def lookup_trimmable(header: EntryHeader) -> bool:
@@ -80,6 +80,6 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
         last_used=last_used,
         durable=True,
         checkpoint_key=header.checkpoint.key if header.checkpoint else None,
-        blocks=header.blocks,
+        block_hashes=header.block_hashes,
         prefill_checkpoint=header.prefill_checkpoint,
     )

@@ -143,7 +143,9 @@ def save_snapshot(
         "ids": [r.id for r in records],
         "checkpoints": {i: r.checkpoint_key for i, r in enumerate(records) if r.checkpoint_key},
         "manifests": {
-            i: [b"".join(r.blocks), r.block_size] for i, r in enumerate(records) if r.blocks
+            i: [b"".join(r.block_hashes), r.block_size]
+            for i, r in enumerate(records)
+            if r.block_hashes
         },
         "blocks": block_rows,
         "trimmable": bytes(r.trimmable for r in records),
@@ -267,7 +269,7 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     for row, (hashes, block_size) in manifests.items():
         if not (isinstance(hashes, bytes) and isinstance(block_size, int)):
             raise ValueError("a block list of the wrong types")
-        records[row].blocks, records[row].block_size = split_hashes(hashes), block_size
+        records[row].block_hashes, records[row].block_size = split_hashes(hashes), block_size
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")

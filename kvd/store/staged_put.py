@@ -43,7 +43,7 @@ class Put:
     handed: int = 0  # block descriptors handed out (block_files)
 
     @property
-    def blocks(self) -> tuple[bytes, ...]:
+    def block_hashes(self) -> tuple[bytes, ...]:
         return self.declared.hashes
 
     @property
@@ -57,4 +57,4 @@ class Put:
     @property
     def reserved(self) -> int:
         """The bytes the put will add: its manifest and the blocks the tier does not hold."""
-        return self.size + (len(self.blocks) - self.held) * self.block_size
+        return self.size + (len(self.block_hashes) - self.held) * self.block_size

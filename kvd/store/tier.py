@@ -258,7 +258,7 @@ class Tier:
     def _write_snapshot(self, records: list[EntryRecord], blocks: list[Block]) -> int | None:
         """Blocking: the rows written, or None when the floor forbade it."""
         estimate = sum(
-            len(r.tokens) + len(r.blocks) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
+            len(r.tokens) + len(r.block_hashes) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
         )
         estimate += len(blocks) * SNAPSHOT_ROW_BYTES
         try:

@@ -245,7 +245,7 @@ def _draft(
     limits: Limits,
     version: int = FORMAT_VERSION,
     block_tokens: int = 0,
-    blocks: tuple[bytes, ...] = (),
+    block_hashes: tuple[bytes, ...] = (),
 ) -> EntryHeader:
     """The header of an entry holding tensors of these shapes, slots relative to data start
     and unchecksummed; data_start is still 0 and file_size the data's size."""
@@ -271,7 +271,7 @@ def _draft(
         data_start=0,
         file_size=align_up(cursor),  # the data's size, until placed
         block_tokens=block_tokens,
-        blocks=blocks,
+        block_hashes=block_hashes,
         version=version,
     )
 
@@ -401,7 +401,7 @@ def plan_manifest(
         meta=meta,
         limits=limits,
         block_tokens=block_tokens,
-        blocks=hashes,
+        block_hashes=hashes,
         version=MANIFEST_VERSION,
     )
     entry = _placed_plan(draft, limits)

@@ -133,7 +133,7 @@ class EntryHeader:
     data_start: int
     file_size: int
     block_tokens: int = 0  # version 2: tokens per block; 0 when it has no blocks
-    blocks: tuple[bytes, ...] = ()  # version 2: the hashes of its token_count // block_tokens
+    block_hashes: tuple[bytes, ...] = ()  # version 2: the hashes of its token_count // block_tokens
     version: int = FORMAT_VERSION
 
     @property
@@ -284,7 +284,7 @@ def _header_map(header: EntryHeader) -> dict[str, Any]:
     }
     if header.version >= MANIFEST_VERSION:
         found["block_tokens"] = header.block_tokens
-        found["blocks"] = b"".join(header.blocks)
+        found["blocks"] = b"".join(header.block_hashes)
     return found
 
 

@@ -216,11 +216,11 @@ def check_block(manifest: EntryHeader, index: int, block: BlockHeader, name: str
 
 
 def _block_mismatch(manifest: EntryHeader, index: int, block: BlockHeader) -> str | None:
-    if not 0 <= index < len(manifest.blocks):
-        return f"the manifest lists {len(manifest.blocks)} blocks"
-    if block.hash != manifest.blocks[index]:
-        return f"hash {block.hash.hex()}, listed {manifest.blocks[index].hex()}"
-    if block.parent != (manifest.blocks[index - 1] if index else ZERO_HASH):
+    if not 0 <= index < len(manifest.block_hashes):
+        return f"the manifest lists {len(manifest.block_hashes)} blocks"
+    if block.hash != manifest.block_hashes[index]:
+        return f"hash {block.hash.hex()}, listed {manifest.block_hashes[index].hex()}"
+    if block.parent != (manifest.block_hashes[index - 1] if index else ZERO_HASH):
         return "another parent"
     step = manifest.block_tokens * TOKEN_BYTES
     if block.tokens != manifest.tokens[index * step : (index + 1) * step]:
@@ -282,7 +282,7 @@ class BlockHeads:
         size; else None. A block that passes is the model with those values: a restore reads
         it by the model's slots, and builds no header of its own."""
         manifest = self._manifest
-        if not 0 <= index < len(manifest.blocks) or file_size != self._model.file_size:
+        if not 0 <= index < len(manifest.block_hashes) or file_size != self._model.file_size:
             return None
         head = bytes(memoryview(data)[: self.length])
         if len(head) != self.length:
@@ -292,7 +292,7 @@ class BlockHeads:
             CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES
         ]
         expected[self._parent_at : self._parent_at + HASH_BYTES] = (
-            manifest.blocks[index - 1] if index else ZERO_HASH
+            manifest.block_hashes[index - 1] if index else ZERO_HASH
         )
         step = self._step
         expected[self._tokens_at : self._tokens_at + step] = manifest.tokens[
@@ -391,7 +391,7 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
         data_start=prefix.data_start,
         file_size=prefix.file_size,
         block_tokens=block_tokens,
-        blocks=blocks,
+        block_hashes=blocks,
         version=prefix.version,
     )
 

@@ -57,11 +57,11 @@ class Begun:
 
     def __init__(self, catalog: Catalog, staging: Path, record: EntryRecord) -> None:
         store = catalog.blocks
-        held = store.held(record.digest, record.blocks)
+        held = store.held(record.digest, record.block_hashes)
         self.record = record
-        self.pinned = store.pin(record.digest, record.blocks[:held])
+        self.pinned = store.pin(record.digest, record.block_hashes[:held])
         self.staged: dict[bytes, Path] = {}
-        for block_hash in record.blocks[held:]:
+        for block_hash in record.block_hashes[held:]:
             path = staging / f"{new_entry_id()}.tmp"
             path.write_bytes(bytes(BLOCK_SIZE))
             self.staged[block_hash] = path
@@ -94,7 +94,7 @@ def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging
         assert block.path.stat().st_size == block.size
     for record in kept:
         listed = catalog.blocks_of(record)
-        assert [b.hash for b in listed] == list(record.blocks)
+        assert [b.hash for b in listed] == list(record.block_hashes)
         assert all(store.get(record.digest, b.hash) is b for b in listed), "a kept block went"
     on_disk = {p for p in staging.iterdir()}
     staged = {p for b in begun for p in b.staged.values()}
@@ -106,7 +106,7 @@ def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging
         manifests = sum(r.nbytes for r in catalog.records.values() if r.digest == digest)
         assert catalog.identity_bytes(digest) == manifests + BLOCK_SIZE * len(mine)
     assert catalog.total_bytes == sum(r.nbytes for r in kept) + store.bytes
-    assert catalog.logical_bytes == sum(r.nbytes + len(r.blocks) * BLOCK_SIZE for r in kept)
+    assert catalog.logical_bytes == sum(r.nbytes + len(r.block_hashes) * BLOCK_SIZE for r in kept)
 
 
 @settings(max_examples=150, deadline=None)
@@ -131,7 +131,7 @@ def test_refs_pins_and_bytes_follow_every_change(steps: list[tuple[object, ...]]
                         MANIFEST_SIZE,
                         trimmable=False,
                         durable=True,
-                        blocks=(*chain(0, shared), *chain(first + 1, own)),
+                        block_hashes=(*chain(0, shared), *chain(first + 1, own)),
                         block_size=BLOCK_SIZE,
                     )
                     put = Begun(catalog, staging, record)
@@ -178,7 +178,7 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
             MANIFEST_SIZE,
             trimmable=False,
             durable=True,
-            blocks=(*chain(0, 1), *chain(n + 1, 1)),
+            block_hashes=(*chain(0, 1), *chain(n + 1, 1)),
             block_size=BLOCK_SIZE,
         )
         Begun(catalog, tmp_path / "staging", record).commit(catalog)
@@ -205,7 +205,7 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
         pack_tokens([1]),
         MANIFEST_SIZE,
         trimmable=True,
-        blocks=tuple(chain(0, 2)),
+        block_hashes=tuple(chain(0, 2)),
         block_size=BLOCK_SIZE,
     )
     with pytest.raises(KeyError, match="neither held nor written"):
