@@ -259,15 +259,15 @@ class Session:
         it may take is counted from its first byte, not from each read (a byte at a time
         holds no more)."""
         partial = self.conn.partial_frame_bytes
-        held = partial if partial > SMALL_FRAME_BYTES else 0
-        fits = self.frames.hold(self._buffered, held)
-        self._buffered = held
+        counted = partial if partial > SMALL_FRAME_BYTES else 0
+        fits = self.frames.hold(self._buffered, counted)
+        self._buffered = counted
         if not fits:
-            broken_rules.warning("frame_budget_exceeded", session=self.peer.session, bytes=held)
+            broken_rules.warning("frame_budget_exceeded", session=self.peer.session, bytes=counted)
             self._end(
                 RemoteProtocolError(
                     ErrorCode.OVER_LIMIT,
-                    f"partial frames of all connections hold {self.frames.held} bytes, over "
+                    f"partial frames of all connections hold {self.frames.buffered} bytes, over "
                     f"kvd's budget of {self.frames.limit}: this frame of yours was not taken",
                 )
             )
@@ -457,7 +457,7 @@ class Session:
             put=put.id if put else 0,
             skip=skip,
             fd=fd,
-            held=put.held if put else 0,
+            held=put.held_blocks if put else 0,
         )
 
     async def _put_blocks(self, request: m.PutBlocks) -> m.PutBlocksReply:

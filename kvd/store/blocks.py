@@ -81,7 +81,7 @@ class BlockStore:
     def identity_bytes(self, digest: str) -> int:
         return self._identity_bytes.get(digest, 0)
 
-    def held(self, digest: str, hashes: Sequence[bytes]) -> int:
+    def count_held(self, digest: str, hashes: Sequence[bytes]) -> int:
         """How many of hashes, from the first on, the store holds (pending or durable)."""
         blocks = self._blocks.get(digest, {})
         for count, block_hash in enumerate(hashes):

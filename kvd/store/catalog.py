@@ -90,7 +90,7 @@ class Catalog:
         self._ids = IdOrder()
         self._clock = itertools.count(1)
         self.deleter = Deleter(dirs.deleting)  # unlinks off the event loop
-        self.blocks = BlockStore(self.deleter)
+        self.block_store = BlockStore(self.deleter)
         self._blocks_of: dict[str, tuple[Block, ...]] = {}  # entry id -> the blocks it keeps
         self.manifest_bytes = 0  # every entry file the tier holds: pending, stored, doomed
         # What those entries would take without shared blocks: each its manifest and blocks.
@@ -120,7 +120,7 @@ class Catalog:
     @property
     def total_bytes(self) -> int:
         """What the tier holds on disk, the byte cap's measure: entry files and unique blocks."""
-        return self.manifest_bytes + self.blocks.bytes
+        return self.manifest_bytes + self.block_store.bytes
 
     def blocks_of(self, record: EntryRecord) -> tuple[Block, ...]:
         """The blocks an entry lists, in order (none for a v1 entry)."""
@@ -215,9 +215,9 @@ class Catalog:
         if not record.block_hashes:
             return None
         if not record.block_size:
-            first = self.blocks.get(record.digest, record.block_hashes[0])
+            first = self.block_store.get(record.digest, record.block_hashes[0])
             record.block_size = 0 if first is None else first.size
-        return self.blocks.lacks(record.digest, record.block_hashes, record.block_size)
+        return self.block_store.lacks(record.digest, record.block_hashes, record.block_size)
 
     def add(
         self,
@@ -312,7 +312,7 @@ class Catalog:
         """Everything of add() but the prompt index and the eviction order; KeyError, nothing
         changed, for a block neither held nor staged."""
         if record.block_hashes:
-            self._blocks_of[record.id] = self.blocks.attach(
+            self._blocks_of[record.id] = self.block_store.attach(
                 record.digest, record.block_hashes, record.block_size, staged_blocks
             )
         if record.checkpoint_key is not None:
@@ -393,7 +393,7 @@ class Catalog:
             self.deleter.delete(path)
         self.manifest_bytes -= record.nbytes
         self.logical_bytes -= record.logical_bytes
-        self.blocks.detach(self._blocks_of.pop(record.id, ()))
+        self.block_store.detach(self._blocks_of.pop(record.id, ()))
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -479,7 +479,7 @@ class Catalog:
     def identity_bytes(self, digest: str) -> int:
         """One identity's share of the tier: its entry files and its unique blocks."""
         counts = self._identities.get(digest)
-        return (0 if counts is None else counts.bytes) + self.blocks.identity_bytes(digest)
+        return (0 if counts is None else counts.bytes) + self.block_store.identity_bytes(digest)
 
     def evict_within(self, digest: str, over_bytes: int) -> None:
         """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
@@ -510,9 +510,9 @@ class Catalog:
     def evicted(self, record: EntryRecord) -> int:
         """Drop an entry by eviction (the cap, or a request), counted as such; its bytes: its
         file's and those of the blocks that went with it (none while it is leased)."""
-        before = self.blocks.bytes
+        before = self.block_store.bytes
         self.counters.evictions += 1
         self.drop(record)
-        freed = record.nbytes + before - self.blocks.bytes
+        freed = record.nbytes + before - self.block_store.bytes
         self.counters.evicted_bytes += freed
         return freed

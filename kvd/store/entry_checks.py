@@ -88,7 +88,7 @@ class EntryChecks:
                     entry_files.verify_block, block.path, name, header, index, self.limits
                 )
             except (EntryFormatError, FileNotFoundError) as exc:
-                if repair and self.catalog.blocks.get(block.digest, block.hash) is block:
+                if repair and self.catalog.block_store.get(block.digest, block.hash) is block:
                     self.writer.bad_block(block, str(exc))  # with every manifest listing it
                 return f"block {index} ({name}): {exc}"
         return None

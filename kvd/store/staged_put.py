@@ -51,10 +51,11 @@ class Put:
         return self.declared.block_size
 
     @property
-    def held(self) -> int:
+    def held_blocks(self) -> int:
+        """How many of its leading blocks the tier held at put_begin (pinned for it)."""
         return len(self.pinned)
 
     @property
     def reserved(self) -> int:
         """The bytes the put will add: its manifest and the blocks the tier does not hold."""
-        return self.size + (len(self.block_hashes) - self.held) * self.block_size
+        return self.size + (len(self.block_hashes) - self.held_blocks) * self.block_size

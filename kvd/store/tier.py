@@ -74,7 +74,7 @@ class Tier:
         self.limits = limits
         self.dirs = TierDir(config.dir)
         # A lambda: the catalog is made next, with the eviction policy that reads the telemetry.
-        self.telemetry = Telemetry(held=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
+        self.telemetry = Telemetry(has_entries=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
         eviction = EVICTION_POLICIES[config.eviction_policy](self.telemetry.prefill_cost)
         self.catalog = Catalog(self.dirs, eviction)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
@@ -126,7 +126,7 @@ class Tier:
         self.catalog.deleter.reap()
         known = await anyio.to_thread.run_sync(snapshot.load_snapshot, self.dirs.snapshot)
         if known.records or known.blocks:
-            blocks = self.catalog.blocks
+            blocks = self.catalog.block_store
             for row in known.blocks.values():
                 path = self.dirs.block_path(row.digest, row.hash)
                 blocks.adopt(row.digest, row.hash, row.size, path, row.mtime_ns)
@@ -176,7 +176,7 @@ class Tier:
                 if catalog.records.get(record.id) is record:
                     catalog.forget(record)
             present = {(b.digest, b.hash): b.size for b in listed.blocks}
-            for block in list(catalog.blocks):
+            for block in list(catalog.block_store):
                 if block.mtime_ns is None:
                     continue
                 block.mtime_ns = None
@@ -195,7 +195,7 @@ class Tier:
         """Index what a listing found beside the snapshot's rows; the tier is opened."""
         for path, reason in listed.invalid:
             await self.quarantine.file(path, reason)
-        blocks = self.catalog.blocks
+        blocks = self.catalog.block_store
         for block in listed.blocks:
             if blocks.get(block.digest, block.hash) is None:
                 blocks.adopt(block.digest, block.hash, block.size, block.path)
@@ -247,7 +247,7 @@ class Tier:
             log.info("snapshot_skipped", reason="start-up's listing has not ended")
             return
         records = list(self.catalog.durable())
-        blocks = [b for b in self.catalog.blocks if b.durable]
+        blocks = [b for b in self.catalog.block_store if b.durable]
         version = self.catalog.version
         count = await anyio.to_thread.run_sync(self._write_snapshot, records, blocks)
         if count is None:
@@ -503,7 +503,7 @@ class Tier:
             except OSError as exc:  # EIO, or out of descriptors: not now, the block kept
                 log.warning("block_unreadable", block=block.hash.hex(), error=str(exc))
                 return None
-        if self.catalog.blocks.get(block.digest, block.hash) is block:
+        if self.catalog.block_store.get(block.digest, block.hash) is block:
             self.writer.bad_block(block, "its file is gone")
         return None
 
@@ -534,7 +534,7 @@ class Tier:
         return len(records)
 
     def _check_leases(self, owner: int) -> None:
-        if self.leases.held_by(owner) >= self.config.max_leases:
+        if self.leases.count_of(owner) >= self.config.max_leases:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
                 f"{self.config.max_leases} leases held on this connection: release some first",

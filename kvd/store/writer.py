@@ -207,7 +207,7 @@ class Writer:
                 except OSError as exc:
                     self._unsynced([block], str(exc), but=record)
                     raise
-                if not self._catalog.blocks.placed(block, final):
+                if not self._catalog.block_store.placed(block, final):
                     entry_files.unlink_quietly(final)  # collected while it was being placed
                 else:
                     placed.append(block)
@@ -254,7 +254,7 @@ class Writer:
         lists it out of the tier (but: the caller's, failed by the caller)."""
         catalog = self._catalog
         listing = catalog.listing(block)
-        catalog.blocks.forget(block)
+        catalog.block_store.forget(block)
         why = f"{Rule.BLOCK_MISSING.value}: block {block.hash.hex()}: {reason}"
         for record in listing:
             if record.durable:

@@ -56,8 +56,8 @@ class Begun:
     """A put begun: its record, the blocks it was told are held (pinned), its staged files."""
 
     def __init__(self, catalog: Catalog, staging: Path, record: EntryRecord) -> None:
-        store = catalog.blocks
-        held = store.held(record.digest, record.block_hashes)
+        store = catalog.block_store
+        held = store.count_held(record.digest, record.block_hashes)
         self.record = record
         self.pinned = store.pin(record.digest, record.block_hashes[:held])
         self.staged: dict[bytes, Path] = {}
@@ -72,18 +72,18 @@ class Begun:
         except ValueError:  # the same tokens in the same identity: the put is refused
             self.abort(catalog)
             return
-        catalog.blocks.unpin(self.pinned)
+        catalog.block_store.unpin(self.pinned)
 
     def abort(self, catalog: Catalog) -> None:
         for path in self.staged.values():
             path.unlink()
-        catalog.blocks.unpin(self.pinned)
+        catalog.block_store.unpin(self.pinned)
 
 
 def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging: Path) -> None:
     """Every count against a recount: refs by the manifests that hold bytes (indexed and
     doomed), pins by the begun puts, bytes by the files."""
-    store = catalog.blocks
+    store = catalog.block_store
     blocks = list(store)
     for block in blocks:
         assert block.refs == sum(block in catalog.blocks_of(r) for r in kept), block
@@ -187,12 +187,12 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
     catalog.evict_to_cap(catalog.total_bytes - 35, 0)
     assert len(catalog) == 7
     assert catalog.counters.evicted_bytes == 3 * 13
-    shared = catalog.blocks.get(DIGESTS[0], chain(0, 1)[0])
+    shared = catalog.block_store.get(DIGESTS[0], chain(0, 1)[0])
     assert shared is not None
     assert shared.refs == 7
     catalog.evict_to_cap(0, 0)
     assert len(catalog) == 0
-    assert len(catalog.blocks) == 0
+    assert len(catalog.block_store) == 0
     assert catalog.total_bytes == 0
     assert list((tmp_path / "staging").iterdir()) == []
 
@@ -213,7 +213,7 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
     assert len(catalog) == 0
     assert catalog.index(DIGESTS[0]) is None
     assert catalog.total_bytes == 0
-    assert len(catalog.blocks) == 0
+    assert len(catalog.block_store) == 0
 
 
 def test_a_forgotten_block_is_not_the_one_of_its_hash_that_joins_later(tmp_path: Path) -> None:
