@@ -117,9 +117,11 @@ class BlocksNotHeld(Exception):  # noqa: N818 - an outcome the cold tier counts
     """A put whose snapshot left out blocks it took the daemon to hold, and the daemon holds
     fewer (evicted meanwhile): aborted before anything was written."""
 
-    def __init__(self, held: int, needed: int) -> None:
-        super().__init__(f"the daemon holds {held} leading blocks, the snapshot needs {needed}")
-        self.held = held
+    def __init__(self, held_blocks: int, needed: int) -> None:
+        super().__init__(
+            f"the daemon holds {held_blocks} leading blocks, the snapshot needs {needed}"
+        )
+        self.held_blocks = held_blocks
 
 
 @dataclass(frozen=True)
@@ -277,12 +279,12 @@ class BlockWriter:
         ):
             raise TensorLayoutError(f"tensor {index}: a block or its tail of the wrong size")
 
-    def check_held(self, held: int) -> None:
+    def check_held(self, held_blocks: int) -> None:
         """Raise BlocksNotHeld unless the daemon's held leading blocks cover every block a
         CutCopy left out."""
         needed = max((view.needed for view in self._views if isinstance(view, CutCopy)), default=0)
-        if held < needed:
-            raise BlocksNotHeld(held, needed)
+        if held_blocks < needed:
+            raise BlocksNotHeld(held_blocks, needed)
 
     def write_blocks(self, first: int, fds: Descriptors) -> None:
         """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size,

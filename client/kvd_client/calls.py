@@ -390,15 +390,15 @@ def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
 
 
 def put_blocks(
-    link: Link, put: int, epoch: int, held: int, writer: block_io.BlockWriter
+    link: Link, put: int, epoch: int, held_blocks: int, writer: block_io.BlockWriter
 ) -> Call[None]:
-    """Write blocks held.. of a begun put: their staging files asked for in batches, each
+    """Write blocks held_blocks.. of a begun put: their staging files asked for in batches, each
     batch written (Blocking) and closed before the next is asked for (or, when the put is
     given up mid-batch, once its last write has ended). Raises BlocksNotHeld first if the
     writer lacks blocks the daemon does not hold."""
-    writer.check_held(held)
+    writer.check_held(held_blocks)
     count = len(writer.plan.hashes)
-    for first in range(held, count, MAX_BLOCK_BATCH):
+    for first in range(held_blocks, count, MAX_BLOCK_BATCH):
         batch = min(MAX_BLOCK_BATCH, count - first)
         request = PutBlocks(id=link.next_id(), put=put, first=first, count=batch)
         reply = expect((yield Exchange(request, epoch=epoch)), PutBlocksReply)

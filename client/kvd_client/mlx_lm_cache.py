@@ -174,7 +174,7 @@ class ColdTier:
                 self.stats.checkpoint_restored_tokens += restored.matched
             if restored.block_tokens == self.client.block_tokens:
                 with self._changed:
-                    self._memo.held(restored.block_hashes)
+                    self._memo.mark_held(restored.block_hashes)
         return restored
 
     def store(
@@ -466,7 +466,7 @@ class ColdTier:
             )
         except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
             with self._changed:
-                self._memo.forget(snapshot.hashes[exc.held :])
+                self._memo.forget(snapshot.hashes[exc.held_blocks :])
             self.stats.aborted += 1
             log.info("cold tier: put of %d tokens aborted: %s", len(snapshot.tokens), exc)
             future.set_exception(exc.with_traceback(None))  # its frames hold the snapshot
@@ -479,7 +479,7 @@ class ColdTier:
                 if ticket.id is not None:  # committed: the daemon has heard of told
                     self._untold.told(told)
                 if ticket.state.state in ("pending", "stored"):
-                    self._memo.held(snapshot.hashes)
+                    self._memo.mark_held(snapshot.hashes)
             self._count(ticket.state.state)
             future.set_result(ticket)
         finally:

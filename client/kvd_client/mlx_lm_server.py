@@ -179,12 +179,12 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
 
     def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        held = len(tokens) - len(rest)
+        cached = len(tokens) - len(rest)
         cold = self.tier.cold_tier(model)
-        if cold is None or held >= len(tokens) - 1 or not _storable(tokens):
+        if cold is None or cached >= len(tokens) - 1 or not _storable(tokens):
             return cache, rest
         started = time.perf_counter()
-        restored = cold.restore(tokens, min_tokens=held + 1)
+        restored = cold.restore(tokens, min_tokens=cached + 1)
         if restored is None:
             return cache, rest
         took = (time.perf_counter() - started) * 1000
@@ -292,16 +292,16 @@ class TieredBatchGenerator(stock.BatchGenerator):  # type: ignore[misc]
             stop_sequences=stop_sequences,
         )
         cold = self.tier.serving(self.model)
-        held = all_tokens or [[] for _ in segments]
+        cached = all_tokens or [[] for _ in segments]
         layers = caches or [None for _ in segments]
-        if cold is None or not len(segments) == len(held) == len(layers):
+        if cold is None or not len(segments) == len(cached) == len(layers):
             return list(insert(segments))  # stock's own, and its errors
         cuts = [
             self._checkpoints.cut(cold, segment, tokens, cache)
-            for segment, tokens, cache in zip(segments, held, layers, strict=True)
+            for segment, tokens, cache in zip(segments, cached, layers, strict=True)
         ]
         uids: list[int] = insert([cut for cut, _ in cuts])
-        for uid, tokens, (_, at) in zip(uids, held, cuts, strict=True):
+        for uid, tokens, (_, at) in zip(uids, cached, cuts, strict=True):
             self._checkpoints.inserted(uid, len(tokens), at)
         return uids
 
