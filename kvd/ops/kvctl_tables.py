@@ -37,13 +37,14 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
-def model_name(identity: Mapping[str, Any]) -> str:
-    """An identity as people know it: its name (kvd.identity_names); from a daemon that
-    names none, its model id (and namespace), else its digest."""
-    if identity.get("name"):
-        return str(identity["name"])
-    name = str(identity.get("model_id") or identity["identity"])
-    namespace = identity.get("namespace")
+def model_name(row: Mapping[str, Any]) -> str:
+    """An identity, from its row of the status, as people know it: its name
+    (kvd.identity_names); from a daemon that names none, its model id (and namespace), else
+    its digest."""
+    if row.get("name"):
+        return str(row["name"])
+    name = str(row.get("model_id") or row["identity"])
+    namespace = row.get("namespace")
     return f"{name} [{namespace}]" if namespace else name
 
 
