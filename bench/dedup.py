@@ -38,15 +38,15 @@ from typing import Any
 import mlx.core as mx
 from _daemon import running_daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from mlx_lm.models import cache as _mlx_lm_cache
 
 mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 MiB = 1 << 20
 SETTLE_SECONDS = 600.0
 DAEMON_FLAGS = ("--max-bytes", "64G")  # nothing is evicted under the measurement
-SHARED = Identity("bench/dedup", "cfg", "tok")
-WHOLE = Identity("bench/dedup-v1", "cfg", "tok")  # the same tokens as version 1 entries
+SHARED = EngineIdentity("bench/dedup", "cfg", "tok")
+WHOLE = EngineIdentity("bench/dedup-v1", "cfg", "tok")  # the same tokens as version 1 entries
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Run:
 
 
 def put(
-    client: Client, identity: Identity, conversations: Conversations, k: int
+    client: Client, identity: EngineIdentity, conversations: Conversations, k: int
 ) -> tuple[int, float]:
     """Put conversation k and wait until stored: (bytes the client wrote, seconds of the put)."""
     cache, tokens = conversations.cache(k), conversations.tokens(k)
@@ -131,7 +131,7 @@ def put(
     return client.stats.bytes_written - before, seconds
 
 
-def median_get(client: Client, identity: Identity, tokens: list[int], repeat: int) -> float:
+def median_get(client: Client, identity: EngineIdentity, tokens: list[int], repeat: int) -> float:
     def get() -> None:
         restored = client.get(identity, [*tokens, 0])
         if restored is None or restored.matched != len(tokens):

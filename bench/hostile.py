@@ -319,7 +319,7 @@ def accounting_problems(peer: RawPeer, tier: Path) -> list[str]:
     for path in manifests:
         try:
             folder = path.parent / "blocks"
-            listed |= {folder / f"{h.hex()}.kvb" for h in read_manifest(path).blocks}
+            listed |= {folder / f"{h.hex()}.kvb" for h in read_manifest(path).block_hashes}
         except EntryFormatError as exc:
             problems.append(f"an invalid file stored as an entry: {exc}")
     found = {

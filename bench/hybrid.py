@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx_lm
 from _daemon import running_daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_cache import ColdTier, ColdTierStats
 from kvd_client.prefill_checkpoints import CheckpointSettings
 from model_folders import VOCAB, build_model_folder  # on the path through _daemon
@@ -117,7 +117,7 @@ def through_mlx_lm(model: Any, tokenizer: Any, tokens: list[int], max_tokens: in
 
 def through_tier(
     socket: str,
-    loaded: tuple[Any, Any, Identity],
+    loaded: tuple[Any, Any, EngineIdentity],
     tokens: list[int],
     interval: int,
     max_tokens: int,
@@ -138,7 +138,7 @@ def through_tier(
 
 
 def one_rep(
-    socket: str, loaded: tuple[Any, Any, Identity], args: argparse.Namespace, rep: int
+    socket: str, loaded: tuple[Any, Any, EngineIdentity], args: argparse.Namespace, rep: int
 ) -> Rep:
     """Each interval's prompts are new tokens (no block of another interval's serves them),
     on an emptied tier; the anchor recomputes the first interval's second prompt."""
@@ -161,7 +161,7 @@ def emptied(socket: str) -> None:
 
 
 def decode_pairs(
-    socket: str, loaded: tuple[Any, Any, Identity], args: argparse.Namespace
+    socket: str, loaded: tuple[Any, Any, EngineIdentity], args: argparse.Namespace
 ) -> list[tuple[Prompted, Prompted]]:
     """Pairs of first prompts, without checkpoints and with the smallest interval, run back
     to back in alternating order."""
@@ -269,7 +269,7 @@ def main() -> None:
             Path(work) / "model", seed=0, shape=SHAPE, model_type="qwen3_next"
         )
         model, tokenizer = mlx_lm.load(str(folder))[:2]
-        loaded = (model, tokenizer, Identity.for_model(model, folder))
+        loaded = (model, tokenizer, EngineIdentity.for_model(model, folder))
         through_mlx_lm(model, tokenizer, prompts(64, seed=-1)[0], 4)  # warm-up, untimed
         try:
             reps = [one_rep(daemon.socket_path, loaded, args, rep) for rep in range(args.repeat)]

@@ -58,7 +58,7 @@ def build_entries(rng: random.Random, count: int, lo: int, hi: int) -> list[Entr
         entries.append(
             EntryRecord(
                 id=f"{len(entries):08x}",
-                identity="bench",
+                digest="bench",
                 tokens=prefix + random_tokens(rng, grow),
                 nbytes=0,
                 trimmable=rng.random() < 0.9,

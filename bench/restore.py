@@ -60,13 +60,13 @@ import numpy as np
 from _daemon import running_daemon
 from kvd_client import prompt_cache
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from mlx_lm.models import cache as _mlx_lm_cache
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS, FULL_TOKENS = 4096, 16384
-IDENTITY = Identity("bench/restore", "cfg", "tok")
-WHOLE = Identity("bench/restore-whole", "cfg", "tok")  # the same cache, put whole
+IDENTITY = EngineIdentity("bench/restore", "cfg", "tok")
+WHOLE = EngineIdentity("bench/restore-whole", "cfg", "tok")  # the same cache, put whole
 mlc: Any = _mlx_lm_cache  # mlx-lm ships no type hints for its cache classes
 DAEMON_FLAGS = ("--writeback-max-bytes", "8G")  # the default 2 GiB cap is below a full entry
 GOAL_MX_LOAD = 1.0  # get at least as fast as mx.load
@@ -243,7 +243,7 @@ class Restores:
         # three times slower here, see kvd_client.restore.ALIGN.
         self.entry_buffer = memoryview(mmap.mmap(-1, self.entry_file.stat().st_size))
 
-    def get(self, client: Client, identity: Identity = IDENTITY) -> Any:
+    def get(self, client: Client, identity: EngineIdentity = IDENTITY) -> Any:
         restored = client.get(identity, prompt(self.tokens + 1))
         if restored is None or restored.matched != self.tokens:
             raise RuntimeError(f"the get missed: {client.stats}")

@@ -31,7 +31,7 @@ from typing import Any, cast
 import mlx.core as mx
 from _daemon import running_daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
 from kvd_client.prefill_checkpoints import CheckpointSettings
 from mlx_lm.generate import BatchGenerator
@@ -96,7 +96,7 @@ def one_setting(
     client: Client, model: Any, name: str, prompt: list[int], changed: list[int], *, rep: int
 ) -> Row:
     stock = generate(BatchGenerator(model), [prompt], None, [])
-    identity = Identity(f"bench/server-checkpoints/{name}/{rep}", "cfg", "tok")
+    identity = EngineIdentity(f"bench/server-checkpoints/{name}/{rep}", "cfg", "tok")
     tier = ServerTier(client, checkpoints=SETTINGS[name])
     tier.model_loaded("first", model, None, identity)
     cold = tier.cold_tier("first")

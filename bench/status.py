@@ -97,7 +97,7 @@ def filled_tier(folder: Path, entries: int, identities: int, rng: random.Random)
         tier.catalog.add(
             EntryRecord(
                 id=rng.randbytes(16).hex(),
-                identity=digests[n % identities],
+                digest=digests[n % identities],
                 tokens=pack_tokens([n, 1, 2, 3]),
                 nbytes=1 << 20,
                 trimmable=True,
@@ -115,7 +115,7 @@ def page(tier: Tier, ids: list[str], rng: random.Random) -> None:
 def walk(tier: Tier) -> None:
     per_identity: dict[str, int] = {}
     for record in tier.catalog.records.values():
-        per_identity[record.identity] = per_identity.get(record.identity, 0) + record.nbytes
+        per_identity[record.digest] = per_identity.get(record.digest, 0) + record.nbytes
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ from typing import Any, cast
 import mlx.core as mx
 from _daemon import running_daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity, config_fingerprint
+from kvd_client.identity import EngineIdentity, config_fingerprint
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from restore import DAEMON_FLAGS, can_drop_page_cache, drop_page_cache, mlc
@@ -149,7 +149,7 @@ def first_token(model: Any, cache: list[Any], remaining: Sequence[int]) -> int:
 
 
 def restored_seconds(
-    client: Client, model: Any, identity: Identity, prompt: list[int], prefix: int
+    client: Client, model: Any, identity: EngineIdentity, prompt: list[int], prefix: int
 ) -> tuple[float, float]:
     """(get, forward + first token) seconds of one restored start."""
     began = time.perf_counter()
@@ -183,7 +183,7 @@ def measure(
     vocab = model.args.vocab_size
     key = mx.random.key(prefix)
     prompt = [int(t) for t in mx.random.randint(0, vocab, (prefix + args.new_tokens,), key=key)]
-    identity = Identity(f"bench/ttft/{name}", config_fingerprint(model), "random tokens")
+    identity = EngineIdentity(f"bench/ttft/{name}", config_fingerprint(model), "random tokens")
     done = prefill(model, prompt[:prefix], args.prefill_step, cap)
     ticket = client.put(identity, prompt[:prefix], done.cache)
     if ticket.wait(SETTLE_SECONDS).state != "stored":

@@ -254,7 +254,7 @@ def read_tensors(peer: RawPeer, lease: int, fd: int, header: EntryHeader) -> lis
     block checked against the manifest, every slot against its checksum. ValueError (an
     EntryFormatError) for a block that is not right, AssertionError for one not had."""
     parts: list[list[bytes]] = [[] for _ in header.slots]
-    count = len(header.blocks)
+    count = len(header.block_hashes)
     for first in range(0, count, m.MAX_BLOCK_BATCH):
         reply = peer.call(
             m.OpenBlocks(
@@ -331,8 +331,10 @@ def assert_counts_equal_the_directory(peer: RawPeer, tier: Path) -> None:
     listed = set()
     for path in (tier / "entries").glob("*/*.kve"):
         header = read_manifest(path)
-        listed |= {h.hex() + ".kvb" for h in header.blocks}
-        assert all(h.hex() + ".kvb" in blocks for h in header.blocks), "a manifest lacks a block"
+        listed |= {h.hex() + ".kvb" for h in header.block_hashes}
+        assert all(h.hex() + ".kvb" in blocks for h in header.block_hashes), (
+            "a manifest lacks a block"
+        )
     assert set(blocks) == listed, "a block file no manifest lists"
 
 

@@ -134,9 +134,24 @@ def test_the_raw_client_imports_without_mlx_and_the_cache_layer_on_demand() -> N
     script = (
         "import sys, kvd_client\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]\n"
-        "from kvd_client import Identity, ColdTier, Restored, register_codec, CodecError\n"
-        "assert Identity.__module__ == 'kvd_client.identity'\n"
+        "from kvd_client import EngineIdentity, ColdTier, Restored, register_codec, CodecError\n"
+        "assert EngineIdentity.__module__ == 'kvd_client.identity'\n"
         "assert 'mlx' in sys.modules\n"
+    )
+    run_fresh_python(script)
+
+
+def test_the_former_identity_names_warn_and_give_one_class_each() -> None:
+    script = (
+        "import warnings, kvd_client, kvd_protocol\n"
+        "from kvd_client.identity import EngineIdentity\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert kvd_client.Identity is EngineIdentity\n"
+        "    assert kvd_client.WireIdentity is kvd_protocol.Identity\n"
+        "said = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
+        "assert said == ['kvd_client.Identity is deprecated: use kvd_client.EngineIdentity',\n"
+        "    'kvd_client.WireIdentity is deprecated: use kvd_protocol.Identity'], said\n"
     )
     run_fresh_python(script)
 

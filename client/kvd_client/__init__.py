@@ -1,15 +1,14 @@
 """kvd_client: the engine library of kvd.
 
 The raw client (Client, AsyncClient: put_entry, lookup, ...) needs neither mlx nor mlx-lm at
-import; it names entries by WireIdentity (the protocol's: codec set and runtime included).
-The cache layer (Identity, Restored, register_codec, ColdTier) imports them when first
-named, so `import kvd_client` stays cheap for tools that only talk to the daemon.
+import; it names entries by kvd_protocol.Identity (an identity: codec set and runtime
+included). The cache layer (EngineIdentity, Restored, register_codec, ColdTier) imports them
+when first named, so `import kvd_client` stays cheap for tools that only talk to the daemon.
 """
 
+import warnings
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
-
-from kvd_protocol.identity import Identity as WireIdentity
 
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
 from kvd_client.client import Client, LookupResult, Ticket
@@ -19,7 +18,7 @@ from kvd_client.results import Evicted, TicketState
 
 if TYPE_CHECKING:
     from kvd_client.codecs import CodecError, register_codec
-    from kvd_client.identity import Identity
+    from kvd_client.identity import EngineIdentity
     from kvd_client.mlx_lm_cache import ColdTier
     from kvd_client.prompt_cache import Restored
 
@@ -29,13 +28,28 @@ __version__ = "0.1.0"
 _LAZY = {
     "CodecError": "kvd_client.codecs",
     "register_codec": "kvd_client.codecs",
-    "Identity": "kvd_client.identity",
+    "EngineIdentity": "kvd_client.identity",
     "ColdTier": "kvd_client.mlx_lm_cache",
     "Restored": "kvd_client.prompt_cache",
 }
 
 
+# Former names, kept for engines written against them: each warns, then gives the class.
+_DEPRECATED = {
+    "Identity": ("kvd_client.identity", "EngineIdentity"),
+    "WireIdentity": ("kvd_protocol.identity", "Identity"),
+}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        former, new = _DEPRECATED[name]
+        warnings.warn(
+            f"kvd_client.{name} is deprecated: use {former.split('.')[0]}.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(import_module(former), new)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvd_client' has no attribute {name!r}")
@@ -53,13 +67,12 @@ __all__ = [
     "ColdTier",
     "DaemonError",
     "DaemonUnavailableError",
+    "EngineIdentity",
     "Evicted",
-    "Identity",
     "LookupResult",
     "Restored",
     "TensorLayoutError",
     "Ticket",
     "TicketState",
-    "WireIdentity",
     "register_codec",
 ]

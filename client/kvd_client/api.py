@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
-from kvd_protocol.identity import Identity as WireIdentity
+from kvd_protocol.identity import Identity
 from kvd_protocol.messages import BLOCKS_FEATURE, DropReport, EntrySummary
 
 from . import calls
@@ -26,7 +26,7 @@ from .operations import operation
 from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
 
 if TYPE_CHECKING:
-    from .identity import Identity
+    from .identity import EngineIdentity
     from .prompt_cache import Restored
 
 
@@ -134,7 +134,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
     @operation
     def list_entries(
         self,
-        identity: WireIdentity | str | None = None,
+        identity: Identity | str | None = None,
         *,
         after: str | None = None,
         limit: int | None = None,
@@ -146,7 +146,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
     def evict(
         self,
         entry: str | None = None,
-        identity: WireIdentity | str | None = None,
+        identity: Identity | str | None = None,
         all: bool = False,  # the protocol's name for it
     ) -> Call[Evicted]:
         """Delete one entry, every entry of one identity (or its digest), or all of them;
@@ -156,7 +156,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
     @operation
     def put_entry(
         self,
-        identity: WireIdentity,
+        identity: Identity,
         tokens: bytes | Sequence[int],
         layers: Sequence[LayerSpec],
         tensors: Sequence[TensorData],
@@ -185,7 +185,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
 
     @operation
     def lookup(
-        self, identity: WireIdentity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
+        self, identity: Identity, tokens: bytes | Sequence[int], *, min_tokens: int = 0
     ) -> Call[LookupResultT | None]:
         """The longest usable cached prefix of tokens, or None (also below min_tokens)."""
         hit = yield from calls.lookup(self._link, identity, tokens, min_tokens)
@@ -193,21 +193,21 @@ class ClientApi(Generic[TicketT, LookupResultT]):
 
     @operation
     def find_checkpoint(
-        self, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
+        self, identity: Identity, key: str, prompt: bytes | Sequence[int]
     ) -> Call[LookupResultT | None]:
         """The newest generation checkpoint under key whose tokens extend prompt, or None."""
         hit = yield from calls.find_checkpoint(self._link, identity, key, prompt)
         return None if hit is None else self._lookup_result_type(self, hit)
 
     @operation
-    def forget_checkpoint(self, identity: WireIdentity, key: str) -> Call[int]:
+    def forget_checkpoint(self, identity: Identity, key: str) -> Call[int]:
         """Drop the checkpoints of a finished generation; how many went."""
         return calls.forget_checkpoint(self._link, identity, key)
 
     @operation
     def put(
         self,
-        identity: Identity,
+        identity: EngineIdentity,
         tokens: Sequence[int],
         cache: Sequence[Any],
         *,
@@ -231,7 +231,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
     @operation
     def get(
         self,
-        identity: Identity,
+        identity: EngineIdentity,
         tokens: Sequence[int],
         *,
         model: Any = None,
@@ -245,7 +245,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
 
     @operation
     def get_checkpoint(
-        self, identity: Identity, key: str, prompt: Sequence[int], *, model: Any = None
+        self, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any = None
     ) -> Call[Restored | None]:
         """The caches of the newest generation checkpoint under key that extends prompt,
         with Restored.checkpoint saying where the generation stands; or None."""

@@ -22,7 +22,7 @@ from .mlx_lm_cache import ColdTier
 
 @dataclass
 class _Cuts:
-    held: int  # the tokens the sequence's cache held when it was inserted
+    cached: int  # the tokens the sequence's cache held when it was inserted
     at: deque[int]  # the checkpoint positions its prefill has still to reach
 
 
@@ -36,21 +36,21 @@ class BatchCheckpoints:
         self._seconds = 0.0
 
     def cut(
-        self, cold: ColdTier, segments: list[list[int]], held: Sequence[int], cache: Any
+        self, cold: ColdTier, segments: list[list[int]], cached: Sequence[int], cache: Any
     ) -> tuple[list[list[int]], list[int]]:
-        """A sequence's segments (what follows the held tokens its cache holds; None: a
+        """A sequence's segments (what follows the cached tokens its cache holds; None: a
         fresh one) cut at the prompt's checkpoint positions, and the positions that cut a
         segment (one that ends a segment is the server's own)."""
-        prompt = [*held, *chain.from_iterable(segments)]
+        prompt = [*cached, *chain.from_iterable(segments)]
         if min(prompt, default=0) < 0:  # image patches: not stored
             return segments, []
         return cut_segments(
-            segments, len(held), cold.checkpoint_positions(prompt, len(held), cache)
+            segments, len(cached), cold.checkpoint_positions(prompt, len(cached), cache)
         )
 
-    def inserted(self, uid: int, held: int, at: list[int]) -> None:
+    def inserted(self, uid: int, cached: int, at: list[int]) -> None:
         if at:
-            self._cuts[uid] = _Cuts(held, deque(at))
+            self._cuts[uid] = _Cuts(cached, deque(at))
 
     def reached(self, responses: Sequence[Any]) -> dict[int, int]:
         """Of the prompt responses of a step, those whose segment ended at a checkpoint
@@ -60,7 +60,7 @@ class BatchCheckpoints:
             cuts = self._cuts.get(response.uid)
             if cuts is None or not response.end_of_segment or response.end_of_prompt:
                 continue
-            if cuts.held + response.progress[0] == cuts.at[0]:
+            if cuts.cached + response.progress[0] == cuts.at[0]:
                 found[response.uid] = cuts.at.popleft()
                 response.end_of_segment = False
                 if not cuts.at:

@@ -117,9 +117,11 @@ class BlocksNotHeld(Exception):  # noqa: N818 - an outcome the cold tier counts
     """A put whose snapshot left out blocks it took the daemon to hold, and the daemon holds
     fewer (evicted meanwhile): aborted before anything was written."""
 
-    def __init__(self, held: int, needed: int) -> None:
-        super().__init__(f"the daemon holds {held} leading blocks, the snapshot needs {needed}")
-        self.held = held
+    def __init__(self, held_blocks: int, needed: int) -> None:
+        super().__init__(
+            f"the daemon holds {held_blocks} leading blocks, the snapshot needs {needed}"
+        )
+        self.held_blocks = held_blocks
 
 
 @dataclass(frozen=True)
@@ -277,12 +279,12 @@ class BlockWriter:
         ):
             raise TensorLayoutError(f"tensor {index}: a block or its tail of the wrong size")
 
-    def check_held(self, held: int) -> None:
+    def check_held(self, held_blocks: int) -> None:
         """Raise BlocksNotHeld unless the daemon's held leading blocks cover every block a
         CutCopy left out."""
         needed = max((view.needed for view in self._views if isinstance(view, CutCopy)), default=0)
-        if held < needed:
-            raise BlocksNotHeld(held, needed)
+        if held_blocks < needed:
+            raise BlocksNotHeld(held_blocks, needed)
 
     def write_blocks(self, first: int, fds: Descriptors) -> None:
         """Blocks first, first + 1, ... into fds, each pre-sized to the plan's block size,
@@ -373,7 +375,7 @@ class BlockReads:
         cut = self._cuts.get(index)
         if cut is None:
             return tail
-        rows = (len(self.header.blocks) * self._block, self._tokens)
+        rows = (len(self.header.block_hashes) * self._block, self._tokens)
 
         def take(pieces: Sequence[memoryview]) -> None:
             self._targets[index] = pieces
@@ -391,7 +393,7 @@ class BlockReads:
         slots, checksums = self._head(index, fd)
         first, end = index * self._block, (index + 1) * self._block
         runs = [self._rows(i, first, end) for i in self._order]
-        name = block_name(self.header.blocks[index])
+        name = block_name(self.header.block_hashes[index])
         read_slots(fd, slots, runs, checksums if self._verify else None, name)
 
     def _rows(self, index: int, first: int, end: int) -> list[memoryview]:
@@ -411,7 +413,7 @@ class BlockReads:
             checksums = heads.check(index, data, size)
             if checksums is not None:
                 return heads.slots, checksums
-        name = block_name(self.header.blocks[index])
+        name = block_name(self.header.block_hashes[index])
         prefix = parse_prefix(name, data, self._limits)
         end = PREFIX_BYTES + prefix.header_length
         if len(data) < end:

@@ -29,7 +29,7 @@ from kvd_protocol.entry import (
     plan_manifest,
 )
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
-from kvd_protocol.identity import Identity as WireIdentity
+from kvd_protocol.identity import Identity
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
     ENGINE_DROPS_FEATURE,
@@ -170,7 +170,7 @@ def broken(step: Exchange, exc: BaseException, *, fresh: bool) -> DaemonUnavaila
 # --- calls ------------------------------------------------------------------------------------
 
 
-def scoped(link: Link, identity: WireIdentity, by: float | None = None) -> Call[WireIdentity]:
+def scoped(link: Link, identity: Identity, by: float | None = None) -> Call[Identity]:
     """identity under the tenant the daemon gives this client (Link.scope). A client that no
     daemon has answered yet (made while it was down) connects first, with a ping (done by
     by): raises DaemonUnavailableError as the call's own request would."""
@@ -194,16 +194,22 @@ def flush(link: Link, timeout: float | None) -> Call[bool]:
     return expect((yield Exchange(request, wait=timeout)), FlushReply).durable
 
 
+def _digest_of(link: Link, identity: Identity | str | None) -> Call[str | None]:
+    """The digest an identity (scoped to the connection's tenant) names; a digest as given."""
+    if isinstance(identity, Identity):
+        return (yield from scoped(link, identity)).digest()
+    return identity
+
+
 def list_entries(
-    link: Link, identity: WireIdentity | str | None, after: str | None, limit: int | None
+    link: Link, identity: Identity | str | None, after: str | None, limit: int | None
 ) -> Call[list[EntrySummary]]:
-    if isinstance(identity, WireIdentity):
-        identity = (yield from scoped(link, identity)).digest()
+    digest = yield from _digest_of(link, identity)
     entries: list[EntrySummary] = []
     epoch: int | None = None
     while limit is None or len(entries) < limit:
         page = LIST_PAGE if limit is None else min(LIST_PAGE, limit - len(entries))
-        request = ListEntries(id=link.next_id(), identity=identity, limit=page, after=after)
+        request = ListEntries(id=link.next_id(), identity=digest, limit=page, after=after)
         reply = expect((yield Exchange(request, epoch=epoch)), ListEntriesReply)
         epoch = link.epoch
         entries.extend(reply.entries)
@@ -214,20 +220,19 @@ def list_entries(
 
 
 def evict(
-    link: Link, entry: str | None, identity: WireIdentity | str | None, everything: bool
+    link: Link, entry: str | None, identity: Identity | str | None, everything: bool
 ) -> Call[Evicted]:
-    if isinstance(identity, WireIdentity):
-        identity = (yield from scoped(link, identity)).digest()
-    if (entry is not None) + (identity is not None) + everything != 1:
+    digest = yield from _digest_of(link, identity)
+    if (entry is not None) + (digest is not None) + everything != 1:
         raise ValueError("evict: give exactly one of entry, identity, all")
-    request = Evict(id=link.next_id(), entry=entry, identity=identity, all=everything)
+    request = Evict(id=link.next_id(), entry=entry, identity=digest, all=everything)
     reply = expect((yield Exchange(request)), EvictReply)
     return Evicted(reply.evicted, reply.bytes)
 
 
 def put_entry(
     link: Link,
-    identity: WireIdentity,
+    identity: Identity,
     tokens: bytes | Sequence[int],
     layers: Sequence[LayerSpec],
     tensors: Sequence[TensorData],
@@ -385,15 +390,15 @@ def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
 
 
 def put_blocks(
-    link: Link, put: int, epoch: int, held: int, writer: block_io.BlockWriter
+    link: Link, put: int, epoch: int, held_blocks: int, writer: block_io.BlockWriter
 ) -> Call[None]:
-    """Write blocks held.. of a begun put: their staging files asked for in batches, each
+    """Write blocks held_blocks.. of a begun put: their staging files asked for in batches, each
     batch written (Blocking) and closed before the next is asked for (or, when the put is
     given up mid-batch, once its last write has ended). Raises BlocksNotHeld first if the
     writer lacks blocks the daemon does not hold."""
-    writer.check_held(held)
+    writer.check_held(held_blocks)
     count = len(writer.plan.hashes)
-    for first in range(held, count, MAX_BLOCK_BATCH):
+    for first in range(held_blocks, count, MAX_BLOCK_BATCH):
         batch = min(MAX_BLOCK_BATCH, count - first)
         request = PutBlocks(id=link.next_id(), put=put, first=first, count=batch)
         reply = expect((yield Exchange(request, epoch=epoch)), PutBlocksReply)
@@ -460,7 +465,7 @@ def wait_ticket(link: Link, ticket: TicketBase, timeout: float | None) -> Call[T
 
 
 def lookup(
-    link: Link, identity: WireIdentity, tokens: bytes | Sequence[int], min_tokens: int = 0
+    link: Link, identity: Identity, tokens: bytes | Sequence[int], min_tokens: int = 0
 ) -> Call[LookupHit | None]:
     """The longest usable cached prefix of tokens, mapped, or None (a miss), also when it is
     shorter than min_tokens (what the engine already holds). Nothing here raises into the
@@ -469,7 +474,7 @@ def lookup(
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
     explain = link.offers(LOOKUP_MISS_FEATURE)
 
-    def ask(named: WireIdentity) -> Lookup:
+    def ask(named: Identity) -> Lookup:
         return Lookup(
             id=link.next_id(), identity=named, tokens=packed, min_tokens=asked, explain=explain
         )
@@ -481,18 +486,18 @@ def lookup(
 
 
 def find_checkpoint(
-    link: Link, identity: WireIdentity, key: str, prompt: bytes | Sequence[int]
+    link: Link, identity: Identity, key: str, prompt: bytes | Sequence[int]
 ) -> Call[LookupHit | None]:
     """The newest generation checkpoint stored under key that extends prompt, or None."""
     packed = prompt if isinstance(prompt, bytes) else pack_tokens(prompt)
 
-    def ask(named: WireIdentity) -> FindCheckpoint:
+    def ask(named: Identity) -> FindCheckpoint:
         return FindCheckpoint(id=link.next_id(), identity=named, key=key, prompt=packed)
 
     return (yield from _found(link, ask, FindCheckpointReply, identity, packed, checkpoint_key=key))
 
 
-def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]:
+def forget_checkpoint(link: Link, identity: Identity, key: str) -> Call[int]:
     """Drop the checkpoints of a finished generation; how many went."""
     identity = yield from scoped(link, identity)
     request = ForgetCheckpoint(id=link.next_id(), identity=identity, key=key)
@@ -501,9 +506,9 @@ def forget_checkpoint(link: Link, identity: WireIdentity, key: str) -> Call[int]
 
 def _found(
     link: Link,
-    ask: Callable[[WireIdentity], Request],
+    ask: Callable[[Identity], Request],
     kind: type[LookupReply],
-    identity: WireIdentity,
+    identity: Identity,
     packed: bytes,
     *,
     checkpoint_key: str | None,
@@ -586,9 +591,7 @@ def restore_report(
     return RestoreReport(miss=miss, ms=ms, bytes=nbytes, tokens=tokens)
 
 
-def mismatch(
-    header: EntryHeader, identity: WireIdentity, tokens: bytes, matched: int
-) -> str | None:
+def mismatch(header: EntryHeader, identity: Identity, tokens: bytes, matched: int) -> str | None:
     """Why an entry the daemon offered does not answer what was asked, or None if it does."""
     if header.identity != identity:
         return "its identity differs from the one asked for"

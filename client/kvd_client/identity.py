@@ -24,7 +24,7 @@ _TOKENIZER_SUFFIXES = (".model", ".tiktoken")
 
 
 @dataclass(frozen=True)
-class Identity:
+class EngineIdentity:
     """traits: what the fingerprints hash, in words for the daemon's names ("kv=8bit-g64,
     template=1a2b3c4d"; kvd_protocol.identity.check_traits); not part of the identity."""
 
@@ -42,7 +42,7 @@ class Identity:
         namespace: str = "",
         *,
         model_id: str | None = None,
-    ) -> Identity:
+    ) -> EngineIdentity:
         """The identity of an mlx-lm model. The fingerprint covers its config (args) and its
         parameters' names, shapes and dtypes, not the weights' values: two fine-tunes of one
         architecture differ only by model_id, which defaults to the tokenizer's path or name

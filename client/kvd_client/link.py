@@ -20,7 +20,7 @@ from typing import Final
 from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from kvd_protocol.errors import ErrorCode, ProtocolError
-from kvd_protocol.identity import Identity as WireIdentity
+from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     IDENTITY_TRAITS_FEATURE,
@@ -173,7 +173,7 @@ class Link:
         every user, when the daemon's users share)."""
         return "" if self.server is None else self.server.tenant
 
-    def scope(self, identity: WireIdentity) -> WireIdentity:
+    def scope(self, identity: Identity) -> Identity:
         """identity as the daemon knows it: its namespace under the tenant, its traits left
         out for a daemon that predates them. Idempotent: an identity read back from an
         entry's header is under it already."""

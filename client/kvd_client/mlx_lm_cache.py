@@ -46,7 +46,7 @@ from .backlog import Admission, Backlog, Kind, held_bytes
 from .block_io import BlocksNotHeld
 from .codecs import CodecError
 from .drops import Drops
-from .identity import Identity
+from .identity import EngineIdentity
 from .link import MIN_MEASURED_PREFILL
 from .prefill_checkpoints import CheckpointedModel, CheckpointSettings
 from .prompt_cache import snapshot_layers
@@ -110,12 +110,12 @@ class ColdTier:
         model: Any,
         tokenizer: Any,
         *,
-        identity: Identity | None = None,
+        identity: EngineIdentity | None = None,
         namespace: str = "",
         backlog_bytes: int = BACKLOG_BYTES,
         checkpoints: CheckpointSettings = prefill_checkpoints.BY_COST,
     ) -> None:
-        """tokenizer: what mlx_lm.load returned. identity: by default Identity.for_model.
+        """tokenizer: what mlx_lm.load returned. identity: by default EngineIdentity.for_model.
         backlog_bytes: what the snapshots waiting while one is sent may hold (copies of the
         caches' rows); beyond it checkpoints and segments go first, then the oldest
         (backlog.py). checkpoints: the prefill checkpoints' interval and bytes; a fixed
@@ -127,7 +127,7 @@ class ColdTier:
         self._stores = client.twin()  # puts on a connection of their own: never before a lookup
         self.model = model
         self.tokenizer = tokenizer
-        self.identity = identity or Identity.for_model(model, tokenizer, namespace)
+        self.identity = identity or EngineIdentity.for_model(model, tokenizer, namespace)
         self.stats = ColdTierStats()
         self._wire = self.identity.to_protocol()
         self._backlog: Backlog[Snapshot] = Backlog(backlog_bytes)
@@ -174,7 +174,7 @@ class ColdTier:
                 self.stats.checkpoint_restored_tokens += restored.matched
             if restored.block_tokens == self.client.block_tokens:
                 with self._changed:
-                    self._memo.held(restored.blocks)
+                    self._memo.mark_held(restored.block_hashes)
         return restored
 
     def store(
@@ -466,7 +466,7 @@ class ColdTier:
             )
         except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
             with self._changed:
-                self._memo.forget(snapshot.hashes[exc.held :])
+                self._memo.forget(snapshot.hashes[exc.held_blocks :])
             self.stats.aborted += 1
             log.info("cold tier: put of %d tokens aborted: %s", len(snapshot.tokens), exc)
             future.set_exception(exc.with_traceback(None))  # its frames hold the snapshot
@@ -479,7 +479,7 @@ class ColdTier:
                 if ticket.id is not None:  # committed: the daemon has heard of told
                     self._untold.told(told)
                 if ticket.state.state in ("pending", "stored"):
-                    self._memo.held(snapshot.hashes)
+                    self._memo.mark_held(snapshot.hashes)
             self._count(ticket.state.state)
             future.set_result(ticket)
         finally:

@@ -66,7 +66,7 @@ from .batch_checkpoints import BatchCheckpoints
 from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
-from .identity import Identity
+from .identity import EngineIdentity
 from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
@@ -123,7 +123,9 @@ class ServerTier:
         self._key: object = None
         self._cold: ColdTier | None = None
 
-    def model_loaded(self, key: object, model: Any, tokenizer: Any, identity: Identity) -> None:
+    def model_loaded(
+        self, key: object, model: Any, tokenizer: Any, identity: EngineIdentity
+    ) -> None:
         self._retire()
         cold = ColdTier(
             self.client,
@@ -177,12 +179,12 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
 
     def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        held = len(tokens) - len(rest)
+        cached = len(tokens) - len(rest)
         cold = self.tier.cold_tier(model)
-        if cold is None or held >= len(tokens) - 1 or not _storable(tokens):
+        if cold is None or cached >= len(tokens) - 1 or not _storable(tokens):
             return cache, rest
         started = time.perf_counter()
-        restored = cold.restore(tokens, min_tokens=held + 1)
+        restored = cold.restore(tokens, min_tokens=cached + 1)
         if restored is None:
             return cache, rest
         took = (time.perf_counter() - started) * 1000
@@ -290,16 +292,16 @@ class TieredBatchGenerator(stock.BatchGenerator):  # type: ignore[misc]
             stop_sequences=stop_sequences,
         )
         cold = self.tier.serving(self.model)
-        held = all_tokens or [[] for _ in segments]
+        cached = all_tokens or [[] for _ in segments]
         layers = caches or [None for _ in segments]
-        if cold is None or not len(segments) == len(held) == len(layers):
+        if cold is None or not len(segments) == len(cached) == len(layers):
             return list(insert(segments))  # stock's own, and its errors
         cuts = [
             self._checkpoints.cut(cold, segment, tokens, cache)
-            for segment, tokens, cache in zip(segments, held, layers, strict=True)
+            for segment, tokens, cache in zip(segments, cached, layers, strict=True)
         ]
         uids: list[int] = insert([cut for cut, _ in cuts])
-        for uid, tokens, (_, at) in zip(uids, held, cuts, strict=True):
+        for uid, tokens, (_, at) in zip(uids, cached, cuts, strict=True):
             self._checkpoints.inserted(uid, len(tokens), at)
         return uids
 
@@ -371,7 +373,7 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
             return
         self.tier.model_loaded(self.model_key, self.model, self.tokenizer, identity)
 
-    def _identity(self, model_path: str, adapter_path: str | None) -> Identity:
+    def _identity(self, model_path: str, adapter_path: str | None) -> EngineIdentity:
         folder = Path(model_path)
         if not folder.exists():  # a Hugging Face repository: mlx_lm.load fetched it already
             folder = mlx_lm_utils.hf_repo_to_path(model_path)

@@ -31,7 +31,7 @@ from typing import Final
 import xxhash
 from kvd_protocol.identity import join_traits
 
-from .identity import Identity, tokenizer_hash
+from .identity import EngineIdentity, tokenizer_hash
 
 _HUB_BLOB: Final = re.compile(r"[0-9a-f]{64}")
 _WEIGHT_PATTERN: Final = "*.safetensors"
@@ -68,7 +68,7 @@ def folder_identity(
     adapter_dir: Path | None = None,
     namespace: str = "",
     digests: DigestCache | None = None,
-) -> Identity:
+) -> EngineIdentity:
     """The identity of the model in model_dir as an engine serves it."""
     digests = digests or DigestCache.default()
     config = (model_dir / "config.json").read_bytes()
@@ -86,7 +86,7 @@ def folder_identity(
         "template": _blake(template)[:8] if template else "none",
         "adapter": adapter_trait,
     }
-    return Identity(
+    return EngineIdentity(
         model_id=f"{model_type}-{weights[:12]}",
         config_fingerprint=fingerprint,
         tokenizer_hash=tokens,

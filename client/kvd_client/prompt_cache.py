@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from . import calls
 from .block_io import BlockReads
 from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
-from .identity import Identity
+from .identity import EngineIdentity
 from .link import DaemonError, DaemonUnavailableError, Link
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 from .results import LookupHit, PutOutcome
@@ -44,7 +45,7 @@ class Restored:
     """Caches rebuilt from an entry, covering the first `matched` tokens of the prompt.
 
     checkpoint: set when the entry is a generation checkpoint (get_checkpoint): where the
-    interrupted generation stands, its pending token and seed. blocks: the chained hashes of
+    interrupted generation stands, its pending token and seed. block_hashes: the chained hashes of
     the entry's blocks within the match (of block_tokens tokens each): the daemon holds them.
     prefill_checkpoint: the entry is a prefill checkpoint (prefill_checkpoints.py).
     """
@@ -52,9 +53,17 @@ class Restored:
     cache: list[Any]
     matched: int
     checkpoint: Checkpoint | None = None
-    blocks: tuple[bytes, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
     block_tokens: int = 0
     prefill_checkpoint: bool = False
+
+    @property
+    def blocks(self) -> tuple[bytes, ...]:
+        """Deprecated: block_hashes."""
+        warnings.warn(
+            "Restored.blocks is deprecated: use Restored.block_hashes", DeprecationWarning, 2
+        )
+        return self.block_hashes
 
 
 # --- put -------------------------------------------------------------------------------------
@@ -109,7 +118,7 @@ def entry_meta(meta: Mapping[str, MetaValue] | None = None) -> dict[str, MetaVal
 
 def put(
     link: Link,
-    identity: Identity,
+    identity: EngineIdentity,
     tokens: Sequence[int],
     cache: Sequence[Any],
     *,
@@ -154,8 +163,8 @@ def decode(
     matched tokens and evaluated; raises Miss, or EntryFormatError for tensor bytes the fills
     found damaged. With model, the entry is checked against the caches the model makes
     before anything is allocated."""
-    if header.blocks:
-        raise Miss("blocks", f"the entry lists {len(header.blocks)} blocks, read by a get")
+    if header.block_hashes:
+        raise Miss("blocks", f"the entry lists {len(header.block_hashes)} blocks, read by a get")
     codecs = _codecs(header, matched, model)
     with _as_miss(), Filling() as filling:
         caches = _loaded(header, codecs, fills, filling, None)
@@ -244,7 +253,7 @@ def _check_model(header: EntryHeader, codecs: Sequence[Codec], templates: list[A
 
 
 def get(
-    link: Link, identity: Identity, tokens: Sequence[int], *, model: Any, min_tokens: int = 0
+    link: Link, identity: EngineIdentity, tokens: Sequence[int], *, model: Any, min_tokens: int = 0
 ) -> Call[Restored | None]:
     """The caches of the longest usable cached prefix of tokens, or None (a miss), also when
     it is shorter than min_tokens."""
@@ -254,7 +263,7 @@ def get(
 
 
 def get_checkpoint(
-    link: Link, identity: Identity, key: str, prompt: Sequence[int], *, model: Any
+    link: Link, identity: EngineIdentity, key: str, prompt: Sequence[int], *, model: Any
 ) -> Call[Restored | None]:
     """The newest generation checkpoint under key that extends prompt, restored whole."""
     started = time.perf_counter()
@@ -282,7 +291,9 @@ def _restore(
     else:
         link.stats.restored += 1
         header = hit.entry.header
-        within = header.blocks[: hit.matched // header.block_tokens] if header.blocks else ()
+        within = (
+            header.block_hashes[: hit.matched // header.block_tokens] if header.block_hashes else ()
+        )
         restored = Restored(
             caches,
             hit.matched,
@@ -312,7 +323,7 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
     the entry's length."""
     header = hit.entry.header
     fills = hit.entry.fills(verify=link.verify)
-    if not header.blocks:
+    if not header.block_hashes:
         return decode(header, fills, hit.matched, model)
     codecs = _codecs(header, hit.matched, model)
     blocks = BlockReads(header, verify=link.verify, limits=link.limits)
@@ -320,14 +331,14 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
     reading: list[Reading] = []  # their reads
     try:
         with _as_miss(), Filling() as filling:
-            for first in range(0, len(header.blocks), MAX_BLOCK_BATCH):
+            for first in range(0, len(header.block_hashes), MAX_BLOCK_BATCH):
                 if len(held) == 2:
                     # Closed only once read: a failure, or the call closed at this yield
                     # (cancelled), leaves them to the finally, after Filling waited for them.
                     yield Blocking(reading[0].wait)
                     reading.pop(0)
                     _close(held.pop(0))
-                count = min(MAX_BLOCK_BATCH, len(header.blocks) - first)
+                count = min(MAX_BLOCK_BATCH, len(header.block_hashes) - first)
                 fds = yield from _open_blocks(link, hit, first, count)
                 held.append(fds)
                 if not first:  # the first batch is had before anything is allocated

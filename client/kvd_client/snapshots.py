@@ -74,7 +74,7 @@ class Memo:
         self._held: OrderedDict[bytes, None] = OrderedDict()
         self._copies: weakref.WeakValueDictionary[bytes, BlockCopy] = weakref.WeakValueDictionary()
 
-    def held_prefix(self, hashes: Sequence[bytes]) -> int:
+    def count_held(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of hashes the daemon holds, as far as the memo knows."""
         count = 0
         while count < len(hashes) and hashes[count] in self._held:
@@ -88,7 +88,7 @@ class Memo:
     def copied(self, copies: Mapping[bytes, BlockCopy]) -> None:
         self._copies.update(copies)
 
-    def held(self, hashes: Sequence[bytes]) -> None:
+    def mark_held(self, hashes: Sequence[bytes]) -> None:
         """The daemon holds these blocks (a chain's leading ones)."""
         self._touch(hashes)
         while len(self._held) > self._capacity:
@@ -117,7 +117,7 @@ class Plan:
     arrays: list[Any]  # each layer's tensors (views of the caches' buffers), flat
     block_tokens: int  # 0: not cut into blocks
     hashes: tuple[bytes, ...]
-    held: int  # leading blocks the daemon holds: left out
+    held_blocks: int  # leading blocks the daemon holds: left out
     shared: dict[int, BlockCopy]  # block index -> a copy another snapshot made
     block_bytes: int  # a new block's copy
     private_bytes: int  # the tail rows and the tensors not cut
@@ -133,7 +133,7 @@ class Plan:
     @property
     def new(self) -> list[int]:
         """The blocks to copy."""
-        return [i for i in range(self.held, len(self.hashes)) if i not in self.shared]
+        return [i for i in range(self.held_blocks, len(self.hashes)) if i not in self.shared]
 
     @property
     def nbytes(self) -> int:
@@ -142,10 +142,10 @@ class Plan:
 
     def holds(self) -> dict[object, int]:
         """The memory it will hold, by owner: shared copies counted once across snapshots."""
-        held: dict[object, int] = {copy: copy.nbytes for copy in self.shared.values()}
-        held.update({(self, i): self.block_bytes for i in self.new})
-        held[self] = self.private_bytes
-        return held
+        owned: dict[object, int] = {copy: copy.nbytes for copy in self.shared.values()}
+        owned.update({(self, i): self.block_bytes for i in self.new})
+        owned[self] = self.private_bytes
+        return owned
 
 
 @dataclass(eq=False)
@@ -165,9 +165,9 @@ class Snapshot:
     copied: int  # bytes copied for it
 
     def holds(self) -> dict[object, int]:
-        held: dict[object, int] = {copy: copy.nbytes for copy in self.copies.values()}
-        held[self] = self.private_bytes
-        return held
+        owned: dict[object, int] = {copy: copy.nbytes for copy in self.copies.values()}
+        owned[self] = self.private_bytes
+        return owned
 
 
 def plan(
@@ -197,9 +197,11 @@ def plan(
     if not (block_tokens and count >= block_tokens and any(cut)):
         return Plan(list(tokens[:count]), kind, layers, arrays, 0, (), 0, {}, 0, whole)
     hashes = block_hashes(pack_tokens(tokens[:count]), block_tokens)
-    held = memo.held_prefix(hashes)
+    held_blocks = memo.count_held(hashes)
     shared = {
-        i: copy for i in range(held, len(hashes)) if (copy := memo.copy_of(hashes[i])) is not None
+        i: copy
+        for i in range(held_blocks, len(hashes))
+        if (copy := memo.copy_of(hashes[i])) is not None
     }
     cut_bytes = sum(_nbytes(a) for a, blocked in zip(arrays, cut, strict=True) if blocked)
     block_bytes = cut_bytes // count * block_tokens
@@ -211,7 +213,7 @@ def plan(
         arrays,
         block_tokens,
         hashes,
-        held,
+        held_blocks,
         shared,
         block_bytes,
         whole - cut_bytes + tail_bytes,
@@ -240,7 +242,9 @@ def take(plan: Plan) -> Snapshot:
             tensors.append(tensor_pieces(next(wholes)))
             continue
         k, (array, tail) = next(cuts)
-        blocks = [None if i < plan.held else copies[i].rows[k] for i in range(len(plan.hashes))]
+        blocks = [
+            None if i < plan.held_blocks else copies[i].rows[k] for i in range(len(plan.hashes))
+        ]
         tensors.append(CutCopy(math.prod(array.shape[:TOKEN_AXIS]), blocks, _bytes_of(tail)))
     return Snapshot(
         plan.tokens,

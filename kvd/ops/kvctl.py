@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _identity(control: Control, given: str | None) -> str | None:
+def _digest(control: Control, given: str | None) -> str | None:
     """The digest of the identity an --identity argument names (identity_names.resolve);
     None for none given. Raises IdentityNameError."""
     if given is None:
@@ -210,12 +210,12 @@ def _header_map(header: EntryHeader) -> dict[str, Any]:
     }
 
 
-def _entries(control: Control, identity: str | None) -> list[m.EntrySummary]:
+def _entries(control: Control, digest: str | None) -> list[m.EntrySummary]:
     """Every entry (of one identity), page by page."""
     entries: list[m.EntrySummary] = []
     after = None
     while True:
-        page = control.call(m.ListEntries, identity=identity, limit=1000, after=after)
+        page = control.call(m.ListEntries, identity=digest, limit=1000, after=after)
         assert isinstance(page, m.ListEntriesReply)
         entries += page.entries
         if not page.more or not page.entries:
@@ -223,9 +223,9 @@ def _entries(control: Control, identity: str | None) -> list[m.EntrySummary]:
         after = page.entries[-1].id
 
 
-def _verify(control: Control, identity: str | None, repair: bool) -> int:
+def _verify(control: Control, digest: str | None, repair: bool) -> int:
     """Check the durable entries one by one (the writer checks pending ones itself)."""
-    entries = [e for e in _entries(control, identity) if e.durable]
+    entries = [e for e in _entries(control, digest) if e.durable]
     progress = Progress("verifying", len(entries))
     damaged = gone = 0
     try:
@@ -265,7 +265,7 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         print("durable" if reply.durable else f"not durable: {reply.pending} still pending")
         return 0 if reply.durable else 1
     elif args.command == "list":
-        entries = _entries(control, _identity(control, args.identity))
+        entries = _entries(control, _digest(control, args.identity))
         if args.json:
             print(json.dumps([e.to_map() for e in entries], indent=2))
         else:
@@ -274,12 +274,12 @@ def _run(args: argparse.Namespace, control: Control) -> int:
     elif args.command == "show":
         return _show(control, args.entry, args.json)
     elif args.command == "evict":
-        identity = _identity(control, args.identity)
-        reply = control.call(m.Evict, entry=args.entry, identity=identity, all=args.all)
+        digest = _digest(control, args.identity)
+        reply = control.call(m.Evict, entry=args.entry, identity=digest, all=args.all)
         assert isinstance(reply, m.EvictReply)
         print(f"evicted {reply.evicted} entries, {size(reply.bytes)}")
     elif args.command == "verify":
-        return _verify(control, _identity(control, args.identity), args.repair)
+        return _verify(control, _digest(control, args.identity), args.repair)
     elif args.command == "metrics":
         status = _status(control)
         sys.stdout.write(exposition(lambda: status).decode())

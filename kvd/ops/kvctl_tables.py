@@ -37,13 +37,14 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
-def model_name(identity: Mapping[str, Any]) -> str:
-    """An identity as people know it: its name (kvd.identity_names); from a daemon that
-    names none, its model id (and namespace), else its digest."""
-    if identity.get("name"):
-        return str(identity["name"])
-    name = str(identity.get("model_id") or identity["identity"])
-    namespace = identity.get("namespace")
+def model_name(row: Mapping[str, Any]) -> str:
+    """An identity, from its row of the status, as people know it: its name
+    (kvd.identity_names); from a daemon that names none, its model id (and namespace), else
+    its digest."""
+    if row.get("name"):
+        return str(row["name"])
+    name = str(row.get("model_id") or row["identity"])
+    namespace = row.get("namespace")
     return f"{name} [{namespace}]" if namespace else name
 
 
@@ -290,13 +291,13 @@ def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: st
         ("state", "durable" if summary.durable else "pending"),
         ("file", f"{path} ({size(header.file_size)})"),
     ]
-    if header.blocks:
-        tail = header.token_count - len(header.blocks) * header.block_tokens
+    if header.block_hashes:
+        tail = header.token_count - len(header.block_hashes) * header.block_tokens
         rows.append(
             (
                 "blocks",
-                f"{len(header.blocks)} shared blocks of {header.block_tokens} tokens, "
-                f"from {header.blocks[0].hex()}; {tail} tokens in the file",
+                f"{len(header.block_hashes)} shared blocks of {header.block_tokens} tokens, "
+                f"from {header.block_hashes[0].hex()}; {tail} tokens in the file",
             )
         )
     if header.prefill_checkpoint:

@@ -17,16 +17,16 @@ SMALL_FRAME_BYTES: Final = 256 << 10
 
 
 class FrameBudget:
-    """Bytes of partial frames held by every connection, the most they may be, and how long
-    (seconds) a connection may take to finish a frame it began (frame_timeout)."""
+    """Bytes of partial frames buffered by every connection, the most they may be, and how
+    long (seconds) a connection may take to finish a frame it began (frame_timeout)."""
 
     def __init__(self, limit: int, timeout: float) -> None:
         self.limit = limit
         self.timeout = timeout
-        self.held = 0
+        self.buffered = 0
 
     def hold(self, was: int, now: int) -> bool:
-        """A connection held was bytes and holds now: whether that fits (a connection that
-        holds less never goes over, even when others already did)."""
-        self.held += now - was
-        return now <= was or self.held <= self.limit
+        """A connection buffered was bytes and buffers now: whether that fits (a connection
+        that buffers less never goes over, even when others already did)."""
+        self.buffered += now - was
+        return now <= was or self.buffered <= self.limit

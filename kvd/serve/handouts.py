@@ -27,34 +27,34 @@ def descriptors_asked(request: m.Request) -> int:
 
 
 class Handouts:
-    """One connection's descriptors for replies not out yet (held), and out but maybe unread
+    """One connection's descriptors for replies not out yet (unsent), and out but maybe unread
     (sent), kept within MAX_UNREAD_DESCRIPTORS."""
 
     def __init__(self, sock: socket.socket, session: int, broken_rules: RateLimited) -> None:
         self.sock = sock
         self.session = session
         self.broken_rules = broken_rules
-        self.held = 0
+        self.unsent = 0
         self.sent = 0
 
     def may_hand_out(self, asked: int) -> bool:
         """Whether asked more descriptors keep the connection within MAX_UNREAD_DESCRIPTORS;
-        if so they count from now (as held) until their reply is out (handed_out). Those
+        if so they count from now (as unsent) until their reply is out (handed_out). Those
         sent count until the socket shows the engine has read everything sent to it."""
-        if self.held + self.sent + asked > MAX_UNREAD_DESCRIPTORS:
+        if self.unsent + self.sent + asked > MAX_UNREAD_DESCRIPTORS:
             if self.sent and not socket_io.unread_bytes(self.sock):
                 self.sent = 0
-            if self.held + self.sent + asked > MAX_UNREAD_DESCRIPTORS:
+            if self.unsent + self.sent + asked > MAX_UNREAD_DESCRIPTORS:
                 return False
-        self.held += asked
+        self.unsent += asked
         return True
 
     def handed_out(self, asked: int, reply: m.Reply) -> None:
-        self.held -= asked
+        self.unsent -= asked
         self.sent += len(reply.fds)
 
     def too_many(self, request: m.Request) -> m.ErrorReply:
-        unread = self.held + self.sent
+        unread = self.unsent + self.sent
         self.broken_rules.warning("descriptors_unread", session=self.session, descriptors=unread)
         return m.ErrorReply(
             id=request.id,

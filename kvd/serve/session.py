@@ -62,14 +62,6 @@ FEATURES = (
 )
 
 
-def _checks_a_file(request: m.Request) -> bool:
-    """A release that reports damage: the entry's file is checked before the answer, with
-    the connection's reading paused meanwhile, so that its answer keeps its place among the
-    others. Every other request that may wait runs as a task of its own; those that never
-    wait (a plain release too) are answered at once (Session._at_once)."""
-    return type(request) is m.Release and request.damaged is not None
-
-
 @dataclass
 class _Outgoing:
     """A reply's frame that the kernel did not take at once, and the descriptors to close
@@ -137,8 +129,9 @@ class Session:
         self._reading = False  # the reader callback is installed
         self._ended = anyio.Event()  # the peer is gone, or the connection failed
         self._fatal: ProtocolError | None = None  # to say before closing
-        # The requests that never wait: each handler takes its request, returns its reply.
-        self._at_once: dict[str, Callable[[Any], m.Reply]] = {
+        # The requests that never wait: each handler takes its request, returns its reply
+        # (None: a task it started answers, with reading paused meanwhile; see _release).
+        self._at_once: dict[str, Callable[[Any], m.Reply | None]] = {
             "hello": self._hello,
             "ping": self._ping,
             "lookup": self._lookup,
@@ -151,13 +144,12 @@ class Session:
             "list": self._list,
             "evict": self._evict,
         }
-        # The requests that may wait (a task each, or in order: _checks_a_file).
+        # The requests that may wait (a task each).
         self._waiting: dict[str, Callable[[Any], Awaitable[m.Reply]]] = {
             "put_begin": self._put_begin,
             "put_blocks": self._put_blocks,
             "put_commit": self._put_commit,
             "ticket": self._ticket,
-            "release": self._release_damaged,  # one that reports damage (_checks_a_file)
             "flush": self._flush,
             "verify": self._verify,
         }
@@ -236,22 +228,22 @@ class Session:
                         self._reply(self._handouts.too_many(event))
                         continue
                     handler = self._at_once.get(event.op)
-                    if _checks_a_file(event):
-                        self._pause_for(self._answer, event)
-                    elif handler is not None:
-                        try:
-                            reply = handler(event)
-                        except Exception as exc:
-                            reply = _failed(event, exc)
-                        try:
-                            self._reply(reply)
-                        finally:
-                            self._handouts.handed_out(asked, reply)
-                            if tier.unbooked:  # a call fewer for every other request
-                                tier.book_lookups()
-                    else:
+                    if handler is None:
                         assert self._tasks is not None
-                        self._tasks.start_soon(self._answer, event, asked)
+                        self._tasks.start_soon(self._answer, self._waiting[event.op], event, asked)
+                        continue
+                    try:
+                        reply = handler(event)
+                    except Exception as exc:
+                        reply = _failed(event, exc)
+                    if reply is None:  # answered by a task the handler started
+                        continue
+                    try:
+                        self._reply(reply)
+                    finally:
+                        self._handouts.handed_out(asked, reply)
+                        if tier.unbooked:  # a call fewer for every other request
+                            tier.book_lookups()
                 elif isinstance(event, ConnectionClosed):
                     self._end()
         except RemoteProtocolError as exc:  # the peer's: said to it as the final error
@@ -267,15 +259,15 @@ class Session:
         it may take is counted from its first byte, not from each read (a byte at a time
         holds no more)."""
         partial = self.conn.partial_frame_bytes
-        held = partial if partial > SMALL_FRAME_BYTES else 0
-        fits = self.frames.hold(self._buffered, held)
-        self._buffered = held
+        counted = partial if partial > SMALL_FRAME_BYTES else 0
+        fits = self.frames.hold(self._buffered, counted)
+        self._buffered = counted
         if not fits:
-            broken_rules.warning("frame_budget_exceeded", session=self.peer.session, bytes=held)
+            broken_rules.warning("frame_budget_exceeded", session=self.peer.session, bytes=counted)
             self._end(
                 RemoteProtocolError(
                     ErrorCode.OVER_LIMIT,
-                    f"partial frames of all connections hold {self.frames.held} bytes, over "
+                    f"partial frames of all connections hold {self.frames.buffered} bytes, over "
                     f"kvd's budget of {self.frames.limit}: this frame of yours was not taken",
                 )
             )
@@ -339,9 +331,11 @@ class Session:
 
     # --- answering ----------------------------------------------------------------------------
 
-    async def _answer(self, request: m.Request, asked: int = 0) -> None:
+    async def _answer(
+        self, handler: Callable[[Any], Awaitable[m.Reply]], request: m.Request, asked: int = 0
+    ) -> None:
         try:
-            reply = await self._waiting[request.op](request)
+            reply = await handler(request)
         except Exception as exc:
             reply = _failed(request, exc)
         try:
@@ -463,7 +457,7 @@ class Session:
             put=put.id if put else 0,
             skip=skip,
             fd=fd,
-            held=put.held if put else 0,
+            held=put.held_blocks if put else 0,
         )
 
     async def _put_blocks(self, request: m.PutBlocks) -> m.PutBlocksReply:
@@ -579,15 +573,21 @@ class Session:
             f"(uid {peer.credentials.uid}, the hello reply's tenant): {instead}",
         )
 
-    def _release(self, request: m.Release) -> m.ReleaseReply:
-        self.tier.end_lease(self.peer.session, request.lease, request.report)
-        return m.ReleaseReply(id=request.id)
-
-    async def _release_damaged(self, request: m.Release) -> m.ReleaseReply:
+    def _release(self, request: m.Release) -> m.ReleaseReply | None:
+        """Ends the lease. A release that reports damage is answered once the entry's file is
+        checked, with the connection's reading paused meanwhile, so that its answer keeps its
+        place among the others (None: that task answers)."""
         record = self.tier.end_lease(self.peer.session, request.lease, request.report)
-        assert request.damaged is not None
-        await self.tier.check_reported(self.peer.session, record, request.damaged)
-        return m.ReleaseReply(id=request.id)
+        damaged = request.damaged
+        if damaged is None:
+            return m.ReleaseReply(id=request.id)
+
+        async def check(request: m.Release) -> m.ReleaseReply:
+            await self.tier.check_reported(self.peer.session, record, damaged)
+            return m.ReleaseReply(id=request.id)
+
+        self._pause_for(self._answer, check, request)
+        return None
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:
         durable, pending = await self.tier.flush(request.timeout)

@@ -73,7 +73,9 @@ class Adoption:
             durable = {r.id: r for r in self._catalog.durable()}
             gone = durable.keys() - on_disk.keys()
             candidates = {**on_disk, **{i: self._catalog.path_of(durable[i]) for i in gone}}
-            found.blocks |= {b.path for b in self._catalog.blocks if b.durable}  # those gone, too
+            found.blocks |= {
+                b.path for b in self._catalog.block_store if b.durable
+            }  # those gone, too
         else:
             candidates = found.entries
             on_disk = {i: p for i, p in candidates.items() if os.path.lexists(p)}
@@ -96,12 +98,12 @@ class Adoption:
             elif entry_id not in on_disk:
                 log.warning("entry_removed_outside", entry=record.id)
                 self._catalog.drop(record)
-            elif path.parent.name != record.identity:
+            elif path.parent.name != record.digest:
                 # The same name in another identity's folder: not where this entry lives.
                 await self._quarantine.file(path, "a copy of an entry in another identity's folder")
             elif entry_id in modified:
                 await self._recheck(record, path)
-        orphans = self._catalog.blocks.collect_orphans(adopted)
+        orphans = self._catalog.block_store.collect_orphans(adopted)
         if orphans:
             log.info("orphan_blocks_collected", count=orphans)
 
@@ -114,13 +116,13 @@ class Adoption:
             if os.path.lexists(path):
                 log.info("foreign_file_ignored", path=str(path), reason="not a block file")
             return None
-        identity = parts[0]
-        block = self._catalog.blocks.get(identity, block_hash)
+        digest = parts[0]
+        block = self._catalog.block_store.get(digest, block_hash)
         if block is not None and not block.durable:
             return None  # the writer's own, on its way into place
         if not os.path.lexists(path):
             if block is not None and not os.path.lexists(block.path):
-                log.warning("block_removed_outside", block=path.name, identity=identity)
+                log.warning("block_removed_outside", block=path.name, identity=digest)
                 self._writer.bad_block(block, "its file was removed behind the daemon's back")
             return None
         if block is not None and not modified:
@@ -129,7 +131,7 @@ class Adoption:
             header = await anyio.to_thread.run_sync(
                 entry_files.read_block_header, path, self._limits
             )
-            if header.identity != identity:
+            if header.digest != digest:
                 raise EntryFormatError(path.name, Rule.SCHEMA, "its identity is not its folder's")
             if block is not None and header.file_size != block.size:
                 raise EntryFormatError(path.name, Rule.FILE_SIZE, "not the block the store holds")
@@ -138,14 +140,14 @@ class Adoption:
         except (EntryFormatError, OSError) as exc:
             if block is None:
                 await self._quarantine.file(path, str(exc))
-            elif self._catalog.blocks.get(identity, block_hash) is block:
+            elif self._catalog.block_store.get(digest, block_hash) is block:
                 log.warning("block_modified_outside", block=path.name, reason=str(exc))
                 self._writer.bad_block(block, str(exc))
             return None
-        if block is not None or self._catalog.blocks.get(identity, block_hash) is not None:
+        if block is not None or self._catalog.block_store.get(digest, block_hash) is not None:
             return None
         # Held with no ref: the manifests of this batch attach to it, or it is collected.
-        return self._catalog.blocks.adopt(identity, block_hash, header.file_size, path)
+        return self._catalog.block_store.adopt(digest, block_hash, header.file_size, path)
 
     async def _adopt(self, path: Path) -> None:
         try:
@@ -169,7 +171,7 @@ class Adoption:
         except ValueError:  # the same tokens as an indexed entry: a copy under another name
             await self._quarantine.file(path, "a duplicate of another entry")
             return
-        log.info("entry_adopted", entry=record.id, identity=record.identity)
+        log.info("entry_adopted", entry=record.id, identity=record.digest)
 
     async def _recheck(self, record: EntryRecord, path: Path) -> None:
         """An indexed entry's file was modified in place: keep it only if still valid."""
@@ -192,7 +194,7 @@ class Adoption:
         removed = 0
         for folder in folders:
             digest = folder.name
-            if self._catalog.holds(digest) or self._catalog.blocks.identity_bytes(digest):
+            if self._catalog.holds(digest) or self._catalog.block_store.identity_bytes(digest):
                 continue
             if self._writer.writing(digest):
                 continue

@@ -2,7 +2,7 @@
 
 A block is named by its chained hash within its identity (equal hash: equal tokens and equal
 history, interchangeable KV), so manifests that share a prefix share its blocks. The store
-holds, per identity, hash -> Block, and two counts on each:
+holds, per identity (by digest), hash -> Block, and two counts on each:
 
 - refs: the manifests that list it (pending, stored or doomed: a manifest keeps its blocks'
   refs until its own file goes). A lease pins its manifest, so readers need no pins of their
@@ -45,7 +45,7 @@ class Block:
     directory to check that (a block taken from the snapshot); None otherwise."""
 
     hash: bytes
-    identity: str
+    digest: str
     size: int
     path: Path
     refs: int = 0
@@ -67,32 +67,32 @@ class BlockStore:
     def __len__(self) -> int:
         return sum(len(blocks) for blocks in self._blocks.values())
 
-    def get(self, identity: str, block_hash: bytes) -> Block | None:
-        blocks = self._blocks.get(identity)
+    def get(self, digest: str, block_hash: bytes) -> Block | None:
+        blocks = self._blocks.get(digest)
         return None if blocks is None else blocks.get(block_hash)
 
-    def of_identity(self, identity: str) -> Iterator[Block]:
-        return iter(list(self._blocks.get(identity, {}).values()))
+    def of_identity(self, digest: str) -> Iterator[Block]:
+        return iter(list(self._blocks.get(digest, {}).values()))
 
     def __iter__(self) -> Iterator[Block]:
         for blocks in list(self._blocks.values()):
             yield from list(blocks.values())
 
-    def identity_bytes(self, identity: str) -> int:
-        return self._identity_bytes.get(identity, 0)
+    def identity_bytes(self, digest: str) -> int:
+        return self._identity_bytes.get(digest, 0)
 
-    def held(self, identity: str, hashes: Sequence[bytes]) -> int:
+    def count_held(self, digest: str, hashes: Sequence[bytes]) -> int:
         """How many of hashes, from the first on, the store holds (pending or durable)."""
-        blocks = self._blocks.get(identity, {})
+        blocks = self._blocks.get(digest, {})
         for count, block_hash in enumerate(hashes):
             if block_hash not in blocks:
                 return count
         return len(hashes)
 
-    def lacks(self, identity: str, hashes: Sequence[bytes], size: int) -> str | None:
+    def lacks(self, digest: str, hashes: Sequence[bytes], size: int) -> str | None:
         """What keeps a manifest listing hashes, each a file of size bytes, from being served:
         a block the store does not hold, or one of another size; None when nothing does."""
-        known = self._blocks.get(identity, {})  # one lookup per hash: start-up's hot path
+        known = self._blocks.get(digest, {})  # one lookup per hash: start-up's hot path
         for index, block_hash in enumerate(hashes):
             block = known.get(block_hash)
             if block is None:
@@ -107,10 +107,10 @@ class BlockStore:
 
     # --- puts in progress ------------------------------------------------------------------
 
-    def pin(self, identity: str, hashes: Sequence[bytes]) -> list[Block]:
+    def pin(self, digest: str, hashes: Sequence[bytes]) -> list[Block]:
         """A put was told these blocks are held: none is collected until unpin(). KeyError,
         with nothing pinned, unless the store holds each of them."""
-        blocks = [self._require(identity, h) for h in hashes]
+        blocks = [self._require(digest, h) for h in hashes]
         for block in blocks:
             block.pins += 1
         return blocks
@@ -124,13 +124,13 @@ class BlockStore:
     # --- manifests ---------------------------------------------------------------------------
 
     def attach(
-        self, identity: str, hashes: Sequence[bytes], size: int, staged: Mapping[bytes, Path]
+        self, digest: str, hashes: Sequence[bytes], size: int, staged: Mapping[bytes, Path]
     ) -> tuple[Block, ...]:
         """A manifest listing hashes joins: each block gains a ref. A hash the store does not
         hold joins pending at its staging file in staged (size bytes); a staged copy of a hash
         held already is not needed and goes. KeyError, with nothing changed, for a hash
         neither held nor staged. Returns the manifest's blocks in order, for detach()."""
-        known = self._blocks.get(identity, {})
+        known = self._blocks.get(digest, {})
         for block_hash in hashes:
             if block_hash not in known and block_hash not in staged:
                 raise KeyError(f"block {block_hash.hex()} is neither held nor written")
@@ -138,8 +138,8 @@ class BlockStore:
         for block_hash in hashes:
             block = known.get(block_hash)
             if block is None:
-                block = self._join(identity, block_hash, size, staged[block_hash], durable=False)
-                known = self._blocks[identity]
+                block = self._join(digest, block_hash, size, staged[block_hash], durable=False)
+                known = self._blocks[digest]
             block.refs += 1
             listed.append(block)
         for block_hash, path in staged.items():
@@ -159,22 +159,22 @@ class BlockStore:
     # --- files ---------------------------------------------------------------------------------
 
     def adopt(
-        self, identity: str, block_hash: bytes, size: int, path: Path, mtime_ns: int | None = None
+        self, digest: str, block_hash: bytes, size: int, path: Path, mtime_ns: int | None = None
     ) -> Block:
         """A durable block file found on disk (start-up, reconcile), or recorded in the
         snapshot with its mtime_ns, with no ref yet: the manifests that list it attach to it
         next, and collect_orphans() takes the rest. ValueError if the store holds that hash
         already."""
-        if self.get(identity, block_hash) is not None:
-            raise ValueError(f"block {block_hash.hex()} of {identity} is held already")
-        block = self._join(identity, block_hash, size, path, durable=True)
+        if self.get(digest, block_hash) is not None:
+            raise ValueError(f"block {block_hash.hex()} of {digest} is held already")
+        block = self._join(digest, block_hash, size, path, durable=True)
         block.mtime_ns = mtime_ns
         return block
 
     def placed(self, block: Block, path: Path) -> bool:
         """The writer renamed a pending block's file into place: it is durable. False when
         the block was collected meanwhile (the caller then removes the file it placed)."""
-        if self.get(block.identity, block.hash) is not block:
+        if self.get(block.digest, block.hash) is not block:
             return False
         block.path = path
         block.durable = True
@@ -183,7 +183,7 @@ class BlockStore:
     def forget(self, block: Block) -> None:
         """The block's file is gone or was moved aside (quarantined): out of the store, refs
         or not, nothing unlinked. The caller drops the manifests that list it."""
-        if self.get(block.identity, block.hash) is block:
+        if self.get(block.digest, block.hash) is block:
             self._leave(block)
 
     def collect_orphans(self, among: Iterable[Block] | None = None) -> int:
@@ -196,33 +196,33 @@ class BlockStore:
 
     # --- inside --------------------------------------------------------------------------------
 
-    def _require(self, identity: str, block_hash: bytes) -> Block:
-        block = self.get(identity, block_hash)
+    def _require(self, digest: str, block_hash: bytes) -> Block:
+        block = self.get(digest, block_hash)
         if block is None:
-            raise KeyError(f"block {block_hash.hex()} of {identity} is not held")
+            raise KeyError(f"block {block_hash.hex()} of {digest} is not held")
         return block
 
     def _join(
-        self, identity: str, block_hash: bytes, size: int, path: Path, *, durable: bool
+        self, digest: str, block_hash: bytes, size: int, path: Path, *, durable: bool
     ) -> Block:
-        block = Block(block_hash, identity, size, path, durable=durable)
-        self._blocks.setdefault(identity, {})[block_hash] = block
-        self._identity_bytes[identity] = self._identity_bytes.get(identity, 0) + size
+        block = Block(block_hash, digest, size, path, durable=durable)
+        self._blocks.setdefault(digest, {})[block_hash] = block
+        self._identity_bytes[digest] = self._identity_bytes.get(digest, 0) + size
         self.bytes += size
         return block
 
     def _collect_if_free(self, block: Block) -> None:
-        if block.refs or block.pins or self.get(block.identity, block.hash) is not block:
+        if block.refs or block.pins or self.get(block.digest, block.hash) is not block:
             return
         self._leave(block)
         self.collected += 1
         self._deleter.delete(block.path)
 
     def _leave(self, block: Block) -> None:
-        blocks = self._blocks[block.identity]
+        blocks = self._blocks[block.digest]
         del blocks[block.hash]
-        self._identity_bytes[block.identity] -= block.size
+        self._identity_bytes[block.digest] -= block.size
         if not blocks:
-            del self._blocks[block.identity]
-            del self._identity_bytes[block.identity]
+            del self._blocks[block.digest]
+            del self._identity_bytes[block.digest]
         self.bytes -= block.size

@@ -90,7 +90,7 @@ class Catalog:
         self._ids = IdOrder()
         self._clock = itertools.count(1)
         self.deleter = Deleter(dirs.deleting)  # unlinks off the event loop
-        self.blocks = BlockStore(self.deleter)
+        self.block_store = BlockStore(self.deleter)
         self._blocks_of: dict[str, tuple[Block, ...]] = {}  # entry id -> the blocks it keeps
         self.manifest_bytes = 0  # every entry file the tier holds: pending, stored, doomed
         # What those entries would take without shared blocks: each its manifest and blocks.
@@ -120,7 +120,7 @@ class Catalog:
     @property
     def total_bytes(self) -> int:
         """What the tier holds on disk, the byte cap's measure: entry files and unique blocks."""
-        return self.manifest_bytes + self.blocks.bytes
+        return self.manifest_bytes + self.block_store.bytes
 
     def blocks_of(self, record: EntryRecord) -> tuple[Block, ...]:
         """The blocks an entry lists, in order (none for a v1 entry)."""
@@ -131,7 +131,7 @@ class Catalog:
         a block with no ref, and ending once its refs are found (a folder of blocks removed
         at once costs about one walk, as the first blocks' manifests take the others' refs)."""
         found: list[EntryRecord] = []
-        counts = self._identities.get(block.identity)
+        counts = self._identities.get(block.digest)
         if not block.refs or counts is None:
             return found
         for entry_id in counts.ids.after(None):
@@ -200,7 +200,7 @@ class Catalog:
     def path_of(self, record: EntryRecord) -> Path:
         """Where the entry's file is: its place under entries/, unless it is still staged."""
         staged = self._staged.get(record.id)
-        return staged if staged is not None else self.dirs.entry_path(record.identity, record.id)
+        return staged if staged is not None else self.dirs.entry_path(record.digest, record.id)
 
     # --- entries joining and leaving --------------------------------------------------------
 
@@ -212,12 +212,12 @@ class Catalog:
         """Why an entry found on disk cannot join (a block of its missing or of the wrong
         size), or None. A record read from its header learns its block size here, from its
         first block's file."""
-        if not record.blocks:
+        if not record.block_hashes:
             return None
         if not record.block_size:
-            first = self.blocks.get(record.identity, record.blocks[0])
+            first = self.block_store.get(record.digest, record.block_hashes[0])
             record.block_size = 0 if first is None else first.size
-        return self.blocks.lacks(record.identity, record.blocks, record.block_size)
+        return self.block_store.lacks(record.digest, record.block_hashes, record.block_size)
 
     def add(
         self,
@@ -232,9 +232,9 @@ class Catalog:
         KeyError for a block neither held nor staged.
         """
         if record.checkpoint_key is None:
-            index = self._indexes.get(record.identity) or PrefixIndex()
+            index = self._indexes.get(record.digest) or PrefixIndex()
             index.add(record)  # first: one of the two steps that may refuse
-            self._indexes[record.identity] = index
+            self._indexes[record.digest] = index
         try:
             self._join(record, staged_blocks)
         except KeyError:
@@ -263,7 +263,7 @@ class Catalog:
                 refused.append((record, problem))
                 continue
             if record.checkpoint_key is None:
-                prompts.setdefault(record.identity, []).append(record)
+                prompts.setdefault(record.digest, []).append(record)
             joining.append(record)
         duplicates: list[EntryRecord] = []
         for digest, batch in prompts.items():
@@ -276,10 +276,10 @@ class Catalog:
         joined = [record for record in joining if record.id not in refused_ids]
         plain: dict[str, list[EntryRecord]] = {}  # by identity: no blocks, no checkpoint
         for record in joined:
-            if record.blocks or record.checkpoint_key is not None:
+            if record.block_hashes or record.checkpoint_key is not None:
                 self._join(record)  # every block is held: unservable() said so
             else:
-                plain.setdefault(record.identity, []).append(record)
+                plain.setdefault(record.digest, []).append(record)
         for digest, records_of in plain.items():
             self._join_plain(digest, records_of)
         for record in joined:  # in their order across identities: the eviction order
@@ -311,18 +311,16 @@ class Catalog:
     ) -> None:
         """Everything of add() but the prompt index and the eviction order; KeyError, nothing
         changed, for a block neither held nor staged."""
-        if record.blocks:
-            self._blocks_of[record.id] = self.blocks.attach(
-                record.identity, record.blocks, record.block_size, staged_blocks
+        if record.block_hashes:
+            self._blocks_of[record.id] = self.block_store.attach(
+                record.digest, record.block_hashes, record.block_size, staged_blocks
             )
         if record.checkpoint_key is not None:
-            self._checkpoints.setdefault((record.identity, record.checkpoint_key), []).append(
-                record
-            )
+            self._checkpoints.setdefault((record.digest, record.checkpoint_key), []).append(record)
         self._records[record.id] = record
-        counts = self._identities.get(record.identity)
+        counts = self._identities.get(record.digest)
         if counts is None:
-            counts = self._identities[record.identity] = IdentityCounts()
+            counts = self._identities[record.digest] = IdentityCounts()
         counts.count(record, 1)
         counts.ids.add(record.id)
         self._ids.add(record.id)
@@ -354,15 +352,15 @@ class Catalog:
         if record.checkpoint_key is None:
             self._unindex(record)
         else:
-            key = (record.identity, record.checkpoint_key)
+            key = (record.digest, record.checkpoint_key)
             self._checkpoints[key].remove(record)
             if not self._checkpoints[key]:
                 del self._checkpoints[key]
-        counts = self._identities[record.identity]
+        counts = self._identities[record.digest]
         counts.count(record, -1)
         counts.ids.remove(record.id)
         if not counts.entries:
-            del self._identities[record.identity]
+            del self._identities[record.digest]
         self._ids.remove(record.id)
         self.eviction.remove(record)
         if record.leases:
@@ -371,10 +369,10 @@ class Catalog:
             self._delete_file(record)
 
     def _unindex(self, record: EntryRecord) -> None:
-        index = self._indexes[record.identity]
+        index = self._indexes[record.digest]
         index.remove(record)
         if not len(index):
-            del self._indexes[record.identity]
+            del self._indexes[record.digest]
 
     def moved(self, record: EntryRecord, path: Path) -> None:
         """The entry's file is now at path (quarantined): drop() unlinks that, not its place."""
@@ -395,7 +393,7 @@ class Catalog:
             self.deleter.delete(path)
         self.manifest_bytes -= record.nbytes
         self.logical_bytes -= record.logical_bytes
-        self.blocks.detach(self._blocks_of.pop(record.id, ()))
+        self.block_store.detach(self._blocks_of.pop(record.id, ()))
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -408,7 +406,7 @@ class Catalog:
         checked it) is forgotten, its file left for the listing to read again."""
         candidates = [self.path_of(record)]
         if not record.durable:  # the writer may have renamed it a moment ago
-            candidates.append(self.dirs.entry_path(record.identity, record.id))
+            candidates.append(self.dirs.entry_path(record.digest, record.id))
         mtime = None if self._recorded_mtime is None else self._recorded_mtime(record.id)
         for path in candidates:
             try:
@@ -481,7 +479,7 @@ class Catalog:
     def identity_bytes(self, digest: str) -> int:
         """One identity's share of the tier: its entry files and its unique blocks."""
         counts = self._identities.get(digest)
-        return (0 if counts is None else counts.bytes) + self.blocks.identity_bytes(digest)
+        return (0 if counts is None else counts.bytes) + self.block_store.identity_bytes(digest)
 
     def evict_within(self, digest: str, over_bytes: int) -> None:
         """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
@@ -490,7 +488,7 @@ class Catalog:
         target = self.identity_bytes(digest) - over_bytes
 
         def mine(record: EntryRecord) -> bool:
-            return record.identity == digest
+            return record.digest == digest
 
         self._evict_while(lambda: self.identity_bytes(digest) - target, mine)
 
@@ -512,9 +510,9 @@ class Catalog:
     def evicted(self, record: EntryRecord) -> int:
         """Drop an entry by eviction (the cap, or a request), counted as such; its bytes: its
         file's and those of the blocks that went with it (none while it is leased)."""
-        before = self.blocks.bytes
+        before = self.block_store.bytes
         self.counters.evictions += 1
         self.drop(record)
-        freed = record.nbytes + before - self.blocks.bytes
+        freed = record.nbytes + before - self.block_store.bytes
         self.counters.evicted_bytes += freed
         return freed

@@ -54,7 +54,7 @@ def seal_and_check(
             copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
             block = _sealed(path, put.block_size, copy_to, copies)
             try:
-                name = dirs.block_path(digest, put.blocks[index]).name
+                name = dirs.block_path(digest, put.block_hashes[index]).name
                 _check_block_size(block, name, put.block_size)
                 entry_files.verify_block_at(block, name, header, index, limits)
             finally:
@@ -77,7 +77,7 @@ def check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
         problems.append("its tokens differ from the ones declared at put_begin")
     if header.file_size != put.size:
         problems.append(f"its size {header.file_size} differs from the declared {put.size}")
-    if header.blocks != put.blocks or header.block_tokens != put.declared.block_tokens:
+    if header.block_hashes != put.block_hashes or header.block_tokens != put.declared.block_tokens:
         problems.append("its blocks differ from the ones declared at put_begin")
     if problems:
         raise EntryFormatError(put.path.name, Rule.SCHEMA, "; ".join(problems))
@@ -91,7 +91,7 @@ def _check_held(
     take it, with every other manifest listing it. Its head is enough: the block itself
     was checked whole at its own put's commit. One gone since is the caller's to see."""
     name = block_name(block.hash)
-    final = dirs.block_path(block.identity, block.hash)
+    final = dirs.block_path(block.digest, block.hash)
     head = entry_files.held_block_head((block.path, final), name, limits)
     if head is not None:
         check_block(manifest, index, head, name)

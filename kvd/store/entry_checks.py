@@ -74,7 +74,7 @@ class EntryChecks:
         path = self.catalog.path_of(record)
         try:
             header = await anyio.to_thread.run_sync(entry_files.verify_entry, path, self.limits)
-            if header.blocks != record.blocks:
+            if header.block_hashes != record.block_hashes:
                 raise EntryFormatError(path.name, Rule.SCHEMA, "not the blocks the index holds")
         except EntryFormatError as exc:
             if repair and record.id in self.catalog.records:  # not dropped meanwhile
@@ -88,7 +88,7 @@ class EntryChecks:
                     entry_files.verify_block, block.path, name, header, index, self.limits
                 )
             except (EntryFormatError, FileNotFoundError) as exc:
-                if repair and self.catalog.blocks.get(block.identity, block.hash) is block:
+                if repair and self.catalog.block_store.get(block.digest, block.hash) is block:
                     self.writer.bad_block(block, str(exc))  # with every manifest listing it
                 return f"block {index} ({name}): {exc}"
         return None

@@ -193,7 +193,7 @@ class CostPolicy:
 
     def __init__(
         self,
-        prefill_cost: Callable[[str], float] = lambda identity: 1.0,
+        prefill_cost: Callable[[str], float] = lambda digest: 1.0,
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
     ) -> None:
@@ -225,7 +225,7 @@ class CostPolicy:
 
     def worth(self, record: EntryRecord, now: float) -> float:
         idle = max(0.0, now - (record.used_at or record.created))
-        saved = record.token_count * self._prefill_cost(record.identity)
+        saved = record.token_count * self._prefill_cost(record.digest)
         if record.prefill_checkpoint and not record.used_at:
             saved /= PREFILL_CHECKPOINT_DISCOUNT
         return saved / max(1, record.logical_bytes) / (1 + idle / self.HALF_LIFE)

@@ -1,7 +1,7 @@
 """Leases: an entry under lease is never deleted from under its reader.
 
 A lookup hit takes a lease for the connection that asked; release ends it, and so does the end
-of the connection, and so does age: a lease held longer than lease_max_age ends (expire), so
+of the connection, and so does age: a lease older than lease_max_age ends (expire), so
 that a reader that never releases cannot keep entries from eviction for ever (its descriptors
 stay valid: an unlinked file lives while it is open). Leases are indexed by their owner, so a
 connection that closes ends its own leases without a look at anyone else's.
@@ -27,13 +27,13 @@ EXPIRED_REMEMBERED = 4096
 @dataclass(slots=True)
 class Lease:
     record: EntryRecord
-    owner: int  # the connection that holds it
+    owner: int  # the connection it was granted to
     taken: float = field(default_factory=time.monotonic)
     opened: int = 0  # block descriptors handed out on it (open_blocks)
 
 
 class Leases:
-    """Every lease held, by id and by owner."""
+    """Every lease, by id and by owner."""
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
@@ -46,7 +46,8 @@ class Leases:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def held_by(self, owner: int) -> int:
+    def count_of(self, owner: int) -> int:
+        """How many leases owner holds."""
         return len(self._by_owner.get(owner, ()))
 
     def grant(self, owner: int, record: EntryRecord) -> int:

@@ -7,7 +7,7 @@ connection that began it: only that one may commit or abort it, and its end aban
 
 A v2 entry (a manifest) names its blocks' hashes at begin: the longest prefix of them the
 tier holds is held (pinned for the put until it ends, so that no eviction takes them) and
-the engine writes only the blocks after it, into staging files blocks() hands out (made on
+the engine writes only the blocks after it, into staging files block_files() hands out (made on
 first asking, pre-sized; asked again, the same file). At commit every one of those must have
 been handed out; they join the block store with the manifest.
 
@@ -110,7 +110,7 @@ class Puts:
         *,
         prefill_cost: float = 0.0,
     ) -> tuple[Put | None, str | None, int | None]:
-        """A staging file for a new entry (its manifest, for one with blocks: put.held says
+        """A staging file for a new entry (its manifest, for one with blocks: put.held_blocks says
         how many of them the tier holds), or the reason none is needed. The telemetry learns
         the identity's names and the engine's prefill_cost (seconds per token; 0: not
         measured) first.
@@ -119,9 +119,9 @@ class Puts:
         """
         self._telemetry.prefill_reported(identity, prefill_cost)
         digest = identity.digest()
-        blocks = declared.hashes
-        held = self._catalog.blocks.held(digest, blocks)
-        adds = size + (len(blocks) - held) * declared.block_size
+        hashes = declared.hashes
+        held_blocks = self._catalog.block_store.count_held(digest, hashes)
+        adds = size + (len(hashes) - held_blocks) * declared.block_size
         if adds > self._config.max_bytes:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
@@ -153,7 +153,7 @@ class Puts:
         # the taking with no await between), and an eviction while this put waits for room
         # cannot take what was found held. Both are given back if the put goes no further.
         self._take_slot(owner)
-        pinned = self._catalog.blocks.pin(digest, blocks[:held])
+        pinned = self._catalog.block_store.pin(digest, hashes[:held_blocks])
         try:
             _check_held_size(pinned, declared.block_size)
             # Before the engine spends time writing. Not one of the queue's refusals: nothing
@@ -172,7 +172,7 @@ class Puts:
                 self._writer.pulse_changed()
                 raise _staging_error(exc, size) from None
         except BaseException:
-            self._catalog.blocks.unpin(pinned)
+            self._catalog.block_store.unpin(pinned)
             raise
         finally:
             self._give_slot(owner)
@@ -222,11 +222,11 @@ class Puts:
         digest = put.identity.digest()
         adds = put.reserved
         self._catalog.evict_within(digest, self._catalog.identity_bytes(digest) + adds - quota)
-        held = self._catalog.identity_bytes(digest)
-        if held + adds > quota:
+        stored = self._catalog.identity_bytes(digest)
+        if stored + adds > quota:
             raise ProtocolError(
                 ErrorCode.NO_SPACE,
-                f"the quota of {put.identity.model_id} is {quota} bytes: {held} are held "
+                f"the quota of {put.identity.model_id} is {quota} bytes: {stored} are held "
                 f"(leased or pending), no room for {adds} more",
             )
 
@@ -279,13 +279,13 @@ class Puts:
         first+count-1, made (pre-sized) on first asking. Only blocks the tier does not hold
         are the engine's to write: BAD_MESSAGE for a range outside held..n."""
         put = self._owned(owner, put_id)
-        if first < put.held or first + count > len(put.blocks) or count < 1:
+        if first < put.held_blocks or first + count > len(put.block_hashes) or count < 1:
             raise ProtocolError(
                 ErrorCode.BAD_MESSAGE,
                 f"blocks {first}..{first + count - 1} are not put {put_id}'s to write: it "
-                f"writes blocks {put.held}..{len(put.blocks) - 1}",
+                f"writes blocks {put.held_blocks}..{len(put.block_hashes) - 1}",
             )
-        new_blocks = len(put.blocks) - put.held
+        new_blocks = len(put.block_hashes) - put.held_blocks
         if put.handed + count > HANDOUTS_PER_BLOCK * new_blocks:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
@@ -318,7 +318,7 @@ class Puts:
             os.close(fd)
         digest = put.identity.digest()
         for index in indexes:
-            block = self._catalog.blocks.get(digest, put.blocks[index])
+            block = self._catalog.block_store.get(digest, put.block_hashes[index])
             path = put.block_files[index]
             if block is None or block.path != path:
                 self._catalog.deleter.delete(path)
@@ -337,7 +337,7 @@ class Puts:
         """A taken put's bytes leave the staged count (queued now, or gone), and its held
         blocks their pins (a queued manifest keeps them by its refs now)."""
         self.staged_bytes -= put.reserved
-        self._catalog.blocks.unpin(put.pinned)
+        self._catalog.block_store.unpin(put.pinned)
         self._writer.pulse_changed()  # room, for a put that waits for it
 
     def _remove_files(self, put: Put) -> None:
@@ -396,7 +396,9 @@ class Puts:
         """
         queued = False
         try:
-            unwritten = [i for i in range(put.held, len(put.blocks)) if i not in put.block_files]
+            unwritten = [
+                i for i in range(put.held_blocks, len(put.block_hashes)) if i not in put.block_files
+            ]
             if unwritten:
                 raise ProtocolError(
                     ErrorCode.INVALID_ENTRY,
@@ -415,7 +417,10 @@ class Puts:
                 ticket = self._tickets.issue()
                 self._tickets.settle(ticket, "stored", "duplicate")
                 return ticket
-            if self._catalog.blocks.held(digest, put.blocks[: put.held]) < put.held:
+            if (
+                self._catalog.block_store.count_held(digest, put.block_hashes[: put.held_blocks])
+                < put.held_blocks
+            ):
                 raise ProtocolError(
                     ErrorCode.NOT_FOUND,
                     f"{Rule.BLOCK_MISSING.value}: a block held for put {put.id} at put_begin "
@@ -424,7 +429,7 @@ class Puts:
             self._keep_quota(put)
             record = EntryRecord(
                 id=new_entry_id(),
-                identity=digest,
+                digest=digest,
                 tokens=put.tokens,
                 nbytes=put.size,
                 trimmable=lookup_trimmable(header),
@@ -432,14 +437,14 @@ class Puts:
                 created=header.created,
                 last_used=self._catalog.tick(),
                 checkpoint_key=key,
-                blocks=put.blocks,
+                block_hashes=put.block_hashes,
                 block_size=put.block_size,
                 prefill_checkpoint=header.prefill_checkpoint,
             )
-            new_blocks = {put.blocks[i]: path for i, path in put.block_files.items()}
+            new_blocks = {put.block_hashes[i]: path for i, path in put.block_files.items()}
             ticket = self._writer.enqueue(record, put.path, put.reserved, new_blocks)
             queued = True
-            saved = put.held * put.block_size
+            saved = put.held_blocks * put.block_size
             self.dedup_saved_bytes += saved
             self._telemetry.deduplicated(digest, saved)
             return ticket
@@ -472,13 +477,13 @@ class Puts:
 
     def _adopt(self, put: Put, copies: dict[Path, Path]) -> None:
         """The put goes on with the daemon's copies; the client's files (truncated) go."""
-        for held, copy in copies.items():
+        for original, copy in copies.items():
             self.sealed_by_copy += 1
-            self._catalog.deleter.delete(held)
-            if held == put.path:
+            self._catalog.deleter.delete(original)
+            if original == put.path:
                 put.path = copy
             for index, path in put.block_files.items():
-                if path == held:
+                if path == original:
                     put.block_files[index] = copy
 
 

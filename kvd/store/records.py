@@ -20,7 +20,7 @@ Tokens = bytes | memoryview
 class EntryRecord:
     """One entry of the tier.
 
-    identity is Identity.digest(); tokens are the packed token ids (Tokens); nbytes is the
+    digest is its Identity.digest(); tokens are the packed token ids (Tokens); nbytes is the
     file's size. min_reuse: the entry may not be trimmed below this many tokens. last_used is
     a logical clock value (larger = more recent), never a wall-clock time, so that two uses
     never tie. durable: stored and fsynced, rather than still pending in the write-behind queue.
@@ -34,7 +34,7 @@ class EntryRecord:
     """
 
     id: str
-    identity: str
+    digest: str
     tokens: Tokens
     nbytes: int
     trimmable: bool
@@ -45,7 +45,7 @@ class EntryRecord:
     leases: int = 0
     checkpoint_key: str | None = None
     used_at: float = 0.0
-    blocks: tuple[bytes, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
     block_size: int = 0
     prefill_checkpoint: bool = False
 
@@ -56,7 +56,7 @@ class EntryRecord:
     @property
     def logical_bytes(self) -> int:
         """What the entry takes stored alone: its file and each of its blocks."""
-        return self.nbytes + len(self.blocks) * self.block_size
+        return self.nbytes + len(self.block_hashes) * self.block_size
 
 
 def lookup_trimmable(header: EntryHeader) -> bool:
@@ -71,7 +71,7 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
     blocks' files' size, which the tier learns from them)."""
     return EntryRecord(
         id=entry_id,
-        identity=header.identity.digest(),
+        digest=header.identity.digest(),
         tokens=header.tokens,
         nbytes=header.file_size,
         trimmable=lookup_trimmable(header),
@@ -80,6 +80,6 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
         last_used=last_used,
         durable=True,
         checkpoint_key=header.checkpoint.key if header.checkpoint else None,
-        blocks=header.blocks,
+        block_hashes=header.block_hashes,
         prefill_checkpoint=header.prefill_checkpoint,
     )

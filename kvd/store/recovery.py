@@ -33,7 +33,7 @@ from kvd.store.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX, TierDir
 class FoundBlock:
     """A valid block file under an identity's blocks folder."""
 
-    identity: str
+    digest: str
     hash: bytes
     size: int
     path: Path
@@ -102,7 +102,7 @@ def list_against(
             entry_id = entry.name[: -len(ENTRY_SUFFIX)]
             row = rows.get(entry_id)
             try:
-                if row is not None and known.records[row].identity == folder.name:
+                if row is not None and known.records[row].digest == folder.name:
                     if unchanged:
                         matched[row] = 1
                         continue
@@ -136,7 +136,7 @@ def list_against(
 
 def _scan_blocks(
     folder: os.DirEntry[str],
-    identity: str,
+    digest: str,
     known: dict[tuple[str, bytes], BlockRow],
     limits: Limits,
     invalid: list[tuple[Path, str]],
@@ -153,17 +153,17 @@ def _scan_blocks(
             continue
         try:
             info = entry.stat(follow_symlinks=False)
-            row = known.get((identity, block_hash))
+            row = known.get((digest, block_hash))
             if row is None or (row.size, row.mtime_ns) != (info.st_size, info.st_mtime_ns):
                 try:
                     block = read_block_header(path, limits)
                 except EntryFormatError as exc:
                     invalid.append((path, str(exc)))
                     continue
-                if block.identity != identity:
+                if block.digest != digest:
                     invalid.append((path, "its identity does not match its folder"))
                     continue
         except FileNotFoundError:  # collected meanwhile, by a daemon serving already
             continue
-        found.append(FoundBlock(identity, block_hash, info.st_size, path))
+        found.append(FoundBlock(digest, block_hash, info.st_size, path))
     return found

@@ -72,7 +72,7 @@ _FLAGS = ("trimmable", "prefill_checkpoint")
 class BlockRow:
     """One durable block as the snapshot remembers it."""
 
-    identity: str
+    digest: str
     hash: bytes
     size: int
     mtime_ns: int
@@ -119,10 +119,10 @@ def save_snapshot(
             continue
     rows.sort(key=lambda row: row[1].last_used)  # least recently used first: start-up's order
     records = [record for _, record in rows]
-    identities = sorted({r.identity for r in records})
+    identities = sorted({r.digest for r in records})
     number = {digest: i for i, digest in enumerate(identities)}
     integers = {
-        "identity": [number[r.identity] for r in records],
+        "identity": [number[r.digest] for r in records],
         "token_bytes": [len(r.tokens) for r in records],
         "nbytes": [r.nbytes for r in records],
         "mtime_ns": [mtime_ns for mtime_ns, _ in rows],
@@ -135,7 +135,7 @@ def save_snapshot(
             mtime_ns = block.path.stat().st_mtime_ns
         except FileNotFoundError:
             continue
-        block_rows.append([block.identity, block.hash, block.size, mtime_ns])
+        block_rows.append([block.digest, block.hash, block.size, mtime_ns])
     head: dict[str, object] = {
         "version": VERSION,
         "identities": identities,
@@ -143,7 +143,9 @@ def save_snapshot(
         "ids": [r.id for r in records],
         "checkpoints": {i: r.checkpoint_key for i, r in enumerate(records) if r.checkpoint_key},
         "manifests": {
-            i: [b"".join(r.blocks), r.block_size] for i, r in enumerate(records) if r.blocks
+            i: [b"".join(r.block_hashes), r.block_size]
+            for i, r in enumerate(records)
+            if r.block_hashes
         },
         "blocks": block_rows,
         "trimmable": bytes(r.trimmable for r in records),
@@ -267,11 +269,11 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
     for row, (hashes, block_size) in manifests.items():
         if not (isinstance(hashes, bytes) and isinstance(block_size, int)):
             raise ValueError("a block list of the wrong types")
-        records[row].blocks, records[row].block_size = split_hashes(hashes), block_size
+        records[row].block_hashes, records[row].block_size = split_hashes(hashes), block_size
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")
-    return Snapshot(records, columns["mtime_ns"], {(b.identity, b.hash): b for b in blocks})
+    return Snapshot(records, columns["mtime_ns"], {(b.digest, b.hash): b for b in blocks})
 
 
 def _flags(column: object, count: int) -> bytes:
@@ -288,16 +290,16 @@ def _sequence(value: object) -> tuple[object, ...]:
 
 
 def _block_row(row: object) -> BlockRow:
-    identity, block_hash, size, mtime_ns = _sequence(row)
+    digest, block_hash, size, mtime_ns = _sequence(row)
     if not (
-        isinstance(identity, str)
+        isinstance(digest, str)
         and isinstance(block_hash, bytes)
         and len(block_hash) == HASH_BYTES
         and isinstance(size, int)
         and isinstance(mtime_ns, int)
     ):
         raise ValueError("a block row of the wrong types")
-    return BlockRow(sys.intern(identity), block_hash, size, mtime_ns)
+    return BlockRow(sys.intern(digest), block_hash, size, mtime_ns)
 
 
 def _pack(column: array[Number]) -> bytes:

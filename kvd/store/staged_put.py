@@ -43,7 +43,7 @@ class Put:
     handed: int = 0  # block descriptors handed out (block_files)
 
     @property
-    def blocks(self) -> tuple[bytes, ...]:
+    def block_hashes(self) -> tuple[bytes, ...]:
         return self.declared.hashes
 
     @property
@@ -51,10 +51,11 @@ class Put:
         return self.declared.block_size
 
     @property
-    def held(self) -> int:
+    def held_blocks(self) -> int:
+        """How many of its leading blocks the tier held at put_begin (pinned for it)."""
         return len(self.pinned)
 
     @property
     def reserved(self) -> int:
         """The bytes the put will add: its manifest and the blocks the tier does not hold."""
-        return self.size + (len(self.blocks) - self.held) * self.block_size
+        return self.size + (len(self.block_hashes) - self.held_blocks) * self.block_size

@@ -177,10 +177,10 @@ class IdentityTelemetry:
 
 class Telemetry:
     """Every identity's telemetry, by digest, least recently seen first, and the tier's bytes
-    written in the last day. held(digest): whether the identity has entries (then it is
+    written in the last day. has_entries(digest): whether the identity has entries (then it is
     never forgotten); by default none has."""
 
-    def __init__(self, held: Callable[[str], bool] = lambda digest: False) -> None:
+    def __init__(self, has_entries: Callable[[str], bool] = lambda digest: False) -> None:
         self.identities: OrderedDict[str, IdentityTelemetry] = OrderedDict()
         # model id -> the digests of its identities known here (a miss's look at the others)
         self.by_model: dict[str, set[str]] = {}
@@ -194,7 +194,7 @@ class Telemetry:
         self.prefill_checkpoint_hits = 0
         self.prefill_checkpoint_restored_tokens = 0
         self.forgotten = 0  # identities whose telemetry was forgotten
-        self._held = held
+        self._has_entries = has_entries
         self._reported_costs: dict[str, float] = {}  # digest -> its prefill cost, if reported
         self._cost_sum = 0.0
         self._mean_cost = DEFAULT_PREFILL_COST
@@ -213,7 +213,7 @@ class Telemetry:
     def _forget_idle(self) -> None:
         """Forget the least recently seen identities with no entry beyond IDLE_IDENTITIES.
         O(identities), run once every IDLE_IDENTITIES new ones at most."""
-        idle = [digest for digest in self.identities if not self._held(digest)]
+        idle = [digest for digest in self.identities if not self._has_entries(digest)]
         for digest in idle[: max(0, len(idle) - IDLE_IDENTITIES)]:
             self._unlist(digest, self.identities.pop(digest).identity)
             self._changes += 1

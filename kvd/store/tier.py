@@ -74,7 +74,7 @@ class Tier:
         self.limits = limits
         self.dirs = TierDir(config.dir)
         # A lambda: the catalog is made next, with the eviction policy that reads the telemetry.
-        self.telemetry = Telemetry(held=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
+        self.telemetry = Telemetry(has_entries=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
         eviction = EVICTION_POLICIES[config.eviction_policy](self.telemetry.prefill_cost)
         self.catalog = Catalog(self.dirs, eviction)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
@@ -126,10 +126,10 @@ class Tier:
         self.catalog.deleter.reap()
         known = await anyio.to_thread.run_sync(snapshot.load_snapshot, self.dirs.snapshot)
         if known.records or known.blocks:
-            blocks = self.catalog.blocks
+            blocks = self.catalog.block_store
             for row in known.blocks.values():
-                path = self.dirs.block_path(row.identity, row.hash)
-                blocks.adopt(row.identity, row.hash, row.size, path, row.mtime_ns)
+                path = self.dirs.block_path(row.digest, row.hash)
+                blocks.adopt(row.digest, row.hash, row.size, path, row.mtime_ns)
             self.catalog.expect_mtimes(known.mtime_of)
             self._unchecked = known
             await self._index(known.records)
@@ -175,12 +175,12 @@ class Tier:
             for record in itertools.compress(known.records, map(operator.not_, listed.matched)):
                 if catalog.records.get(record.id) is record:
                     catalog.forget(record)
-            present = {(b.identity, b.hash): b.size for b in listed.blocks}
-            for block in list(catalog.blocks):
+            present = {(b.digest, b.hash): b.size for b in listed.blocks}
+            for block in list(catalog.block_store):
                 if block.mtime_ns is None:
                     continue
                 block.mtime_ns = None
-                size = present.get((block.identity, block.hash))
+                size = present.get((block.digest, block.hash))
                 if size != block.size:
                     why = "its file is gone" if size is None else f"its file is now {size} bytes"
                     self.writer.bad_block(block, why)
@@ -195,10 +195,10 @@ class Tier:
         """Index what a listing found beside the snapshot's rows; the tier is opened."""
         for path, reason in listed.invalid:
             await self.quarantine.file(path, reason)
-        blocks = self.catalog.blocks
+        blocks = self.catalog.block_store
         for block in listed.blocks:
-            if blocks.get(block.identity, block.hash) is None:
-                blocks.adopt(block.identity, block.hash, block.size, block.path)
+            if blocks.get(block.digest, block.hash) is None:
+                blocks.adopt(block.digest, block.hash, block.size, block.path)
         await self._index(listed.found)
         orphans = blocks.collect_orphans()  # of puts a crash cut off
         log.info(
@@ -247,7 +247,7 @@ class Tier:
             log.info("snapshot_skipped", reason="start-up's listing has not ended")
             return
         records = list(self.catalog.durable())
-        blocks = [b for b in self.catalog.blocks if b.durable]
+        blocks = [b for b in self.catalog.block_store if b.durable]
         version = self.catalog.version
         count = await anyio.to_thread.run_sync(self._write_snapshot, records, blocks)
         if count is None:
@@ -258,7 +258,7 @@ class Tier:
     def _write_snapshot(self, records: list[EntryRecord], blocks: list[Block]) -> int | None:
         """Blocking: the rows written, or None when the floor forbade it."""
         estimate = sum(
-            len(r.tokens) + len(r.blocks) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
+            len(r.tokens) + len(r.block_hashes) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
         )
         estimate += len(blocks) * SNAPSHOT_ROW_BYTES
         try:
@@ -269,7 +269,7 @@ class Tier:
             log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
             return None
         # Durable entries are never staged: each file is at its place under entries/.
-        rows = [(self.dirs.entry_path(r.identity, r.id), r) for r in records]
+        rows = [(self.dirs.entry_path(r.digest, r.id), r) for r in records]
         return snapshot.save_snapshot(self.dirs.snapshot, rows, blocks)
 
     async def snapshot_periodically(self, every: float) -> None:
@@ -488,7 +488,7 @@ class Tier:
     def _open_block(self, block: Block) -> int | None:
         candidates = [block.path]
         if not block.durable:  # the writer may have placed it a moment ago
-            candidates.append(self.dirs.block_path(block.identity, block.hash))
+            candidates.append(self.dirs.block_path(block.digest, block.hash))
         for path in candidates:
             try:
                 return entry_files.open_entry(path, block.size, block.mtime_ns)
@@ -503,7 +503,7 @@ class Tier:
             except OSError as exc:  # EIO, or out of descriptors: not now, the block kept
                 log.warning("block_unreadable", block=block.hash.hex(), error=str(exc))
                 return None
-        if self.catalog.blocks.get(block.identity, block.hash) is block:
+        if self.catalog.block_store.get(block.digest, block.hash) is block:
             self.writer.bad_block(block, "its file is gone")
         return None
 
@@ -534,7 +534,7 @@ class Tier:
         return len(records)
 
     def _check_leases(self, owner: int) -> None:
-        if self.leases.held_by(owner) >= self.config.max_leases:
+        if self.leases.count_of(owner) >= self.config.max_leases:
             raise ProtocolError(
                 ErrorCode.OVER_LIMIT,
                 f"{self.config.max_leases} leases held on this connection: release some first",
@@ -547,7 +547,7 @@ class Tier:
         telemetry."""
         record = self.leases.release(owner, lease_id)
         if report is not None:
-            self.telemetry.restored(record.identity, report)
+            self.telemetry.restored(record.digest, report)
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
@@ -589,7 +589,7 @@ class Tier:
     def identity_of(self, entry: str) -> str | None:
         """The digest of the identity of the entry by id; None without such an entry."""
         record = self.catalog.records.get(entry)
-        return None if record is None else record.identity
+        return None if record is None else record.digest
 
     def close_session(self, owner: int) -> None:
         """A connection ended: its leases end and its uncommitted staging files go."""
@@ -630,7 +630,7 @@ def summary(record: EntryRecord) -> EntrySummary:
     """An entry as a lookup or a list page shows it."""
     return EntrySummary(
         id=record.id,
-        identity=record.identity,
+        identity=record.digest,
         tokens=record.token_count,
         bytes=record.logical_bytes,  # what restoring it reads: its file and its blocks
         trimmable=record.trimmable,

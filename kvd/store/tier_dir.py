@@ -2,8 +2,8 @@
 
 <dir>/lock                          held (flock) by the running daemon
 <dir>/staging/<put>.tmp              files being written by engines; reaped at start
-<dir>/entries/<identity>/<id>.kve    durable entries, one folder per identity digest
-<dir>/entries/<identity>/blocks/<hash>.kvb   their shared blocks (format v2), by hash
+<dir>/entries/<digest>/<id>.kve      durable entries, one folder per identity, named by its digest
+<dir>/entries/<digest>/blocks/<hash>.kvb   their shared blocks (format v2), by hash
 <dir>/quarantine/<id>.kve            files that failed validation, capped in bytes
 <dir>/deleting/<random>.gone         files taken out of the tier, being unlinked (deleter.py)
 <dir>/index.snapshot                 the index as of the last snapshot (a start-up shortcut)
@@ -53,14 +53,14 @@ class TierDir:
     def snapshot(self) -> Path:
         return self.root / "index.snapshot"
 
-    def entry_path(self, identity: str, entry_id: str) -> Path:
-        return self.entries / identity / f"{entry_id}{ENTRY_SUFFIX}"
+    def entry_path(self, digest: str, entry_id: str) -> Path:
+        return self.entries / digest / f"{entry_id}{ENTRY_SUFFIX}"
 
-    def blocks_folder(self, identity: str) -> Path:
-        return self.entries / identity / BLOCKS_FOLDER
+    def blocks_folder(self, digest: str) -> Path:
+        return self.entries / digest / BLOCKS_FOLDER
 
-    def block_path(self, identity: str, block_hash: bytes) -> Path:
-        return self.blocks_folder(identity) / block_name(block_hash)
+    def block_path(self, digest: str, block_hash: bytes) -> Path:
+        return self.blocks_folder(digest) / block_name(block_hash)
 
     def staging_path(self, name: str) -> Path:
         return self.staging / f"{name}{STAGING_SUFFIX}"

@@ -56,7 +56,7 @@ def tier_report(
         "unique_bytes": unique,
         "logical_bytes": catalog.logical_bytes,
         "dedup_ratio": round(catalog.logical_bytes / unique, 3) if unique else 1.0,
-        "blocks": {"count": len(catalog.blocks), "bytes": catalog.blocks.bytes},
+        "blocks": {"count": len(catalog.block_store), "bytes": catalog.block_store.bytes},
         "dedup_saved_bytes": puts.dedup_saved_bytes,
         "max_bytes": config.max_bytes,
         "min_free_bytes": config.min_free,
@@ -149,7 +149,7 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
                 "name": named[digest],
                 "entries": entries.get(digest, 0),
                 "bytes": size[digest],
-                "block_bytes": catalog.blocks.identity_bytes(digest),
+                "block_bytes": catalog.block_store.identity_bytes(digest),
                 **_telemetry_report(telemetry, digest),
                 "prefill_checkpoints": _prefill_checkpoints(
                     [held[digest]] if digest in held else [],

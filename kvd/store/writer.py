@@ -83,7 +83,7 @@ class Writer:
         """Whether the entry being made durable now is of that identity (its folders may be
         made by the writer's thread at any moment)."""
         item = self.queue.in_flight
-        return item is not None and item.payload.record.identity == digest
+        return item is not None and item.payload.record.digest == digest
 
     def pulse_changed(self) -> None:
         self._changed.set()
@@ -182,7 +182,7 @@ class Writer:
 
     async def _write(self, item: WriteItem[Queued]) -> None:
         record, staging = item.payload.record, item.payload.staging
-        final = self._catalog.dirs.entry_path(record.identity, record.id)
+        final = self._catalog.dirs.entry_path(record.digest, record.id)
         try:
             await self._write_blocks(item.payload)
             await anyio.to_thread.run_sync(entry_files.persist, staging, final)
@@ -201,13 +201,13 @@ class Writer:
         placed: list[Block] = []
         try:
             for block in pending:
-                final = dirs.block_path(record.identity, block.hash)
+                final = dirs.block_path(record.digest, block.hash)
                 try:
                     await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
                 except OSError as exc:
                     self._unsynced([block], str(exc), but=record)
                     raise
-                if not self._catalog.blocks.placed(block, final):
+                if not self._catalog.block_store.placed(block, final):
                     entry_files.unlink_quietly(final)  # collected while it was being placed
                 else:
                     placed.append(block)
@@ -223,7 +223,7 @@ class Writer:
             return
         try:
             for folder in (
-                self._catalog.dirs.blocks_folder(record.identity),
+                self._catalog.dirs.blocks_folder(record.digest),
                 self._catalog.dirs.staging,
             ):
                 await anyio.to_thread.run_sync(sync_directory, folder)
@@ -254,7 +254,7 @@ class Writer:
         lists it out of the tier (but: the caller's, failed by the caller)."""
         catalog = self._catalog
         listing = catalog.listing(block)
-        catalog.blocks.forget(block)
+        catalog.block_store.forget(block)
         why = f"{Rule.BLOCK_MISSING.value}: block {block.hash.hex()}: {reason}"
         for record in listing:
             if record.durable:
@@ -273,7 +273,7 @@ class Writer:
         if outcome is Outcome.STORED:
             written = record.nbytes + item.payload.blocks_written
             self._catalog.counters.bytes_written += written
-            self._telemetry.stored(record.identity, written, time.time())
+            self._telemetry.stored(record.digest, written, time.time())
             if not self._stored(record, item.ticket):
                 state, reason = "dropped", self._evicted_at_once()
         else:
@@ -288,7 +288,7 @@ class Writer:
         if record.id not in catalog.records and not catalog.is_doomed(record.id):
             # Dropped while its write was under way (superseded, forgotten): its bytes left
             # the count then, but the rename may have beaten that unlink of the staging file.
-            entry_files.unlink_quietly(catalog.dirs.entry_path(record.identity, record.id))
+            entry_files.unlink_quietly(catalog.dirs.entry_path(record.digest, record.id))
             return True
         catalog.placed(record)
         if catalog.is_doomed(record.id):
@@ -312,14 +312,14 @@ class Writer:
         """
         catalog = self._catalog
         if record.checkpoint_key is not None:
-            older = catalog.checkpoints(record.identity, record.checkpoint_key)
+            older = catalog.checkpoints(record.digest, record.checkpoint_key)
             for previous in [r for r in older if r is not record and r.durable]:
                 catalog.counters.superseded += 1
                 catalog.drop(previous)
             return
         if not record.trimmable:
             return
-        index = catalog.index(record.identity)
+        index = catalog.index(record.digest)
         assert index is not None  # record is in it
         for ancestor in index.ancestors(record.tokens):
             if ancestor.token_count < record.min_reuse:

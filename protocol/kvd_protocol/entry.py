@@ -245,7 +245,7 @@ def _draft(
     limits: Limits,
     version: int = FORMAT_VERSION,
     block_tokens: int = 0,
-    blocks: tuple[bytes, ...] = (),
+    block_hashes: tuple[bytes, ...] = (),
 ) -> EntryHeader:
     """The header of an entry holding tensors of these shapes, slots relative to data start
     and unchecksummed; data_start is still 0 and file_size the data's size."""
@@ -271,7 +271,7 @@ def _draft(
         data_start=0,
         file_size=align_up(cursor),  # the data's size, until placed
         block_tokens=block_tokens,
-        blocks=blocks,
+        block_hashes=block_hashes,
         version=version,
     )
 
@@ -334,7 +334,7 @@ class ManifestPlan:
         sums = iter(checksums)
         return BlockHeader(
             hash=self.hashes[index],
-            identity=header.identity.digest(),
+            digest=header.identity.digest(),
             parent=self.hashes[index - 1] if index else ZERO_HASH,
             tokens=header.tokens[index * step : (index + 1) * step],
             layers=tuple(_placed(slots, sums, 0) for slots in self.block_layers),
@@ -401,7 +401,7 @@ def plan_manifest(
         meta=meta,
         limits=limits,
         block_tokens=block_tokens,
-        blocks=hashes,
+        block_hashes=hashes,
         version=MANIFEST_VERSION,
     )
     entry = _placed_plan(draft, limits)
@@ -434,7 +434,7 @@ def _block_plan(
         relative.append(slots)
     draft = BlockHeader(
         hash=hashes[0],
-        identity=entry.header.identity.digest(),
+        digest=entry.header.identity.digest(),
         parent=ZERO_HASH,
         tokens=entry.header.tokens[: block_tokens * TOKEN_BYTES],
         layers=tuple(relative),

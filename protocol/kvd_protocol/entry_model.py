@@ -133,7 +133,7 @@ class EntryHeader:
     data_start: int
     file_size: int
     block_tokens: int = 0  # version 2: tokens per block; 0 when it has no blocks
-    blocks: tuple[bytes, ...] = ()  # version 2: the hashes of its token_count // block_tokens
+    block_hashes: tuple[bytes, ...] = ()  # version 2: the hashes of its token_count // block_tokens
     version: int = FORMAT_VERSION
 
     @property
@@ -284,7 +284,7 @@ def _header_map(header: EntryHeader) -> dict[str, Any]:
     }
     if header.version >= MANIFEST_VERSION:
         found["block_tokens"] = header.block_tokens
-        found["blocks"] = b"".join(header.blocks)
+        found["blocks"] = b"".join(header.block_hashes)
     return found
 
 
@@ -335,7 +335,7 @@ class BlockHeader:
     """A parsed (or planned) block file header: one block's rows of every blocked layer."""
 
     hash: bytes  # xxh3_128(parent || tokens): the block's name
-    identity: str  # the identity digest of the entries it belongs to
+    digest: str  # the identity digest of the entries it belongs to
     parent: bytes  # the previous block's hash; ZERO_HASH for a first block
     tokens: bytes  # exactly block_tokens packed u32 tokens
     layers: tuple[tuple[Slot, ...], ...]  # the slots of each blocked layer, in order
@@ -356,7 +356,7 @@ def encode_block_header(block: BlockHeader) -> bytes:
     """The msgpack header bytes of a block file."""
     return _pack(
         {
-            "identity": block.identity,
+            "identity": block.digest,
             "parent": block.parent,
             "tokens": block.tokens,
             "layers": [{"slots": _slot_maps(slots)} for slots in block.layers],

@@ -216,17 +216,17 @@ def check_block(manifest: EntryHeader, index: int, block: BlockHeader, name: str
 
 
 def _block_mismatch(manifest: EntryHeader, index: int, block: BlockHeader) -> str | None:
-    if not 0 <= index < len(manifest.blocks):
-        return f"the manifest lists {len(manifest.blocks)} blocks"
-    if block.hash != manifest.blocks[index]:
-        return f"hash {block.hash.hex()}, listed {manifest.blocks[index].hex()}"
-    if block.parent != (manifest.blocks[index - 1] if index else ZERO_HASH):
+    if not 0 <= index < len(manifest.block_hashes):
+        return f"the manifest lists {len(manifest.block_hashes)} blocks"
+    if block.hash != manifest.block_hashes[index]:
+        return f"hash {block.hash.hex()}, listed {manifest.block_hashes[index].hex()}"
+    if block.parent != (manifest.block_hashes[index - 1] if index else ZERO_HASH):
         return "another parent"
     step = manifest.block_tokens * TOKEN_BYTES
     if block.tokens != manifest.tokens[index * step : (index + 1) * step]:
         return "other tokens"
-    if block.identity != manifest.identity.digest():
-        return f"identity {block.identity}, the manifest's is {manifest.identity.digest()}"
+    if block.digest != manifest.identity.digest():
+        return f"identity {block.digest}, the manifest's is {manifest.identity.digest()}"
     blocked = [layer.slots for layer in manifest.layers if layer.blocked]
     if len(block.layers) != len(blocked):
         return f"{len(block.layers)} layers for {len(blocked)} blocked layers"
@@ -282,7 +282,7 @@ class BlockHeads:
         size; else None. A block that passes is the model with those values: a restore reads
         it by the model's slots, and builds no header of its own."""
         manifest = self._manifest
-        if not 0 <= index < len(manifest.blocks) or file_size != self._model.file_size:
+        if not 0 <= index < len(manifest.block_hashes) or file_size != self._model.file_size:
             return None
         head = bytes(memoryview(data)[: self.length])
         if len(head) != self.length:
@@ -292,7 +292,7 @@ class BlockHeads:
             CHECKSUMMED_PREFIX_BYTES:PREFIX_BYTES
         ]
         expected[self._parent_at : self._parent_at + HASH_BYTES] = (
-            manifest.blocks[index - 1] if index else ZERO_HASH
+            manifest.block_hashes[index - 1] if index else ZERO_HASH
         )
         step = self._step
         expected[self._tokens_at : self._tokens_at + step] = manifest.tokens[
@@ -391,7 +391,7 @@ def _entry_header(obj: object, prefix: Prefix, limits: Limits) -> EntryHeader:
         data_start=prefix.data_start,
         file_size=prefix.file_size,
         block_tokens=block_tokens,
-        blocks=blocks,
+        block_hashes=blocks,
         version=prefix.version,
     )
 
@@ -456,9 +456,9 @@ def _manifest_blocks(
 
 def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
     raw = schema.fields(obj, "block header", _BLOCK_FIELDS)
-    identity = schema.text(raw["identity"], "identity", limits.max_name_bytes)
-    if not is_hex_digest(identity, _DIGEST_BYTES):
-        raise schema.SchemaError(f"identity: {identity[:64]!r} is not an identity digest")
+    digest = schema.text(raw["identity"], "identity", limits.max_name_bytes)
+    if not is_hex_digest(digest, _DIGEST_BYTES):
+        raise schema.SchemaError(f"identity: {digest[:64]!r} is not an identity digest")
     parent = schema.binary(raw["parent"], "parent", HASH_BYTES)
     if len(parent) != HASH_BYTES:
         raise schema.SchemaError(f"parent: {len(parent)} bytes, not {HASH_BYTES}")
@@ -477,7 +477,7 @@ def _block_header(obj: object, prefix: Prefix, limits: Limits) -> BlockHeader:
     _check_no_overlap(slot for slots in layers for slot in slots)
     return BlockHeader(
         hash=block_hash(parent, tokens),
-        identity=identity,
+        digest=digest,
         parent=parent,
         tokens=tokens,
         layers=tuple(layers),

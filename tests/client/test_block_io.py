@@ -295,7 +295,7 @@ def test_a_manifest_and_its_blocks_restore_every_tensor(
     entry, blocks, arrays = stored
     header = entry.header
     assert header.block_tokens == BLOCK
-    assert len(header.blocks) == 3
+    assert len(header.block_hashes) == 3
     assert [layer.blocked for layer in header.layers] == [True, False, True]
     assert [slot.shape[2] for slot in header.slots] == [5, 5, 8, 5, 5]  # tails; the ring whole
     targets = _restored(entry, blocks, [2, 0, 1])  # any order: each block has its place

@@ -17,7 +17,7 @@ import mlx.core as mx
 from daemon_process import Daemon
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from kvd_protocol.blocks import BLOCK_SUFFIX, block_hashes, block_name
 from kvd_protocol.entry import PREFIX
@@ -53,7 +53,7 @@ def _version(path: Path) -> int:
     return version
 
 
-def _stored(client: Client, identity: Identity, tokens: list[int], cache: list[Any]) -> None:
+def _stored(client: Client, identity: EngineIdentity, tokens: list[int], cache: list[Any]) -> None:
     assert client.put(identity, tokens, cache).wait(SETTLE_SECONDS) == TicketState("stored")
 
 
@@ -66,9 +66,9 @@ def _stored_conversations(
     *,
     caches: Callable[[Any], list[Any]] = make_prompt_cache,
     block_tokens: int = BLOCK,
-) -> Iterator[tuple[Client, Identity, list[list[int]]]]:
+) -> Iterator[tuple[Client, EngineIdentity, list[list[int]]]]:
     """A client that has stored count conversations of model under identity tiny/name."""
-    identity = Identity(f"tiny/{name}", "cfg", "tok")
+    identity = EngineIdentity(f"tiny/{name}", "cfg", "tok")
     conversations = _conversations(count)
     with Client.connect(daemon.socket_path, require=True, block_tokens=block_tokens) as client:
         for tokens in conversations:
@@ -93,7 +93,7 @@ def test_conversations_sharing_a_prefix_write_it_once_and_each_continues_exactly
     daemon: Daemon,
 ) -> None:
     model = tiny_llama()
-    identity = Identity("tiny/shared", "cfg", "tok")
+    identity = EngineIdentity("tiny/shared", "cfg", "tok")
     conversations = _conversations()
     with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
         assert BLOCKS_FEATURE in client._link.server.features  # type: ignore[union-attr]
@@ -139,7 +139,7 @@ def test_a_shorter_match_is_restored_from_the_blocks_it_needs_and_trimmed(daemon
 
 def test_a_prompt_of_more_blocks_than_one_batch_restores_exactly(daemon: Daemon) -> None:
     model = tiny_llama()
-    identity = Identity("tiny/long", "cfg", "tok")
+    identity = EngineIdentity("tiny/long", "cfg", "tok")
     tokens = prompt((MAX_BLOCK_BATCH + 6) * BLOCK + 5, seed=3)  # a second batch of six blocks
     with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
         _stored(client, identity, tokens, prefill(model, tokens))
@@ -203,7 +203,7 @@ def test_against_a_daemon_that_offers_no_blocks_the_client_writes_whole_entries(
     daemon: Daemon,
 ) -> None:
     model = tiny_llama()
-    identity = Identity("tiny/no-feature", "cfg", "tok")
+    identity = EngineIdentity("tiny/no-feature", "cfg", "tok")
     [tokens] = _conversations(1)
     with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
         link = client._link
@@ -252,7 +252,7 @@ def test_sliding_window_layers_stay_whole_in_the_manifest_beside_blocked_ones(
 
 def test_the_async_client_shares_blocks_alike(daemon: Daemon) -> None:
     model = tiny_llama()
-    identity = Identity("tiny/async", "cfg", "tok")
+    identity = EngineIdentity("tiny/async", "cfg", "tok")
     conversations = _conversations(2)
 
     async def run() -> list[Any]:

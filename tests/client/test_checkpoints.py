@@ -8,12 +8,12 @@ from typing import cast
 import mlx.core as mx
 from daemon_process import Daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from kvd_protocol import Checkpoint
 from tiny_models import greedy, prefill, prompt, tiny_lfm2, tiny_llama
 
-IDENTITY = Identity("tiny/checkpointed", "cfg", "tok")
+IDENTITY = EngineIdentity("tiny/checkpointed", "cfg", "tok")
 KEY = "request-42"
 
 

@@ -14,7 +14,7 @@ import pytest
 from daemon_process import Daemon
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
 from kvd_client.client import Client, LookupResult, Ticket
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.prompt_cache import Restored
 from kvd_client.results import Evicted, TicketState
 from kvd_protocol.entry import LayerSpec, TensorSpec
@@ -25,7 +25,7 @@ PAIRS = [(Client, AsyncClient), (Ticket, AsyncTicket), (LookupResult, AsyncLooku
 ASYNC_NAMES = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
 SETTLE_SECONDS = 30.0
 
-IDENTITY = Identity("tiny/both-clients", "cfg", "tok")
+IDENTITY = EngineIdentity("tiny/both-clients", "cfg", "tok")
 WIRE = IDENTITY.to_protocol()
 RAW_TOKENS = [9, 8, 7, 6, 5, 4, 3, 2]
 

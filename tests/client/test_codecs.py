@@ -22,12 +22,12 @@ from kvd_client.codecs import (
     register_codec,
     tensor_pieces,
 )
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.prompt_cache import Miss, decode, encode
 from kvd_protocol.entry import EntryHeader, plan_entry
 from kvd_protocol.tokens import pack_tokens
 
-IDENTITY = Identity("test/model", "cfg", "tok").to_protocol()
+IDENTITY = EngineIdentity("test/model", "cfg", "tok").to_protocol()
 
 
 def _kv(tokens: int, dtype: mx.Dtype = mx.float32, seed: int = 0) -> tuple[mx.array, mx.array]:

@@ -27,7 +27,7 @@ from kvd_client import prompt_cache
 from kvd_client.async_client import AsyncClient
 from kvd_client.calls import Call
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from kvd_protocol.entry import PREFIX_BYTES
 from kvd_protocol.entry_reader import parse_head
@@ -36,7 +36,7 @@ from tiny_models import prefill, prompt, tiny_llama
 T = TypeVar("T")
 
 SETTLE_SECONDS = 30.0
-IDENTITY = Identity("tiny/llama", "cfg", "tok")
+IDENTITY = EngineIdentity("tiny/llama", "cfg", "tok")
 TOKENS = prompt(20)
 
 
@@ -184,12 +184,13 @@ def test_a_file_truncated_while_held_fails_cleanly_never_with_sigbus(
     script = textwrap.dedent(f"""
         import os
         from kvd_client.client import Client
-        from kvd_client.identity import Identity
+        from kvd_client.identity import EngineIdentity
         from kvd_client.prompt_cache import decode
         from kvd_protocol.errors import EntryFormatError
         from tiny_models import prompt
+        identity = EngineIdentity("tiny/llama", "cfg", "tok").to_protocol()
         with Client.connect({daemon.socket_path!r}, require=True) as client:
-            result = client.lookup(Identity("tiny/llama", "cfg", "tok").to_protocol(), prompt(20))
+            result = client.lookup(identity, prompt(20))
             os.truncate({str(link)!r}, os.path.getsize({str(link)!r}) // 2)
             for attempt in (result.verify, lambda: decode(result.header, result.fills(), 19)):
                 try:

@@ -8,11 +8,11 @@ import re
 
 from daemon_process import Daemon, kvctl
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from tiny_models import prefill, prompt, tiny_llama
 
-IDENTITY = Identity("tiny/report", "cfg", "tok", namespace="tenant-a")
+IDENTITY = EngineIdentity("tiny/report", "cfg", "tok", namespace="tenant-a")
 
 
 def _used(daemon: Daemon) -> tuple[str, str]:

@@ -8,13 +8,13 @@ from typing import Any
 
 from daemon_process import Daemon, kvctl
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import prefill, prompt, tiny_llama
 
 SETTLE_SECONDS = 30.0
-IDENTITY = Identity("tiny/metrics", "cfg", "tok", namespace="ops")
+IDENTITY = EngineIdentity("tiny/metrics", "cfg", "tok", namespace="ops")
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

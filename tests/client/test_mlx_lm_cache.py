@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from daemon_process import Daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_cache import ColdTier
 from kvd_client.results import TicketState
 from mlx_lm.models.cache import RotatingKVCache
@@ -151,13 +151,13 @@ def test_without_a_daemon_the_engine_still_generates() -> None:
 def test_an_identity_given_is_the_one_used(daemon: Daemon) -> None:
     model = tiny_llama()
     tokens = prompt(16)
-    named = Identity("tiny/llama", "cfg", "tok")
+    named = EngineIdentity("tiny/llama", "cfg", "tok")
     with Client.connect(daemon.socket_path, require=True) as client:
         with ColdTier(client, model, byte_tokenizer(), identity=named) as tier:
             _generated(tier, tokens)
             assert tier.drain(SETTLE_SECONDS)
         assert len(client.list_entries(named.to_protocol())) == 1
-        other = Identity.for_model(model, byte_tokenizer())
+        other = EngineIdentity.for_model(model, byte_tokenizer())
         assert client.list_entries(other.to_protocol()) == []
 
 
@@ -166,7 +166,7 @@ def test_the_engines_prefill_cost_reaches_the_daemon_per_identity(daemon: Daemon
     carry it: the daemon reports it for the identity (the cost eviction policy weighs by it).
     A prefill of a few tokens is mostly fixed cost and changes nothing."""
     model = tiny_llama()
-    named = Identity("tiny/prefill-cost", "cfg", "tok")
+    named = EngineIdentity("tiny/prefill-cost", "cfg", "tok")
     with Client.connect(daemon.socket_path, require=True) as client:
         with ColdTier(client, model, byte_tokenizer(), identity=named) as tier:
             _generated(tier, prompt(8))
@@ -179,7 +179,7 @@ def test_the_engines_prefill_cost_reaches_the_daemon_per_identity(daemon: Daemon
         assert _prefill_ms_per_token(client, named) == pytest.approx(measured * 1000, rel=1e-3)
 
 
-def _prefill_ms_per_token(client: Client, identity: Identity) -> float | None:
+def _prefill_ms_per_token(client: Client, identity: EngineIdentity) -> float | None:
     digest = identity.to_protocol().digest()
     status = client.status()
     (mine,) = [i for i in status["identities"] if i["identity"] == digest]  # type: ignore[attr-defined]

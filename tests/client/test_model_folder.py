@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.model_folder import DigestCache, KvQuantization, folder_identity
 from model_folders import CHAT_TEMPLATE, build_model_folder
 
@@ -32,7 +32,7 @@ def _identity(
     kv: KvQuantization = PLAIN_KV,
     adapter_dir: Path | None = None,
     namespace: str = "",
-) -> Identity:
+) -> EngineIdentity:
     digests = DigestCache(tmp_path / "digests.json")
     return folder_identity(
         folder,

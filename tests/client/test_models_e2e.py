@@ -17,7 +17,7 @@ from kvd_client import prompt_cache
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
 from kvd_client.codecs import CODEC_ID
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
@@ -65,11 +65,11 @@ CACHES = {
 }
 
 
-def _identity(name: str) -> Identity:
-    return Identity(f"tiny/{name}", "cfg", "tok")
+def _identity(name: str) -> EngineIdentity:
+    return EngineIdentity(f"tiny/{name}", "cfg", "tok")
 
 
-def _stored(client: Client, identity: Identity, tokens: list[int], cache: list[Any]) -> None:
+def _stored(client: Client, identity: EngineIdentity, tokens: list[int], cache: list[Any]) -> None:
     ticket = client.put(identity, tokens, cache)
     assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
 
@@ -203,12 +203,12 @@ def test_another_process_restores_what_this_one_put(daemon: Daemon) -> None:
     want, _ = greedy(model, cache, tokens[-1:], STEPS)
     script = textwrap.dedent(f"""
         from kvd_client.client import Client
-        from kvd_client.identity import Identity
+        from kvd_client.identity import EngineIdentity
         from tiny_models import greedy, prompt, tiny_llama
         model = tiny_llama()
         tokens = prompt(16)
         with Client.connect({daemon.socket_path!r}, require=True) as client:
-            restored = client.get(Identity("tiny/llama", "cfg", "tok"), tokens, model=model)
+            restored = client.get(EngineIdentity("tiny/llama", "cfg", "tok"), tokens, model=model)
         print(greedy(model, restored.cache, tokens[-1:], {STEPS})[0])
     """)
     here = str(Path(__file__).parent)
@@ -221,11 +221,13 @@ def test_another_process_restores_what_this_one_put(daemon: Daemon) -> None:
 def test_identity_for_model_covers_config_tokenizer_and_runtime(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"vocab": 1}')
     small, sliding = tiny_llama(), tiny_llama(2, sliding_window=8)
-    first = Identity.for_model(small, tmp_path)
-    assert first == Identity.for_model(tiny_llama(seed=3), tmp_path)  # weights are not hashed
-    assert first.config_fingerprint != Identity.for_model(sliding, tmp_path).config_fingerprint
+    first = EngineIdentity.for_model(small, tmp_path)
+    assert first == EngineIdentity.for_model(tiny_llama(seed=3), tmp_path)  # weights are not hashed
+    assert (
+        first.config_fingerprint != EngineIdentity.for_model(sliding, tmp_path).config_fingerprint
+    )
     (tmp_path / "tokenizer.json").write_text('{"vocab": 2}')
-    assert first.tokenizer_hash != Identity.for_model(small, tmp_path).tokenizer_hash
+    assert first.tokenizer_hash != EngineIdentity.for_model(small, tmp_path).tokenizer_hash
     wire = first.to_protocol()
     assert wire.codec_id == CODEC_ID
     assert wire.runtime.startswith("mlx-")

@@ -14,7 +14,7 @@ from daemon_process import Daemon
 from kvd_client import snapshots
 from kvd_client.backlog import Kind
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_cache import ColdTier
 from kvd_client.prefill_checkpoints import (
     COST_SHARE,
@@ -231,7 +231,7 @@ def test_caches_without_a_codec_turn_checkpoints_off_after_one_try(daemon: Daemo
             return self.inner(inputs, cache=cache)
 
     model = Model()
-    with _tier(daemon, model, identity=Identity("tiny/unknown-cache", "cfg", "tok")) as tier:
+    with _tier(daemon, model, identity=EngineIdentity("tiny/unknown-cache", "cfg", "tok")) as tier:
         tokens = prompt(600, seed=14)
         assert tier.checkpoint_positions(tokens, 0) == []
         assert model.calls == 1

@@ -7,12 +7,12 @@ from typing import Any
 
 from daemon_process import Daemon
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from tiny_models import prefill, prompt, tiny_llama
 
 SETTLE_SECONDS = 30.0
-IDENTITY = Identity("tiny/telemetry", "cfg", "tok")
+IDENTITY = EngineIdentity("tiny/telemetry", "cfg", "tok")
 
 
 def _identity_status(client: Client) -> dict[str, Any]:

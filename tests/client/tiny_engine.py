@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_cache import ColdTier
 from tiny_models import prompt, tiny_llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -78,7 +78,7 @@ def converse(tier: ColdTier, seed: int) -> Iterator[dict[str, Any]]:
 def main(socket_path: str, model_id: str, model_seed: str, seed: str) -> None:
     model = tiny_llama(seed=int(model_seed))
     tokenizer = byte_tokenizer()
-    identity = Identity.for_model(model, tokenizer, model_id=model_id)
+    identity = EngineIdentity.for_model(model, tokenizer, model_id=model_id)
     with (
         Client.connect(socket_path, require=True) as client,
         ColdTier(client, model, tokenizer, identity=identity) as tier,

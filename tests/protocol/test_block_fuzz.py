@@ -79,7 +79,7 @@ def manifests(draw: st.DrawFn) -> Any:
 def test_generated_manifests_and_blocks_round_trip(plan: Any) -> None:
     blob, written = write(plan.entry)
     assert read(blob) == written
-    assert len(written.blocks) == (
+    assert len(written.block_hashes) == (
         written.token_count // written.block_tokens if written.block_tokens else 0
     )
     for slot in written.slots:
@@ -171,9 +171,9 @@ def test_a_forged_block_header_parses_or_fails_cleanly(path: tuple[Any, ...], va
         return
     assert all(s.start % ALIGNMENT == 0 and s.end <= len(blob) for s in parsed.slots)
     layout = [(s.dtype, s.shape) for s in parsed.slots]
-    if (parsed.hash, parsed.identity, layout) == (
+    if (parsed.hash, parsed.digest, layout) == (
         BLOCK.hash,
-        BLOCK.identity,
+        BLOCK.digest,
         [(s.dtype, s.shape) for s in BLOCK.slots],
     ):  # still the manifest's block 1 in all that check_block compares
         check_block(MANIFEST, 1, parsed, "staging")
@@ -194,8 +194,8 @@ def test_a_forged_manifest_header_parses_or_fails_cleanly(
         return
     assert all(s.start % ALIGNMENT == 0 and s.end <= len(blob) for s in parsed.slots)
     step = parsed.block_tokens
-    assert parsed.blocks == (block_hashes(parsed.tokens, step) if step else ())
-    tail = parsed.token_count - len(parsed.blocks) * step
+    assert parsed.block_hashes == (block_hashes(parsed.tokens, step) if step else ())
+    tail = parsed.token_count - len(parsed.block_hashes) * step
     assert all(s.shape[2] == tail for layer in parsed.layers if layer.blocked for s in layer.slots)
 
 

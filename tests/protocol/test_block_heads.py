@@ -60,8 +60,8 @@ def _vouched(model: BlockHeader, index: int, checksums: Sequence[bytes]) -> Bloc
     sums = iter(checksums)
     return replace(
         model,
-        hash=MANIFEST.blocks[index],
-        parent=MANIFEST.blocks[index - 1] if index else ZERO_HASH,
+        hash=MANIFEST.block_hashes[index],
+        parent=MANIFEST.block_hashes[index - 1] if index else ZERO_HASH,
         tokens=MANIFEST.tokens[index * step : (index + 1) * step],
         layers=tuple(
             tuple(replace(slot, checksum=next(sums)) for slot in slots) for slots in model.layers

@@ -231,7 +231,7 @@ def test_the_mismatches_share_the_sample_hashes() -> None:
         (_other_dtype, IDENTITY),
         (_more_heads, IDENTITY),
     ):
-        assert _same_tokens(layers, identity).hash == MANIFEST.blocks[0]
+        assert _same_tokens(layers, identity).hash == MANIFEST.block_hashes[0]
     assert block_hash(bytes(16), MANIFEST.tokens[:64]) == BLOCK.hash
 
 
@@ -246,7 +246,7 @@ def test_a_block_not_the_manifests_is_a_mismatch(index: int, other: Any) -> None
 def test_every_block_of_the_manifest_is_its_own() -> None:
     for index, (name, _, header) in enumerate(BLOCKS):
         check_block(MANIFEST, index, header, name)
-        assert name == block_name(MANIFEST.blocks[index])
+        assert name == block_name(MANIFEST.block_hashes[index])
 
 
 def test_every_rule_has_a_hostile_file() -> None:

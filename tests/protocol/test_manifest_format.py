@@ -50,7 +50,7 @@ def test_a_manifest_round_trips_through_files(tmp_path: Path) -> None:
     assert read_back == written
     assert read_back.version == 2
     assert read_back.block_tokens == 16
-    assert read_back.blocks == plan.hashes == block_hashes(written.tokens, 16)
+    assert read_back.block_hashes == plan.hashes == block_hashes(written.tokens, 16)
     assert [layer.blocked for layer in read_back.layers] == [True, False, True, False]
     for slot in read_back.slots:
         verify_slot("entry.kvd", slot, blob[slot.start : slot.end])
@@ -63,7 +63,7 @@ def test_a_manifest_round_trips_through_files(tmp_path: Path) -> None:
         assert block == header
         assert block.hash == plan.hashes[index]
         assert block.parent == (plan.hashes[index - 1] if index else ZERO_HASH)
-        assert block.identity == IDENTITY.digest()
+        assert block.digest == IDENTITY.digest()
         assert block.block_tokens == 16
         check_block(read_back, index, block, name)
         for slot in block.slots:
@@ -105,7 +105,7 @@ def test_version_1_files_keep_their_bytes() -> None:
         "meta",
     }
     assert set(header_of(blob)["layers"][0]) == {"kind", "meta", "trimmable", "slots"}
-    assert (header.version, header.block_tokens, header.blocks) == (1, 0, ())
+    assert (header.version, header.block_tokens, header.block_hashes) == (1, 0, ())
     assert not any(layer.blocked for layer in read(blob).layers)
 
 
@@ -174,7 +174,7 @@ def test_a_manifest_without_blocks(tokens: int, block_tokens: int) -> None:
     blob, written = write(plan.entry)
     header = read(blob)
     assert header == written
-    assert (header.version, header.block_tokens, header.blocks) == (2, block_tokens, ())
+    assert (header.version, header.block_tokens, header.block_hashes) == (2, block_tokens, ())
     assert header.slots[0].shape == (1, 2, tokens, 8)  # the whole KV is the tail
     assert header.layers[0].blocked
 

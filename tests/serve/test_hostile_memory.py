@@ -268,7 +268,7 @@ def test_second_hit_forgets_sightings_older_than_its_window(tmp_path: Path) -> N
 
 def test_telemetry_keeps_identities_with_entries_and_caps_the_others() -> None:
     holding = {f"{n:064x}" for n in range(3)}
-    telemetry = Telemetry(held=holding.__contains__)
+    telemetry = Telemetry(has_entries=holding.__contains__)
     for digest in sorted(holding):
         telemetry.of(digest).hits = 7
     for n in range(10 * IDLE_IDENTITIES):

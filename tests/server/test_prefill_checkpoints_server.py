@@ -21,7 +21,7 @@ from daemon_process import Daemon, running_daemon
 from http_servers import SETTLE_SECONDS, Answer, HttpServer, Messages, chat, http_server
 from kvd_client.batch_checkpoints import cut_segments
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
 from kvd_client.prefill_checkpoints import ASSUMED_PREFILL_RATE, CheckpointSettings
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -226,7 +226,7 @@ def test_the_batched_prefill_stores_a_checkpoint_at_each_cut_and_shows_the_serve
     assert 3 * INTERVAL < length - 1 < 4 * INTERVAL  # two in the user segment
     with Client.connect(daemon.socket_path, require=True) as client:
         tier = ServerTier(client, checkpoints=CheckpointSettings(interval=INTERVAL))
-        tier.model_loaded("key", model, tokenizer, Identity.for_model(model, tokenizer))
+        tier.model_loaded("key", model, tokenizer, EngineIdentity.for_model(model, tokenizer))
         cold = tier.cold_tier("key")
         assert cold is not None
         generator = TieredBatchGenerator(model, tier=tier)

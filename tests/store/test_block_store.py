@@ -56,12 +56,12 @@ class Begun:
     """A put begun: its record, the blocks it was told are held (pinned), its staged files."""
 
     def __init__(self, catalog: Catalog, staging: Path, record: EntryRecord) -> None:
-        store = catalog.blocks
-        held = store.held(record.identity, record.blocks)
+        store = catalog.block_store
+        held = store.count_held(record.digest, record.block_hashes)
         self.record = record
-        self.pinned = store.pin(record.identity, record.blocks[:held])
+        self.pinned = store.pin(record.digest, record.block_hashes[:held])
         self.staged: dict[bytes, Path] = {}
-        for block_hash in record.blocks[held:]:
+        for block_hash in record.block_hashes[held:]:
             path = staging / f"{new_entry_id()}.tmp"
             path.write_bytes(bytes(BLOCK_SIZE))
             self.staged[block_hash] = path
@@ -72,18 +72,18 @@ class Begun:
         except ValueError:  # the same tokens in the same identity: the put is refused
             self.abort(catalog)
             return
-        catalog.blocks.unpin(self.pinned)
+        catalog.block_store.unpin(self.pinned)
 
     def abort(self, catalog: Catalog) -> None:
         for path in self.staged.values():
             path.unlink()
-        catalog.blocks.unpin(self.pinned)
+        catalog.block_store.unpin(self.pinned)
 
 
 def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging: Path) -> None:
     """Every count against a recount: refs by the manifests that hold bytes (indexed and
     doomed), pins by the begun puts, bytes by the files."""
-    store = catalog.blocks
+    store = catalog.block_store
     blocks = list(store)
     for block in blocks:
         assert block.refs == sum(block in catalog.blocks_of(r) for r in kept), block
@@ -94,19 +94,19 @@ def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging
         assert block.path.stat().st_size == block.size
     for record in kept:
         listed = catalog.blocks_of(record)
-        assert [b.hash for b in listed] == list(record.blocks)
-        assert all(store.get(record.identity, b.hash) is b for b in listed), "a kept block went"
+        assert [b.hash for b in listed] == list(record.block_hashes)
+        assert all(store.get(record.digest, b.hash) is b for b in listed), "a kept block went"
     on_disk = {p for p in staging.iterdir()}
     staged = {p for b in begun for p in b.staged.values()}
     assert on_disk == {b.path for b in blocks} | staged, "a file no block or put owns"
     assert store.bytes == sum(b.size for b in blocks) == BLOCK_SIZE * len(blocks)
     assert len(store) == len(blocks)
     for digest in DIGESTS:
-        mine = [b for b in blocks if b.identity == digest]
-        manifests = sum(r.nbytes for r in catalog.records.values() if r.identity == digest)
+        mine = [b for b in blocks if b.digest == digest]
+        manifests = sum(r.nbytes for r in catalog.records.values() if r.digest == digest)
         assert catalog.identity_bytes(digest) == manifests + BLOCK_SIZE * len(mine)
     assert catalog.total_bytes == sum(r.nbytes for r in kept) + store.bytes
-    assert catalog.logical_bytes == sum(r.nbytes + len(r.blocks) * BLOCK_SIZE for r in kept)
+    assert catalog.logical_bytes == sum(r.nbytes + len(r.block_hashes) * BLOCK_SIZE for r in kept)
 
 
 @settings(max_examples=150, deadline=None)
@@ -131,7 +131,7 @@ def test_refs_pins_and_bytes_follow_every_change(steps: list[tuple[object, ...]]
                         MANIFEST_SIZE,
                         trimmable=False,
                         durable=True,
-                        blocks=(*chain(0, shared), *chain(first + 1, own)),
+                        block_hashes=(*chain(0, shared), *chain(first + 1, own)),
                         block_size=BLOCK_SIZE,
                     )
                     put = Begun(catalog, staging, record)
@@ -178,7 +178,7 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
             MANIFEST_SIZE,
             trimmable=False,
             durable=True,
-            blocks=(*chain(0, 1), *chain(n + 1, 1)),
+            block_hashes=(*chain(0, 1), *chain(n + 1, 1)),
             block_size=BLOCK_SIZE,
         )
         Begun(catalog, tmp_path / "staging", record).commit(catalog)
@@ -187,12 +187,12 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
     catalog.evict_to_cap(catalog.total_bytes - 35, 0)
     assert len(catalog) == 7
     assert catalog.counters.evicted_bytes == 3 * 13
-    shared = catalog.blocks.get(DIGESTS[0], chain(0, 1)[0])
+    shared = catalog.block_store.get(DIGESTS[0], chain(0, 1)[0])
     assert shared is not None
     assert shared.refs == 7
     catalog.evict_to_cap(0, 0)
     assert len(catalog) == 0
-    assert len(catalog.blocks) == 0
+    assert len(catalog.block_store) == 0
     assert catalog.total_bytes == 0
     assert list((tmp_path / "staging").iterdir()) == []
 
@@ -205,7 +205,7 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
         pack_tokens([1]),
         MANIFEST_SIZE,
         trimmable=True,
-        blocks=tuple(chain(0, 2)),
+        block_hashes=tuple(chain(0, 2)),
         block_size=BLOCK_SIZE,
     )
     with pytest.raises(KeyError, match="neither held nor written"):
@@ -213,7 +213,7 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
     assert len(catalog) == 0
     assert catalog.index(DIGESTS[0]) is None
     assert catalog.total_bytes == 0
-    assert len(catalog.blocks) == 0
+    assert len(catalog.block_store) == 0
 
 
 def test_a_forgotten_block_is_not_the_one_of_its_hash_that_joins_later(tmp_path: Path) -> None:

@@ -26,10 +26,10 @@ from daemon_process import Daemon
 from fault_shim import built_or_skip
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 
 SHIM = Path(__file__).with_name("write_hold_shim.c")
-IDENTITY = Identity("tiny/cancelled", "cfg", "tok")
+IDENTITY = EngineIdentity("tiny/cancelled", "cfg", "tok")
 BLOCK = 16
 WAIT_SECONDS = 60.0  # bound on waiting for the child's next step; none is timed
 CHILD_SECONDS = 300.0

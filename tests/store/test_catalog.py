@@ -42,8 +42,8 @@ def check(catalog: Catalog, doomed: dict[str, EntryRecord]) -> None:
     live = list(catalog.records.values())
     expected: dict[str, tuple[int, int]] = {}
     for r in live:
-        entries, nbytes = expected.get(r.identity, (0, 0))
-        expected[r.identity] = (entries + 1, nbytes + r.nbytes)
+        entries, nbytes = expected.get(r.digest, (0, 0))
+        expected[r.digest] = (entries + 1, nbytes + r.nbytes)
     assert [(d, (c.entries, c.bytes)) for d, c in catalog.identities()] == sorted(expected.items())
     assert catalog.leased == sum(1 for r in [*live, *doomed.values()] if r.leases)
     assert catalog.total_bytes == sum(r.nbytes for r in [*live, *doomed.values()])
@@ -55,7 +55,7 @@ def check(catalog: Catalog, doomed: dict[str, EntryRecord]) -> None:
         assert more == (len(following) > 4)
     for digest in DIGESTS:
         page, more = catalog.page(digest, None, 2)
-        mine = sorted(r.id for r in live if r.identity == digest)
+        mine = sorted(r.id for r in live if r.digest == digest)
         assert [r.id for r in page] == mine[:2]
         assert more == (len(mine) > 2)
         assert [r.id for r in catalog.of_identity(digest)] == mine
@@ -101,10 +101,10 @@ def test_counts_follow_every_change(steps: list[tuple[object, ...]]) -> None:
                         EntryRecord(new_entry_id(), digest, pack_tokens([first, 1]), size, True)
                         for digest, first, size in batch
                     ]
-                    seen = {(r.identity, bytes(r.tokens)) for r in live}
+                    seen = {(r.digest, bytes(r.tokens)) for r in live}
                     duplicates = []
                     for record in records:  # the first of the same tokens joins
-                        key = (record.identity, bytes(record.tokens))
+                        key = (record.digest, bytes(record.tokens))
                         if key in seen:
                             duplicates.append(record.id)
                         seen.add(key)
@@ -134,7 +134,7 @@ def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:
         for n in range(2)
     )
     for record in (kept, dropped):
-        path = dirs.entry_path(record.identity, record.id)
+        path = dirs.entry_path(record.digest, record.id)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 10)
         catalog.add(record)
@@ -142,8 +142,8 @@ def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:
     catalog.drop(dropped)
     assert len(catalog) == 0
     assert catalog.total_bytes == 0
-    assert dirs.entry_path(kept.identity, kept.id).exists()
-    assert not dirs.entry_path(dropped.identity, dropped.id).exists()
+    assert dirs.entry_path(kept.digest, kept.id).exists()
+    assert not dirs.entry_path(dropped.digest, dropped.id).exists()
 
 
 def test_an_entry_of_an_identity_of_checkpoints_only_is_its_first(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_a_shared_prefix_is_stored_once_and_each_entry_served_whole(daemon: Daem
         for n, begun in ((1, first), (2, second)):
             found = look_up(peer, IDENTITY, [*conversation(n), 7])
             assert found is not None
-            assert found.header.blocks == begun.manifest.hashes
+            assert found.header.block_hashes == begun.manifest.hashes
             assert same(found, begun), f"entry {n} restored bit-exactly"
         assert_counts_equal_the_directory(peer, daemon.tier)
 
@@ -95,7 +95,7 @@ def test_v1_entries_are_served_next_to_v2_ones_and_after_a_restart(tmp_path: Pat
         with RawPeer(daemon.socket_path) as peer:
             v2 = put_v2(peer, IDENTITY, conversation(1))
             assert (found := look_up(peer, IDENTITY, [*range(64), 9])) is not None
-            assert found.header.blocks == ()
+            assert found.header.block_hashes == ()
             assert same(look_up(peer, IDENTITY, [*conversation(1), 9]), v2)
     with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
         assert status(peer)["entries"] == 2
@@ -256,7 +256,9 @@ def test_a_restart_collects_orphans_and_quarantines_a_manifest_missing_a_block(
     tier = tmp_path / "tier"
     folder = tier / "entries" / IDENTITY.digest()
     (folder / "blocks" / own_block_name(puts[2])).unlink()
-    third = [p for p in folder.glob("*.kve") if read_manifest(p).blocks == puts[3].manifest.hashes]
+    third = [
+        p for p in folder.glob("*.kve") if read_manifest(p).block_hashes == puts[3].manifest.hashes
+    ]
     third[0].unlink()
     if not snapshot:
         (tier / "index.snapshot").unlink()

@@ -29,7 +29,7 @@ def entry(
     n = next(_ids)
     return EntryRecord(
         id=f"e{n}",
-        identity=identity,
+        digest=identity,
         tokens=pack_tokens([n] if tokens is None else range(tokens)),
         nbytes=nbytes,
         trimmable=True,
@@ -196,7 +196,7 @@ def test_cost_counts_an_entrys_shared_blocks_as_its_bytes() -> None:
     short = entry(10, tokens=1034)
     long = entry(200, tokens=1224)
     for record in (short, long):
-        record.blocks, record.block_size = blocks, 1000
+        record.block_hashes, record.block_size = blocks, 1000
     policy = _cost_policy(short, long)
     ratio = policy.worth(short, 1000.0) / policy.worth(long, 1000.0)
     assert ratio == pytest.approx((1034 / 4010) / (1224 / 4200))

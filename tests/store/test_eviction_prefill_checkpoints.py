@@ -28,7 +28,7 @@ def entry(
     n = next(_ids)
     return EntryRecord(
         id=f"e{n}",
-        identity=identity,
+        digest=identity,
         tokens=pack_tokens([n, *range(tokens - 1)]),
         nbytes=nbytes,
         trimmable=not prefill_checkpoint,
@@ -163,7 +163,7 @@ def test_lru_merges_the_two_orders_within_one_identity() -> None:
     theirs = entry(prefill_checkpoint=True, identity="other")
     whole, checkpoint = entry(identity="mine"), entry(prefill_checkpoint=True, identity="mine")
     policy = lru(theirs, whole, checkpoint)
-    victims = policy.select_victims(1000, lambda r: r.identity == "mine")
+    victims = policy.select_victims(1000, lambda r: r.digest == "mine")
     assert victims == [checkpoint, whole]
 
 

@@ -24,7 +24,7 @@ def entry(
 ) -> EntryRecord:
     return EntryRecord(
         id=f"e{next(_ids):06d}",
-        identity="id",
+        digest="id",
         tokens=pack_tokens(tokens),
         nbytes=100,
         trimmable=trimmable,

@@ -21,7 +21,7 @@ def record(
 ) -> EntryRecord:
     return EntryRecord(
         id=entry_id,
-        identity="a" * 32,
+        digest="a" * 32,
         tokens=pack_tokens(tokens),
         nbytes=16384 * len(tokens),
         trimmable=key is None,
@@ -71,7 +71,7 @@ def test_blocks_and_each_entrys_block_list_round_trip(tmp_path: Path) -> None:
     one that vanished meanwhile left out."""
     hashes = (b"\x01" * 16, b"\x02" * 16)
     manifest = record("e3", [4, 5])
-    manifest.blocks, manifest.block_size = hashes, 32768
+    manifest.block_hashes, manifest.block_size = hashes, 32768
     (tmp_path / "e3.kve").write_bytes(b"x")
     blocks = []
     for block_hash in hashes:
@@ -83,7 +83,7 @@ def test_blocks_and_each_entrys_block_list_round_trip(tmp_path: Path) -> None:
     save_snapshot(snapshot, [(tmp_path / "e3.kve", manifest)], blocks)
     loaded = load_snapshot(snapshot)
     (entry,) = loaded.records
-    assert (entry.blocks, entry.block_size) == (hashes, 32768)
+    assert (entry.block_hashes, entry.block_size) == (hashes, 32768)
     assert list(loaded.blocks) == [("a" * 32, hashes[0])]
     row = loaded.blocks["a" * 32, hashes[0]]
     assert (row.size, row.mtime_ns) == (32768, blocks[0].path.stat().st_mtime_ns)
@@ -201,7 +201,7 @@ def test_a_well_checksummed_but_wrong_body_is_ignored(
     change: Callable[[dict[str, Any], bytes], bytes],
 ) -> None:
     snapshot = tmp_path / "index.snapshot"
-    files[0][1].blocks, files[0][1].block_size = (b"\x03" * 16,), 32768
+    files[0][1].block_hashes, files[0][1].block_size = (b"\x03" * 16,), 32768
     block = tmp_path / "block.kvb"
     block.write_bytes(b"y")
     save_snapshot(snapshot, files, [Block(b"\x03" * 16, "a" * 32, 32768, block, durable=True)])

@@ -96,7 +96,7 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             item = tier.writer.queue.next()  # the writer takes it...
             assert item is not None
             record = item.payload.record
-            final = tier.dirs.entry_path(record.identity, record.id)
+            final = tier.dirs.entry_path(record.digest, record.id)
             entry_files.persist(item.payload.staging, final)  # ...and renames it into place
             tier.catalog.drop(record)  # superseded meanwhile
             assert tier.catalog.total_bytes == 0
