@@ -133,6 +133,8 @@ class S3Store:
         """The store `config.remote` names; StoreAuthError if there are no credentials, or
         they cannot be read (a file that is not 0600, ...). A CA bundle for a private TLS
         endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
+        if not config.remote:
+            raise ValueError("the remote setting is empty: there is no store")
         environ = os.environ if environ is None else environ
         bucket = config.remote.removeprefix("s3://").partition("/")[0]
         try:
@@ -264,7 +266,9 @@ class S3Store:
         file: tuple[int, int] | None = None,
     ) -> http.client.HTTPResponse:
         """Sends one signed request and returns the response, its body unread. A connection
-        kept from an earlier call that turns out closed by the store is replaced once."""
+        kept from an earlier call that turns out closed by the store (its idle timeout, a
+        restart) is replaced once; a conditional PUT sent twice that way answers 412 the
+        second time if the first reached the store, which reads as "already there": true."""
         path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
         query = query or {}
         signed = self._signer.headers(
