@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from seaweed import Seaweed
 
-from kvd.remote.s3 import ObjectTooLarge, S3Store
+from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError
 
 
 def test_a_missing_object_is_none_for_head_and_get(store: S3Store, prefix: str) -> None:
@@ -64,6 +64,22 @@ def test_a_file_shorter_than_said_is_not_sent(store: S3Store, prefix: str, tmp_p
     with source.open("rb") as file, pytest.raises(ValueError, match="ended at 100 of 200"):
         store.put_file_if_absent(f"{prefix}/short", file.fileno(), 200)
     assert store.head(f"{prefix}/short") is None
+
+
+def test_a_local_write_error_is_not_a_store_error(
+    store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    """A staging file that cannot be written (here: opened read-only; a full disk alike)
+    raises the OSError itself, so it never counts against the store's health."""
+    store.put_if_absent(f"{prefix}/k", b"v" * 3000)
+    (tmp_path / "staging").write_bytes(b"")
+    with (
+        (tmp_path / "staging").open("rb") as file,
+        pytest.raises(OSError, match="Bad file descriptor") as raised,
+    ):
+        store.get_to_file(f"{prefix}/k", file.fileno(), 3000)
+    assert not isinstance(raised.value, StoreError)
+    assert store.get(f"{prefix}/k", 3000) == b"v" * 3000
 
 
 def test_delete_removes_and_tolerates_absent(store: S3Store, prefix: str) -> None:
