@@ -185,7 +185,14 @@ class Seaweed:
 def running_seaweed(folder: Path, *, tls: Certificates | None = None) -> Iterator[Seaweed]:
     """A started `weed mini` in `folder`, stopped at the end."""
     server = Seaweed(folder, tls=tls)
-    server.start()
+    try:
+        server.start()
+    except RuntimeError:
+        if "is not available" not in server.log_tail():
+            raise
+        # Another process took a chosen port between the choice and the start: choose again.
+        server.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+        server.start()
     try:
         yield server
     finally:
