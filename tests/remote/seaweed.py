@@ -33,6 +33,7 @@ from kvd.remote.s3 import S3Store, StoreError
 ACCESS_KEY: Final = "kvdtestaccess"
 SECRET_KEY: Final = "kvd-test-secret-3f9a1c"  # the tests look for it in logs and errors
 BUCKET: Final = "kvd"
+READY_KEY: Final = "harness-ready"  # written, read back and deleted at each start
 START_TIMEOUT: Final = 60.0  # seconds; it takes 1-3 s on a quiet machine
 # The ports `weed mini` binds, each chosen free; the HTTPS one only with a certificate.
 PORT_FLAGS: Final = (
@@ -116,7 +117,7 @@ class Seaweed:
         return S3Store(self.endpoint, BUCKET, credentials, **options)  # type: ignore[arg-type]
 
     def start(self) -> None:
-        """Starts the server and returns once the bucket answers a listing."""
+        """Starts the server and returns once the bucket stores and serves an object."""
         assert self.process is None, "already running"
         environ = {
             **os.environ,
@@ -140,20 +141,31 @@ class Seaweed:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"weed mini exited: {self.log_tail()}")
                 try:
-                    probe.list("", 1)
-                    return
+                    if self._serves_objects(probe):
+                        return
+                    problem = "an object written was not read back"
                 except StoreError as error:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"weed mini did not serve S3 within {START_TIMEOUT:g} s "
-                            f"({error}): {self.log_tail()}"
-                        ) from None
+                    problem = str(error)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"weed mini did not serve S3 within {START_TIMEOUT:g} s "
+                        f"({problem}): {self.log_tail()}"
+                    )
                 time.sleep(0.1)
         except BaseException:
             self.kill()
             raise
         finally:
             probe.close()
+
+    @staticmethod
+    def _serves_objects(probe: S3Store) -> bool:
+        """Whether an object can be written and read back: a listing answers before the
+        volume server has registered, and a read of a stored object would then fail."""
+        probe.put_if_absent(READY_KEY, b"ready")
+        served = probe.get(READY_KEY, 16) == b"ready"
+        probe.delete(READY_KEY)
+        return served
 
     def stop(self) -> None:
         """Ends the server (SIGTERM, then SIGKILL after 10 s)."""
