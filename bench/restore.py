@@ -367,6 +367,18 @@ def print_table(rows: dict[tuple[str, str], Timing], nbytes: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One entry size's timings, by (page cache, path)."""
+
+    tokens: int
+    nbytes: int
+    rows: dict[tuple[str, str], Timing]
+
+    def gb_per_s(self, temperature: str, path: str) -> float:
+        return self.nbytes / self.rows[(temperature, path)].seconds / 1e9
+
+
 def measure(clients: Clients, tokens: int, work: Path, args: argparse.Namespace) -> Measured:
     """Every path's timings over a cache of tokens tokens, hot and (unless args say not) cold;
     its files, and its entries in the tier, are gone afterwards."""
@@ -409,18 +421,6 @@ def measure(clients: Clients, tokens: int, work: Path, args: argparse.Namespace)
     shutil.rmtree(folder)
     clients.blocks.evict(all=True)  # the next size's whole entry is then the tier's largest file
     return Measured(tokens, bench.nbytes, rows)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One entry size's timings, by (page cache, path)."""
-
-    tokens: int
-    nbytes: int
-    rows: dict[tuple[str, str], Timing]
-
-    def gb_per_s(self, temperature: str, path: str) -> float:
-        return self.nbytes / self.rows[(temperature, path)].seconds / 1e9
 
 
 # The figure's lines: kvd's default restore against the two anchors a restore is held to.
