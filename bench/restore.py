@@ -34,8 +34,11 @@ up to glibc's malloc and MLX's cache: the faults column is the median count per 
 median of --repeat reps after one untimed warm-up is printed (cold: no warm-up) with the
 best and worst, GB/s as 10^9 bytes of tensor data per second at the median.
 
-    .venv/bin/python bench/restore.py [--full] [--repeat 5] [--cold-repeat 3] [--no-cold]
-        [--mlx-cache-limit BYTES]
+--tokens takes several sizes, each measured in turn; --plot FILE.png also draws kvd get's
+GB/s by entry size against mx.load and the raw read, hot and cold (docs/figures/restore.png).
+
+    .venv/bin/python bench/restore.py [--full | --tokens N ...] [--repeat 5] [--cold-repeat 3]
+        [--no-cold] [--mlx-cache-limit BYTES] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import gc
 import mmap
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -58,6 +62,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from _daemon import running_daemon
+from _plot import Figure, Panel, Series, machine_caption, save
 from kvd_client import prompt_cache
 from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
@@ -220,7 +225,9 @@ class Clients:
 class Restores:
     """Every timed restore path over one cache and its files in folder."""
 
-    def __init__(self, clients: Clients, cache: list[Any], tokens: int, folder: Path) -> None:
+    def __init__(
+        self, clients: Clients, cache: list[Any], tokens: int, folder: Path, tier: Path
+    ) -> None:
         self.clients, self.tokens = clients, tokens
         self.nbytes = cache_bytes(cache)
         self.safetensors = folder / "cache.safetensors"
@@ -237,7 +244,8 @@ class Restores:
             if ticket.wait(600.0).state != "stored":
                 raise RuntimeError(f"the put was not stored: {ticket.state}")
         self.entry_file = max(  # the whole entry: the blocks' files are a fraction of it
-            (p for p in (folder / "tier").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+            (p for p in (tier / "entries").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size,
         )
         # Page-aligned: the kernel copies into a bytearray (16 bytes into a cache line) about
         # three times slower here, see kvd_client.restore.ALIGN.
@@ -359,13 +367,107 @@ def print_table(rows: dict[tuple[str, str], Timing], nbytes: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One entry size's timings, by (page cache, path)."""
+
+    tokens: int
+    nbytes: int
+    rows: dict[tuple[str, str], Timing]
+
+    def gb_per_s(self, temperature: str, path: str) -> float:
+        return self.nbytes / self.rows[(temperature, path)].seconds / 1e9
+
+
+def measure(clients: Clients, tokens: int, work: Path, args: argparse.Namespace) -> Measured:
+    """Every path's timings over a cache of tokens tokens, hot and (unless args say not) cold;
+    its files, and its entries in the tier, are gone afterwards."""
+    folder = work / f"cache-{tokens}"
+    folder.mkdir()
+    cache = realistic_cache(tokens)
+    bench = Restores(clients, cache, tokens, folder, work / "tier")
+    del cache
+    gc.collect()
+    bench.warm()
+    restores: dict[str, Callable[[], object]] = {  # taken in turn in each rep
+        MX_LOAD: bench.mx_load,
+        MLX_LM_LOAD: bench.mlx_lm_load,
+        GET: partial(bench.get, clients.blocks),
+        GET + UNVERIFIED: partial(bench.get, clients.blocks_unverified),
+        GET_WHOLE: partial(bench.get, clients.whole, WHOLE),
+        GET_WHOLE + UNVERIFIED: partial(bench.get, clients.whole_unverified, WHOLE),
+        MLX_LM_LOAD + STEP: bench.mlx_lm_load_and_step,
+        GET + STEP: bench.get_and_step,
+    }
+    groups: list[dict[str, Callable[[], object]]] = [
+        {MEMCPY: bench.memcpy},
+        {RAW_READ: bench.raw_read},
+        restores,
+    ]
+    rows: dict[tuple[str, str], Timing] = {}
+    for group in groups:
+        rows.update(
+            (("hot", name), timing)
+            for name, timing in zip(group, timings([*group.values()], args.repeat), strict=True)
+        )
+    decode = "decode alone (entry looked up)"
+    verified, unverified = bench.decode_timings(args.repeat)
+    rows[("hot", decode)], rows[("hot", decode + UNVERIFIED)] = verified, unverified
+    if args.cold:
+        drop = drop_page_cache if can_drop_page_cache() else partial(evict_files, bench.files)
+        for group in groups[1:]:
+            cold_timings = timings([*group.values()], args.cold_repeat, drop)
+            rows.update((("cold", name), t) for name, t in zip(group, cold_timings, strict=True))
+    shutil.rmtree(folder)
+    clients.blocks.evict(all=True)  # the next size's whole entry is then the tier's largest file
+    return Measured(tokens, bench.nbytes, rows)
+
+
+# The figure's lines: kvd's default restore against the two anchors a restore is held to.
+FIGURE_PATHS = {
+    GET: "kvd get (verified, blocks)",
+    MX_LOAD: "mx.load + eval of the same tensors",
+    RAW_READ: "raw read of the entry file, one thread",
+}
+
+
+def figure(sizes: list[Measured], args: argparse.Namespace) -> Figure:
+    """Restore GB/s against entry size, hot and cold side by side."""
+    temperatures = {"hot": "page cache hot", "cold": "page cache dropped (cold)"}
+    panels = [
+        Panel(
+            title,
+            [
+                Series(label, [(m.nbytes, m.gb_per_s(temperature, path)) for m in sizes])
+                for path, label in FIGURE_PATHS.items()
+            ],
+        )
+        for temperature, title in temperatures.items()
+        if (temperature, GET) in sizes[0].rows
+    ]
+    reps = f"medians of {args.repeat} hot" + (
+        f", {args.cold_repeat} cold reps" if args.cold else " reps"
+    )
+    return Figure(
+        title="Restore rate by entry size: kvd get against mx.load and a raw read",
+        x_label="entry size (32 layers of float16 keys and values)",
+        y_label="GB/s (10⁹ bytes of tensors a second)",
+        panels=panels,
+        caption=machine_caption(reps),
+        x_tick=lambda x: f"{x / (1 << 30):g} GiB" if x >= 1 << 30 else f"{x / (1 << 20):g} MiB",
+        log_y=False,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help=f"{FULL_TOKENS} tokens (2 GiB)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"default {TOKENS}")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None, help=f"entry sizes (default {TOKENS})"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cold-repeat", type=int, default=3)
-    parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument("--no-cold", dest="cold", action="store_false")
     parser.add_argument("--dir", default=None, help="where the tier goes (default: a temp dir)")
     parser.add_argument(
         "--mlx-cache-limit",
@@ -374,13 +476,13 @@ def main() -> None:
         help="bytes MLX may keep of freed buffers for reuse (mx.set_cache_limit), as an engine "
         "would set it; default: MLX's own",
     )
+    parser.add_argument("--plot", type=Path, help="also draw GB/s by entry size into this PNG")
     args = parser.parse_args()
     if args.mlx_cache_limit is not None:
         mx.set_cache_limit(args.mlx_cache_limit)
-    tokens = args.tokens or (FULL_TOKENS if args.full else TOKENS)
-    cold = not args.no_cold and (can_drop_page_cache() or hasattr(os, "posix_fadvise"))
+    sizes = args.tokens or [FULL_TOKENS if args.full else TOKENS]
+    args.cold = args.cold and (can_drop_page_cache() or hasattr(os, "posix_fadvise"))
 
-    rows: dict[tuple[str, str], Timing] = {}
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-", dir=args.dir) as work,
         running_daemon(Path(work), DAEMON_FLAGS) as daemon,
@@ -391,56 +493,29 @@ def main() -> None:
             daemon.socket_path, timeout=120.0, require=True, verify=False, block_tokens=0
         ) as whole_plain,
     ):
-        cache = realistic_cache(tokens)
         clients = Clients(client, plain, whole, whole_plain)
-        bench = Restores(clients, cache, tokens, Path(work))
-        del cache
-        gc.collect()
-        bench.warm()
-        restores: dict[str, Callable[[], object]] = {  # taken in turn in each rep
-            MX_LOAD: bench.mx_load,
-            MLX_LM_LOAD: bench.mlx_lm_load,
-            GET: partial(bench.get, client),
-            GET + UNVERIFIED: partial(bench.get, plain),
-            GET_WHOLE: partial(bench.get, whole, WHOLE),
-            GET_WHOLE + UNVERIFIED: partial(bench.get, whole_plain, WHOLE),
-            MLX_LM_LOAD + STEP: bench.mlx_lm_load_and_step,
-            GET + STEP: bench.get_and_step,
-        }
-        groups: list[dict[str, Callable[[], object]]] = [
-            {MEMCPY: bench.memcpy},
-            {RAW_READ: bench.raw_read},
-            restores,
-        ]
-        for group in groups:
-            rows.update(
-                (("hot", name), timing)
-                for name, timing in zip(group, timings([*group.values()], args.repeat), strict=True)
-            )
-        decode = "decode alone (entry looked up)"
-        verified, unverified = bench.decode_timings(args.repeat)
-        rows[("hot", decode)], rows[("hot", decode + UNVERIFIED)] = verified, unverified
-        if cold:
-            drop = drop_page_cache if can_drop_page_cache() else partial(evict_files, bench.files)
-            for group in groups[1:]:
-                cold_timings = timings([*group.values()], args.cold_repeat, drop)
-                rows.update(
-                    (("cold", name), t) for name, t in zip(group, cold_timings, strict=True)
-                )
-        nbytes = bench.nbytes
+        measured = [measure(clients, tokens, Path(work), args) for tokens in sizes]
 
     limit = (
         "MLX's default cache limit"
         if args.mlx_cache_limit is None
         else f"MLX cache limit {args.mlx_cache_limit:,} bytes"
     )
-    print(
-        f"{LAYERS} layers × (keys, values) float16 (1, {KV_HEADS}, {tokens:,}, {HEAD_DIM}) = "
-        f"{nbytes / (1 << 20):,.0f} MiB, {limit}; median of {args.repeat} hot reps"
-        + (f", {args.cold_repeat} cold reps" if cold else "; cold not run (needs root here)")
-        + ".\n"
-    )
-    print_table(rows, nbytes)
+    for size in measured:
+        print(
+            f"\n{LAYERS} layers × (keys, values) float16 (1, {KV_HEADS}, {size.tokens:,}, "
+            f"{HEAD_DIM}) = {size.nbytes / (1 << 20):,.0f} MiB, {limit}; median of {args.repeat} "
+            "hot reps"
+            + (
+                f", {args.cold_repeat} cold reps"
+                if args.cold
+                else "; cold not run (needs root here)"
+            )
+            + ".\n"
+        )
+        print_table(size.rows, size.nbytes)
+    if args.plot is not None:
+        save(figure(measured, args), args.plot)
 
 
 if __name__ == "__main__":
