@@ -132,14 +132,13 @@ class Uploader:
         blocks = tuple(h for h in record.blocks if (record.identity, h) not in self.known)
         if not blocks and record.identity in self.remote.layouts:
             return  # all there already
-        if not self.remote.health.up:
-            counters.upload_drops += 1
-            counters.upload_dropped_bytes += len(blocks) * record.block_size
+        if not self.remote.health.up:  # the health said why, once
+            counters.unqueued_drops += 1
+            counters.unqueued_dropped_bytes += len(blocks) * record.block_size
             return
         dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
         for upload in dropped or ():
             log.info("remote_upload_dropped", entry=upload.entry, bytes=upload.left, why="cap")
-            self._count_drop(upload)
         self._work.set()
         self._work = anyio.Event()
 
@@ -152,20 +151,21 @@ class Uploader:
             if upload is None:
                 await self._work.wait()
                 continue
+            sent = False
             try:
-                await self._send(upload)
+                sent = await self._send(upload)
             finally:
-                self.queue.done(upload)
+                self.queue.done(upload, dropped=not sent)
                 self._changed.set()
                 self._changed = anyio.Event()
 
-    async def _send(self, upload: Upload) -> None:
-        """One entry's layout and blocks, under a lease on the entry."""
+    async def _send(self, upload: Upload) -> bool:
+        """One entry's layout and blocks, under a lease on the entry; False when it was
+        dropped (the store down or failing, the entry gone before its turn)."""
         remote = self.remote
         leased = None if not remote.health.up else remote.tier.lease_entry(OWNER, upload.entry)
-        if leased is None:  # the store down, or the entry gone (evicted) before its turn
-            self._count_drop(upload)
-            return
+        if leased is None:
+            return False
         record, lease, fd = leased
         try:
             try:
@@ -183,9 +183,10 @@ class Uploader:
         except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
             if not isinstance(exc, StoreError):  # the health has a store's failure
                 log.warning("remote_upload_failed", entry=record.id, error=str(exc))
-            self._count_drop(upload)
+            return False
         finally:
             remote.tier.end_lease(OWNER, lease)
+        return True
 
     async def _fits(self, layout: Layout) -> bool:
         """Whether the identity's layout in the store is this one's (writing it if there is
@@ -263,16 +264,14 @@ class Uploader:
         self.known.add((digest, block_hash))
         self.queue.sent(upload, size)
 
-    def _count_drop(self, upload: Upload) -> None:
-        self.remote.counters.upload_drops += 1
-        self.remote.counters.upload_dropped_bytes += upload.left
-
-    async def flush(self, timeout: float | None) -> tuple[bool, int, int]:
-        """Wait until every upload queued so far is done or dropped, up to timeout seconds:
-        (done, uploads left, bytes left)."""
-        mark = self.queue.last_seq
-        with anyio.move_on_after(timeout):
-            while self.queue.left_of(mark)[0]:
-                await self._changed.wait()
-        left, nbytes = self.queue.left_of(mark)
-        return not left, left, nbytes
+    async def flush(self, timeout: float | None) -> tuple[int, int, int]:
+        """Wait until every upload queued so far is sent or dropped, up to timeout seconds:
+        (uploads left, their bytes, uploads dropped)."""
+        mark = self.queue.mark()
+        try:
+            with anyio.move_on_after(timeout):
+                while self.queue.left_of(mark)[0]:
+                    await self._changed.wait()
+            return (*self.queue.left_of(mark), mark.dropped)
+        finally:
+            self.queue.unmark(mark)

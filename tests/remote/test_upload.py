@@ -1,0 +1,152 @@
+"""The write path end to end: real daemons, a real SeaweedFS. A stored entry's blocks and its
+identity's layout reach the store byte for byte; blocks the store holds are not sent again;
+checkpoints, hybrids and `never` send nothing; `second-hit` waits for a lookup's hit."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from blocks_e2e import BLOCK_TOKENS, look_up, put_v2, read_manifest
+from daemon_e2e import IDENTITY, RawPeer
+from daemon_process import running_daemon
+from kvd_protocol.entry import PREFILL_CHECKPOINT_META, Checkpoint, LayerSpec, TensorSpec
+from kvd_protocol.entry import plan_manifest as plan
+from kvd_protocol.tokens import pack_tokens
+from remote_e2e import flush_remote, put_plan, remote_flags, remote_status, stored
+from seaweed import Seaweed
+
+from kvd.remote import keys
+from kvd.remote.layout import encode_layout, layout_of
+from kvd.remote.s3 import S3Store
+from kvd.store.tier_dir import TierDir
+
+SHARED = list(range(1000, 1000 + 4 * BLOCK_TOKENS))  # four whole blocks the entries share
+DIGEST = IDENTITY.digest()
+
+
+def conversation(n: int, own_blocks: int = 1) -> list[int]:
+    """The shared prefix, own_blocks blocks of this conversation's own, and a tail of 5."""
+    return SHARED + [n * 100 + i for i in range(own_blocks * BLOCK_TOKENS + 5)]
+
+
+def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_new_blocks(
+    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    with (
+        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, prefix)) as daemon,
+        RawPeer(daemon.socket_path) as peer,
+    ):
+        first = put_v2(peer, IDENTITY, conversation(1))
+        done = flush_remote(daemon)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.strip() == "durable and uploaded"
+        tier = TierDir(daemon.tier)
+        size = first.manifest.block_size
+        for block in first.manifest.hashes:
+            key = keys.block_key(prefix, DIGEST, block)
+            assert store.get(key, size) == tier.block_path(DIGEST, block).read_bytes()
+        (manifest,) = tier.entries.glob(f"{DIGEST}/*.kve")
+        expected = encode_layout(layout_of(read_manifest(manifest)))
+        assert store.get(keys.layout_key(prefix, DIGEST), 1 << 20) == expected
+        now = remote_status(peer)
+        assert (now["uploaded_blocks"], now["uploaded_bytes"]) == (5, 5 * size)
+        assert (now["pending_uploads"], now["pending_bytes"]) == (0, 0)
+        assert (now["already_there_blocks"], now["upload_drops"]) == (0, 0)
+        assert now["state"] == "ok"
+
+        put_v2(peer, IDENTITY, conversation(2))
+        assert flush_remote(daemon).returncode == 0
+        now = remote_status(peer)
+        assert now["uploaded_blocks"] == 6, "only the second conversation's own block went"
+        assert now["already_there_blocks"] == 0, "the shared blocks were not even asked about"
+        objects = stored(store, prefix)
+        assert len(objects) == 6 + 1  # six blocks and the layout
+
+
+def test_a_block_the_store_holds_is_not_sent_again(
+    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    """A second daemon (its own tier: another Mac) stores the same conversation: every
+    conditional create finds the block there (412), counted, nothing rewritten."""
+    flags = remote_flags(seaweed, tmp_path, prefix)
+    with running_daemon(tmp_path / "a", flags) as a, RawPeer(a.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        assert flush_remote(a).returncode == 0
+    before = stored(store, prefix)
+    with running_daemon(tmp_path / "b", flags) as b, RawPeer(b.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        done = flush_remote(b)
+        assert done.returncode == 0, done.stdout + done.stderr
+        now = remote_status(peer)
+        assert now["uploaded_blocks"] == 0
+        assert now["already_there_blocks"] == 5
+        assert now["upload_drops"] == 0
+    assert stored(store, prefix) == before
+
+
+def test_checkpoints_and_hybrids_upload_nothing(
+    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    def kv(count: int) -> LayerSpec:
+        spec = TensorSpec("float16", (1, 2, count, 8))
+        return LayerSpec("kv", (spec, spec), trimmable=True, meta={"offset": count}, blocked=True)
+
+    def tokens(count: int) -> bytes:
+        return pack_tokens(range(5000, 5000 + count))
+
+    ssm = LayerSpec("ssm", (TensorSpec("float32", (1, 3, 5)),), trimmable=False)
+    common = {"block_tokens": BLOCK_TOKENS, "created": time.time(), "min_reuse": 0}
+    n = 3 * BLOCK_TOKENS + 5
+    checkpoint = Checkpoint("g", 1, 2, False, 3, 1)
+    entries = [
+        plan(IDENTITY, tokens(n), [kv(n), ssm], **common),  # a hybrid: its state is not in blocks
+        plan(IDENTITY, tokens(n + 1), [kv(n + 1)], meta={PREFILL_CHECKPOINT_META: True}, **common),
+        plan(IDENTITY, tokens(n + 2), [kv(n + 2)], checkpoint=checkpoint, **common),
+    ]
+    with (
+        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, prefix)) as daemon,
+        RawPeer(daemon.socket_path) as peer,
+    ):
+        for seed, entry in enumerate(entries):
+            put_plan(peer, entry, seed)
+        done = flush_remote(daemon)
+        assert done.returncode == 0, done.stdout + done.stderr
+        now = remote_status(peer)
+        assert now["not_shareable"] == 3
+        assert (now["uploaded_blocks"], now["pending_uploads"]) == (0, 0)
+    assert stored(store, prefix) == {}
+
+
+def test_never_uploads_nothing(
+    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    flags = remote_flags(seaweed, tmp_path, prefix, upload="never")
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        assert look_up(peer, IDENTITY, conversation(1)) is not None
+        assert flush_remote(daemon).returncode == 0
+        now = remote_status(peer)
+        assert (now["upload_policy"], now["uploaded_blocks"], now["not_shareable"]) == (
+            "never",
+            0,
+            0,
+        )
+    assert stored(store, prefix) == {}
+
+
+def test_second_hit_uploads_once_a_lookup_hits_the_entry(
+    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+) -> None:
+    flags = remote_flags(seaweed, tmp_path, prefix, upload="second-hit")
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        assert flush_remote(daemon).returncode == 0
+        assert stored(store, prefix) == {}, "stored once: not yet"
+        assert look_up(peer, IDENTITY, conversation(1)) is not None
+        assert look_up(peer, IDENTITY, conversation(1)) is not None  # queued once, not twice
+        assert flush_remote(daemon).returncode == 0
+        now = remote_status(peer)
+        assert now["uploaded_blocks"] == 5
+        assert now["upload_drops"] == 0
+    assert len(stored(store, prefix)) == 5 + 1
