@@ -61,7 +61,9 @@ def wait_remote(
         now = remote_status(peer)
         return now if condition(now) else None
 
-    return wait_until(met, what)
+    found = wait_until(met, what)
+    assert found is not None
+    return found
 
 
 def flush_remote(daemon: Daemon, wait_s: float = 30.0) -> subprocess.CompletedProcess[str]:

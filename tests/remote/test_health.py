@@ -24,20 +24,25 @@ class Clock:
         return self.now
 
 
+def state(health: Health) -> State:
+    """The state now (a call: each look is a new one)."""
+    return health.state
+
+
 def test_a_failure_degrades_and_failures_in_a_row_take_it_down() -> None:
     clock = Clock()
     health = Health(clock)
-    assert health.state is State.OK
+    assert state(health) is State.OK
     health.failed("PUT k: no answer within 2 s")
-    assert health.state is State.DEGRADED
+    assert state(health) is State.DEGRADED
     assert health.up
     health.succeeded()
-    assert health.state is State.DEGRADED, "the last ones were not all failures: degraded"
+    assert state(health) is State.DEGRADED, "the last ones were not all failures: degraded"
     clock.now += RECENT_S + 1
-    assert health.state is State.OK
+    assert state(health) is State.OK
     for _ in range(FAILURES_TO_DOWN):
         health.failed("PUT k: Connection refused")
-    assert health.state is State.DOWN
+    assert state(health) is State.DOWN
     assert not health.up
     assert health.last_error == "PUT k: Connection refused"
 
@@ -45,13 +50,13 @@ def test_a_failure_degrades_and_failures_in_a_row_take_it_down() -> None:
 def test_refused_credentials_take_it_down_at_once_and_an_answer_brings_it_back() -> None:
     health = Health(Clock())
     health.failed("LIST p: HTTP 403 SignatureDoesNotMatch", refused=True)
-    assert health.state is State.DOWN
+    assert state(health) is State.DOWN
     assert health.retry_in(0) == AUTH_RETRY_S
     health.failed("LIST p: Connection refused")  # another kind: still down, faster probes
-    assert health.state is State.DOWN
+    assert state(health) is State.DOWN
     assert health.retry_in(0) < AUTH_RETRY_S
     health.succeeded()
-    assert health.state is State.OK, "the outage is over: ok at once, not degraded by it"
+    assert state(health) is State.OK, "the outage is over: ok at once, not degraded by it"
     assert health.last_error == "LIST p: Connection refused"  # kept for people
 
 

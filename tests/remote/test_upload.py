@@ -5,6 +5,7 @@ checkpoints, hybrids and `never` send nothing; `second-hit` waits for a lookup's
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, look_up, put_v2, read_manifest
@@ -96,13 +97,13 @@ def test_checkpoints_and_hybrids_upload_nothing(
         return pack_tokens(range(5000, 5000 + count))
 
     ssm = LayerSpec("ssm", (TensorSpec("float32", (1, 3, 5)),), trimmable=False)
-    common = {"block_tokens": BLOCK_TOKENS, "created": time.time(), "min_reuse": 0}
+    planned = partial(plan, IDENTITY, block_tokens=BLOCK_TOKENS, created=time.time(), min_reuse=0)
     n = 3 * BLOCK_TOKENS + 5
     checkpoint = Checkpoint("g", 1, 2, False, 3, 1)
     entries = [
-        plan(IDENTITY, tokens(n), [kv(n), ssm], **common),  # a hybrid: its state is not in blocks
-        plan(IDENTITY, tokens(n + 1), [kv(n + 1)], meta={PREFILL_CHECKPOINT_META: True}, **common),
-        plan(IDENTITY, tokens(n + 2), [kv(n + 2)], checkpoint=checkpoint, **common),
+        planned(tokens(n), [kv(n), ssm]),  # a hybrid: its state is not in blocks
+        planned(tokens(n + 1), [kv(n + 1)], meta={PREFILL_CHECKPOINT_META: True}),
+        planned(tokens(n + 2), [kv(n + 2)], checkpoint=checkpoint),
     ]
     with (
         running_daemon(tmp_path, remote_flags(seaweed, tmp_path, prefix)) as daemon,
