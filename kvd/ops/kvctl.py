@@ -280,7 +280,7 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
         print(
             f"not done: {reply.pending} puts not durable, {reply.remote_pending} uploads "
             f"({size(reply.remote_pending_bytes or 0)}) still pending, "
-            f"{reply.remote_dropped} dropped"
+            f"{reply.remote_dropped} dropped since the last flush --remote"
         )
     return 0 if reply.durable else 1
 

@@ -25,6 +25,7 @@ from kvd.remote import keys
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreAuthError, StoreError
+from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
 from kvd.store.tier import Tier
 
@@ -49,8 +50,6 @@ class RemoteCounters:
     uploaded_blocks: int = 0
     uploaded_bytes: int = 0
     already_there: int = 0  # blocks a conditional create found in the store (412)
-    unqueued_drops: int = 0  # uploads dropped before they were queued: the store down
-    unqueued_dropped_bytes: int = 0
     not_shareable: int = 0  # entries whose blocks stay local (checkpoints, hybrids, ...)
     layout_mismatch: int = 0  # entries that do not fit their identity's layout in the store
     downloaded_blocks: int = 0
@@ -72,7 +71,7 @@ class RemoteFlush:
     pending: int  # puts not durable yet
     uploads: int  # uploads still pending
     upload_bytes: int  # their bytes not known to be in the store
-    dropped: int  # uploads of the flush's that were dropped
+    dropped: int  # uploads dropped since the last flush answered
 
     @property
     def done(self) -> bool:
@@ -182,9 +181,10 @@ class Remote:
         says), then wait until every upload queued by then is sent or dropped; all within
         timeout seconds (None: no deadline)."""
         began = time.monotonic()
+        mark = Mark()  # open: the uploads of the entries the flush makes durable join it
         durable, pending = await self.tier.flush(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
-        uploads, nbytes, dropped = await self.uploader.flush(left)
+        uploads, nbytes, dropped = await self.uploader.flush(mark, left)
         return RemoteFlush(durable, pending, uploads, nbytes, dropped)
 
     def close(self) -> None:
@@ -205,8 +205,8 @@ class Remote:
             "uploaded_blocks": counters.uploaded_blocks,
             "uploaded_bytes": counters.uploaded_bytes,
             "already_there_blocks": counters.already_there,
-            "upload_drops": queue.dropped + counters.unqueued_drops,
-            "upload_dropped_bytes": queue.dropped_bytes + counters.unqueued_dropped_bytes,
+            "upload_drops": queue.dropped,
+            "upload_dropped_bytes": queue.dropped_bytes,
             "not_shareable": counters.not_shareable,
             "layout_mismatch": counters.layout_mismatch,
             "downloaded_blocks": counters.downloaded_blocks,

@@ -9,8 +9,9 @@ the end (done: sent whole, or dropped).
 Over the cap the oldest queued uploads are dropped (counted, with their bytes); the upload in
 flight and the one just added never are, so one upload larger than the cap still goes. Uploads
 leave in the order they came (dropped oldest first, or taken oldest first), so "every upload
-added up to this one has left" is a comparison of sequence numbers (a Mark: flush --remote),
-and a mark counts those of its uploads that were dropped.
+added up to this one has left" is a comparison of sequence numbers (a Mark: flush --remote).
+An upload the uploader drops before it could join (the store down) is counted here too
+(drop_at_once).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ class Upload:
 
 @dataclass(eq=False, slots=True)
 class Mark:
-    """The uploads added up to seq: how many of them were dropped so far."""
+    """The uploads added up to seq (every one while seq is None: an open mark)."""
 
-    seq: int
-    dropped: int = 0
+    seq: int | None = None
+
+    def holds(self, seq: int) -> bool:
+        return self.seq is None or seq <= self.seq
 
 
 class UploadQueue:
@@ -55,7 +58,6 @@ class UploadQueue:
         self.dropped_bytes = 0
         self._seq = itertools.count(1)
         self.last_seq = 0  # of the newest upload added
-        self._marks: list[Mark] = []
 
     @property
     def pending_count(self) -> int:
@@ -110,20 +112,20 @@ class UploadQueue:
         self.in_flight = None
         self._leave(upload, dropped=dropped)
 
-    def mark(self) -> Mark:
-        """A mark of every upload added so far (forget it with unmark)."""
-        found = Mark(self.last_seq)
-        self._marks.append(found)
-        return found
+    def drop_at_once(self, nbytes: int) -> None:
+        """An upload of nbytes dropped before it joined, counted as one that did."""
+        self.dropped += 1
+        self.dropped_bytes += nbytes
 
-    def unmark(self, mark: Mark) -> None:
-        self._marks.remove(mark)
+    def close(self, mark: Mark) -> None:
+        """The mark (open until now: Mark()) holds the uploads added so far, no later one."""
+        mark.seq = self.last_seq
 
     def left_of(self, mark: Mark) -> tuple[int, int]:
         """The mark's uploads still pending, and their bytes; (0, 0) once every one of them
         is done or dropped."""
-        pending = list(itertools.takewhile(lambda u: u.seq <= mark.seq, self._queued.values()))
-        if self.in_flight is not None and self.in_flight.seq <= mark.seq:
+        pending = list(itertools.takewhile(lambda u: mark.holds(u.seq), self._queued.values()))
+        if self.in_flight is not None and mark.holds(self.in_flight.seq):
             pending.append(self.in_flight)
         return len(pending), sum(u.left for u in pending)
 
@@ -131,7 +133,4 @@ class UploadQueue:
         self._pending.discard(upload.entry)
         self.pending_bytes -= upload.left
         if dropped:
-            self.dropped += 1
-            self.dropped_bytes += upload.left
-            for mark in self._marks:
-                mark.dropped += upload.seq <= mark.seq
+            self.drop_at_once(upload.left)

@@ -33,7 +33,7 @@ from kvd.logs import get_logger
 from kvd.remote.layout import Layout, NotShareable, layout_of
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.s3 import StoreError
-from kvd.remote.upload_queue import Upload, UploadQueue
+from kvd.remote.upload_queue import Mark, Upload, UploadQueue
 from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
@@ -103,6 +103,7 @@ class Uploader:
         self._mismatched: set[str] = set()  # identities whose stored layout does not fit
         self._rate = TokenBucket(config.remote_upload_rate)
         self._sends = max(1, config.remote_requests // 2)
+        self._reported_drops = 0  # queue.dropped when the last flush answered
         self._work = anyio.Event()  # pulsed when an upload is queued
         self._changed = anyio.Event()  # pulsed when an upload leaves the queue
 
@@ -133,8 +134,7 @@ class Uploader:
         if not blocks and record.identity in self.remote.layouts:
             return  # all there already
         if not self.remote.health.up:  # the health said why, once
-            counters.unqueued_drops += 1
-            counters.unqueued_dropped_bytes += len(blocks) * record.block_size
+            self.queue.drop_at_once(len(blocks) * record.block_size)
             return
         dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
         for upload in dropped or ():
@@ -264,14 +264,16 @@ class Uploader:
         self.known.add((digest, block_hash))
         self.queue.sent(upload, size)
 
-    async def flush(self, timeout: float | None) -> tuple[int, int, int]:
-        """Wait until every upload queued so far is sent or dropped, up to timeout seconds:
-        (uploads left, their bytes, uploads dropped)."""
-        mark = self.queue.mark()
-        try:
-            with anyio.move_on_after(timeout):
-                while self.queue.left_of(mark)[0]:
-                    await self._changed.wait()
-            return (*self.queue.left_of(mark), mark.dropped)
-        finally:
-            self.queue.unmark(mark)
+    async def flush(self, mark: Mark, timeout: float | None) -> tuple[int, int, int]:
+        """Wait until every upload of the mark (closed now) is sent or dropped, up to timeout
+        seconds: (uploads left, their bytes, uploads dropped since the last flush answered:
+        before this one began too, so that no drop goes unsaid)."""
+        self.queue.close(mark)
+        with anyio.move_on_after(timeout):
+            while self.queue.left_of(mark)[0]:
+                await self._changed.wait()
+        dropped, self._reported_drops = (
+            self.queue.dropped - self._reported_drops,
+            self.queue.dropped,
+        )
+        return (*self.queue.left_of(mark), dropped)

@@ -508,8 +508,9 @@ class Flush(Request):
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FlushReply(Reply):
     """remote_pending, remote_pending_bytes: the uploads queued before a remote flush that
-    were still pending when it answered; remote_dropped: those dropped (nil unless it asked
-    for remote). durable: the puts are durable and the uploads all sent."""
+    were still pending when it answered; remote_dropped: the uploads dropped since the last
+    remote flush answered (nil unless it asked for remote). durable: the puts are durable and
+    the uploads all sent."""
 
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))

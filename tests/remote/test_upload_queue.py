@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.remote.upload_queue import UploadQueue
+from kvd.remote.upload_queue import Mark, UploadQueue
 
 B = 100  # bytes of a block
 
@@ -63,23 +63,20 @@ def test_bytes_leave_as_blocks_are_known_in_the_store() -> None:
     assert (queue.pending_bytes, queue.dropped, queue.dropped_bytes) == (0, 1, 2 * B)
 
 
-def test_a_mark_waits_for_the_uploads_before_it_and_counts_its_drops() -> None:
+def test_a_mark_waits_for_the_uploads_until_closed() -> None:
     queue = UploadQueue(cap_bytes=2 * B)
+    mark = Mark()  # open: what is added until it closes is its own too
     queue.add("e1", "id", blocks(1), B)
     in_flight = queue.next()
     assert in_flight is not None
     queue.add("e2", "id", blocks(1), B)
-    mark = queue.mark()
-    queue.add("e3", "id", blocks(1), B)  # after the mark: drops e2, which the mark counts
+    queue.close(mark)
+    queue.add("e3", "id", blocks(1), B)  # after the mark closed: drops e2, the mark's
     assert queue.left_of(mark) == (1, B)
-    assert mark.dropped == 1
     queue.done(in_flight, dropped=False)
-    assert queue.left_of(mark) == (0, 0)
-    queue.unmark(mark)
-    later = queue.next()
-    assert later is not None
-    queue.done(later, dropped=True)
-    assert mark.dropped == 1, "an upload after the mark is not its own"
+    assert queue.left_of(mark) == (0, 0), "e3 is not the mark's"
+    queue.drop_at_once(B)  # the store down: counted as an upload that joined
+    assert (queue.dropped, queue.dropped_bytes) == (2, 2 * B)
 
 
 def test_misuse_is_refused() -> None:
