@@ -82,6 +82,8 @@ class Health:
         self._failed_at = self._clock()
         if not self.up and (was_up or self.refused != was_refused):
             log.warning("remote_down", error=error, local_only=True)
+        elif self.up:  # degraded: each failure said, for the operator who wonders why
+            log.info("remote_request_failed", error=error, failures=self.failures)
         if was_up and not self.up:
             self._changed.set()
             self._changed = anyio.Event()

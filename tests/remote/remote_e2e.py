@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan, Slot
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
 
-from kvd.remote.s3 import S3Store
+from kvd.remote.s3 import S3Store, StoreError
+
+WRITABLE_S = 60.0
+WARM_BYTES = 64 << 10
 
 
 def remote_flags(
@@ -39,12 +43,30 @@ def remote_flags(
         seaweed.endpoint,
         "--remote-credentials-file",
         str(credentials),
-        "--remote-request-timeout",
-        "2",
     ]
     for name, value in settings.items():
         flags += [f"--remote-{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def restart(seaweed: Seaweed) -> None:
+    """Start the killed store again, and wait until it takes a write: after a kill, weed
+    mini's first writes can wait seconds for a volume (seen up to 15 s), longer than a test
+    should take to learn that uploads resume."""
+    seaweed.start()
+    client = seaweed.store(timeout=5.0)
+    deadline = time.monotonic() + WRITABLE_S
+    try:
+        while True:
+            try:
+                # Bytes enough to need a volume (a tiny object lives in the filer's metadata).
+                client.put_if_absent(f"warm/{time.monotonic_ns()}", bytes(WARM_BYTES))
+                return
+            except StoreError as error:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no write within {WRITABLE_S:g} s: {error}") from None
+    finally:
+        client.close()
 
 
 def remote_status(peer: RawPeer) -> dict[str, Any]:

@@ -27,15 +27,15 @@ DIGEST = IDENTITY.digest()
 
 
 def conversation(n: int, own_blocks: int = 1) -> list[int]:
-    """The shared prefix, own_blocks blocks of this conversation's own, and a tail of 5."""
+    """The shared s3_prefix, own_blocks blocks of this conversation's own, and a tail of 5."""
     return SHARED + [n * 100 + i for i in range(own_blocks * BLOCK_TOKENS + 5)]
 
 
 def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_new_blocks(
-    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
 ) -> None:
     with (
-        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, prefix)) as daemon,
+        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
         RawPeer(daemon.socket_path) as peer,
     ):
         first = put_v2(peer, IDENTITY, conversation(1))
@@ -45,11 +45,11 @@ def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_ne
         tier = TierDir(daemon.tier)
         size = first.manifest.block_size
         for block in first.manifest.hashes:
-            key = keys.block_key(prefix, DIGEST, block)
-            assert store.get(key, size) == tier.block_path(DIGEST, block).read_bytes()
+            key = keys.block_key(s3_prefix, DIGEST, block)
+            assert s3_store.get(key, size) == tier.block_path(DIGEST, block).read_bytes()
         (manifest,) = tier.entries.glob(f"{DIGEST}/*.kve")
         expected = encode_layout(layout_of(read_manifest(manifest)))
-        assert store.get(keys.layout_key(prefix, DIGEST), 1 << 20) == expected
+        assert s3_store.get(keys.layout_key(s3_prefix, DIGEST), 1 << 20) == expected
         now = remote_status(peer)
         assert (now["uploaded_blocks"], now["uploaded_bytes"]) == (5, 5 * size)
         assert (now["pending_uploads"], now["pending_bytes"]) == (0, 0)
@@ -61,20 +61,20 @@ def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_ne
         now = remote_status(peer)
         assert now["uploaded_blocks"] == 6, "only the second conversation's own block went"
         assert now["already_there_blocks"] == 0, "the shared blocks were not even asked about"
-        objects = stored(store, prefix)
+        objects = stored(s3_store, s3_prefix)
         assert len(objects) == 6 + 1  # six blocks and the layout
 
 
 def test_a_block_the_store_holds_is_not_sent_again(
-    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A second daemon (its own tier: another Mac) stores the same conversation: every
     conditional create finds the block there (412), counted, nothing rewritten."""
-    flags = remote_flags(seaweed, tmp_path, prefix)
+    flags = remote_flags(seaweed, tmp_path, s3_prefix)
     with running_daemon(tmp_path / "a", flags) as a, RawPeer(a.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert flush_remote(a).returncode == 0
-    before = stored(store, prefix)
+    before = stored(s3_store, s3_prefix)
     with running_daemon(tmp_path / "b", flags) as b, RawPeer(b.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         done = flush_remote(b)
@@ -83,11 +83,11 @@ def test_a_block_the_store_holds_is_not_sent_again(
         assert now["uploaded_blocks"] == 0
         assert now["already_there_blocks"] == 5
         assert now["upload_drops"] == 0
-    assert stored(store, prefix) == before
+    assert stored(s3_store, s3_prefix) == before
 
 
 def test_checkpoints_and_hybrids_upload_nothing(
-    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
 ) -> None:
     def kv(count: int) -> LayerSpec:
         spec = TensorSpec("float16", (1, 2, count, 8))
@@ -106,7 +106,7 @@ def test_checkpoints_and_hybrids_upload_nothing(
         planned(tokens(n + 2), [kv(n + 2)], checkpoint=checkpoint),
     ]
     with (
-        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, prefix)) as daemon,
+        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
         RawPeer(daemon.socket_path) as peer,
     ):
         for seed, entry in enumerate(entries):
@@ -116,13 +116,13 @@ def test_checkpoints_and_hybrids_upload_nothing(
         now = remote_status(peer)
         assert now["not_shareable"] == 3
         assert (now["uploaded_blocks"], now["pending_uploads"]) == (0, 0)
-    assert stored(store, prefix) == {}
+    assert stored(s3_store, s3_prefix) == {}
 
 
 def test_never_uploads_nothing(
-    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
 ) -> None:
-    flags = remote_flags(seaweed, tmp_path, prefix, upload="never")
+    flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="never")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert look_up(peer, IDENTITY, conversation(1)) is not None
@@ -133,21 +133,21 @@ def test_never_uploads_nothing(
             0,
             0,
         )
-    assert stored(store, prefix) == {}
+    assert stored(s3_store, s3_prefix) == {}
 
 
 def test_second_hit_uploads_once_a_lookup_hits_the_entry(
-    seaweed: Seaweed, store: S3Store, prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
 ) -> None:
-    flags = remote_flags(seaweed, tmp_path, prefix, upload="second-hit")
+    flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="second-hit")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert flush_remote(daemon).returncode == 0
-        assert stored(store, prefix) == {}, "stored once: not yet"
+        assert stored(s3_store, s3_prefix) == {}, "stored once: not yet"
         assert look_up(peer, IDENTITY, conversation(1)) is not None
         assert look_up(peer, IDENTITY, conversation(1)) is not None  # queued once, not twice
         assert flush_remote(daemon).returncode == 0
         now = remote_status(peer)
         assert now["uploaded_blocks"] == 5
         assert now["upload_drops"] == 0
-    assert len(stored(store, prefix)) == 5 + 1
+    assert len(stored(s3_store, s3_prefix)) == 5 + 1
