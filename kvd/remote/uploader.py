@@ -213,7 +213,7 @@ class Uploader:
         failure (the sends under way end first)."""
         tier, digest = self.remote.tier, record.identity
         wanted = set(upload.blocks)
-        blocks = tier.catalog.blocks_of(record)
+        blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
             if not any(b.hash in wanted and (digest, b.hash) not in self.known for b in batch):

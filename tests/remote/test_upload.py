@@ -4,18 +4,19 @@ checkpoints, hybrids and `never` send nothing; `second-hit` waits for a lookup's
 
 from __future__ import annotations
 
+import json
 import time
 from functools import partial
 from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, look_up, put_v2, read_manifest
 from daemon_e2e import IDENTITY, RawPeer
-from daemon_process import running_daemon
+from daemon_process import Daemon, kvctl, running_daemon
 from kvd_protocol.entry import PREFILL_CHECKPOINT_META, Checkpoint, LayerSpec, TensorSpec
 from kvd_protocol.entry import plan_manifest as plan
 from kvd_protocol.tokens import pack_tokens
 from remote_e2e import flush_remote, put_plan, remote_flags, remote_status, stored
-from seaweed import Seaweed
+from seaweed import BUCKET, SECRET_KEY, Seaweed
 
 from kvd.remote import keys
 from kvd.remote.layout import encode_layout, layout_of
@@ -151,3 +152,45 @@ def test_second_hit_uploads_once_a_lookup_hits_the_entry(
         assert now["uploaded_blocks"] == 5
         assert now["upload_drops"] == 0
     assert len(stored(s3_store, s3_prefix)) == 5 + 1
+
+
+def test_kvctl_shows_the_remote_tier_and_never_its_secret(
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+) -> None:
+    with (
+        running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
+        RawPeer(daemon.socket_path) as peer,
+    ):
+        put_v2(peer, IDENTITY, conversation(1))
+        assert flush_remote(daemon).returncode == 0
+        table = kvctl(daemon, "status").stdout
+        rows = {line.split()[0]: line for line in table.splitlines() if line.strip()}
+        assert rows["remote"].split(None, 1)[1] == (
+            f"ok; s3://{BUCKET}/{s3_prefix} at {seaweed.endpoint}"
+        )
+        assert "5 blocks (400.0 KiB) sent, 0 there already; 0 dropped" in rows["uploads"]
+        assert rows["downloads"].split(None, 1)[1].startswith("0 blocks (0 B); 0 hits, 0 misses")
+        section = json.loads(kvctl(daemon, "status", "--json").stdout)["remote"]
+        assert section["state"] == "ok"
+        assert section["last_error"] is None
+        assert (section["url"], section["endpoint"]) == (
+            f"s3://{BUCKET}/{s3_prefix}",
+            seaweed.endpoint,
+        )
+        assert (section["uploaded_blocks"], section["pending_uploads"]) == (5, 0)
+        metrics = kvctl(daemon, "metrics").stdout
+        assert 'kvd_remote_state{state="ok"} 1.0' in metrics
+        assert 'kvd_remote_state{state="down"} 0.0' in metrics
+        assert "kvd_remote_uploaded_blocks_total 5.0" in metrics
+        assert "kvd_remote_pending_bytes 0.0" in metrics
+        logs = daemon.logs()
+    for text in (table, json.dumps(section), metrics, logs):
+        assert SECRET_KEY not in text
+
+
+def test_a_daemon_without_a_remote_tier_says_so(daemon: Daemon) -> None:
+    assert json.loads(kvctl(daemon, "status", "--json").stdout)["remote"] is None
+    assert "remote" not in kvctl(daemon, "status").stdout.split()
+    refused = kvctl(daemon, "flush", "--remote")
+    assert refused.returncode == 1
+    assert "no remote tier" in refused.stderr
