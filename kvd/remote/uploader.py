@@ -11,9 +11,10 @@ One upload at a time: the uploader leases the entry (the tier's reader path: fil
 read-only, checked by size), reads its manifest's header for the identity's layout, writes
 the layout once per identity (the first written wins; an entry that does not fit the one in
 the store uploads nothing, said once at warning, counted), then sends each block not known
-to be in the store with a conditional create (412: already there, counted, not an error), at
-most half of remote_requests at once, at remote_upload_rate. What the store is known to hold
-is remembered (KnownBlocks, a bounded LRU), so a block is asked about once. The store down:
+to be in the store (a HEAD first: a block another daemon sent is not sent again) with a
+conditional create (412: already there, counted, not an error), at most half of
+remote_requests at once, at remote_upload_rate. What the store is known to hold
+is remembered (a bounded LRU of block keys), so a block is asked about once. The store down:
 uploads are dropped and counted, the health says why.
 """
 
@@ -242,16 +243,21 @@ class Uploader:
         limiter: anyio.CapacityLimiter,
         failures: list[BaseException],
     ) -> None:
-        """One block with a conditional create; a failure is kept in failures (and the
-        block is not sent when one came before)."""
+        """One block: a HEAD first (another daemon of the identity may have sent it: its
+        bytes need not go again), else a conditional create. A failure is kept in failures
+        (and the block is not sent when one came before)."""
         remote, digest, block_hash, size = self.remote, upload.identity, block.hash, block.size
+        key = remote.block_key(digest, block_hash)
         async with limiter:
             if failures:
                 return
-            await self._rate.wait_for(size)
-            key = remote.block_key(digest, block_hash)
             try:
-                created = await remote.call(lambda store: store.put_file_if_absent(key, fd, size))
+                created = await remote.call(lambda store: store.head(key)) is None
+                if created:
+                    await self._rate.wait_for(size)
+                    created = await remote.call(
+                        lambda store: store.put_file_if_absent(key, fd, size)
+                    )
             except (StoreError, OSError, ValueError) as exc:
                 failures.append(exc)
                 return
