@@ -20,6 +20,7 @@ uploads are dropped and counted, the health says why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
@@ -186,7 +187,8 @@ class Uploader:
                 log.warning("remote_upload_failed", entry=record.id, error=str(exc))
             return False
         finally:
-            remote.tier.end_lease(OWNER, lease)
+            with contextlib.suppress(ProtocolError):  # expired (lease_max_age) meanwhile
+                remote.tier.end_lease(OWNER, lease)
         return True
 
     async def _fits(self, layout: Layout) -> bool:
