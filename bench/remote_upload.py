@@ -32,7 +32,7 @@ from _daemon import running_daemon
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "remote"))
 
-from blocks_e2e import Begun, begin, commit, status, wait, write_blocks
+from blocks_e2e import BLOCK_TOKENS, put_v2, status
 from daemon_e2e import IDENTITY, RawPeer
 from kvd_protocol import messages as m
 from kvd_protocol.tokens import pack_tokens
@@ -44,22 +44,10 @@ from kvd.store.tier_dir import TierDir
 
 MiB = 1 << 20
 DIGEST = IDENTITY.digest()
-BLOCK_TOKENS = 16  # blocks_e2e's
 
 
 def prompt(n: int, blocks: int) -> list[int]:
     return [n * 100_000 + i for i in range(blocks * BLOCK_TOKENS + 3)]
-
-
-def put(peer: RawPeer, tokens: list[int], width: int) -> Begun:
-    """A v2 put of tokens (KV rows of width values), waited for until stored."""
-    begun = begin(peer, IDENTITY, tokens, width=width)
-    assert isinstance(begun, Begun), begun
-    write_blocks(peer, begun)
-    ticket = commit(peer, begun.put)
-    assert isinstance(ticket, int), ticket
-    assert wait(peer, ticket).state == "stored"
-    return begun
 
 
 def upload_through(peer: RawPeer, entries: int, blocks: int) -> float:
@@ -82,15 +70,17 @@ def upload_through(peer: RawPeer, entries: int, blocks: int) -> float:
 
 def one_daemon(
     seaweed: Seaweed, folder: Path, prefix: str, *, entries: int, blocks: int, width: int
-) -> tuple[float, dict[str, Any], list[Begun], Path]:
-    """Put the entries on a fresh daemon, upload them; (seconds, remote status, puts, tier)."""
+) -> tuple[float, dict[str, Any], Path]:
+    """Put the entries on a fresh daemon, upload them: (seconds, its remote status, a folder
+    with copies of its block files)."""
     flags = [
         *remote_flags(seaweed, folder, prefix, upload="second-hit", upload_rate=0),
         "--max-bytes",
         "64G",
     ]
     with running_daemon(folder, flags) as daemon, RawPeer(daemon.socket_path) as peer:
-        puts = [put(peer, prompt(n, blocks), width) for n in range(entries)]
+        for n in range(entries):
+            put_v2(peer, IDENTITY, prompt(n, blocks), width)
         seconds = upload_through(peer, entries, blocks)
         remote = status(peer)["remote"]
         tier = TierDir(daemon.tier).blocks_folder(DIGEST)
@@ -99,7 +89,7 @@ def one_daemon(
     kept.mkdir(exist_ok=True)
     for name, data in files.items():  # the anchor sends these after the daemon is gone
         (kept / name).write_bytes(data)
-    return seconds, remote, puts, kept
+    return seconds, remote, kept
 
 
 def anchor(seaweed: Seaweed, files: list[Path], prefix: str, threads: int) -> float:
@@ -139,11 +129,11 @@ def main() -> None:
         with running_seaweed(root / "seaweed") as seaweed:
             for run in range(args.repeat):
                 prefix = f"bench/run{run}"
-                seconds, remote, _, kept = one_daemon(seaweed, root / f"a{run}", prefix, **shape)
+                seconds, remote, kept = one_daemon(seaweed, root / f"a{run}", prefix, **shape)
                 total = remote["uploaded_bytes"]
                 assert remote["uploaded_blocks"] == args.entries * args.blocks, remote
                 raw = anchor(seaweed, sorted(kept.glob("*.kvb")), f"anchor/run{run}", threads)
-                again, second, _, _ = one_daemon(seaweed, root / f"b{run}", prefix, **shape)
+                again, second, _ = one_daemon(seaweed, root / f"b{run}", prefix, **shape)
                 assert second["uploaded_blocks"] == 0, second
                 assert second["already_there_blocks"] == args.entries * args.blocks, second
                 uploads.append(total / seconds / MiB)
