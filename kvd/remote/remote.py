@@ -1,0 +1,99 @@
+"""The remote tier of one daemon, behind one façade: the link to the store (link.py: the
+client, its health, the figures), the uploads (uploader.py) and the fetches.
+
+While the health is down, the uploads are dropped (counted) and lookups do not ask the
+store; the health's probe brings it back. The server builds one when `remote` is set and
+runs run() for the daemon's life.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from kvd.config import Config
+from kvd.remote.link import StoreLink
+from kvd.remote.upload_queue import Mark
+from kvd.remote.uploader import Uploader
+from kvd.store.tier import Tier
+
+
+@dataclass(frozen=True)
+class RemoteFlush:
+    """How a flush of the puts and their uploads ended."""
+
+    durable: bool  # every put accepted before it is durable
+    pending: int  # puts not durable yet
+    uploads: int  # uploads still pending
+    upload_bytes: int  # their bytes not known to be in the store
+    dropped: int  # uploads dropped since the last flush answered
+
+    @property
+    def done(self) -> bool:
+        return self.durable and not self.uploads and not self.dropped
+
+
+class Remote:
+    """The daemon's remote tier: built from the config and the tier; run() runs it."""
+
+    def __init__(self, config: Config, tier: Tier) -> None:
+        self.config = config
+        self.tier = tier
+        self.link = StoreLink(config, tier)
+        self.uploader = Uploader(self.link)
+        tier.notices.stored.append(self.uploader.stored)
+        tier.notices.hit.append(self.uploader.hit)
+
+    # --- running ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """For the daemon's life: a first probe (a daemon whose credentials are refused says
+        so now, once), then the health's recovery and the uploads."""
+        link = self.link
+        await link.probe()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(link.health.recover, link.probe)
+            tasks.start_soon(self.uploader.run)
+
+    async def flush(self, timeout: float | None) -> RemoteFlush:
+        """Make every entry accepted so far durable (which queues its upload, as the policy
+        says), then wait until every upload queued by then is sent or dropped; all within
+        timeout seconds (None: no deadline)."""
+        began = time.monotonic()
+        mark = Mark()  # open: the uploads of the entries the flush makes durable join it
+        durable, pending = await self.tier.flush(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+        uploads, nbytes, dropped = await self.uploader.flush(mark, left)
+        return RemoteFlush(durable, pending, uploads, nbytes, dropped)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def status(self) -> dict[str, Any]:
+        """The status report's `remote` section: no credential in it."""
+        counters, queue, health = self.link.counters, self.uploader.queue, self.link.health
+        return {
+            "state": health.state.value,
+            "last_error": health.last_error or None,
+            "url": self.config.remote,
+            "endpoint": self.config.remote_endpoint or None,
+            "upload_policy": self.config.remote_upload,
+            "pending_uploads": queue.pending_count,
+            "pending_bytes": queue.pending_bytes,
+            "uploaded_blocks": counters.uploaded_blocks,
+            "uploaded_bytes": counters.uploaded_bytes,
+            "already_there_blocks": counters.already_there,
+            "upload_drops": queue.dropped,
+            "upload_dropped_bytes": queue.dropped_bytes,
+            "not_shareable": counters.not_shareable,
+            "layout_mismatch": counters.layout_mismatch,
+            "downloaded_blocks": counters.downloaded_blocks,
+            "downloaded_bytes": counters.downloaded_bytes,
+            "hits": counters.hits,
+            "misses": sum(counters.misses.values()),
+            "misses_by_reason": dict(counters.misses),
+            "restore_gbps_p50": counters.fetch_gbps_p50(),
+        }
