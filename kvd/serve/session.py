@@ -17,7 +17,6 @@ import contextlib
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -29,10 +28,11 @@ from kvd_protocol.identity import Identity
 
 from kvd import __version__
 from kvd.logs import RateLimited, get_logger
+from kvd.remote.fetcher import Fetcher
 from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.serve.handouts import Handouts, descriptors_asked
-from kvd.serve.peercred import PeerCredentials
+from kvd.serve.peer import Peer
 from kvd.store.miss_reasons import Miss
 from kvd.store.staged_put import DeclaredBlocks
 from kvd.store.tier import Tier, summary
@@ -60,6 +60,7 @@ FEATURES = (
     m.LOOKUP_MISS_FEATURE,
     m.ENGINE_DROPS_FEATURE,
 )
+REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
 
 
 def _checks_a_file(request: m.Request) -> bool:
@@ -68,37 +69,6 @@ def _checks_a_file(request: m.Request) -> bool:
     others. Every other request that may wait runs as a task of its own; those that never
     wait (a plain release too) are answered at once (Session._at_once)."""
     return type(request) is m.Release and request.damaged is not None
-
-
-@dataclass
-class _Outgoing:
-    """A reply's frame that the kernel did not take at once, and the descriptors to close
-    once it is out (or never will be)."""
-
-    unsent: socket_io.Unsent
-    close_after: tuple[int, ...]
-
-    def close(self) -> None:
-        for fd in self.close_after:
-            os.close(fd)
-        self.close_after = ()
-
-
-def tenant_of(uid: int) -> str:
-    """The namespace prefix of the identities a peer of uid may name (see Peer.tenant)."""
-    return f"uid:{uid}/"
-
-
-@dataclass
-class Peer:
-    session: int
-    credentials: PeerCredentials
-    name: str = ""
-    admin: bool = False  # the daemon's own uid or root: may evict
-    # "" (the daemon's uid, root, or every peer when share_between_users): any identity; else
-    # every identity the peer names has a namespace that starts with this (its hello reply
-    # says so): its entries are its own, out of reach of other users' engines and of theirs.
-    tenant: str = ""
 
 
 class Session:
@@ -117,8 +87,11 @@ class Session:
         peer: Peer,
         status: Callable[[], dict[str, object]],
         frames: FrameBudget,
+        *,
+        fetcher: Fetcher | None = None,
     ) -> None:
         self.tier = tier
+        self.fetcher = fetcher  # fetches from the remote tier; None without one
         self.frames = frames  # partial frames' bytes, across connections
         self._buffered = 0  # this connection's share of them
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
@@ -132,7 +105,7 @@ class Session:
         # Held by a reply that must wait to go out whole (see socket_io.send).
         self._gate = socket_io.sending_gate()
         # A reply of the callback's that waits to go out (reading is paused meanwhile).
-        self._outgoing: _Outgoing | None = None
+        self._outgoing: socket_io.Outgoing | None = None
         self._tasks: TaskGroup | None = None  # the connection's: requests that wait
         self._reading = False  # the reader callback is installed
         self._ended = anyio.Event()  # the peer is gone, or the connection failed
@@ -160,6 +133,7 @@ class Session:
             "release": self._release_damaged,  # one that reports damage (_checks_a_file)
             "flush": self._flush,
             "verify": self._verify,
+            "lookup": self._lookup_fetched,  # one that may wait for a fetch (_may_fetch)
         }
 
     async def run(self) -> None:
@@ -238,7 +212,7 @@ class Session:
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
                         self._pause_for(self._answer, event)
-                    elif handler is not None:
+                    elif handler is not None and not self._may_fetch(event):
                         try:
                             reply = handler(event)
                         except Exception as exc:
@@ -361,7 +335,7 @@ class Session:
             unsent = socket_io.start(self.sock, *framed, self._gate)
             if unsent is None:
                 return
-            self._outgoing = _Outgoing(unsent, fds)
+            self._outgoing = socket_io.Outgoing(unsent, fds)
             fds = ()  # the task closes them once they are sent
             self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
@@ -440,7 +414,7 @@ class Session:
             protocol=m.PROTOCOL_VERSION,
             server=__version__,
             limits=self.tier.limits,
-            features=FEATURES,
+            features=FEATURES if self.fetcher is None else REMOTE_FEATURES,
             tenant=self.peer.tenant,
         )
 
@@ -491,6 +465,31 @@ class Session:
         return m.TicketReply(
             id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
         )
+
+    def _may_fetch(self, request: m.Request) -> bool:
+        """A lookup that may wait for a fetch from the remote tier: it runs as a task. To a
+        lookup that may not, the answer is at once; a fetch it warrants goes on meanwhile."""
+        if type(request) is not m.Lookup or self.fetcher is None or request.fetch == "fetched":
+            return type(request) is m.Lookup and request.fetch == "fetched"
+        if self.fetcher.worth_asking(request.identity, request.tokens):
+            if request.fetch is not None:
+                return True
+            self.fetcher.start(request.identity, request.tokens)  # a client that predates it
+        return False
+
+    async def _lookup_fetched(self, request: m.Lookup) -> m.LookupReply:
+        """A lookup answered once the fetch it may wait for is done (or out of time), or told
+        to ask again after it ("fetching")."""
+        assert self.fetcher is not None
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
+        if request.fetch == "fetched":
+            await self.fetcher.settled(request.identity, request.tokens)
+        elif (left := await self.fetcher.fetching(request.identity, request.tokens)) is not None:
+            return m.LookupReply(id=request.id, matched=0, entry=None, lease=None, fetching=left)
+        reply = self._lookup(request)
+        self.tier.book_lookups()  # no other request's reply to go first
+        return reply
 
     def _lookup(self, request: m.Lookup) -> m.LookupReply:
         if self.peer.tenant:

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 from kvd import __version__
-from kvd.serve.session import Peer
+from kvd.serve.peer import Peer
 from kvd.store.tier import Tier
 
 _process = psutil.Process()
