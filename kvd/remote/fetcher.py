@@ -194,7 +194,12 @@ class Fetcher:
     async def _fetch(self, identity: Identity, tokens: bytes, layout: Layout, blocks: int) -> int:
         """Put the first blocks of tokens from the store; the bytes of the entry committed."""
         fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
-        plan = manifest_plan(layout, identity, fetched)
+        try:
+            plan = manifest_plan(
+                layout, identity, fetched, created=time.time(), limits=self._tier.limits
+            )
+        except ValueError as exc:  # a layout this daemon cannot make an entry of
+            raise FetchError("no_layout", str(exc)) from None
         declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
         tier = self._tier
         try:
