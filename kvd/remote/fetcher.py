@@ -17,11 +17,9 @@ fetch is aborted once remote_fetch_timeout has passed since its probe ended.
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import xxhash
@@ -33,22 +31,20 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.messages import MAX_BLOCK_BATCH
 from kvd_protocol.tokens import TOKEN_BYTES
 
-from kvd.config import Config
 from kvd.logs import get_logger
-from kvd.remote import keys
 from kvd.remote.layout import Layout, manifest_plan
-from kvd.remote.probe import FetchError, KnownBlocks, Prober
+from kvd.remote.probe import FetchError, Prober
 from kvd.remote.s3 import ObjectTooLarge, StoreError
-from kvd.remote.store_calls import StoreCalls
 from kvd.store.staged_put import DeclaredBlocks, Put
-from kvd.store.tier import Tier
+
+if TYPE_CHECKING:
+    from kvd.remote.remote import Remote
 
 log = get_logger("kvd.remote.fetcher")
 
 FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
 PROBE_WAIT: Final = 0.03  # seconds a lookup waits for a probe: well within an engine's 0.1 s
 MAX_FETCHES: Final = 16  # probes and fetches under way at once; past it, lookups start none
-RATES_KEPT: Final = 64  # the last fetches' rates, for the p50
 # Why a lookup that could have fetched did not (the status's remote misses).
 MISS_REASONS: Final = (
     "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
@@ -59,6 +55,9 @@ MISS_REASONS: Final = (
     "store_error",  # the store failed a request (unreachable, refused, 5xx)
     "refused",  # the tier refused the put (no room, its admission policy)
 )
+
+
+_PROBE_MISSES: Final = frozenset({"no_layout", "short"})
 
 
 @dataclass(eq=False)
@@ -74,37 +73,17 @@ class Fetch:
         return max(self.deadline - time.monotonic(), 0.0)
 
 
-@dataclass
-class FetchCounts:
-    hits: int = 0  # fetches committed
-    misses: Counter[str] = field(default_factory=Counter)  # by MISS_REASONS
-    blocks: int = 0  # downloaded
-    bytes: int = 0
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATES_KEPT))  # GB/s
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "remote_hits": self.hits,
-            "remote_misses": sum(self.misses.values()),
-            "remote_misses_by_reason": dict(self.misses),
-            "downloaded_blocks": self.blocks,
-            "downloaded_bytes": self.bytes,
-            "restore_gbps_p50": statistics.median(self.rates) if self.rates else None,
-        }
-
-
 class Fetcher:
-    def __init__(
-        self, config: Config, tier: Tier, calls: StoreCalls, prefix: str, known: KnownBlocks
-    ) -> None:
-        self._config = config
-        self._tier = tier
-        self._calls = calls
-        self._prefix = prefix
-        self._prober = Prober(calls, prefix, known)
+    """The remote tier's fetches under way, by prompt; counted in the remote's counters."""
+
+    def __init__(self, remote: Remote) -> None:
+        self._remote = remote
+        self._config = remote.config
+        self._tier = remote.tier
+        self._counters = remote.counters
+        self._prober = Prober(remote)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
-        self.counts = FetchCounts()
 
     async def run(self) -> None:
         """Hold the fetches' tasks until cancelled (the daemon stops: fetches under way are
@@ -119,7 +98,7 @@ class Fetcher:
     def worth_asking(self, identity: Identity, tokens: bytes) -> bool:
         """Whether a lookup of tokens may start a fetch: the store is not down and the prompt
         runs at least remote_min_tokens past the tier's best match."""
-        if self._tasks is None or not self._calls.health.usable:
+        if self._tasks is None or not self._remote.health.up:
             return False
         past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(identity, tokens)
         return past >= max(self._config.remote_min_tokens, 1)
@@ -171,9 +150,11 @@ class Fetcher:
         except StoreError as exc:
             self._missed(identity, "store_error", str(exc))
         else:
-            self.counts.hits += 1
+            if not fetched:
+                return  # the tier held it already (a put raced this fetch): no fetch at all
+            self._counters.hits += 1
             seconds = time.perf_counter() - started
-            self.counts.rates.append(fetched / max(seconds, 1e-9) / 1e9)
+            self._counters.fetch_rates.append(fetched / max(seconds, 1e-9) / 1e9)
             log.info("remote_fetched", identity=key[0], blocks=blocks, seconds=round(seconds, 3))
         finally:
             fetch.probed.set()
@@ -181,8 +162,16 @@ class Fetcher:
             del self._fetches[key]
 
     def _missed(self, identity: Identity, reason: str, detail: str) -> None:
-        self.counts.misses[reason] += 1
-        log.info("remote_miss", identity=identity.digest(), reason=reason, detail=detail)
+        self._counters.misses[reason] += 1
+        # A probe that found nothing is the usual; a block that fails its checks is not.
+        say = (
+            log.debug
+            if reason in _PROBE_MISSES
+            else log.warning
+            if reason == "damaged"
+            else log.info
+        )
+        say("remote_miss", identity=identity.digest(), reason=reason, detail=detail)
 
     async def _probe(self, identity: Identity, tokens: bytes) -> tuple[Layout, int]:
         digest = identity.digest()
@@ -254,16 +243,16 @@ class Fetcher:
 
     async def _download(self, put: Put, plan: ManifestPlan, index: int, fd: int) -> None:
         """Block index of the put into fd, whole and of the layout's size."""
-        key = keys.block_key(self._prefix, put.identity.digest(), plan.hashes[index])
-        size = plan.block_size
+        digest, block = put.identity.digest(), plan.hashes[index]
+        key, size = self._remote.block_key(digest, block), plan.block_size
         try:
-            got = await self._calls.run(self._calls.store.get_to_file, key, fd, size)
+            got = await self._remote.call(lambda store: store.get_to_file(key, fd, size))
         except ObjectTooLarge as exc:
             raise FetchError("damaged", f"block {index}: {exc}") from None
         if got is None:
-            self._prober.known.discard(key)
+            self._remote.uploader.known.discard((digest, block))
             raise FetchError("missing", f"block {index} ({key}) is not in the store")
         if got != size:
             raise FetchError("damaged", f"block {index} ({key}) holds {got} bytes, not {size}")
-        self.counts.blocks += 1
-        self.counts.bytes += size
+        self._counters.downloaded_blocks += 1
+        self._counters.downloaded_bytes += size

@@ -158,7 +158,7 @@ def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
     on_a = greedy(model, prefill(model, tokens), asked[-1:])
     assert got[0] == on_a[0]
     remote = remote_status(b)
-    assert remote["remote_hits"] == 1
+    assert remote["hits"] == 1
     assert remote["downloaded_blocks"] == BLOCKS
     assert remote["restore_gbps_p50"] > 0
     # Asked again, B answers from its own tier: nothing more is fetched.
@@ -230,8 +230,8 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
         assert client.stats.remote_fetches == 1
         assert client.list_entries() == []
     remote = remote_status(b)
-    assert remote["remote_hits"] == 0
-    assert remote["remote_misses_by_reason"] == {"damaged": 1}
+    assert remote["hits"] == 0
+    assert remote["misses_by_reason"] == {"damaged": 1}
     # No entry, no block, nothing quarantined, no staging file left.
     assert tier_files(b.tier) == before
     assert not list((b.tier / "quarantine").iterdir())
@@ -261,7 +261,7 @@ def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetch
         assert client.stats.remote_fetches == 0
     remote = remote_status(b)
     assert remote["downloaded_blocks"] == 0
-    assert remote["remote_misses_by_reason"] == {"short": 1}
+    assert remote["misses_by_reason"] == {"short": 1}
 
 
 def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes_on(
@@ -294,4 +294,4 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
         assert found.matched == BLOCKS * BLOCK
         assert found.lease is not None
         assert isinstance(old.call(m.Release(id=old.next_id(), lease=found.lease)), m.ReleaseReply)
-    assert remote_status(b)["remote_hits"] == 1
+    assert remote_status(b)["hits"] == 1
