@@ -22,7 +22,6 @@ import mlx.core as mx
 import pytest
 from daemon_e2e import SETTLE_SECONDS, RawPeer, staging_files, wait_until
 from daemon_process import Daemon, running_daemon
-from kvd.remote.s3 import S3Store
 from kvd_client.client import Client
 from kvd_client.identity import Identity
 from kvd_client.results import TicketState
@@ -34,6 +33,7 @@ from model_folders import SMALL_CONFIGS, VOCAB, small_model
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
 
 from kvd.remote import keys
+from kvd.remote.s3 import S3Store
 
 BLOCK = 16  # tokens per block: a tiny prompt spans several
 MIN_TOKENS = 32  # remote_min_tokens: two blocks
