@@ -28,7 +28,7 @@ from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan
 from kvd_protocol.errors import ProtocolError
 from kvd_protocol.identity import Identity
-from kvd_protocol.messages import MAX_BLOCK_BATCH
+from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
 from kvd_protocol.tokens import TOKEN_BYTES
 
 from kvd.logs import get_logger
@@ -95,15 +95,43 @@ class Fetcher:
             finally:
                 self._tasks = None
 
-    def worth_asking(self, identity: Identity, tokens: bytes) -> bool:
-        """Whether a lookup of tokens may start a fetch: the store is not down and the prompt
-        runs at least remote_min_tokens past the tier's best match."""
+    def waits(self, lookup: Lookup) -> bool:
+        """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
+        asked again after a fetch, or one that may wait and whose prompt runs at least
+        remote_min_tokens past the tier's best match, while the store is not down. A lookup
+        that may not wait (a client that predates the field) is answered at once, and the
+        fetch it warrants starts meanwhile: its next lookup finds the blocks local."""
+        if lookup.fetch == "fetched":
+            return True
         if self._tasks is None or not self._remote.health.up:
             return False
-        past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(identity, tokens)
-        return past >= max(self._config.remote_min_tokens, 1)
+        tokens = lookup.tokens
+        past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(lookup.identity, tokens)
+        if past < max(self._config.remote_min_tokens, 1):
+            return False
+        if lookup.fetch is None:
+            self._start(lookup.identity, tokens)
+        return lookup.fetch is not None
 
-    def start(self, identity: Identity, tokens: bytes) -> Fetch | None:
+    async def wait(self, lookup: Lookup) -> float | None:
+        """For a lookup that may wait ("wait"): the seconds left of the fetch of its prompt, once
+        a probe found one worth it within PROBE_WAIT; None to answer from what is local. Asked
+        again after it ("fetched"): None once the fetch is committed, failed or out of time."""
+        key = (lookup.identity.digest(), xxhash.xxh3_128_digest(lookup.tokens))
+        if lookup.fetch == "fetched":
+            fetch = self._fetches.get(key)
+            if fetch is not None:
+                with anyio.move_on_after(fetch.left()):
+                    await fetch.done.wait()
+            return None
+        fetch = self._start(lookup.identity, lookup.tokens)
+        if fetch is None:
+            return None
+        with anyio.move_on_after(PROBE_WAIT):
+            await fetch.probed.wait()
+        return fetch.left() if fetch.blocks and not fetch.done.is_set() else None
+
+    def _start(self, identity: Identity, tokens: bytes) -> Fetch | None:
         """The fetch of tokens under way, or a new one; None when too many are."""
         key = (identity.digest(), xxhash.xxh3_128_digest(tokens))
         fetch = self._fetches.get(key)
@@ -111,25 +139,6 @@ class Fetcher:
             fetch = self._fetches[key] = Fetch()
             self._tasks.start_soon(self._run, key, fetch, identity, tokens)
         return fetch
-
-    async def fetching(self, identity: Identity, tokens: bytes) -> float | None:
-        """For a lookup that may wait: the seconds left of a fetch under way for tokens, once
-        the probe found one worth it within PROBE_WAIT; None to answer from what is local."""
-        fetch = self.start(identity, tokens)
-        if fetch is None:
-            return None
-        with anyio.move_on_after(PROBE_WAIT):
-            await fetch.probed.wait()
-        if fetch.blocks and not fetch.done.is_set():
-            return fetch.left()
-        return None
-
-    async def settled(self, identity: Identity, tokens: bytes) -> None:
-        """Once the fetch of tokens under way (if any) is committed, failed, or out of time."""
-        fetch = self._fetches.get((identity.digest(), xxhash.xxh3_128_digest(tokens)))
-        if fetch is not None:
-            with anyio.move_on_after(fetch.left()):
-                await fetch.done.wait()
 
     async def _run(
         self, key: tuple[str, bytes], fetch: Fetch, identity: Identity, tokens: bytes

@@ -28,7 +28,7 @@ from kvd_protocol.identity import Identity
 
 from kvd import __version__
 from kvd.logs import RateLimited, get_logger
-from kvd.remote.fetcher import Fetcher
+from kvd.remote.remote import Remote
 from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.serve.handouts import Handouts, descriptors_asked
@@ -59,6 +59,7 @@ FEATURES = (
     m.IDENTITY_TRAITS_FEATURE,
     m.LOOKUP_MISS_FEATURE,
     m.ENGINE_DROPS_FEATURE,
+    m.REMOTE_FLUSH_FEATURE,
 )
 REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
 
@@ -69,6 +70,11 @@ def _checks_a_file(request: m.Request) -> bool:
     others. Every other request that may wait runs as a task of its own; those that never
     wait (a plain release too) are answered at once (Session._at_once)."""
     return type(request) is m.Release and request.damaged is not None
+
+
+def _waits_for_a_fetch(request: m.Request, remote: Remote | None) -> bool:
+    """A lookup that may wait for a fetch from the remote tier: a task (Fetcher.waits)."""
+    return type(request) is m.Lookup and remote is not None and remote.fetcher.waits(request)
 
 
 class Session:
@@ -88,10 +94,10 @@ class Session:
         status: Callable[[], dict[str, object]],
         frames: FrameBudget,
         *,
-        fetcher: Fetcher | None = None,
+        remote: Remote | None = None,
     ) -> None:
         self.tier = tier
-        self.fetcher = fetcher  # fetches from the remote tier; None without one
+        self.remote = remote  # the remote tier, when `remote` is set
         self.frames = frames  # partial frames' bytes, across connections
         self._buffered = 0  # this connection's share of them
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
@@ -133,7 +139,7 @@ class Session:
             "release": self._release_damaged,  # one that reports damage (_checks_a_file)
             "flush": self._flush,
             "verify": self._verify,
-            "lookup": self._lookup_fetched,  # one that may wait for a fetch (_may_fetch)
+            "lookup": self._lookup_fetched,  # one that may wait for a fetch (_waits_for_a_fetch)
         }
 
     async def run(self) -> None:
@@ -212,7 +218,7 @@ class Session:
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
                         self._pause_for(self._answer, event)
-                    elif handler is not None and not self._may_fetch(event):
+                    elif handler is not None and not _waits_for_a_fetch(event, self.remote):
                         try:
                             reply = handler(event)
                         except Exception as exc:
@@ -414,7 +420,7 @@ class Session:
             protocol=m.PROTOCOL_VERSION,
             server=__version__,
             limits=self.tier.limits,
-            features=FEATURES if self.fetcher is None else REMOTE_FEATURES,
+            features=FEATURES if self.remote is None else REMOTE_FEATURES,
             tenant=self.peer.tenant,
         )
 
@@ -466,26 +472,13 @@ class Session:
             id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
         )
 
-    def _may_fetch(self, request: m.Request) -> bool:
-        """A lookup that may wait for a fetch from the remote tier: it runs as a task. To a
-        lookup that may not, the answer is at once; a fetch it warrants goes on meanwhile."""
-        if type(request) is not m.Lookup or self.fetcher is None or request.fetch == "fetched":
-            return type(request) is m.Lookup and request.fetch == "fetched"
-        if self.fetcher.worth_asking(request.identity, request.tokens):
-            if request.fetch is not None:
-                return True
-            self.fetcher.start(request.identity, request.tokens)  # a client that predates it
-        return False
-
     async def _lookup_fetched(self, request: m.Lookup) -> m.LookupReply:
         """A lookup answered once the fetch it may wait for is done (or out of time), or told
-        to ask again after it ("fetching")."""
-        assert self.fetcher is not None
+        to ask again after it: fetching, the seconds the fetch has left."""
+        assert self.remote is not None
         if self.peer.tenant:
             self._check_identity(request, request.identity)
-        if request.fetch == "fetched":
-            await self.fetcher.settled(request.identity, request.tokens)
-        elif (left := await self.fetcher.fetching(request.identity, request.tokens)) is not None:
+        if (left := await self.remote.fetcher.wait(request)) is not None:
             return m.LookupReply(id=request.id, matched=0, entry=None, lease=None, fetching=left)
         reply = self._lookup(request)
         self.tier.book_lookups()  # no other request's reply to go first
@@ -589,8 +582,19 @@ class Session:
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:
-        durable, pending = await self.tier.flush(request.timeout)
-        return m.FlushReply(id=request.id, durable=durable, pending=pending)
+        if not request.remote:
+            durable, pending = await self.tier.flush(request.timeout)
+            return m.FlushReply(id=request.id, durable=durable, pending=pending)
+        if self.remote is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "this kvd has no remote tier (`remote`)")
+        done, pending, uploads, nbytes = await self.remote.flush(request.timeout)
+        return m.FlushReply(
+            id=request.id,
+            durable=done,
+            pending=pending,
+            remote_pending=uploads,
+            remote_pending_bytes=nbytes,
+        )
 
     def _status(self, request: m.Request) -> m.StatusReply:
         return m.StatusReply(id=request.id, status=self.status())

@@ -54,6 +54,7 @@ REMOTE_FETCH_FEATURE: Final = "remote_fetch"  # lookup's fetch, its reply's fetc
 # say fetching); "fetched", it asks again once the fetch it was told of is done.
 FETCH_ASKS: Final = ("wait", "fetched")
 MAX_FETCH_SECONDS: Final = 600.0  # a reply's fetching: what a client waits for at most
+REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remote_pending/bytes
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -511,16 +512,24 @@ class ReleaseReply(Reply):
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Flush(Request):
+    """remote: wait for the remote tier's uploads too (feature "remote_flush")."""
+
     op: ClassVar[str] = "flush"
     # None: wait as long as it takes
     timeout: float | None = field(metadata=wire(_optional(_at_most(MAX_WAIT_SECONDS))))
+    remote: bool = field(default=False, metadata=wire(_bool))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FlushReply(Reply):
+    """remote_pending, remote_pending_bytes: the uploads queued before a remote flush that
+    were still pending when it answered (nil unless it asked for remote)."""
+
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))
     pending: int = field(metadata=wire(_uint()))
+    remote_pending: int | None = field(default=None, metadata=wire(_optional(_uint())))
+    remote_pending_bytes: int | None = field(default=None, metadata=wire(_optional(_uint())))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

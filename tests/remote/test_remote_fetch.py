@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -95,7 +95,7 @@ def greedy(model: Any, cache: list[Any], last: Sequence[int]) -> tuple[list[int]
     logits = model(mx.array([list(last)]), cache=cache)[:, -1, :]
     tokens, every = [], [logits]
     for _ in range(STEPS):
-        tokens.append(int(mx.argmax(logits).item()))
+        tokens.append(cast(int, mx.argmax(logits).item()))
         logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
         every.append(logits)
     return tokens, mx.concatenate(every)
@@ -120,8 +120,7 @@ def uploaded(store: S3Store, prefix: str, identity: Identity, blocks: int) -> No
 
 def remote_status(daemon: Daemon) -> dict[str, Any]:
     with Client.connect(daemon.socket_path, require=True) as client:
-        section: dict[str, Any] = client.status()["remote"]
-        return section
+        return cast(dict[str, Any], client.status()["remote"])
 
 
 def block_files(tier: Path) -> dict[str, bytes]:
@@ -291,6 +290,7 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
             return found
 
         found = wait_until(hit, "the fetch the first lookup started is local")
+        assert found is not None
         assert found.matched == BLOCKS * BLOCK
         assert found.lease is not None
         assert isinstance(old.call(m.Release(id=old.next_id(), lease=found.lease)), m.ReleaseReply)
