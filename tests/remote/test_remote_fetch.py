@@ -27,6 +27,7 @@ from kvd_client.identity import Identity
 from kvd_client.results import TicketState
 from kvd_protocol import messages as m
 from kvd_protocol.blocks import BLOCK_SUFFIX
+from kvd_protocol.entry_reader import parse_block_head
 from kvd_protocol.tokens import pack_tokens
 from mlx_lm.models.cache import make_prompt_cache
 from model_folders import SMALL_CONFIGS, VOCAB, small_model
@@ -203,11 +204,11 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
         seaweed.start()
 
 
-def _damage(store: S3Store, key: str) -> None:
-    """Flip the last byte of the object (a tensor's: the block's data ends the file)."""
+def _damage(store: S3Store, key: str, name: str) -> None:
+    """One bit of a key in the block object (as a failing disk or a hostile writer would)."""
     data = bytearray(store.get(key, 1 << 26) or b"")
-    assert data
-    data[-1] ^= 0xFF
+    block = parse_block_head(name, data, len(data))
+    data[block.slots[0].start + 3] ^= 1
     store.delete(key)
     assert store.put_if_absent(key, bytes(data))
 
@@ -222,7 +223,7 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
     uploaded(store, prefix, identity, BLOCKS)
     digest = identity.to_protocol().digest()
     damaged = sorted(block_files(a.tier))[2]
-    _damage(store, f"{keys.identity_key(prefix, digest)}/b/{damaged}")
+    _damage(store, f"{keys.identity_key(prefix, digest)}/b/{damaged}", damaged)
     before = tier_files(b.tier)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert client.get(identity, [*tokens, 7], model=model) is None
