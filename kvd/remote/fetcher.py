@@ -46,17 +46,7 @@ log = get_logger("kvd.remote.fetcher")
 FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
 PROBE_WAIT: Final = 0.05  # seconds a lookup waits for a probe: half an engine's 0.1 s deadline
 MAX_FETCHES: Final = 16  # probes and fetches under way at once; past it, lookups start none
-REFUSED_CHAINS: Final = 1024
-# Why a lookup that could have fetched did not (the status's remote misses).
-MISS_REASONS: Final = (
-    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
-    "short",  # the store holds less than remote_min_tokens past the local match
-    "missing",  # a block the probe found was gone when fetched
-    "damaged",  # a block of another size, or that failed the commit's checks
-    "timeout",  # not committed within remote_fetch_timeout
-    "store_error",  # the store failed a request (unreachable, refused, 5xx)
-    "refused",  # the tier refused the put (no room, its admission policy)
-)
+REFUSED_CHAINS: Final = 1024  # chains remembered as refused by a commit
 
 
 _PROBE_MISSES: Final = frozenset({"no_layout", "short"})

@@ -22,12 +22,24 @@ if TYPE_CHECKING:
     from kvd.remote.remote import Remote
 
 ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the store is asked again after
+# Why a lookup that could have fetched did not (the status's remote misses).
+MISS_REASONS: Final = (
+    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
+    "short",  # the store holds less than remote_min_tokens past the local match
+    "missing",  # a block the probe found was gone when fetched
+    "damaged",  # a block of another size, or that failed the commit's checks
+    "timeout",  # not committed within remote_fetch_timeout
+    "store_error",  # the store failed a request (unreachable, refused, 5xx)
+    "refused",  # the tier refused the put (no room, its admission policy)
+)
 
 
 class FetchError(Exception):
-    """Nothing fetched: reason (a remote miss reason, fetcher.MISS_REASONS) and detail."""
+    """Nothing fetched: reason (one of MISS_REASONS) and detail, in words."""
 
     def __init__(self, reason: str, detail: str) -> None:
+        if reason not in MISS_REASONS:
+            raise ValueError(f"{reason!r} is not a remote miss reason")
         super().__init__(detail)
         self.reason = reason
 
