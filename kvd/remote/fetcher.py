@@ -90,16 +90,19 @@ class Fetcher:
             finally:
                 self._tasks = None
 
-    def waits(self, lookup: Lookup) -> bool:
+    def waits(self, lookup: Lookup, tenant: str) -> bool:
         """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
         asked again after a fetch, or one that may wait and whose prompt runs at least
         remote_min_tokens past the tier's best match, while the store is not down. A lookup
         that may not wait (a client that predates the field) is answered at once, and the
-        fetch it warrants starts meanwhile: its next lookup finds the blocks local."""
+        fetch it warrants starts meanwhile: its next lookup finds the blocks local. One naming
+        an identity outside the peer's tenant (a refusal) starts none."""
         if lookup.fetch == "fetched":
             return True
         if self._tasks is None or not self._remote.health.up:
             return False
+        if not lookup.identity.namespace.startswith(tenant):
+            return False  # refused at once
         tokens = lookup.tokens
         past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(lookup.identity, tokens)
         if past < max(self._config.remote_min_tokens, 1):

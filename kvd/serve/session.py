@@ -72,9 +72,9 @@ def _checks_a_file(request: m.Request) -> bool:
     return type(request) is m.Release and request.damaged is not None
 
 
-def _waits_for_a_fetch(request: m.Request, remote: Remote | None) -> bool:
+def _waits_for_a_fetch(asked: m.Request, remote: Remote | None, tenant: str) -> bool:
     """A lookup that may wait for a fetch from the remote tier: a task (Fetcher.waits)."""
-    return type(request) is m.Lookup and remote is not None and remote.fetcher.waits(request)
+    return type(asked) is m.Lookup and remote is not None and remote.fetcher.waits(asked, tenant)
 
 
 class Session:
@@ -197,7 +197,7 @@ class Session:
         frame_timeout of its first byte, and its bytes fit the budget of all connections'
         partial frames: between frames a connection may idle as long as it likes. What only
         counts a request (Tier.book_lookups) waits until its reply is sent."""
-        conn, tier = self.conn, self.tier
+        conn, tier, tenant = self.conn, self.tier, self.peer.tenant
         try:
             while self._reading:
                 event = conn.next_event()
@@ -218,7 +218,7 @@ class Session:
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
                         self._pause_for(self._answer, event)
-                    elif handler is not None and not _waits_for_a_fetch(event, self.remote):
+                    elif handler is not None and not _waits_for_a_fetch(event, self.remote, tenant):
                         try:
                             reply = handler(event)
                         except Exception as exc:
