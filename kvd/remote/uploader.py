@@ -11,9 +11,10 @@ One upload at a time: the uploader leases the entry (the tier's reader path: fil
 read-only, checked by size), reads its manifest's header for the identity's layout, writes
 the layout once per identity (the first written wins; an entry that does not fit the one in
 the store uploads nothing, said once at warning, counted), then sends each block not known
-to be in the store with a conditional create (412: already there, counted, not an error), at
-most half of remote_requests at once, at remote_upload_rate. What the store is known to hold
-is remembered (KnownBlocks, a bounded LRU), so a block is asked about once. The store down:
+to be in the store (a HEAD first: a block another daemon sent is not sent again) with a
+conditional create (412: already there, counted, not an error), at most half of
+remote_requests at once, at remote_upload_rate. What the store is known to hold
+is remembered (a bounded LRU of block keys), so a block is asked about once. The store down:
 uploads are dropped and counted, the health says why.
 """
 
@@ -33,7 +34,7 @@ from kvd.logs import get_logger
 from kvd.remote.layout import Layout, NotShareable, layout_of
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.s3 import StoreError
-from kvd.remote.upload_queue import Upload, UploadQueue
+from kvd.remote.upload_queue import Mark, Upload, UploadQueue
 from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
@@ -106,6 +107,7 @@ class Uploader:
         self._mismatched: set[str] = set()  # identities whose stored layout does not fit
         self._rate = TokenBucket(config.remote_upload_rate)
         self._sends = max(1, config.remote_requests // 2)
+        self._reported_drops = 0  # queue.dropped when the last flush answered
         self._work = anyio.Event()  # pulsed when an upload is queued
         self._changed = anyio.Event()  # pulsed when an upload leaves the queue
 
@@ -135,14 +137,12 @@ class Uploader:
         blocks = tuple(h for h in record.blocks if (record.identity, h) not in self.known)
         if not blocks and record.identity in self.remote.layouts:
             return  # all there already
-        if not self.remote.health.up:
-            counters.upload_drops += 1
-            counters.upload_dropped_bytes += len(blocks) * record.block_size
+        if not self.remote.health.up:  # the health said why, once
+            self.queue.drop_at_once(len(blocks) * record.block_size)
             return
         dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
         for upload in dropped or ():
             log.info("remote_upload_dropped", entry=upload.entry, bytes=upload.left, why="cap")
-            self._count_drop(upload)
         self._work.set()
         self._work = anyio.Event()
 
@@ -155,20 +155,21 @@ class Uploader:
             if upload is None:
                 await self._work.wait()
                 continue
+            sent = False
             try:
-                await self._send(upload)
+                sent = await self._send(upload)
             finally:
-                self.queue.done(upload)
+                self.queue.done(upload, dropped=not sent)
                 self._changed.set()
                 self._changed = anyio.Event()
 
-    async def _send(self, upload: Upload) -> None:
-        """One entry's layout and blocks, under a lease on the entry."""
+    async def _send(self, upload: Upload) -> bool:
+        """One entry's layout and blocks, under a lease on the entry; False when it was
+        dropped (the store down or failing, the entry gone before its turn)."""
         remote = self.remote
         leased = None if not remote.health.up else remote.tier.lease_entry(OWNER, upload.entry)
-        if leased is None:  # the store down, or the entry gone (evicted) before its turn
-            self._count_drop(upload)
-            return
+        if leased is None:
+            return False
         record, lease, fd = leased
         try:
             try:
@@ -186,9 +187,10 @@ class Uploader:
         except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
             if not isinstance(exc, StoreError):  # the health has a store's failure
                 log.warning("remote_upload_failed", entry=record.id, error=str(exc))
-            self._count_drop(upload)
+            return False
         finally:
             remote.tier.end_lease(OWNER, lease)
+        return True
 
     async def _fits(self, layout: Layout) -> bool:
         """Whether the identity's layout in the store is this one's (writing it if there is
@@ -215,7 +217,7 @@ class Uploader:
         failure (the sends under way end first)."""
         tier, digest = self.remote.tier, record.identity
         wanted = set(upload.blocks)
-        blocks = tier.catalog.blocks_of(record)
+        blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
             if not any(b.hash in wanted and (digest, b.hash) not in self.known for b in batch):
@@ -244,16 +246,21 @@ class Uploader:
         limiter: anyio.CapacityLimiter,
         failures: list[BaseException],
     ) -> None:
-        """One block with a conditional create; a failure is kept in failures (and the
-        block is not sent when one came before)."""
+        """One block: a HEAD first (another daemon of the identity may have sent it: its
+        bytes need not go again), else a conditional create. A failure is kept in failures
+        (and the block is not sent when one came before)."""
         remote, digest, block_hash, size = self.remote, upload.identity, block.hash, block.size
+        key = remote.block_key(digest, block_hash)
         async with limiter:
             if failures:
                 return
-            await self._rate.wait_for(size)
-            key = remote.block_key(digest, block_hash)
             try:
-                created = await remote.call(lambda store: store.put_file_if_absent(key, fd, size))
+                created = await remote.call(lambda store: store.head(key)) is None
+                if created:
+                    await self._rate.wait_for(size)
+                    created = await remote.call(
+                        lambda store: store.put_file_if_absent(key, fd, size)
+                    )
             except (StoreError, OSError, ValueError) as exc:
                 failures.append(exc)
                 return
@@ -266,16 +273,16 @@ class Uploader:
         self.known.add((digest, block_hash))
         self.queue.sent(upload, size)
 
-    def _count_drop(self, upload: Upload) -> None:
-        self.remote.counters.upload_drops += 1
-        self.remote.counters.upload_dropped_bytes += upload.left
-
-    async def flush(self, timeout: float | None) -> tuple[bool, int, int]:
-        """Wait until every upload queued so far is done or dropped, up to timeout seconds:
-        (done, uploads left, bytes left)."""
-        mark = self.queue.last_seq
+    async def flush(self, mark: Mark, timeout: float | None) -> tuple[int, int, int]:
+        """Wait until every upload of the mark (closed now) is sent or dropped, up to timeout
+        seconds: (uploads left, their bytes, uploads dropped since the last flush answered:
+        before this one began too, so that no drop goes unsaid)."""
+        self.queue.close(mark)
         with anyio.move_on_after(timeout):
             while self.queue.left_of(mark)[0]:
                 await self._changed.wait()
-        left, nbytes = self.queue.left_of(mark)
-        return not left, left, nbytes
+        dropped, self._reported_drops = (
+            self.queue.dropped - self._reported_drops,
+            self.queue.dropped,
+        )
+        return (*self.queue.left_of(mark), dropped)
