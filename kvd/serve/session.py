@@ -475,10 +475,9 @@ class Session:
     async def _lookup_fetched(self, request: m.Lookup) -> m.LookupReply:
         """A lookup answered once the fetch it may wait for is done (or out of time), or told
         to ask again after it: fetching, the seconds the fetch has left."""
-        assert self.remote is not None
         if self.peer.tenant:
             self._check_identity(request, request.identity)
-        if (left := await self.remote.fetcher.wait(request)) is not None:
+        if self.remote and (left := await self.remote.fetcher.wait(request)) is not None:
             return m.LookupReply(id=request.id, matched=0, entry=None, lease=None, fetching=left)
         reply = self._lookup(request)
         self.tier.book_lookups()  # no other request's reply to go first

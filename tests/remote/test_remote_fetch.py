@@ -31,16 +31,18 @@ from kvd_protocol.entry_reader import parse_block_head
 from kvd_protocol.tokens import pack_tokens
 from mlx_lm.models.cache import make_prompt_cache
 from model_folders import SMALL_CONFIGS, VOCAB, small_model
-from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
+from remote_e2e import remote_flags, remote_status, restart, stored
+from seaweed import Seaweed
 
 from kvd.remote import keys
-from kvd.remote.s3 import S3Store, StoreError
+from kvd.remote.s3 import S3Store
 
 BLOCK = 16  # tokens per block: a tiny prompt spans several
 MIN_TOKENS = 32  # remote_min_tokens: two blocks
 BLOCKS = 6
 TOKENS = BLOCKS * BLOCK + 5  # six whole blocks (shared) and a tail of 5 (not shared)
 STEPS = 4
+FETCH_TIMEOUT = 20  # seconds: generous, on a loaded machine
 LOOKUPS = 7  # timed lookups per daemon
 
 
@@ -51,29 +53,13 @@ def model() -> Any:
 
 
 @pytest.fixture
-def credentials(tmp_path: Path) -> Path:
-    path = tmp_path / "credentials"
-    path.write_text(
-        f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
-    )
-    path.chmod(0o600)
-    return path
-
-
-def remote_flags(seaweed: Seaweed, prefix: str, credentials: Path) -> list[str]:
-    return [
-        *("--remote", f"s3://{BUCKET}/{prefix}", "--remote-endpoint", seaweed.endpoint),
-        *("--remote-credentials-file", str(credentials)),
-        *("--remote-min-tokens", str(MIN_TOKENS), "--remote-fetch-timeout", "20"),
-    ]
-
-
-@pytest.fixture
 def two_macs(
-    tmp_path: Path, seaweed: Seaweed, store: S3Store, prefix: str, credentials: Path
+    tmp_path: Path, seaweed: Seaweed, s3_store: S3Store, s3_prefix: str
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Daemons A and B on tiers of their own, sharing the store under the test's prefix."""
-    flags = remote_flags(seaweed, prefix, credentials)
+    flags = remote_flags(
+        seaweed, tmp_path, s3_prefix, min_tokens=MIN_TOKENS, fetch_timeout=FETCH_TIMEOUT
+    )
     with ExitStack() as stack:
         a = stack.enter_context(running_daemon(tmp_path / "a", flags))
         b = stack.enter_context(running_daemon(tmp_path / "b", flags))
@@ -113,8 +99,8 @@ def uploaded(store: S3Store, prefix: str, identity: Identity, blocks: int) -> No
     folder = keys.identity_key(prefix, identity.to_protocol().digest())
 
     def done() -> bool:
-        listed = [key for key, _ in store.list(folder + "/", 1000)]
-        return folder + "/layout" in listed and sum("/b/" in k for k in listed) >= blocks
+        held = stored(store, folder)
+        return "layout" in held and sum(key.startswith("b/") for key in held) >= blocks
 
     wait_until(done, "the store holds A's blocks")
 
@@ -128,16 +114,14 @@ def fetched_get(
     by itself, and once it ended the next get finds its entry local."""
     restored = client.get(identity, asked, model=model)
     if restored is None and not client.stats.remote_fetches:
-        wait_until(
-            lambda: remote_status(daemon)["hits"] + remote_status(daemon)["misses"], "a fetch"
-        )
+        wait_until(lambda: remote_of(daemon)["hits"] + remote_of(daemon)["misses"], "a fetch")
         restored = client.get(identity, asked, model=model)
     return restored
 
 
-def remote_status(daemon: Daemon) -> dict[str, Any]:
-    with Client.connect(daemon.socket_path, require=True) as client:
-        return cast(dict[str, Any], client.status()["remote"])
+def remote_of(daemon: Daemon) -> dict[str, Any]:
+    with RawPeer(daemon.socket_path) as peer:
+        return remote_status(peer)
 
 
 def block_files(tier: Path) -> dict[str, bytes]:
@@ -149,13 +133,13 @@ def entry_files(tier: Path) -> list[Path]:
 
 
 def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
-    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = Identity("tiny/shared", "cfg", "tok")
     tokens = prompt(TOKENS, seed=1)
     put_on(a, identity, tokens, model)
-    uploaded(store, prefix, identity, BLOCKS)
+    uploaded(s3_store, s3_prefix, identity, BLOCKS)
     asked = [*tokens, 7]
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert m.REMOTE_FETCH_FEATURE in client._link.server.features  # type: ignore[union-attr]
@@ -172,7 +156,7 @@ def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
     assert bool(mx.array_equal(got[1], fresh[1]).item())
     on_a = greedy(model, prefill(model, tokens), asked[-1:])
     assert got[0] == on_a[0]
-    remote = remote_status(b)
+    remote = remote_of(b)
     assert remote["hits"] == 1
     assert remote["downloaded_blocks"] == BLOCKS
     assert remote["restore_gbps_p50"] > 0
@@ -180,7 +164,7 @@ def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert client.get(identity, asked, model=model) is not None
         assert client.stats.remote_fetches == 0
-    assert remote_status(b)["downloaded_blocks"] == BLOCKS
+    assert remote_of(b)["downloaded_blocks"] == BLOCKS
 
 
 def _lookup_seconds(daemon: Daemon, identity: Identity, prompts: list[list[int]]) -> list[float]:
@@ -197,13 +181,7 @@ def _lookup_seconds(daemon: Daemon, identity: Identity, prompts: list[list[int]]
 
 
 def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store_locally(
-    two_macs: tuple[Daemon, Daemon],
-    *,
-    seaweed: Seaweed,
-    store: S3Store,
-    prefix: str,
-    tmp_path: Path,
-    model: Any,
+    two_macs: tuple[Daemon, Daemon], seaweed: Seaweed, tmp_path: Path, model: Any
 ) -> None:
     _, b = two_macs
     identity = Identity("tiny/down", "cfg", "tok")
@@ -220,20 +198,9 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
             found = client.lookup(identity.to_protocol(), [*prompts[0], 7])
             assert found is not None
             found.release()
-        assert remote_status(b)["state"] in ("degraded", "down")
+        assert remote_of(b)["state"] in ("degraded", "down")
     finally:
-        seaweed.start()
-        # The store lists before its volumes take writes again: the next test's uploads wait.
-        probe = f"{prefix}/restarted"
-        wait_until(lambda: _writes(store, probe), "the restarted store takes a write")
-
-
-def _writes(store: S3Store, key: str) -> bool:
-    try:
-        store.put_if_absent(key, b"x")
-    except StoreError:
-        return False
-    return True
+        restart(seaweed)  # and the next test's uploads wait for no volume
 
 
 def _damage(store: S3Store, key: str, name: str) -> None:
@@ -246,20 +213,20 @@ def _damage(store: S3Store, key: str, name: str) -> None:
 
 
 def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
-    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = Identity("tiny/damaged", "cfg", "tok")
     tokens = prompt(TOKENS, seed=2)
     put_on(a, identity, tokens, model)
-    uploaded(store, prefix, identity, BLOCKS)
+    uploaded(s3_store, s3_prefix, identity, BLOCKS)
     digest = identity.to_protocol().digest()
     damaged = sorted(block_files(a.tier))[2]
-    _damage(store, f"{keys.identity_key(prefix, digest)}/b/{damaged}", damaged)
+    _damage(s3_store, f"{keys.identity_key(s3_prefix, digest)}/b/{damaged}", damaged)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert fetched_get(client, b, identity, [*tokens, 7], model) is None
         assert client.list_entries() == []
-    remote = remote_status(b)
+    remote = remote_of(b)
     assert remote["hits"] == 0
     assert set(remote["misses_by_reason"]) == {"damaged"}
     assert remote["downloaded_blocks"] == BLOCKS  # once: a chain refused is not fetched again
@@ -270,13 +237,13 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
 
 
 def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetched(
-    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = Identity("tiny/short", "cfg", "tok")
     tokens = prompt(TOKENS, seed=4)
     put_on(a, identity, tokens, model)
-    uploaded(store, prefix, identity, BLOCKS)
+    uploaded(s3_store, s3_prefix, identity, BLOCKS)
     local = 5 * BLOCK  # B holds the first five blocks itself
     put_on(b, identity, tokens[:local], model)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
@@ -290,19 +257,19 @@ def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetch
         assert restored is not None
         assert restored.matched == local
         assert client.stats.remote_fetches == 0
-    remote = remote_status(b)
+    remote = remote_of(b)
     assert remote["downloaded_blocks"] == 0
     assert remote["misses_by_reason"] == {"short": 1}
 
 
 def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes_on(
-    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = Identity("tiny/old-client", "cfg", "tok").to_protocol()
     tokens = prompt(TOKENS, seed=6)
     put_on(a, Identity("tiny/old-client", "cfg", "tok"), tokens, model)
-    uploaded(store, prefix, Identity("tiny/old-client", "cfg", "tok"), BLOCKS)
+    uploaded(s3_store, s3_prefix, Identity("tiny/old-client", "cfg", "tok"), BLOCKS)
     asked = pack_tokens([*tokens, 7])
     with RawPeer(b.socket_path) as old:
         started = time.perf_counter()
@@ -326,4 +293,4 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
         assert found.matched == BLOCKS * BLOCK
         assert found.lease is not None
         assert isinstance(old.call(m.Release(id=old.next_id(), lease=found.lease)), m.ReleaseReply)
-    assert remote_status(b)["hits"] == 1
+    assert remote_of(b)["hits"] == 1
