@@ -1,16 +1,18 @@
 """The read path end to end: two daemons on two tier folders ("two Macs") and one real SeaweedFS.
 
-A prompt cache put on A goes to the store (A's uploads); B restores it exactly (its blocks byte
-for byte A's) and generation continues token for token; with the store killed B answers
-lookups within its usual time and stores locally; a block damaged in the store is refused on
-B and leaves its tier as it was; a prefix shorter than remote_min_tokens past what is local is
-not fetched; a client that predates the fetch field is answered at once (and the fetch goes on:
-its next lookup finds the entry local).
+A prompt cache put on A goes to the store (A's uploads); B restores it exactly (its blocks
+byte for byte A's) and generation continues token for token; with the store killed B
+answers lookups within its usual time and stores locally, and with the store hung a get is
+a miss in its usual time (the fetch goes on once the store answers); a block damaged in the
+store is refused on B and leaves its tier as it was; a prefix shorter than remote_min_tokens
+past what is local is not fetched; a client that predates the fetch field is answered at
+once (and the fetch goes on: its next lookup finds the entry local).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -201,6 +203,39 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
         assert remote_of(b)["state"] in ("degraded", "down")
     finally:
         restart(seaweed)  # and the next test's uploads wait for no volume
+
+
+def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
+    two_macs: tuple[Daemon, Daemon],
+    seaweed: Seaweed,
+    s3_store: S3Store,
+    s3_prefix: str,
+    model: Any,
+) -> None:
+    a, b = two_macs
+    identity = Identity("tiny/hung", "cfg", "tok")
+    tokens = prompt(TOKENS, seed=7)
+    put_on(a, identity, tokens, model)
+    uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    assert seaweed.process is not None
+    os.killpg(seaweed.process.pid, signal.SIGSTOP)  # it holds connections and answers nothing
+    try:
+        with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+            # B's probe cannot end: the get is a miss within the engine's lookup deadline
+            # (past it, the client would count the daemon unavailable), never told to wait.
+            assert client.get(identity, [*tokens, 7], model=model) is None
+            assert client.stats.failed_lookups == 0
+            assert client.stats.remote_fetches == 0
+            assert client.stats.misses == {"no entry": 1}
+    finally:
+        os.killpg(seaweed.process.pid, signal.SIGCONT)
+    # The probe goes on once the store answers, and its fetch with it: the next get is local.
+    wait_until(lambda: remote_of(b)["hits"], "the fetch the hung probe began")
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        restored = client.get(identity, [*tokens, 7], model=model)
+        assert restored is not None
+        assert restored.matched == BLOCKS * BLOCK
+        assert client.stats.remote_fetches == 0
 
 
 def _damage(store: S3Store, key: str, name: str) -> None:
