@@ -274,5 +274,6 @@ class Fetcher:
             raise FetchError("missing", f"block {index} ({key}) is not in the store")
         if got != size:
             raise FetchError("damaged", f"block {index} ({key}) holds {got} bytes, not {size}")
+        self._remote.uploader.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size

@@ -162,6 +162,8 @@ def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
     assert remote["hits"] == 1
     assert remote["downloaded_blocks"] == BLOCKS
     assert remote["restore_gbps_p50"] > 0
+    # B's entry, durable, is not sent back: its blocks are known to be in the store.
+    assert remote["pending_uploads"] == remote["uploaded_blocks"] == 0
     # Asked again, B answers from its own tier: nothing more is fetched.
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert client.get(identity, asked, model=model) is not None
