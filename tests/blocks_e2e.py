@@ -192,9 +192,9 @@ def put_v2_settled(
     return reply.state, reply.reason
 
 
-def put_v2(peer: RawPeer, identity: Identity, tokens: Sequence[int]) -> Begun:
+def put_v2(peer: RawPeer, identity: Identity, tokens: Sequence[int], width: int = WIDTH) -> Begun:
     """A whole v2 put, waited for until stored; what it began with."""
-    begun = begin(peer, identity, tokens)
+    begun = begin(peer, identity, tokens, width=width)
     assert isinstance(begun, Begun), begun
     write_blocks(peer, begun)
     ticket = commit(peer, begun.put)

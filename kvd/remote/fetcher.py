@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import anyio
 import xxhash
@@ -33,13 +33,11 @@ from kvd_protocol.tokens import TOKEN_BYTES
 
 from kvd.logs import get_logger
 from kvd.remote.layout import Layout, manifest_plan
+from kvd.remote.link import StoreLink
+from kvd.remote.lru import LruSet
 from kvd.remote.probe import FetchError, Prober
 from kvd.remote.s3 import ObjectTooLarge, StoreError
-from kvd.remote.uploader import LruSet
 from kvd.store.staged_put import DeclaredBlocks, Put
-
-if TYPE_CHECKING:
-    from kvd.remote.remote import Remote
 
 log = get_logger("kvd.remote.fetcher")
 
@@ -68,12 +66,12 @@ class Fetch:
 class Fetcher:
     """The remote tier's fetches under way, by prompt; counted in the remote's counters."""
 
-    def __init__(self, remote: Remote) -> None:
-        self._remote = remote
-        self._config = remote.config
-        self._tier = remote.tier
-        self._counters = remote.counters
-        self._prober = Prober(remote)
+    def __init__(self, link: StoreLink) -> None:
+        self._link = link
+        self._config = link.config
+        self._tier = link.tier
+        self._counters = link.counters
+        self._prober = Prober(link)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
         # Chains (identity, last block hash) whose fetch the commit refused: a block in the store
@@ -99,7 +97,7 @@ class Fetcher:
         an identity outside the peer's tenant (a refusal) starts none."""
         if lookup.fetch == "fetched":
             return True
-        if self._tasks is None or not self._remote.health.up:
+        if self._tasks is None or not self._link.health.up:
             return False
         if not lookup.identity.namespace.startswith(tenant):
             return False  # refused at once
@@ -264,16 +262,16 @@ class Fetcher:
     async def _download(self, put: Put, plan: ManifestPlan, index: int, fd: int) -> None:
         """Block index of the put into fd, whole and of the layout's size."""
         digest, block = put.identity.digest(), plan.hashes[index]
-        key, size = self._remote.block_key(digest, block), plan.block_size
+        key, size = self._link.block_key(digest, block), plan.block_size
         try:
-            got = await self._remote.call(lambda store: store.get_to_file(key, fd, size))
+            got = await self._link.call(lambda store: store.get_to_file(key, fd, size))
         except ObjectTooLarge as exc:
             raise FetchError("damaged", f"block {index}: {exc}") from None
         if got is None:
-            self._remote.uploader.known.discard((digest, block))
+            self._link.known.discard((digest, block))
             raise FetchError("missing", f"block {index} ({key}) is not in the store")
         if got != size:
             raise FetchError("damaged", f"block {index} ({key}) holds {got} bytes, not {size}")
-        self._remote.uploader.known.add((digest, block))  # so the entry's upload skips it
+        self._link.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size

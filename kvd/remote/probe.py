@@ -11,15 +11,13 @@ not asked about again, so the probes of prompts that share a prefix ask about it
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import anyio
 from kvd_protocol.blocks import block_hashes
 
 from kvd.remote.layout import Layout
-
-if TYPE_CHECKING:
-    from kvd.remote.remote import Remote
+from kvd.remote.link import StoreLink
 
 ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the store is asked again after
 # Why a lookup that could have fetched did not (the status's remote misses).
@@ -47,15 +45,15 @@ class FetchError(Exception):
 class Prober:
     """Asks the store what it holds of a prompt; shared by every fetch."""
 
-    def __init__(self, remote: Remote) -> None:
-        self._remote = remote
+    def __init__(self, link: StoreLink) -> None:
+        self._link = link
         self._absent: dict[str, float] = {}  # digest -> when its layout was found absent
 
     async def layout(self, digest: str) -> Layout:
         """The identity's layout; FetchError "no_layout" without one (or a bad one)."""
         absent = self._absent.get(digest)
         if absent is None or time.monotonic() - absent >= ABSENT_SECONDS:
-            layout = await self._remote.stored_layout(digest)
+            layout = await self._link.stored_layout(digest)
             if layout is not None:
                 self._absent.pop(digest, None)
                 return layout
@@ -73,7 +71,7 @@ class Prober:
         hashes = block_hashes(tokens, size)
         need = max(1, -(-(local + least) // size))  # the fewest blocks worth fetching
         low, high = need - 1, len(hashes)  # the store holds low blocks or more; not past high
-        width = max(1, self._remote.config.remote_requests)
+        width = max(1, self._link.config.remote_requests)
         while low < high:
             counts = _spread(low + 1, high, width)
             held = await self._hold_all(digest, [hashes[count - 1] for count in counts])
@@ -100,11 +98,11 @@ class Prober:
         return held
 
     async def _holds(self, digest: str, block: bytes) -> bool:
-        known = self._remote.uploader.known
+        known = self._link.known
         if (digest, block) in known:
             return True
-        key = self._remote.block_key(digest, block)
-        if await self._remote.call(lambda store: store.head(key)) is None:
+        key = self._link.block_key(digest, block)
+        if await self._link.call(lambda store: store.head(key)) is None:
             return False
         known.add((digest, block))
         return True

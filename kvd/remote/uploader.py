@@ -20,18 +20,20 @@ uploads are dropped and counted, the health says why.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import Final
 
 import anyio
 from kvd_protocol.errors import EntryFormatError, ProtocolError
 
 from kvd.logs import get_logger
 from kvd.remote.layout import Layout, NotShareable, layout_of
+from kvd.remote.link import StoreLink
+from kvd.remote.lru import LruSet
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.s3 import StoreError
 from kvd.remote.upload_queue import Mark, Upload, UploadQueue
@@ -39,43 +41,11 @@ from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
 
-if TYPE_CHECKING:
-    from kvd.remote.remote import Remote
-
 log = get_logger("kvd.remote.uploader")
 
 OWNER: Final = 0  # the uploads' leases in the tier (connections count from 1)
 BLOCK_BATCH: Final = 16  # block files of one upload open at once
-KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
 OFFERED: Final = 1 << 16  # entry ids remembered as offered once
-
-K = TypeVar("K", bound=Hashable)
-
-
-class LruSet(Generic[K]):
-    """A set that forgets its least recently added or asked member past its capacity."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._members: OrderedDict[K, None] = OrderedDict()
-
-    def __contains__(self, key: object) -> bool:
-        if key in self._members:
-            self._members.move_to_end(key)  # type: ignore[arg-type]
-            return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def add(self, key: K) -> None:
-        self._members[key] = None
-        self._members.move_to_end(key)
-        if len(self._members) > self.capacity:
-            self._members.popitem(last=False)
-
-    def discard(self, key: K) -> None:
-        self._members.pop(key, None)
 
 
 @dataclass(frozen=True)
@@ -97,12 +67,12 @@ UPLOAD_POLICIES: Final[Mapping[str, UploadPolicy]] = {
 class Uploader:
     """The upload queue and the task that drains it (run), fed by the tier's notices."""
 
-    def __init__(self, remote: Remote) -> None:
-        config = remote.config
-        self.remote = remote
+    def __init__(self, link: StoreLink) -> None:
+        config = link.config
+        self.link = link
         self.policy = UPLOAD_POLICIES[config.remote_upload]
         self.queue = UploadQueue(config.remote_upload_bytes)
-        self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS)  # (identity, block hash)
+        self.known = link.known  # (identity, block hash) of blocks known in the store
         self._offered: LruSet[str] = LruSet(OFFERED)
         self._mismatched: set[str] = set()  # identities whose stored layout does not fit
         self._rate = TokenBucket(config.remote_upload_rate)
@@ -126,7 +96,7 @@ class Uploader:
         if record.id in self._offered:
             return
         self._offered.add(record.id)
-        counters = self.remote.counters
+        counters = self.link.counters
         shareable = record.blocks and record.trimmable and record.checkpoint_key is None
         if not shareable or record.prefill_checkpoint:
             counters.not_shareable += 1
@@ -135,9 +105,9 @@ class Uploader:
             counters.layout_mismatch += 1
             return
         blocks = tuple(h for h in record.blocks if (record.identity, h) not in self.known)
-        if not blocks and record.identity in self.remote.layouts:
+        if not blocks and record.identity in self.link.layouts:
             return  # all there already
-        if not self.remote.health.up:  # the health said why, once
+        if not self.link.health.up:  # the health said why, once
             self.queue.drop_at_once(len(blocks) * record.block_size)
             return
         dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
@@ -166,15 +136,15 @@ class Uploader:
     async def _send(self, upload: Upload) -> bool:
         """One entry's layout and blocks, under a lease on the entry; False when it was
         dropped (the store down or failing, the entry gone before its turn)."""
-        remote = self.remote
-        leased = None if not remote.health.up else remote.tier.lease_entry(OWNER, upload.entry)
+        link = self.link
+        leased = None if not link.health.up else link.tier.lease_entry(OWNER, upload.entry)
         if leased is None:
             return False
         record, lease, fd = leased
         try:
             try:
                 header = await anyio.to_thread.run_sync(
-                    entry_files.entry_head, fd, record.id, remote.tier.limits
+                    entry_files.entry_head, fd, record.id, link.tier.limits
                 )
             finally:
                 os.close(fd)
@@ -183,13 +153,14 @@ class Uploader:
                 await self._send_blocks(upload, record, lease)
         except NotShareable as exc:
             log.info("remote_not_shareable", entry=record.id, why=str(exc))
-            remote.counters.not_shareable += 1
+            link.counters.not_shareable += 1
         except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
             if not isinstance(exc, StoreError):  # the health has a store's failure
                 log.warning("remote_upload_failed", entry=record.id, error=str(exc))
             return False
         finally:
-            remote.tier.end_lease(OWNER, lease)
+            with contextlib.suppress(ProtocolError):  # expired (lease_max_age) meanwhile
+                link.tier.end_lease(OWNER, lease)
         return True
 
     async def _fits(self, layout: Layout) -> bool:
@@ -197,7 +168,7 @@ class Uploader:
         none); said once at warning per identity when not."""
         digest = layout.identity
         if digest not in self._mismatched:
-            stored = self.remote.layouts.get(digest) or await self.remote.write_layout(layout)
+            stored = self.link.layouts.get(digest) or await self.link.write_layout(layout)
             if stored is not None and stored.fits(layout):
                 return True
             self._mismatched.add(digest)
@@ -209,13 +180,13 @@ class Uploader:
                 why="the store's layout for this identity has other blocks or layers: its "
                 "entries stay local",
             )
-        self.remote.counters.layout_mismatch += 1
+        self.link.counters.layout_mismatch += 1
         return False
 
     async def _send_blocks(self, upload: Upload, record: EntryRecord, lease: int) -> None:
         """The upload's blocks, BLOCK_BATCH files open at a time; StoreError at the first
         failure (the sends under way end first)."""
-        tier, digest = self.remote.tier, record.identity
+        tier, digest = self.link.tier, record.identity
         wanted = set(upload.blocks)
         blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
@@ -249,22 +220,20 @@ class Uploader:
         """One block: a HEAD first (another daemon of the identity may have sent it: its
         bytes need not go again), else a conditional create. A failure is kept in failures
         (and the block is not sent when one came before)."""
-        remote, digest, block_hash, size = self.remote, upload.identity, block.hash, block.size
-        key = remote.block_key(digest, block_hash)
+        link, digest, block_hash, size = self.link, upload.identity, block.hash, block.size
+        key = link.block_key(digest, block_hash)
         async with limiter:
             if failures:
                 return
             try:
-                created = await remote.call(lambda store: store.head(key)) is None
+                created = await link.call(lambda store: store.head(key)) is None
                 if created:
                     await self._rate.wait_for(size)
-                    created = await remote.call(
-                        lambda store: store.put_file_if_absent(key, fd, size)
-                    )
+                    created = await link.call(lambda store: store.put_file_if_absent(key, fd, size))
             except (StoreError, OSError, ValueError) as exc:
                 failures.append(exc)
                 return
-        counters = remote.counters
+        counters = link.counters
         if created:
             counters.uploaded_blocks += 1
             counters.uploaded_bytes += size

@@ -194,3 +194,25 @@ def test_a_daemon_without_a_remote_tier_says_so(daemon: Daemon) -> None:
     refused = kvctl(daemon, "flush", "--remote")
     assert refused.returncode == 1
     assert "no remote tier" in refused.stderr
+
+
+def test_entries_unlike_the_stored_layout_upload_nothing_and_say_so_once(
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Daemon A's entries fix the identity's layout; daemon B's engine writes the same
+    identity's KV with other shapes: B keeps its blocks local, warns once, counts each."""
+    flags = remote_flags(seaweed, tmp_path, s3_prefix)
+    with running_daemon(tmp_path / "a", flags) as a, RawPeer(a.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(1))
+        assert flush_remote(a).returncode == 0
+    before = stored(s3_store, s3_prefix)
+    with running_daemon(tmp_path / "b", flags) as b, RawPeer(b.socket_path) as peer:
+        put_v2(peer, IDENTITY, conversation(2), width=16)
+        put_v2(peer, IDENTITY, conversation(3), width=16)
+        assert flush_remote(b).returncode == 0
+        now = remote_status(peer)
+        assert (now["layout_mismatch"], now["uploaded_blocks"]) == (2, 0)
+        warned = [line for line in b.logs().splitlines() if "remote_layout_mismatch" in line]
+        assert len(warned) == 1
+        assert '"level": "warning"' in warned[0]
+    assert stored(s3_store, s3_prefix) == before
