@@ -31,3 +31,6 @@ class LruSet(Generic[K]):
         self._members.move_to_end(key)
         if len(self._members) > self.capacity:
             self._members.popitem(last=False)
+
+    def discard(self, key: K) -> None:
+        self._members.pop(key, None)

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 
 from kvd.config import Config
+from kvd.remote.fetcher import Fetcher
 from kvd.remote.link import StoreLink
 from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
@@ -44,6 +45,7 @@ class Remote:
         self.tier = tier
         self.link = StoreLink(config, tier)
         self.uploader = Uploader(self.link)
+        self.fetcher = Fetcher(self.link)
         tier.notices.stored.append(self.uploader.stored)
         tier.notices.hit.append(self.uploader.hit)
 
@@ -51,12 +53,13 @@ class Remote:
 
     async def run(self) -> None:
         """For the daemon's life: a first probe (a daemon whose credentials are refused says
-        so now, once), then the health's recovery and the uploads."""
+        so now, once), then the health's recovery, the uploads and the fetches."""
         link = self.link
         await link.probe()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(link.health.recover, link.probe)
             tasks.start_soon(self.uploader.run)
+            tasks.start_soon(self.fetcher.run)
 
     async def flush(self, timeout: float | None) -> RemoteFlush:
         """Make every entry accepted so far durable (which queues its upload, as the policy
