@@ -1,0 +1,445 @@
+"""A small S3 client: the few calls the remote tier makes, on http.client.
+
+Blocking and thread-safe: each thread keeps one connection (keep-alive) to the endpoint, and
+every call is bounded by the request timeout on connect and on each read. Bodies are read
+into the caller's file or buffer and never past the caller's limit, so a hostile or broken
+store cannot make the daemon hold more than it asked for. Requests are signed with SigV4 in
+the Authorization header; over plain http a body's sha256 is signed too (the store refuses a
+body changed on the way), over https TLS already protects it and the body goes unsigned (no
+hash pass over every block uploaded). Addressing is path-style (bucket in the path), which
+every S3-compatible server takes; AWS's own endpoint gets the bucket in the host name.
+
+Failures come as StoreError subclasses whose messages name the call and the cause, never a
+secret:
+    StoreUnavailable  no connection, a reset, a timeout, TLS refused, 5xx (503 SlowDown too)
+    StoreAuthError    no credentials, or the store refused them (401/403)
+    StoreRefused      any other refusal (4xx: NoSuchBucket, InvalidRequest, ...)
+    ObjectTooLarge    an object longer than the caller's limit
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import re
+import socket
+import ssl
+import threading
+import weakref
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Final
+from urllib.parse import urlsplit
+
+from kvd.config import Config
+from kvd.remote.credentials import Credentials, CredentialsError, load_credentials
+from kvd.remote.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Signer, canonical_query, uri_path
+
+CHUNK: Final = 1 << 20  # bytes read from the socket at a time
+ERROR_BODY_LIMIT: Final = 64 << 10  # an error's XML is read up to this, to learn its Code
+LIST_PAGE_LIMIT: Final = 8 << 20  # a ListObjectsV2 page (1000 keys) is far smaller
+LIST_PAGE_KEYS: Final = 1000  # S3's largest page
+_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+
+
+class StoreError(Exception):
+    """A call to the store failed; the message never holds a secret."""
+
+
+class StoreUnavailable(StoreError):  # noqa: N818 - reads as the state the health takes
+    """The store did not answer, or answered that it cannot now (5xx)."""
+
+
+class StoreAuthError(StoreError):
+    """No credentials, or the store refused them."""
+
+
+class StoreRefused(StoreError):  # noqa: N818 - reads as the store's answer
+    """The store refused the request itself (a 4xx other than auth)."""
+
+
+class ObjectTooLarge(StoreError):  # noqa: N818 - reads as what the store holds
+    """An object is longer than the caller would read."""
+
+
+def endpoint_for(endpoint: str, region: str, bucket: str) -> tuple[str, str]:
+    """The URL to connect to and the path every key goes under: path-style for a configured
+    endpoint; AWS's regional endpoint with the bucket in the host (a bucket name with a dot
+    stays path-style: it would not match AWS's wildcard certificate)."""
+    if endpoint:
+        return endpoint, f"/{bucket}"
+    if "." in bucket:
+        return f"https://s3.{region}.amazonaws.com", f"/{bucket}"
+    return f"https://{bucket}.s3.{region}.amazonaws.com", ""
+
+
+def _describe(error: BaseException, timeout: float) -> str:
+    """A failure's cause in a few words (never a request or header)."""
+    if isinstance(error, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return f"TLS: {error.verify_message}"
+    if isinstance(error, ssl.SSLError):
+        return f"TLS: {error.reason or error.strerror}"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return type(error).__name__
+
+
+def _failure(what: str, status: int, code: str) -> StoreError:
+    """The error a status means; `code` is S3's error Code if the body had one."""
+    message = f"{what}: HTTP {status}" + (f" {code}" if code else "")
+    if status >= 500 or status == 429:
+        return StoreUnavailable(message)
+    if status in (401, 403):
+        return StoreAuthError(message)
+    return StoreRefused(message)
+
+
+class S3Store:
+    """One bucket of an S3-compatible store; keys are relative to the bucket."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        credentials: Credentials,
+        *,
+        region: str = "us-east-1",
+        timeout: float = 10.0,
+        ca_file: Path | None = None,
+    ) -> None:
+        url, self._root = endpoint_for(endpoint, region, bucket)
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not http(s)://HOST[:PORT]")
+        self.endpoint = url
+        self.bucket = bucket
+        self.timeout = timeout
+        self._tls = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._tls else 80)
+        self._host_header = parts.netloc.rpartition("@")[2]
+        self._signer = Signer(credentials, region)
+        self._context = ssl.create_default_context(cafile=ca_file) if self._tls else None
+        self._local = threading.local()
+        self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._open_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Config, environ: Mapping[str, str] | None = None) -> S3Store:
+        """The store `config.remote` names; StoreAuthError if there are no credentials, or
+        they cannot be read (a file that is not 0600, ...). A CA bundle for a private TLS
+        endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
+        environ = os.environ if environ is None else environ
+        bucket = config.remote.removeprefix("s3://").partition("/")[0]
+        try:
+            credentials = load_credentials(config.remote_credentials_file, environ)
+        except CredentialsError as error:
+            raise StoreAuthError(str(error)) from None
+        ca_bundle = environ.get("AWS_CA_BUNDLE")
+        return cls(
+            config.remote_endpoint,
+            bucket,
+            credentials,
+            region=config.remote_region,
+            timeout=config.remote_request_timeout,
+            ca_file=Path(ca_bundle) if ca_bundle else None,
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.endpoint!r}, bucket={self.bucket!r})"
+
+    # The calls.
+
+    def head(self, key: str) -> int | None:
+        """The object's size; None if there is none."""
+        response = self._request("HEAD", key)
+        self._finish(response)
+        if response.status == 404:
+            return None
+        self._check(response, f"HEAD {key}")
+        return _content_length(response) or 0
+
+    def get(self, key: str, limit: int) -> bytes | None:
+        """A small object whole; None if there is none; ObjectTooLarge past `limit` bytes."""
+        response = self._request("GET", key)
+        if self._absent(response, f"GET {key}"):
+            return None
+        return self._read_all(response, f"GET {key}", limit)
+
+    def get_to_file(self, key: str, fd: int, limit: int) -> int | None:
+        """Streams the object into `fd` from offset 0 (pwrite) and returns its size; None if
+        there is none; ObjectTooLarge past `limit` bytes (what was written stays: the
+        caller's file is a staging file it deletes)."""
+        response = self._request("GET", key)
+        if self._absent(response, f"GET {key}"):
+            return None
+        return self._read_body(
+            response, f"GET {key}", limit, lambda chunk, offset: _pwrite_all(fd, chunk, offset)
+        )
+
+    def put_if_absent(self, key: str, body: bytes) -> bool:
+        """Creates the object unless the key exists (If-None-Match: *): False if it did."""
+        payload = UNSIGNED_PAYLOAD if self._tls else hashlib.sha256(body).hexdigest()
+        response = self._request(
+            "PUT", key, headers={"if-none-match": "*"}, payload=payload, body=body
+        )
+        return self._created(response, f"PUT {key}")
+
+    def put_file_if_absent(self, key: str, fd: int, size: int) -> bool:
+        """As put_if_absent, the body the first `size` bytes of `fd` (sent with sendfile over
+        http; the fd's offset moves). ValueError if the file is shorter."""
+        payload = UNSIGNED_PAYLOAD if self._tls else _file_sha256(fd, size)
+        response = self._request(
+            "PUT", key, headers={"if-none-match": "*"}, payload=payload, file=(fd, size)
+        )
+        return self._created(response, f"PUT {key}")
+
+    def delete(self, key: str) -> None:
+        """Deletes the object (an absent one too)."""
+        response = self._request("DELETE", key)
+        code = self._error_code(response)
+        if not 200 <= response.status < 300 and (response.status, code) != (404, "NoSuchKey"):
+            raise _failure(f"DELETE {key}", response.status, code)
+
+    def list(self, prefix: str, limit: int) -> list[tuple[str, int]]:
+        """Up to `limit` (key, size) pairs of the objects whose key starts with `prefix`, in
+        key order."""
+        found: list[tuple[str, int]] = []
+        token = ""
+        while len(found) < limit:
+            query = {"list-type": "2", "prefix": prefix}
+            query["max-keys"] = str(min(LIST_PAGE_KEYS, limit - len(found)))
+            if token:
+                query["continuation-token"] = token
+            what = f"LIST {prefix}"
+            response = self._request("GET", None, query=query)
+            self._check(response, what)
+            entries, token = _parse_list(self._read_all(response, what, LIST_PAGE_LIMIT), what)
+            found.extend(entries[: limit - len(found)])
+            if not token:
+                break
+        return found
+
+    def close(self) -> None:
+        """Closes every thread's connection (a later call opens a new one)."""
+        with self._open_lock:
+            connections = list(self._open)
+        for connection in connections:
+            connection.close()
+
+    # The transport.
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            if self._context is not None:
+                connection = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.timeout, context=self._context
+                )
+            else:
+                connection = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self.timeout
+                )
+            self._local.connection = connection
+            with self._open_lock:
+                self._open.add(connection)
+        return connection
+
+    def _request(
+        self,
+        method: str,
+        key: str | None,
+        *,
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        payload: str = EMPTY_SHA256,
+        body: bytes = b"",
+        file: tuple[int, int] | None = None,
+    ) -> http.client.HTTPResponse:
+        """Sends one signed request and returns the response, its body unread. A connection
+        kept from an earlier call that turns out closed by the store is replaced once."""
+        path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
+        query = query or {}
+        signed = self._signer.headers(
+            method,
+            self._host_header,
+            path,
+            query=query,
+            headers=headers or {},
+            payload_hash=payload,
+        )
+        target = path + ("?" + canonical_query(query) if query else "")
+        length = file[1] if file is not None else len(body)
+        what = f"{method} {key if key is not None else '/'}"
+        retry = True
+        while True:
+            connection = self._connection()
+            reused = connection.sock is not None
+            try:
+                connection.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for name, value in signed.items():
+                    connection.putheader(name, value)
+                if method in ("PUT", "POST") or length:
+                    connection.putheader("content-length", str(length))
+                connection.endheaders()
+                if file is not None:
+                    _send_file(connection, *file)
+                elif body:
+                    connection.send(body)
+                return connection.getresponse()
+            except ValueError:  # the caller's file is shorter than it said
+                connection.close()
+                raise
+            except (OSError, http.client.HTTPException) as error:
+                connection.close()
+                if not (retry and reused) or isinstance(error, TimeoutError):
+                    raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+                retry = False
+
+    def _read_body(
+        self,
+        response: http.client.HTTPResponse,
+        what: str,
+        limit: int,
+        sink: Callable[[memoryview, int], object],
+    ) -> int:
+        """Reads the body into `sink(chunk, offset)`, never more than limit + 1 bytes; the
+        size read. A body that ends before its Content-Length is the store failing."""
+        declared = _content_length(response)
+        if declared is not None and declared > limit:
+            self._drop(response)
+            raise ObjectTooLarge(f"{what}: {declared} bytes, over the limit of {limit}")
+        buffer = memoryview(bytearray(min(CHUNK, limit + 1)))
+        total = 0
+        try:
+            while True:
+                count = response.readinto(buffer[: min(len(buffer), limit + 1 - total)])
+                if not count:
+                    break
+                if total + count > limit:
+                    self._drop(response)
+                    raise ObjectTooLarge(f"{what}: over the limit of {limit} bytes")
+                sink(buffer[:count], total)
+                total += count
+        except (OSError, http.client.HTTPException) as error:
+            self._drop(response)
+            raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+        if declared is not None and total != declared:
+            self._drop(response)
+            raise StoreUnavailable(f"{what}: the body ended at {total} of {declared} bytes")
+        return total
+
+    def _read_all(self, response: http.client.HTTPResponse, what: str, limit: int) -> bytes:
+        body = bytearray()
+        self._read_body(response, what, limit, lambda chunk, _: body.extend(chunk))
+        return bytes(body)
+
+    def _drop(self, response: http.client.HTTPResponse) -> None:
+        """Abandons a response whose body is not read whole: its connection cannot carry
+        another request."""
+        response.close()
+        self._connection().close()
+
+    def _finish(self, response: http.client.HTTPResponse) -> bytes:
+        """Reads a body the caller does not stream (an error's XML, a PUT's answer) up to a
+        small cap, so the connection can carry the next request; past the cap, or broken,
+        the connection is dropped."""
+        try:
+            body = response.read(ERROR_BODY_LIMIT)
+        except (OSError, http.client.HTTPException):
+            body = b""
+        if not response.isclosed():
+            self._drop(response)
+        return body
+
+    def _error_code(self, response: http.client.HTTPResponse) -> str:
+        """S3's error Code from an error response's XML ("" if none, as for a HEAD)."""
+        match = _CODE.search(self._finish(response))
+        return match.group(1).decode() if match else ""
+
+    def _check(self, response: http.client.HTTPResponse, what: str) -> None:
+        """Raises the StoreError a status other than 2xx means."""
+        if not 200 <= response.status < 300:
+            raise _failure(what, response.status, self._error_code(response))
+
+    def _absent(self, response: http.client.HTTPResponse, what: str) -> bool:
+        """True for a 404 that says the key is not there (not a bucket that is not)."""
+        if response.status != 404:
+            self._check(response, what)
+            return False
+        code = self._error_code(response)
+        if code == "NoSuchBucket":
+            raise _failure(what, response.status, code)
+        return True
+
+    def _created(self, response: http.client.HTTPResponse, what: str) -> bool:
+        if response.status == 412:
+            self._finish(response)
+            return False
+        self._check(response, what)
+        self._finish(response)
+        return True
+
+
+def _content_length(response: http.client.HTTPResponse) -> int | None:
+    value = response.getheader("content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _pwrite_all(fd: int, chunk: memoryview, offset: int) -> None:
+    while chunk:
+        written = os.pwrite(fd, chunk, offset)
+        chunk = chunk[written:]
+        offset += written
+
+
+def _file_sha256(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(CHUNK, size - offset), offset)
+        if not chunk:
+            raise ValueError(f"the file ended at {offset} of {size} bytes")
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _send_file(connection: http.client.HTTPConnection, fd: int, size: int) -> None:
+    """The first `size` bytes of fd on the connection's socket (os.sendfile where the socket
+    is plain; read and sent through TLS otherwise)."""
+    sock: socket.socket | None = connection.sock
+    if sock is None:
+        raise ConnectionError("not connected")
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as file:
+        sent = sock.sendfile(file, 0, size)
+    if sent != size:
+        raise ValueError(f"the file ended at {sent} of {size} bytes")
+
+
+def _parse_list(page: bytes, what: str) -> tuple[list[tuple[str, int]], str]:
+    """The (key, size) pairs of a ListObjectsV2 page and the token of the next ("" if last)."""
+    try:
+        root = ET.fromstring(page)
+    except ET.ParseError:
+        raise StoreUnavailable(f"{what}: the listing is not XML") from None
+    entries = []
+    token = ""
+    truncated = False
+    for element in root:
+        tag = element.tag.rpartition("}")[2]
+        if tag == "Contents":
+            fields = {child.tag.rpartition("}")[2]: child.text or "" for child in element}
+            size = fields.get("Size", "")
+            if "Key" not in fields or not size.isdigit():
+                raise StoreUnavailable(f"{what}: a listed object without key or size")
+            entries.append((fields["Key"], int(size)))
+        elif tag == "IsTruncated":
+            truncated = (element.text or "").strip() == "true"
+        elif tag == "NextContinuationToken":
+            token = element.text or ""
+    return entries, token if truncated else ""
