@@ -291,14 +291,14 @@ class S3Store:
                 elif body:
                     connection.send(body)
                 return connection.getresponse()
-            except ValueError:  # the caller's file is shorter than it said
-                connection.close()
-                raise
-            except (OSError, http.client.HTTPException) as error:
+            except (OSError, http.client.HTTPException) as error:  # TLS refusals are OSErrors
                 connection.close()
                 if not (retry and reused) or isinstance(error, TimeoutError):
                     raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
                 retry = False
+            except ValueError:  # the caller's file is shorter than it said
+                connection.close()
+                raise
 
     def _read_body(
         self,

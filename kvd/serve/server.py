@@ -30,6 +30,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd import __version__
 from kvd.config import Config
 from kvd.logs import get_logger
+from kvd.remote.remote import Remote
 from kvd.serve.fd_limit import connections_for, raise_open_file_limit
 from kvd.serve.frame_budget import FrameBudget
 from kvd.serve.listener import bind_socket, inherited_socket
@@ -63,6 +64,7 @@ class Server:
     def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
         self.tier = Tier(config, limits)
+        self.remote = Remote(config, self.tier) if config.remote else None
         self.peers: dict[int, Peer] = {}
         self.max_connections = config.max_connections
         self._sessions = itertools.count(1)
@@ -70,7 +72,7 @@ class Server:
         self.frames = FrameBudget(config.frame_buffer_bytes, config.frame_timeout)
 
     def status(self) -> dict[str, Any]:
-        return status_report(self.tier, self.peers.values())
+        return status_report(self.tier, self.peers.values(), self.remote)
 
     async def handle(self, stream: SocketStream) -> None:
         """One connection, start to end; nothing it does may take the server down."""
@@ -101,7 +103,9 @@ class Server:
                 peer = Peer(session_id, credentials, admin=admin, tenant=tenant)
                 self.peers[session_id] = peer
                 try:
-                    await Session(self.tier, stream, peer, self.status, self.frames).run()
+                    session = Session(self.tier, stream, peer, self.status, self.frames)
+                    session.remote = self.remote
+                    await session.run()
                 finally:
                     del self.peers[session_id]
         except Exception:
@@ -142,6 +146,8 @@ class Server:
             if owns_socket:
                 self.config.socket.unlink(missing_ok=True)
             self.tier.close()
+            if self.remote is not None:
+                self.remote.close()
             notifier.close()
             if metrics is not None:
                 await metrics.aclose()
@@ -161,6 +167,8 @@ class Server:
         tasks.start_soon(keep_running, "snapshot", snapshotter)
         tasks.start_soon(keep_running, "put_expiry", tier.expire_puts_periodically)
         tasks.start_soon(keep_running, "lease_expiry", tier.expire_leases_periodically)
+        if self.remote is not None:
+            tasks.start_soon(keep_running, "remote", self.remote.run)
 
     async def _serve(self, listener: SocketListener, tasks: TaskGroup) -> None:
         pause = 0.0

@@ -29,6 +29,7 @@ from kvd_protocol.identity import Identity
 
 from kvd import __version__
 from kvd.logs import RateLimited, get_logger
+from kvd.remote.remote import Remote
 from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.serve.handouts import Handouts, descriptors_asked
@@ -59,6 +60,7 @@ FEATURES = (
     m.IDENTITY_TRAITS_FEATURE,
     m.LOOKUP_MISS_FEATURE,
     m.ENGINE_DROPS_FEATURE,
+    m.REMOTE_FLUSH_FEATURE,
 )
 
 
@@ -119,6 +121,7 @@ class Session:
         frames: FrameBudget,
     ) -> None:
         self.tier = tier
+        self.remote: Remote | None = None  # the remote tier, when `remote` is set
         self.frames = frames  # partial frames' bytes, across connections
         self._buffered = 0  # this connection's share of them
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
@@ -590,8 +593,19 @@ class Session:
         return m.ReleaseReply(id=request.id)
 
     async def _flush(self, request: m.Flush) -> m.FlushReply:
-        durable, pending = await self.tier.flush(request.timeout)
-        return m.FlushReply(id=request.id, durable=durable, pending=pending)
+        if not request.remote:
+            durable, pending = await self.tier.flush(request.timeout)
+            return m.FlushReply(id=request.id, durable=durable, pending=pending)
+        if self.remote is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "this kvd has no remote tier (`remote`)")
+        done, pending, uploads, nbytes = await self.remote.flush(request.timeout)
+        return m.FlushReply(
+            id=request.id,
+            durable=done,
+            pending=pending,
+            remote_pending=uploads,
+            remote_pending_bytes=nbytes,
+        )
 
     def _status(self, request: m.Request) -> m.StatusReply:
         return m.StatusReply(id=request.id, status=self.status())

@@ -14,20 +14,25 @@ from typing import Any
 import psutil
 
 from kvd import __version__
+from kvd.remote.remote import Remote
 from kvd.serve.session import Peer
 from kvd.store.tier import Tier
 
 _process = psutil.Process()
 
 
-def status_report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
-    """O(identities + peers): every figure is a count the tier keeps up as entries change."""
-    report: dict[str, Any] = finite(_report(tier, peers))
+def status_report(
+    tier: Tier, peers: Iterable[Peer], remote: Remote | None = None
+) -> dict[str, Any]:
+    """O(identities + peers): every figure is a count the tier keeps up as entries change.
+    remote: the remote tier, when `remote` is set (its section is null otherwise)."""
+    report: dict[str, Any] = finite(_report(tier, peers, remote))
     return report
 
 
-def _report(tier: Tier, peers: Iterable[Peer]) -> dict[str, Any]:
+def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[str, Any]:
     report = tier.report()
+    report["remote"] = None if remote is None else remote.status()
     report["clients"] = [
         {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
         for p in peers

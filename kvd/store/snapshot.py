@@ -51,8 +51,9 @@ from kvd_protocol.tokens import TOKEN_BYTES
 
 from kvd.logs import get_logger
 from kvd.store.blocks import Block
-from kvd.store.durability import replace_durably
+from kvd.store.durability import disk_free, replace_durably
 from kvd.store.records import EntryRecord
+from kvd.store.tier_dir import TierDir
 
 log = get_logger("kvd.store.snapshot")
 
@@ -66,6 +67,7 @@ _PREFIX = len(MAGIC) + CHECKSUM_BYTES + _LENGTH
 _INTEGERS = ("identity", "token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used")
 # The columns of flags, one byte (0 or 1) per row.
 _FLAGS = ("trimmable", "prefill_checkpoint")
+ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,25 @@ class Snapshot:
 
 
 EMPTY = Snapshot((), (), {})
+
+
+def save_above_floor(
+    dirs: TierDir, records: list[EntryRecord], blocks: list[Block], min_free: int
+) -> int | None:
+    """The snapshot of these durable entries and blocks saved (blocking), unless writing it
+    would take the disk under min_free free bytes: the rows written, or None."""
+    estimate = sum(len(r.tokens) + len(r.blocks) * HASH_BYTES + ROW_BYTES for r in records)
+    estimate += len(blocks) * ROW_BYTES
+    try:
+        free: int | None = disk_free(dirs.root)
+    except OSError:
+        free = None
+    if free is not None and free - estimate < min_free:
+        log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
+        return None
+    # Durable entries are never staged: each file is at its place under entries/.
+    rows = [(dirs.entry_path(r.identity, r.id), r) for r in records]
+    return save_snapshot(dirs.snapshot, rows, blocks)
 
 
 def save_snapshot(

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from kvd_protocol.blocks import HASH_BYTES
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
@@ -40,11 +39,11 @@ from kvd.store.admission import ADMISSION_POLICIES
 from kvd.store.adoption import Adoption, Changed
 from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
-from kvd.store.durability import disk_free
 from kvd.store.entry_checks import EntryChecks
 from kvd.store.eviction import EVICTION_POLICIES
 from kvd.store.leases import Leases
 from kvd.store.miss_reasons import Miss
+from kvd.store.notices import Notices
 from kvd.store.prefix_index import Match, PrefixIndex
 from kvd.store.puts import HANDOUTS_PER_BLOCK, Puts
 from kvd.store.quarantine import Quarantine
@@ -58,7 +57,6 @@ from kvd.store.writer import Writer
 
 log = get_logger("kvd.store.tier")
 
-SNAPSHOT_ROW_BYTES = 128  # a snapshot row beside its tokens: ids, sizes, times, flags
 LISTING_RETRY_S = 5.0  # start-up's listing failed (an I/O error): tried again after this
 
 
@@ -79,6 +77,7 @@ class Tier:
         self.catalog = Catalog(self.dirs, eviction)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
         self.tickets = Tickets()
+        self.notices = Notices()  # whom stored entries and lookup hits are told of
         self.admission = ADMISSION_POLICIES[config.admission](
             config.admission_min_tokens, config.admission_window
         )
@@ -88,6 +87,7 @@ class Tier:
             tickets=self.tickets,
             quarantine=self.quarantine,
             telemetry=self.telemetry,
+            notices=self.notices,
         )
         self.puts = Puts(
             config,
@@ -249,28 +249,13 @@ class Tier:
         records = list(self.catalog.durable())
         blocks = [b for b in self.catalog.blocks if b.durable]
         version = self.catalog.version
-        count = await anyio.to_thread.run_sync(self._write_snapshot, records, blocks)
+        count = await anyio.to_thread.run_sync(
+            snapshot.save_above_floor, self.dirs, records, blocks, self.config.min_free
+        )
         if count is None:
             return
         self._snapshot_version = version
         log.info("snapshot_saved", entries=count)
-
-    def _write_snapshot(self, records: list[EntryRecord], blocks: list[Block]) -> int | None:
-        """Blocking: the rows written, or None when the floor forbade it."""
-        estimate = sum(
-            len(r.tokens) + len(r.blocks) * HASH_BYTES + SNAPSHOT_ROW_BYTES for r in records
-        )
-        estimate += len(blocks) * SNAPSHOT_ROW_BYTES
-        try:
-            free: int | None = disk_free(self.dirs.root)
-        except OSError:
-            free = None
-        if free is not None and free - estimate < self.config.min_free:
-            log.warning("snapshot_skipped", reason="the free-disk floor", bytes=estimate)
-            return None
-        # Durable entries are never staged: each file is at its place under entries/.
-        rows = [(self.dirs.entry_path(r.identity, r.id), r) for r in records]
-        return snapshot.save_snapshot(self.dirs.snapshot, rows, blocks)
 
     async def snapshot_periodically(self, every: float) -> None:
         """Keep the snapshot close to the index, so a crash costs few header reads."""
@@ -446,6 +431,7 @@ class Tier:
                 if record.prefill_checkpoint:
                     self.telemetry.prefill_checkpoint_hit(identity.digest(), matched)
                 index.touch(record, self.catalog.tick())
+                self.notices.entry_hit(record)
 
     def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
         """Read-only descriptors of blocks first.. of the entry under the owner's lease, each
@@ -506,6 +492,15 @@ class Tier:
         if self.catalog.blocks.get(block.identity, block.hash) is block:
             self.writer.bad_block(block, "its file is gone")
         return None
+
+    def lease_entry(self, owner: int, entry: str) -> tuple[EntryRecord, int, int] | None:
+        """A durable entry by id, opened read-only and leased to owner (its blocks then come
+        from open_blocks); None when it is gone or cannot be read now."""
+        record = self.catalog.records.get(entry)
+        if record is None or not record.durable:
+            return None
+        fd = self.catalog.open(record, self.quarantine.now)
+        return None if fd is None else (record, self.leases.grant(owner, record), fd)
 
     def find_checkpoint(
         self, owner: int, identity: Identity, key: str, prompt: bytes

@@ -29,6 +29,7 @@ from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
 from kvd.store.durability import sync_directory
+from kvd.store.notices import Notices
 from kvd.store.quarantine import Quarantine
 from kvd.store.records import EntryRecord
 from kvd.store.telemetry import Telemetry
@@ -65,8 +66,10 @@ class Writer:
         tickets: Tickets,
         quarantine: Quarantine,
         telemetry: Telemetry,
+        notices: Notices,
     ) -> None:
         self._config = config
+        self._notices = notices
         self._catalog = catalog
         self._tickets = tickets
         self._quarantine = quarantine
@@ -276,6 +279,8 @@ class Writer:
             self._telemetry.stored(record.identity, written, time.time())
             if not self._stored(record, item.ticket):
                 state, reason = "dropped", self._evicted_at_once()
+            elif record.id in self._catalog.records:
+                self._notices.entry_stored(record)
         else:
             self._catalog.drop(record)
         self._tickets.settle(item.ticket, state, reason)

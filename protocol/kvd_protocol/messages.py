@@ -49,6 +49,7 @@ PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 IDENTITY_TRAITS_FEATURE: Final = "identity_traits"  # an identity's traits
 LOOKUP_MISS_FEATURE: Final = "lookup_miss"  # lookup's explain, its reply's miss and detail
 ENGINE_DROPS_FEATURE: Final = "engine_drops"  # put_commit's dropped
+REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remote_pending/bytes
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -496,16 +497,24 @@ class ReleaseReply(Reply):
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Flush(Request):
+    """remote: wait for the remote tier's uploads too (feature "remote_flush")."""
+
     op: ClassVar[str] = "flush"
     # None: wait as long as it takes
     timeout: float | None = field(metadata=wire(_optional(_at_most(MAX_WAIT_SECONDS))))
+    remote: bool = field(default=False, metadata=wire(_bool))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FlushReply(Reply):
+    """remote_pending, remote_pending_bytes: the uploads queued before a remote flush that
+    were still pending when it answered (nil unless it asked for remote)."""
+
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))
     pending: int = field(metadata=wire(_uint()))
+    remote_pending: int | None = field(default=None, metadata=wire(_optional(_uint())))
+    remote_pending_bytes: int | None = field(default=None, metadata=wire(_optional(_uint())))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

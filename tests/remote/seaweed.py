@@ -24,6 +24,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Final
 
+from certificates import Certificates
+
 from kvd.remote.credentials import Credentials
 from kvd.remote.s3 import S3Store, StoreError
 
@@ -72,12 +74,12 @@ def free_ports(count: int) -> list[int]:
 class Seaweed:
     """One `weed mini` and its folder; the S3 endpoint is `endpoint`."""
 
-    def __init__(self, folder: Path, *, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, folder: Path, *, tls: Certificates | None = None) -> None:
         self.folder = folder
         self.data = folder / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.log = folder / "weed.log"
-        self.tls = tls  # (certificate, key): S3 speaks https on its port
+        self.tls = tls  # S3 speaks https on its port
         self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -104,8 +106,7 @@ class Seaweed:
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]
         if self.tls:
-            certificate, key = self.tls
-            command += [f"-s3.cert.file={certificate}", f"-s3.key.file={key}"]
+            command += [f"-s3.cert.file={self.tls.certificate}", f"-s3.key.file={self.tls.key}"]
         return command
 
     def store(self, secret_key: str = SECRET_KEY, **options: object) -> S3Store:
@@ -131,8 +132,7 @@ class Seaweed:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C of the tests does not reach it first
             )
-        ca_file = self.tls[0] if self.tls else None
-        probe = self.store(timeout=2.0, ca_file=ca_file)
+        probe = self.store(timeout=2.0, ca_file=self.tls.ca if self.tls else None)
         deadline = time.monotonic() + START_TIMEOUT
         try:
             while True:
@@ -181,7 +181,7 @@ class Seaweed:
 
 
 @contextmanager
-def running_seaweed(folder: Path, *, tls: tuple[Path, Path] | None = None) -> Iterator[Seaweed]:
+def running_seaweed(folder: Path, *, tls: Certificates | None = None) -> Iterator[Seaweed]:
     """A started `weed mini` in `folder`, stopped at the end."""
     server = Seaweed(folder, tls=tls)
     server.start()

@@ -1,0 +1,204 @@
+"""The remote tier of one daemon, behind one façade: the store client, its health, the
+uploads (uploader.py) and the fetches, with the figures the status report shows.
+
+Every store call goes through call(): a worker thread under one limiter (remote_requests at
+once for the whole daemon), its outcome told to the health. While the health is down, the
+uploads are dropped (counted) and lookups do not ask the store; the health's probe brings it
+back. The server builds one when `remote` is set and runs run() for the daemon's life.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import anyio
+
+from kvd.config import Config
+from kvd.logs import get_logger
+from kvd.remote import keys
+from kvd.remote.health import Health
+from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
+from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreAuthError, StoreError
+from kvd.remote.uploader import Uploader
+from kvd.store.tier import Tier
+
+log = get_logger("kvd.remote")
+
+T = TypeVar("T")
+
+LAYOUT_LIMIT: Final = 1 << 20  # bytes: a layout of 4096 layers is a few hundred KiB
+RATES_KEPT: Final = 256  # fetch rates the p50 is taken over, the newest
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """The bucket and key prefix of `s3://BUCKET/PREFIX` (config.remote, checked there)."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return bucket, prefix
+
+
+@dataclass
+class RemoteCounters:
+    """What the remote tier did since the daemon started (the status report's figures)."""
+
+    uploaded_blocks: int = 0
+    uploaded_bytes: int = 0
+    already_there: int = 0  # blocks a conditional create found in the store (412)
+    upload_drops: int = 0  # uploads dropped: the queue's cap, the store down, an error
+    upload_dropped_bytes: int = 0
+    not_shareable: int = 0  # entries whose blocks stay local (checkpoints, hybrids, ...)
+    layout_mismatch: int = 0  # entries that do not fit their identity's layout in the store
+    downloaded_blocks: int = 0
+    downloaded_bytes: int = 0
+    hits: int = 0  # fetches committed
+    misses: Counter[str] = field(default_factory=Counter)  # by reason
+    fetch_rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATES_KEPT))
+
+    def fetch_gbps_p50(self) -> float | None:
+        """The median of the recent fetches' GB/s (probe + fetch + check + commit)."""
+        return statistics.median(self.fetch_rates) if self.fetch_rates else None
+
+
+class Remote:
+    """The daemon's remote tier: built from the config and the tier; run() runs it."""
+
+    def __init__(self, config: Config, tier: Tier) -> None:
+        self.config = config
+        self.tier = tier
+        self.bucket, self.prefix = split_url(config.remote)
+        self.health = Health()
+        self.limiter = anyio.CapacityLimiter(config.remote_requests)
+        self.counters = RemoteCounters()
+        self.layouts: dict[str, Layout] = {}  # identity digest -> the layout in the store
+        self.store: S3Store | None = None  # made by the first call (credentials read then)
+        self.uploader = Uploader(self)
+        tier.notices.stored.append(self.uploader.stored)
+        tier.notices.hit.append(self.uploader.hit)
+
+    # --- store calls --------------------------------------------------------------------------
+
+    async def call(self, request: Callable[[S3Store], T]) -> T:
+        """request(store) in a worker thread under the limiter, its outcome told to the
+        health: StoreError as the client raises it (a StoreAuthError when no credentials
+        can be had). ObjectTooLarge is the store's answer, not its failure."""
+        try:
+            store = self.store or self._open()
+            result = await anyio.to_thread.run_sync(request, store, limiter=self.limiter)
+        except ObjectTooLarge:
+            self.health.succeeded()
+            raise
+        except StoreAuthError as exc:
+            self.health.failed(str(exc), refused=True)
+            raise
+        except StoreError as exc:
+            self.health.failed(str(exc))
+            raise
+        self.health.succeeded()
+        return result
+
+    def _open(self) -> S3Store:
+        """The store client, with the credentials as they are now (StoreAuthError)."""
+        self.store = S3Store.from_config(self.config)
+        return self.store
+
+    async def probe(self) -> None:
+        """One cheap call that answers whether the store serves this daemon (the health
+        learns it): a listing of one key under the prefix."""
+        root = keys.identity_key(self.prefix, "")
+        with contextlib.suppress(StoreError):  # the health has it
+            await self.call(lambda store: store.list(root, 1))
+
+    def block_key(self, digest: str, block_hash: bytes) -> str:
+        return keys.block_key(self.prefix, digest, block_hash)
+
+    def layout_key(self, digest: str) -> str:
+        return keys.layout_key(self.prefix, digest)
+
+    async def stored_layout(self, digest: str) -> Layout | None:
+        """The identity's layout in the store (kept once read); None when there is none, or
+        one that is not a layout (said at warning). StoreError as call() raises it."""
+        found = self.layouts.get(digest)
+        if found is not None:
+            return found
+        key = self.layout_key(digest)
+        try:
+            data = await self.call(lambda store: store.get(key, LAYOUT_LIMIT))
+        except ObjectTooLarge as exc:
+            log.warning("remote_layout_refused", identity=digest, error=str(exc))
+            return None
+        if data is None:
+            return None
+        try:
+            found = decode_layout(data, digest, self.tier.limits)
+        except LayoutError as exc:
+            log.warning("remote_layout_refused", identity=digest, error=str(exc))
+            return None
+        self.layouts[digest] = found
+        return found
+
+    async def write_layout(self, layout: Layout) -> Layout | None:
+        """Store the identity's layout unless one is there (the first written wins); the
+        layout that holds in the store after it (None: one there that is not a layout).
+        StoreError as call() raises it."""
+        key = self.layout_key(layout.identity)
+        data = encode_layout(layout)
+        if await self.call(lambda store: store.put_if_absent(key, data)):
+            self.layouts[layout.identity] = layout
+            return layout
+        return await self.stored_layout(layout.identity)
+
+    # --- running ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """For the daemon's life: a first probe (a daemon whose credentials are refused says
+        so now, once), then the health's recovery and the uploads."""
+        await self.probe()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self.health.recover, self.probe)
+            tasks.start_soon(self.uploader.run)
+
+    async def flush(self, timeout: float | None) -> tuple[bool, int, int, int]:
+        """Make every entry accepted so far durable (which queues its upload, as the policy
+        says), then wait until every upload queued by then is sent or dropped; all within
+        timeout seconds (None: no deadline). (done, puts pending, uploads left, their bytes
+        left)."""
+        began = time.monotonic()
+        durable, pending = await self.tier.flush(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+        sent, uploads, nbytes = await self.uploader.flush(left)
+        return durable and sent, pending, uploads, nbytes
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def status(self) -> dict[str, Any]:
+        """The status report's `remote` section: no credential in it."""
+        counters, queue = self.counters, self.uploader.queue
+        return {
+            "state": self.health.state.value,
+            "last_error": self.health.last_error or None,
+            "url": self.config.remote,
+            "endpoint": self.config.remote_endpoint or None,
+            "upload_policy": self.config.remote_upload,
+            "pending_uploads": queue.pending_count,
+            "pending_bytes": queue.pending_bytes,
+            "uploaded_blocks": counters.uploaded_blocks,
+            "uploaded_bytes": counters.uploaded_bytes,
+            "already_there_blocks": counters.already_there,
+            "upload_drops": counters.upload_drops,
+            "upload_dropped_bytes": counters.upload_dropped_bytes,
+            "not_shareable": counters.not_shareable,
+            "layout_mismatch": counters.layout_mismatch,
+            "downloaded_blocks": counters.downloaded_blocks,
+            "downloaded_bytes": counters.downloaded_bytes,
+            "hits": counters.hits,
+            "misses": sum(counters.misses.values()),
+            "misses_by_reason": dict(counters.misses),
+            "restore_gbps_p50": counters.fetch_gbps_p50(),
+        }

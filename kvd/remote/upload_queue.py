@@ -1,0 +1,114 @@
+"""The upload queue: stored entries whose blocks go to the store, capped in bytes.
+
+A pure state machine, like the write-behind queue (kvd/store/writeback.py): the uploader does
+the sending. An upload joins with the blocks of its entry not known to be in the store, and
+its bytes count until each block is known to be there (sent, or found there already); the
+uploader takes one upload at a time, oldest first (next), and reports each block (sent) and
+the end (done).
+
+Over the cap the oldest queued uploads are dropped (counted, with their bytes); the upload in
+flight and the one just added never are, so one upload larger than the cap still goes. Uploads
+leave in the order they came (dropped oldest first, or taken oldest first), so "every upload
+added before this one has left" is one comparison of sequence numbers (flush --remote).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False, slots=True)
+class Upload:
+    """One entry's blocks to send: those not known to be in the store when it was added."""
+
+    entry: str  # the entry's id
+    identity: str  # its identity digest
+    blocks: tuple[bytes, ...]  # their hashes, in the entry's order
+    block_size: int  # each block file's size
+    seq: int = 0  # its place in the queue's order
+    left: int = 0  # bytes of its blocks not known to be in the store yet
+
+
+class UploadQueue:
+    """Uploads in the order they came, one in flight; pending bytes capped (drop-oldest)."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        if cap_bytes < 0:
+            raise ValueError(f"cap_bytes must be >= 0, not {cap_bytes}")
+        self.cap_bytes = cap_bytes
+        self._queued: OrderedDict[int, Upload] = OrderedDict()
+        self._pending: set[str] = set()  # entry ids queued or in flight
+        self.in_flight: Upload | None = None
+        self.pending_bytes = 0
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self._seq = itertools.count(1)
+        self.last_seq = 0  # of the newest upload added
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._queued) + (self.in_flight is not None)
+
+    def add(
+        self, entry: str, identity: str, blocks: tuple[bytes, ...], block_size: int
+    ) -> list[Upload] | None:
+        """Queue an entry's blocks behind the others; the uploads dropped for room (oldest
+        first), or None when the entry is pending already (nothing changed)."""
+        if block_size < 0:
+            raise ValueError(f"entry {entry}: block_size must be >= 0, not {block_size}")
+        if entry in self._pending:
+            return None
+        self.last_seq = next(self._seq)
+        nbytes = len(blocks) * block_size
+        upload = Upload(entry, identity, blocks, block_size, self.last_seq, nbytes)
+        self._queued[upload.seq] = upload
+        self._pending.add(entry)
+        self.pending_bytes += upload.left
+        dropped: list[Upload] = []
+        while self.pending_bytes > self.cap_bytes:
+            oldest = next(iter(self._queued.values()))
+            if oldest is upload:
+                break  # only the new upload is left to drop, and it never is
+            del self._queued[oldest.seq]
+            self._leave(oldest)
+            self.dropped += 1
+            self.dropped_bytes += oldest.left
+            dropped.append(oldest)
+        return dropped
+
+    def next(self) -> Upload | None:
+        """The oldest queued upload, now in flight; None if none is queued or one is in
+        flight."""
+        if self.in_flight is not None or not self._queued:
+            return None
+        _, self.in_flight = self._queued.popitem(last=False)
+        return self.in_flight
+
+    def sent(self, upload: Upload, nbytes: int) -> None:
+        """nbytes of the upload in flight are known to be in the store now."""
+        if upload is not self.in_flight:
+            raise ValueError(f"the upload of entry {upload.entry} is not in flight")
+        nbytes = min(nbytes, upload.left)
+        upload.left -= nbytes
+        self.pending_bytes -= nbytes
+
+    def done(self, upload: Upload) -> None:
+        """The uploader is finished with the upload in flight, whatever became of it."""
+        if upload is not self.in_flight:
+            raise ValueError(f"the upload of entry {upload.entry} is not in flight")
+        self.in_flight = None
+        self._leave(upload)
+
+    def left_of(self, seq: int) -> tuple[int, int]:
+        """The uploads added up to seq (a last_seq seen earlier) still pending, and their
+        bytes; (0, 0) once every one of them is done or dropped."""
+        pending = list(itertools.takewhile(lambda u: u.seq <= seq, self._queued.values()))
+        if self.in_flight is not None and self.in_flight.seq <= seq:
+            pending.append(self.in_flight)
+        return len(pending), sum(u.left for u in pending)
+
+    def _leave(self, upload: Upload) -> None:
+        self._pending.discard(upload.entry)
+        self.pending_bytes -= upload.left

@@ -1,0 +1,278 @@
+"""Uploads: durable local entries' blocks written behind to the store, never on an engine's
+path.
+
+The tier tells of entries stored and entries a lookup hit (kvd.store.notices); the upload
+policy (UPLOAD_POLICIES, the remote_upload setting) says which join the queue (upload_queue:
+byte-capped, drop-oldest): `always` when stored, `second-hit` when a lookup first hits it,
+`never` none. Checkpoints, untrimmable entries and entries without a whole block never do
+(counted: not shareable).
+
+One upload at a time: the uploader leases the entry (the tier's reader path: files opened
+read-only, checked by size), reads its manifest's header for the identity's layout, writes
+the layout once per identity (the first written wins; an entry that does not fit the one in
+the store uploads nothing, said once at warning, counted), then sends each block not known
+to be in the store with a conditional create (412: already there, counted, not an error), at
+most half of remote_requests at once, at remote_upload_rate. What the store is known to hold
+is remembered (KnownBlocks, a bounded LRU), so a block is asked about once. The store down:
+uploads are dropped and counted, the health says why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+import anyio
+from kvd_protocol.errors import EntryFormatError, ProtocolError
+
+from kvd.logs import get_logger
+from kvd.remote.layout import Layout, NotShareable, layout_of
+from kvd.remote.rate_limit import TokenBucket
+from kvd.remote.s3 import StoreError
+from kvd.remote.upload_queue import Upload, UploadQueue
+from kvd.store import entry_files
+from kvd.store.blocks import Block
+from kvd.store.records import EntryRecord
+
+if TYPE_CHECKING:
+    from kvd.remote.remote import Remote
+
+log = get_logger("kvd.remote.uploader")
+
+OWNER: Final = 0  # the uploads' leases in the tier (connections count from 1)
+BLOCK_BATCH: Final = 16  # block files of one upload open at once
+KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
+OFFERED: Final = 1 << 16  # entry ids remembered as offered once
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LruSet(Generic[K]):
+    """A set that forgets its least recently added or asked member past its capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._members: OrderedDict[K, None] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._members:
+            self._members.move_to_end(key)  # type: ignore[arg-type]
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def add(self, key: K) -> None:
+        self._members[key] = None
+        self._members.move_to_end(key)
+        if len(self._members) > self.capacity:
+            self._members.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class UploadPolicy:
+    """When an entry's blocks join the upload queue."""
+
+    when_stored: bool
+    when_hit: bool
+
+
+# The upload policies by setting value (config.REMOTE_UPLOAD_POLICY_NAMES).
+UPLOAD_POLICIES: Final[Mapping[str, UploadPolicy]] = {
+    "always": UploadPolicy(when_stored=True, when_hit=False),
+    "second-hit": UploadPolicy(when_stored=False, when_hit=True),
+    "never": UploadPolicy(when_stored=False, when_hit=False),
+}
+
+
+class Uploader:
+    """The upload queue and the task that drains it (run), fed by the tier's notices."""
+
+    def __init__(self, remote: Remote) -> None:
+        config = remote.config
+        self.remote = remote
+        self.policy = UPLOAD_POLICIES[config.remote_upload]
+        self.queue = UploadQueue(config.remote_upload_bytes)
+        self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS)  # (identity, block hash)
+        self._offered: LruSet[str] = LruSet(OFFERED)
+        self._mismatched: set[str] = set()  # identities whose stored layout does not fit
+        self._rate = TokenBucket(config.remote_upload_rate)
+        self._sends = max(1, config.remote_requests // 2)
+        self._work = anyio.Event()  # pulsed when an upload is queued
+        self._changed = anyio.Event()  # pulsed when an upload leaves the queue
+
+    # --- the tier's notices (on the event loop: only queue) ---------------------------------
+
+    def stored(self, record: EntryRecord) -> None:
+        if self.policy.when_stored:
+            self._offer(record)
+
+    def hit(self, record: EntryRecord) -> None:
+        if self.policy.when_hit:
+            self._offer(record)
+
+    def _offer(self, record: EntryRecord) -> None:
+        """Queue the entry's blocks not known to be in the store, once per entry."""
+        if record.id in self._offered:
+            return
+        self._offered.add(record.id)
+        counters = self.remote.counters
+        shareable = record.blocks and record.trimmable and record.checkpoint_key is None
+        if not shareable or record.prefill_checkpoint:
+            counters.not_shareable += 1
+            return
+        if record.identity in self._mismatched:
+            counters.layout_mismatch += 1
+            return
+        blocks = tuple(h for h in record.blocks if (record.identity, h) not in self.known)
+        if not blocks and record.identity in self.remote.layouts:
+            return  # all there already
+        if not self.remote.health.up:
+            counters.upload_drops += 1
+            counters.upload_dropped_bytes += len(blocks) * record.block_size
+            return
+        dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
+        for upload in dropped or ():
+            log.info("remote_upload_dropped", entry=upload.entry, bytes=upload.left, why="cap")
+            self._count_drop(upload)
+        self._work.set()
+        self._work = anyio.Event()
+
+    # --- sending ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Send queued uploads, oldest first, one at a time. Runs forever."""
+        while True:
+            upload = self.queue.next()
+            if upload is None:
+                await self._work.wait()
+                continue
+            try:
+                await self._send(upload)
+            finally:
+                self.queue.done(upload)
+                self._changed.set()
+                self._changed = anyio.Event()
+
+    async def _send(self, upload: Upload) -> None:
+        """One entry's layout and blocks, under a lease on the entry."""
+        remote = self.remote
+        leased = None if not remote.health.up else remote.tier.lease_entry(OWNER, upload.entry)
+        if leased is None:  # the store down, or the entry gone (evicted) before its turn
+            self._count_drop(upload)
+            return
+        record, lease, fd = leased
+        try:
+            try:
+                header = await anyio.to_thread.run_sync(
+                    entry_files.entry_head, fd, record.id, remote.tier.limits
+                )
+            finally:
+                os.close(fd)
+            layout = layout_of(header)
+            if await self._fits(layout):
+                await self._send_blocks(upload, record, lease)
+        except NotShareable as exc:
+            log.info("remote_not_shareable", entry=record.id, why=str(exc))
+            remote.counters.not_shareable += 1
+        except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
+            if not isinstance(exc, StoreError):  # the health has a store's failure
+                log.warning("remote_upload_failed", entry=record.id, error=str(exc))
+            self._count_drop(upload)
+        finally:
+            remote.tier.end_lease(OWNER, lease)
+
+    async def _fits(self, layout: Layout) -> bool:
+        """Whether the identity's layout in the store is this one's (writing it if there is
+        none); said once at warning per identity when not."""
+        digest = layout.identity
+        if digest not in self._mismatched:
+            stored = self.remote.layouts.get(digest) or await self.remote.write_layout(layout)
+            if stored is not None and stored.fits(layout):
+                return True
+            self._mismatched.add(digest)
+            log.warning(
+                "remote_layout_mismatch",
+                identity=digest,
+                block_tokens=layout.block_tokens,
+                stored_block_tokens=None if stored is None else stored.block_tokens,
+                why="the store's layout for this identity has other blocks or layers: its "
+                "entries stay local",
+            )
+        self.remote.counters.layout_mismatch += 1
+        return False
+
+    async def _send_blocks(self, upload: Upload, record: EntryRecord, lease: int) -> None:
+        """The upload's blocks, BLOCK_BATCH files open at a time; StoreError at the first
+        failure (the sends under way end first)."""
+        tier, digest = self.remote.tier, record.identity
+        wanted = set(upload.blocks)
+        blocks = tier.catalog.blocks_of(record)
+        for first in range(0, len(blocks), BLOCK_BATCH):
+            batch = blocks[first : first + BLOCK_BATCH]
+            if not any(b.hash in wanted and (digest, b.hash) not in self.known for b in batch):
+                continue
+            fds = tier.open_blocks(OWNER, lease, first, len(batch))
+            failures: list[BaseException] = []
+            try:
+                async with anyio.create_task_group() as sends:
+                    limiter = anyio.CapacityLimiter(self._sends)
+                    for block, fd in zip(batch, fds, strict=True):
+                        if block.hash in wanted and (digest, block.hash) not in self.known:
+                            send = partial(self._send_block, limiter=limiter, failures=failures)
+                            sends.start_soon(send, upload, block, fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if failures:
+                raise failures[0]
+
+    async def _send_block(
+        self,
+        upload: Upload,
+        block: Block,
+        fd: int,
+        *,
+        limiter: anyio.CapacityLimiter,
+        failures: list[BaseException],
+    ) -> None:
+        """One block with a conditional create; a failure is kept in failures (and the
+        block is not sent when one came before)."""
+        remote, digest, block_hash, size = self.remote, upload.identity, block.hash, block.size
+        async with limiter:
+            if failures:
+                return
+            await self._rate.wait_for(size)
+            key = remote.block_key(digest, block_hash)
+            try:
+                created = await remote.call(lambda store: store.put_file_if_absent(key, fd, size))
+            except (StoreError, OSError, ValueError) as exc:
+                failures.append(exc)
+                return
+        counters = remote.counters
+        if created:
+            counters.uploaded_blocks += 1
+            counters.uploaded_bytes += size
+        else:
+            counters.already_there += 1
+        self.known.add((digest, block_hash))
+        self.queue.sent(upload, size)
+
+    def _count_drop(self, upload: Upload) -> None:
+        self.remote.counters.upload_drops += 1
+        self.remote.counters.upload_dropped_bytes += upload.left
+
+    async def flush(self, timeout: float | None) -> tuple[bool, int, int]:
+        """Wait until every upload queued so far is done or dropped, up to timeout seconds:
+        (done, uploads left, bytes left)."""
+        mark = self.queue.last_seq
+        with anyio.move_on_after(timeout):
+            while self.queue.left_of(mark)[0]:
+                await self._changed.wait()
+        left, nbytes = self.queue.left_of(mark)
+        return not left, left, nbytes
