@@ -37,6 +37,7 @@ from kvd_protocol.messages import (
     MAX_BLOCK_BATCH,
     MAX_WAIT_SECONDS,
     PREFILL_COST_FEATURE,
+    REMOTE_FETCH_FEATURE,
     DropReport,
     EntrySummary,
     ErrorReply,
@@ -468,14 +469,30 @@ def lookup(
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     asked = min_tokens if link.offers("lookup_min_tokens") else 0  # else checked here
     explain = link.offers(LOOKUP_MISS_FEATURE)
+    fetches = link.offers(REMOTE_FETCH_FEATURE)
 
-    def ask(named: WireIdentity) -> Lookup:
+    def ask(named: WireIdentity, fetch: str | None = "wait" if fetches else None) -> Lookup:
         return Lookup(
-            id=link.next_id(), identity=named, tokens=packed, min_tokens=asked, explain=explain
+            id=link.next_id(),
+            identity=named,
+            tokens=packed,
+            min_tokens=asked,
+            explain=explain,
+            fetch=fetch,
         )
 
+    def ask_again(named: WireIdentity) -> Lookup:
+        return ask(named, "fetched")
+
     found = _found(
-        link, ask, LookupReply, identity, packed, checkpoint_key=None, min_tokens=min_tokens
+        link,
+        ask,
+        LookupReply,
+        identity,
+        packed,
+        checkpoint_key=None,
+        min_tokens=min_tokens,
+        after_fetch=ask_again,
     )
     return (yield from found)
 
@@ -508,10 +525,13 @@ def _found(
     *,
     checkpoint_key: str | None,
     min_tokens: int = 0,
+    after_fetch: Callable[[WireIdentity], Request] | None = None,
 ) -> Call[LookupHit | None]:
     """Map the entry a lookup or checkpoint reply offers (ask: the request, naming identity
     under the tenant), after checking it answers the ask. Connecting and asking are done
-    within the lookup timeout (a miss past it), or skipped while the breaker is open."""
+    within the lookup timeout (a miss past it), or skipped while the breaker is open. A reply
+    that says the daemon is fetching from its remote tier is followed by after_fetch's request,
+    answered within the fetch's seconds plus the lookup timeout (the only longer wait)."""
     if link.breaker is not None and link.breaker.skip_lookup():
         link.stats.failed_lookups += 1
         link.stats.misses[UNAVAILABLE] += 1
@@ -520,6 +540,11 @@ def _found(
     try:
         identity = yield from scoped(link, identity, due)
         reply = expect((yield Exchange(ask(identity), by=due)), kind)
+        if reply.fetching is not None and after_fetch is not None:
+            link.stats.remote_fetches += 1
+            wait = reply.fetching
+            due = link.due(time.monotonic() + wait)
+            reply = expect((yield Exchange(after_fetch(identity), wait=wait, by=due)), kind)
     except (DaemonUnavailableError, DaemonError) as exc:
         link.stats.failed_lookups += 1
         unavailable = isinstance(exc, DaemonUnavailableError)

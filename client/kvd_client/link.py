@@ -81,6 +81,7 @@ class ClientStats:
     bytes_written: int = 0  # into the daemon's staging files: entries, manifests and blocks
     blocks_written: int = 0  # block files written by puts
     blocks_held: int = 0  # blocks puts did not write: the daemon held them already
+    remote_fetches: int = 0  # lookups the daemon answered "fetching" from its remote tier
     # Lookups and gets that came back empty, by reason: "no entry", "unavailable", "refused",
     # "below min_tokens", "mismatch", a damaged file's validation rule ("truncated",
     # "header_checksum", "data_checksum", a block's "block_hash", "block_mismatch" or

@@ -17,6 +17,9 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
+
+FILE_LIMIT: Final = 1 << 20  # bytes; a credentials file holds a few profiles
 
 
 class CredentialsError(Exception):
@@ -61,10 +64,10 @@ def _from_file(path: Path, profile: str, *, owned_private: bool) -> Credentials:
     """One profile of an INI credentials file; `owned_private`: refused unless the daemon's
     user owns it and no one else may read or write it (checked on the file opened)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not hang the daemon
     except OSError as error:
         raise CredentialsError(f"cannot read {path}: {error.strerror}") from None
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as file:
+    try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise CredentialsError(f"{path} is not a file")
@@ -78,7 +81,11 @@ def _from_file(path: Path, profile: str, *, owned_private: bool) -> Credentials:
                 f"{path} is mode {stat.S_IMODE(info.st_mode):04o}: a credentials file must "
                 f"be readable by its owner only (chmod 600 {path})"
             )
-        text = file.read()
+        if info.st_size > FILE_LIMIT:
+            raise CredentialsError(f"{path} is over {FILE_LIMIT} bytes: not a credentials file")
+        text = os.read(fd, FILE_LIMIT).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
     parser = configparser.ConfigParser(interpolation=None)
     try:
         parser.read_string(text, source=str(path))

@@ -22,6 +22,7 @@ import anyio
 from kvd.config import Config
 from kvd.logs import get_logger
 from kvd.remote import keys
+from kvd.remote.fetcher import Fetcher
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreAuthError, StoreError
@@ -77,6 +78,7 @@ class Remote:
         self.layouts: dict[str, Layout] = {}  # identity digest -> the layout in the store
         self.store: S3Store | None = None  # made by the first call (credentials read then)
         self.uploader = Uploader(self)
+        self.fetcher = Fetcher(self)
         tier.notices.stored.append(self.uploader.stored)
         tier.notices.hit.append(self.uploader.hit)
 
@@ -156,11 +158,12 @@ class Remote:
 
     async def run(self) -> None:
         """For the daemon's life: a first probe (a daemon whose credentials are refused says
-        so now, once), then the health's recovery and the uploads."""
+        so now, once), then the health's recovery, the uploads and the fetches."""
         await self.probe()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(self.health.recover, self.probe)
             tasks.start_soon(self.uploader.run)
+            tasks.start_soon(self.fetcher.run)
 
     async def flush(self, timeout: float | None) -> tuple[bool, int, int, int]:
         """Make every entry accepted so far durable (which queues its upload, as the policy

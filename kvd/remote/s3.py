@@ -161,7 +161,10 @@ class S3Store:
         if response.status == 404:
             return None
         self._check(response, f"HEAD {key}")
-        return _content_length(response) or 0
+        size = _content_length(response)
+        if size is None:
+            raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
+        return size
 
     def get(self, key: str, limit: int) -> bytes | None:
         """A small object whole; None if there is none; ObjectTooLarge past `limit` bytes."""
@@ -220,7 +223,7 @@ class S3Store:
             self._check(response, what)
             entries, token = _parse_list(self._read_all(response, what, LIST_PAGE_LIMIT), what)
             found.extend(entries[: limit - len(found)])
-            if not token:
+            if not (token and entries):  # an empty page that says more follow would loop
                 break
         return found
 

@@ -73,6 +73,9 @@ class LruSet(Generic[K]):
         if len(self._members) > self.capacity:
             self._members.popitem(last=False)
 
+    def discard(self, key: K) -> None:
+        self._members.pop(key, None)
+
 
 @dataclass(frozen=True)
 class UploadPolicy:

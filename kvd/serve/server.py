@@ -35,9 +35,10 @@ from kvd.serve.fd_limit import connections_for, raise_open_file_limit
 from kvd.serve.frame_budget import FrameBudget
 from kvd.serve.listener import bind_socket, inherited_socket
 from kvd.serve.metrics_http import metrics_listener, serve_metrics
+from kvd.serve.peer import Peer, tenant_of
 from kvd.serve.peercred import peer_credentials
 from kvd.serve.sd_notify import Notifier, watchdog_interval
-from kvd.serve.session import Peer, Session, raw_socket, tenant_of
+from kvd.serve.session import Session, raw_socket
 from kvd.serve.status import status_report
 from kvd.store.tier import Tier
 from kvd.store.watcher import reconcile_periodically, watch_entries
@@ -103,9 +104,9 @@ class Server:
                 peer = Peer(session_id, credentials, admin=admin, tenant=tenant)
                 self.peers[session_id] = peer
                 try:
-                    session = Session(self.tier, stream, peer, self.status, self.frames)
-                    session.remote = self.remote
-                    await session.run()
+                    await Session(
+                        self.tier, stream, peer, self.status, self.frames, remote=self.remote
+                    ).run()
                 finally:
                     del self.peers[session_id]
         except Exception:

@@ -17,7 +17,6 @@ import contextlib
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -33,7 +32,7 @@ from kvd.remote.remote import Remote
 from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.serve.handouts import Handouts, descriptors_asked
-from kvd.serve.peercred import PeerCredentials
+from kvd.serve.peer import Peer
 from kvd.store.miss_reasons import Miss
 from kvd.store.staged_put import DeclaredBlocks
 from kvd.store.tier import Tier, summary
@@ -62,6 +61,7 @@ FEATURES = (
     m.ENGINE_DROPS_FEATURE,
     m.REMOTE_FLUSH_FEATURE,
 )
+REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
 
 
 def _checks_a_file(request: m.Request) -> bool:
@@ -72,35 +72,9 @@ def _checks_a_file(request: m.Request) -> bool:
     return type(request) is m.Release and request.damaged is not None
 
 
-@dataclass
-class _Outgoing:
-    """A reply's frame that the kernel did not take at once, and the descriptors to close
-    once it is out (or never will be)."""
-
-    unsent: socket_io.Unsent
-    close_after: tuple[int, ...]
-
-    def close(self) -> None:
-        for fd in self.close_after:
-            os.close(fd)
-        self.close_after = ()
-
-
-def tenant_of(uid: int) -> str:
-    """The namespace prefix of the identities a peer of uid may name (see Peer.tenant)."""
-    return f"uid:{uid}/"
-
-
-@dataclass
-class Peer:
-    session: int
-    credentials: PeerCredentials
-    name: str = ""
-    admin: bool = False  # the daemon's own uid or root: may evict
-    # "" (the daemon's uid, root, or every peer when share_between_users): any identity; else
-    # every identity the peer names has a namespace that starts with this (its hello reply
-    # says so): its entries are its own, out of reach of other users' engines and of theirs.
-    tenant: str = ""
+def _waits_for_a_fetch(request: m.Request, remote: Remote | None) -> bool:
+    """A lookup that may wait for a fetch from the remote tier: a task (Fetcher.waits)."""
+    return type(request) is m.Lookup and remote is not None and remote.fetcher.waits(request)
 
 
 class Session:
@@ -119,9 +93,11 @@ class Session:
         peer: Peer,
         status: Callable[[], dict[str, object]],
         frames: FrameBudget,
+        *,
+        remote: Remote | None = None,
     ) -> None:
         self.tier = tier
-        self.remote: Remote | None = None  # the remote tier, when `remote` is set
+        self.remote = remote  # the remote tier, when `remote` is set
         self.frames = frames  # partial frames' bytes, across connections
         self._buffered = 0  # this connection's share of them
         self._frame_timer: asyncio.TimerHandle | None = None  # a frame begun, not finished
@@ -135,7 +111,7 @@ class Session:
         # Held by a reply that must wait to go out whole (see socket_io.send).
         self._gate = socket_io.sending_gate()
         # A reply of the callback's that waits to go out (reading is paused meanwhile).
-        self._outgoing: _Outgoing | None = None
+        self._outgoing: socket_io.Outgoing | None = None
         self._tasks: TaskGroup | None = None  # the connection's: requests that wait
         self._reading = False  # the reader callback is installed
         self._ended = anyio.Event()  # the peer is gone, or the connection failed
@@ -163,6 +139,7 @@ class Session:
             "release": self._release_damaged,  # one that reports damage (_checks_a_file)
             "flush": self._flush,
             "verify": self._verify,
+            "lookup": self._lookup_fetched,  # one that may wait for a fetch (_waits_for_a_fetch)
         }
 
     async def run(self) -> None:
@@ -241,7 +218,7 @@ class Session:
                     handler = self._at_once.get(event.op)
                     if _checks_a_file(event):
                         self._pause_for(self._answer, event)
-                    elif handler is not None:
+                    elif handler is not None and not _waits_for_a_fetch(event, self.remote):
                         try:
                             reply = handler(event)
                         except Exception as exc:
@@ -364,7 +341,7 @@ class Session:
             unsent = socket_io.start(self.sock, *framed, self._gate)
             if unsent is None:
                 return
-            self._outgoing = _Outgoing(unsent, fds)
+            self._outgoing = socket_io.Outgoing(unsent, fds)
             fds = ()  # the task closes them once they are sent
             self._pause_for(self._send_outgoing)
         except socket_io.PeerGone as exc:
@@ -443,7 +420,7 @@ class Session:
             protocol=m.PROTOCOL_VERSION,
             server=__version__,
             limits=self.tier.limits,
-            features=FEATURES,
+            features=FEATURES if self.remote is None else REMOTE_FEATURES,
             tenant=self.peer.tenant,
         )
 
@@ -494,6 +471,18 @@ class Session:
         return m.TicketReply(
             id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
         )
+
+    async def _lookup_fetched(self, request: m.Lookup) -> m.LookupReply:
+        """A lookup answered once the fetch it may wait for is done (or out of time), or told
+        to ask again after it: fetching, the seconds the fetch has left."""
+        assert self.remote is not None
+        if self.peer.tenant:
+            self._check_identity(request, request.identity)
+        if (left := await self.remote.fetcher.wait(request)) is not None:
+            return m.LookupReply(id=request.id, matched=0, entry=None, lease=None, fetching=left)
+        reply = self._lookup(request)
+        self.tier.book_lookups()  # no other request's reply to go first
+        return reply
 
     def _lookup(self, request: m.Lookup) -> m.LookupReply:
         if self.peer.tenant:

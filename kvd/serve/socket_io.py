@@ -136,6 +136,20 @@ class Unsent:
     holds_gate: bool
 
 
+@dataclass
+class Outgoing:
+    """A reply's frame that the kernel did not take at once, and the descriptors to close
+    once it is out (or never will be)."""
+
+    unsent: Unsent
+    close_after: tuple[int, ...]
+
+    def close(self) -> None:
+        for fd in self.close_after:
+            os.close(fd)
+        self.close_after = ()
+
+
 def start(
     sock: socket.socket, data: bytes | memoryview, fds: Sequence[int], gate: anyio.Semaphore
 ) -> Unsent | None:

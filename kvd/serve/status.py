@@ -15,7 +15,7 @@ import psutil
 
 from kvd import __version__
 from kvd.remote.remote import Remote
-from kvd.serve.session import Peer
+from kvd.serve.peer import Peer
 from kvd.store.tier import Tier
 
 _process = psutil.Process()

@@ -414,6 +414,13 @@ class Tier:
         self.unbooked.append((identity, tokens, miss.reason))
         return miss
 
+    def longest_match(self, identity: Identity, tokens: bytes) -> int:
+        """The tokens of the prompt the best local entry serves (0: none), leasing nothing:
+        what a fetch from the remote tier would extend."""
+        index = self.catalog.index(identity.digest())
+        match = index.best_match(tokens) if index is not None else None
+        return 0 if match is None else match.matched
+
     def book_lookups(self) -> None:
         """Count the lookups answered since the last call (see lookup). Each is booked once,
         even if booking one fails."""

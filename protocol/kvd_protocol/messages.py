@@ -49,6 +49,11 @@ PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 IDENTITY_TRAITS_FEATURE: Final = "identity_traits"  # an identity's traits
 LOOKUP_MISS_FEATURE: Final = "lookup_miss"  # lookup's explain, its reply's miss and detail
 ENGINE_DROPS_FEATURE: Final = "engine_drops"  # put_commit's dropped
+REMOTE_FETCH_FEATURE: Final = "remote_fetch"  # lookup's fetch, its reply's fetching
+# A lookup's fetch: "wait", the client may wait for a fetch from the remote tier (the reply may
+# say fetching); "fetched", it asks again once the fetch it was told of is done.
+FETCH_ASKS: Final = ("wait", "fetched")
+MAX_FETCH_SECONDS: Final = 600.0  # a reply's fetching: what a client waits for at most
 REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remote_pending/bytes
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
@@ -399,6 +404,9 @@ class Lookup(Request):
     # Whether a miss's reply says why (miss, detail): a client that reads them asks, so that
     # one that predates them never gets a field it does not know (feature "lookup_miss").
     explain: bool = field(default=False, metadata=wire(_bool))
+    # Whether the client may wait for a fetch from the remote tier (FETCH_ASKS; nil: it may
+    # not, as one that predates the feature "remote_fetch").
+    fetch: str | None = field(default=None, metadata=wire(_optional(_choice(FETCH_ASKS))))
 
     def reply_descriptors(self) -> int:
         return 1
@@ -408,7 +416,9 @@ class Lookup(Request):
 class LookupReply(_OneDescriptorReply):
     """A hit holds the entry, a lease to release, and fd: the entry file, read-only. A miss
     asked to explain itself holds miss, its reason (one of a fixed set: PROTOCOL.md), and
-    detail, in words."""
+    detail, in words. fetching (to a lookup whose fetch is "wait"): the daemon fetches more of
+    the prompt from the remote tier; ask again (fetch "fetched") within that many seconds. It
+    offers no entry then."""
 
     op: ClassVar[str] = "lookup"
     matched: int = field(metadata=wire(_uint(0, U32)))
@@ -416,6 +426,9 @@ class LookupReply(_OneDescriptorReply):
     lease: int | None = field(metadata=wire(_optional(_uint())))
     miss: str | None = field(default=None, metadata=wire(_optional(_name)))
     detail: str | None = field(default=None, metadata=wire(_optional(_prose)))
+    fetching: float | None = field(
+        default=None, metadata=wire(_optional(_at_most(MAX_FETCH_SECONDS)))
+    )
 
     def descriptor_count(self) -> int:
         return 1 if self.entry is not None else 0
@@ -425,6 +438,8 @@ class LookupReply(_OneDescriptorReply):
             raise schema.SchemaError(f"{self.op}: entry and lease must be both set or both nil")
         if self.entry is not None and (self.miss is not None or self.detail is not None):
             raise schema.SchemaError(f"{self.op}: a hit has no miss reason")
+        if self.entry is not None and self.fetching is not None:
+            raise schema.SchemaError(f"{self.op}: a hit is not fetching")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

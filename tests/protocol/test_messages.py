@@ -43,8 +43,8 @@ from wire_samples import BLOCKS, ENTRY, HELLO, HELLO_REPLY, IDENTITY, TOKENS, ex
 MESSAGES: list[Message] = [HELLO, HELLO_REPLY] + [m for pair in exchanges() for m in pair]
 # Fields added within a protocol version: a peer that predates them neither sends nor expects them.
 OPTIONAL_FIELDS: dict[type[Message], set[str]] = {
-    Lookup: {"min_tokens", "explain"},
-    LookupReply: {"miss", "detail"},
+    Lookup: {"min_tokens", "explain", "fetch"},
+    LookupReply: {"miss", "detail", "fetching"},
     Release: {"damaged"},
     PutBegin: {"blocks", "block_tokens", "block_size", "prefill_cost"},
     PutBeginReply: {"held"},

@@ -142,6 +142,14 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
             LookupReply(id=0, matched=0, entry=None, lease=None, miss="kv differs", detail="..."),
         ),
         (
+            Lookup(id=0, identity=IDENTITY, tokens=TOKENS, fetch="wait"),
+            LookupReply(id=0, matched=0, entry=None, lease=None, fetching=5.0),
+        ),
+        (
+            Lookup(id=0, identity=IDENTITY, tokens=TOKENS, fetch="fetched"),
+            LookupReply(id=0, matched=63, entry=ENTRY, lease=5),
+        ),
+        (
             FindCheckpoint(id=0, identity=IDENTITY, key="gen-1", prompt=TOKENS[:8]),
             FindCheckpointReply(id=0, matched=64, entry=ENTRY, lease=6),
         ),

@@ -1,0 +1,267 @@
+"""The read path: a prompt's blocks fetched from the store into the tier, as an ordinary put.
+
+A lookup whose prompt runs at least remote_min_tokens past the tier's best match starts a
+fetch (or joins the one under way for the same prompt): a probe (probe.py) finds how many
+blocks the store holds, then the fetch begins a put of that prefix through the tier's own put
+path (blocks the tier holds are not fetched: the put holds them), downloads the others
+straight into the put's staging files, at most remote_requests at once, each bounded by the
+layout's block size, writes the manifest from the layout and commits. The commit checks it as
+any put's: chain hashes, headers, every checksum. Whatever goes wrong aborts the put (its
+staging files deleted) and is counted by reason; nothing remote touches a local entry.
+
+A lookup waits for the probe only briefly (PROBE_WAIT) and is told to ask again when the fetch
+is under way; a probe or fetch not done by then goes on (the next lookup finds it local). A
+fetch is aborted once remote_fetch_timeout has passed since its probe ended.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import xxhash
+from anyio.abc import TaskGroup
+from kvd_protocol.checksum import checksum
+from kvd_protocol.entry import ManifestPlan
+from kvd_protocol.errors import ProtocolError
+from kvd_protocol.identity import Identity
+from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
+from kvd_protocol.tokens import TOKEN_BYTES
+
+from kvd.logs import get_logger
+from kvd.remote.layout import Layout, manifest_plan
+from kvd.remote.probe import FetchError, Prober
+from kvd.remote.s3 import ObjectTooLarge, StoreError
+from kvd.store.staged_put import DeclaredBlocks, Put
+
+if TYPE_CHECKING:
+    from kvd.remote.remote import Remote
+
+log = get_logger("kvd.remote.fetcher")
+
+FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
+PROBE_WAIT: Final = 0.03  # seconds a lookup waits for a probe: well within an engine's 0.1 s
+MAX_FETCHES: Final = 16  # probes and fetches under way at once; past it, lookups start none
+# Why a lookup that could have fetched did not (the status's remote misses).
+MISS_REASONS: Final = (
+    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
+    "short",  # the store holds less than remote_min_tokens past the local match
+    "missing",  # a block the probe found was gone when fetched
+    "damaged",  # a block of another size, or that failed the commit's checks
+    "timeout",  # not committed within remote_fetch_timeout
+    "store_error",  # the store failed a request (unreachable, refused, 5xx)
+    "refused",  # the tier refused the put (no room, its admission policy)
+)
+
+
+_PROBE_MISSES: Final = frozenset({"no_layout", "short"})
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One prompt's probe and fetch, shared by the lookups that ask for it."""
+
+    probed: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    blocks: int = 0  # the blocks the fetch commits (0: none, or not probed yet)
+    deadline: float = 0.0  # monotonic: when the fetch is aborted (set once probed)
+
+    def left(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+
+class Fetcher:
+    """The remote tier's fetches under way, by prompt; counted in the remote's counters."""
+
+    def __init__(self, remote: Remote) -> None:
+        self._remote = remote
+        self._config = remote.config
+        self._tier = remote.tier
+        self._counters = remote.counters
+        self._prober = Prober(remote)
+        self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
+        self._tasks: TaskGroup | None = None
+
+    async def run(self) -> None:
+        """Hold the fetches' tasks until cancelled (the daemon stops: fetches under way are
+        aborted with it, their staging files deleted)."""
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._tasks = None
+
+    def waits(self, lookup: Lookup) -> bool:
+        """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
+        asked again after a fetch, or one that may wait and whose prompt runs at least
+        remote_min_tokens past the tier's best match, while the store is not down. A lookup
+        that may not wait (a client that predates the field) is answered at once, and the
+        fetch it warrants starts meanwhile: its next lookup finds the blocks local."""
+        if lookup.fetch == "fetched":
+            return True
+        if self._tasks is None or not self._remote.health.up:
+            return False
+        tokens = lookup.tokens
+        past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(lookup.identity, tokens)
+        if past < max(self._config.remote_min_tokens, 1):
+            return False
+        if lookup.fetch is None:
+            self._start(lookup.identity, tokens)
+        return lookup.fetch is not None
+
+    async def wait(self, lookup: Lookup) -> float | None:
+        """For a lookup that may wait ("wait"): the seconds left of the fetch of its prompt, once
+        a probe found one worth it within PROBE_WAIT; None to answer from what is local. Asked
+        again after it ("fetched"): None once the fetch is committed, failed or out of time."""
+        key = (lookup.identity.digest(), xxhash.xxh3_128_digest(lookup.tokens))
+        if lookup.fetch == "fetched":
+            fetch = self._fetches.get(key)
+            if fetch is not None:
+                with anyio.move_on_after(fetch.left()):
+                    await fetch.done.wait()
+            return None
+        fetch = self._start(lookup.identity, lookup.tokens)
+        if fetch is None:
+            return None
+        with anyio.move_on_after(PROBE_WAIT):
+            await fetch.probed.wait()
+        return fetch.left() if fetch.blocks and not fetch.done.is_set() else None
+
+    def _start(self, identity: Identity, tokens: bytes) -> Fetch | None:
+        """The fetch of tokens under way, or a new one; None when too many are."""
+        key = (identity.digest(), xxhash.xxh3_128_digest(tokens))
+        fetch = self._fetches.get(key)
+        if fetch is None and len(self._fetches) < MAX_FETCHES and self._tasks is not None:
+            fetch = self._fetches[key] = Fetch()
+            self._tasks.start_soon(self._run, key, fetch, identity, tokens)
+        return fetch
+
+    async def _run(
+        self, key: tuple[str, bytes], fetch: Fetch, identity: Identity, tokens: bytes
+    ) -> None:
+        started = time.perf_counter()
+        timeout = self._config.remote_fetch_timeout
+        try:
+            with anyio.fail_after(timeout):
+                layout, blocks = await self._probe(identity, tokens)
+            fetch.blocks, fetch.deadline = blocks, time.monotonic() + timeout
+            fetch.probed.set()
+            with anyio.fail_after(timeout):
+                fetched = await self._fetch(identity, tokens, layout, blocks)
+        except FetchError as exc:
+            self._missed(identity, exc.reason, str(exc))
+        except TimeoutError:
+            self._missed(identity, "timeout", f"not done within {timeout:g} s")
+        except StoreError as exc:
+            self._missed(identity, "store_error", str(exc))
+        else:
+            if not fetched:
+                return  # the tier held it already (a put raced this fetch): no fetch at all
+            self._counters.hits += 1
+            seconds = time.perf_counter() - started
+            self._counters.fetch_rates.append(fetched / max(seconds, 1e-9) / 1e9)
+            log.info("remote_fetched", identity=key[0], blocks=blocks, seconds=round(seconds, 3))
+        finally:
+            fetch.probed.set()
+            fetch.done.set()
+            del self._fetches[key]
+
+    def _missed(self, identity: Identity, reason: str, detail: str) -> None:
+        self._counters.misses[reason] += 1
+        # A probe that found nothing is the usual; a block that fails its checks is not.
+        say = (
+            log.debug
+            if reason in _PROBE_MISSES
+            else log.warning
+            if reason == "damaged"
+            else log.info
+        )
+        say("remote_miss", identity=identity.digest(), reason=reason, detail=detail)
+
+    async def _probe(self, identity: Identity, tokens: bytes) -> tuple[Layout, int]:
+        digest = identity.digest()
+        layout = await self._prober.layout(digest)
+        local = self._tier.longest_match(identity, tokens)
+        least = self._config.remote_min_tokens
+        return layout, await self._prober.extent(digest, layout, tokens, local, least)
+
+    async def _fetch(self, identity: Identity, tokens: bytes, layout: Layout, blocks: int) -> int:
+        """Put the first blocks of tokens from the store; the bytes of the entry committed."""
+        fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
+        try:
+            plan = manifest_plan(
+                layout, identity, fetched, created=time.time(), limits=self._tier.limits
+            )
+        except ValueError as exc:  # a layout this daemon cannot make an entry of
+            raise FetchError("no_layout", str(exc)) from None
+        declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
+        tier = self._tier
+        try:
+            put, _, fd = await tier.begin_put(
+                FETCH_OWNER, identity, fetched, plan.entry.file_size, declared
+            )
+        except ProtocolError as exc:
+            raise FetchError("refused", exc.message) from None
+        if put is None or fd is None:
+            return 0  # the tier holds it already (a lookup raced this fetch)
+        try:
+            await self._write(put, fd, plan)
+        except BaseException:
+            tier.abort_put(FETCH_OWNER, put.id)
+            raise
+        try:
+            await tier.commit_put(FETCH_OWNER, put.id)
+        except ProtocolError as exc:  # the commit removed its files
+            raise FetchError("damaged", exc.message) from None
+        return plan.entry.file_size + blocks * plan.block_size
+
+    async def _write(self, put: Put, fd: int, plan: ManifestPlan) -> None:
+        """The manifest (every layer blocked: its tails are empty) and the blocks not held."""
+        try:
+            empty = [checksum(b"")] * len(plan.entry.slots)
+            os.pwrite(fd, plan.entry.head(empty), 0)
+        finally:
+            os.close(fd)
+        wanted = range(put.held, len(plan.hashes))
+        fds: list[int] = []
+        try:
+            for first in range(put.held, len(plan.hashes), MAX_BLOCK_BATCH):
+                count = min(MAX_BLOCK_BATCH, len(plan.hashes) - first)
+                fds += await self._tier.put_blocks(FETCH_OWNER, put.id, first, count)
+            failures: list[Exception] = []
+            async with anyio.create_task_group() as downloads:
+
+                async def download(index: int, block_fd: int) -> None:
+                    try:
+                        await self._download(put, plan, index, block_fd)
+                    except (FetchError, StoreError) as exc:
+                        failures.append(exc)
+                        downloads.cancel_scope.cancel()  # the others are in vain
+
+                for index, block_fd in zip(wanted, fds, strict=True):
+                    downloads.start_soon(download, index, block_fd)
+            if failures:
+                raise failures[0]
+        finally:
+            for block_fd in fds:
+                os.close(block_fd)
+
+    async def _download(self, put: Put, plan: ManifestPlan, index: int, fd: int) -> None:
+        """Block index of the put into fd, whole and of the layout's size."""
+        digest, block = put.identity.digest(), plan.hashes[index]
+        key, size = self._remote.block_key(digest, block), plan.block_size
+        try:
+            got = await self._remote.call(lambda store: store.get_to_file(key, fd, size))
+        except ObjectTooLarge as exc:
+            raise FetchError("damaged", f"block {index}: {exc}") from None
+        if got is None:
+            self._remote.uploader.known.discard((digest, block))
+            raise FetchError("missing", f"block {index} ({key}) is not in the store")
+        if got != size:
+            raise FetchError("damaged", f"block {index} ({key}) holds {got} bytes, not {size}")
+        self._counters.downloaded_blocks += 1
+        self._counters.downloaded_bytes += size

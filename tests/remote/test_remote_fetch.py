@@ -1,0 +1,298 @@
+"""The read path end to end: two daemons on two tier folders ("two Macs") and one real SeaweedFS.
+
+A prompt cache put on A goes to the store (A's uploads); B restores it exactly (its blocks byte
+for byte A's) and generation continues token for token; with the store killed B answers
+lookups within its usual time and stores locally; a block damaged in the store is refused on
+B and leaves its tier as it was; a prefix shorter than remote_min_tokens past what is local is
+not fetched; a client that predates the fetch field is answered at once (and the fetch goes on:
+its next lookup finds the entry local).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import pytest
+from daemon_e2e import SETTLE_SECONDS, RawPeer, staging_files, wait_until
+from daemon_process import Daemon, running_daemon
+from kvd_client.client import Client
+from kvd_client.identity import Identity
+from kvd_client.results import TicketState
+from kvd_protocol import messages as m
+from kvd_protocol.blocks import BLOCK_SUFFIX
+from kvd_protocol.entry_reader import parse_block_head
+from kvd_protocol.tokens import pack_tokens
+from mlx_lm.models.cache import make_prompt_cache
+from model_folders import SMALL_CONFIGS, VOCAB, small_model
+from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
+
+from kvd.remote import keys
+from kvd.remote.s3 import S3Store
+
+BLOCK = 16  # tokens per block: a tiny prompt spans several
+MIN_TOKENS = 32  # remote_min_tokens: two blocks
+BLOCKS = 6
+TOKENS = BLOCKS * BLOCK + 5  # six whole blocks (shared) and a tail of 5 (not shared)
+STEPS = 4
+LOOKUPS = 7  # timed lookups per daemon
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    config = {**SMALL_CONFIGS["llama"], "model_type": "llama", "vocab_size": VOCAB}
+    return small_model(config, seed=3)
+
+
+@pytest.fixture
+def credentials(tmp_path: Path) -> Path:
+    path = tmp_path / "credentials"
+    path.write_text(
+        f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+    )
+    path.chmod(0o600)
+    return path
+
+
+def remote_flags(seaweed: Seaweed, prefix: str, credentials: Path) -> list[str]:
+    return [
+        *("--remote", f"s3://{BUCKET}/{prefix}", "--remote-endpoint", seaweed.endpoint),
+        *("--remote-credentials-file", str(credentials)),
+        *("--remote-min-tokens", str(MIN_TOKENS), "--remote-fetch-timeout", "20"),
+    ]
+
+
+@pytest.fixture
+def two_macs(
+    tmp_path: Path, seaweed: Seaweed, store: S3Store, prefix: str, credentials: Path
+) -> Iterator[tuple[Daemon, Daemon]]:
+    """Daemons A and B on tiers of their own, sharing the store under the test's prefix."""
+    flags = remote_flags(seaweed, prefix, credentials)
+    with ExitStack() as stack:
+        a = stack.enter_context(running_daemon(tmp_path / "a", flags))
+        b = stack.enter_context(running_daemon(tmp_path / "b", flags))
+        yield a, b
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return [int(t) for t in mx.random.randint(0, VOCAB, (length,), key=mx.random.key(seed))]
+
+
+def prefill(model: Any, tokens: Sequence[int]) -> list[Any]:
+    cache = make_prompt_cache(model)
+    model(mx.array([list(tokens)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def greedy(model: Any, cache: list[Any], last: Sequence[int]) -> tuple[list[int], mx.array]:
+    """Feed last, then STEPS tokens greedily: the tokens and every step's logits."""
+    logits = model(mx.array([list(last)]), cache=cache)[:, -1, :]
+    tokens, every = [], [logits]
+    for _ in range(STEPS):
+        tokens.append(cast(int, mx.argmax(logits).item()))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
+        every.append(logits)
+    return tokens, mx.concatenate(every)
+
+
+def put_on(daemon: Daemon, identity: Identity, tokens: list[int], model: Any) -> None:
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
+        ticket = client.put(identity, tokens, prefill(model, tokens))
+        assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
+
+
+def uploaded(store: S3Store, prefix: str, identity: Identity, blocks: int) -> None:
+    """Wait until the store holds the identity's layout and blocks (A's uploads)."""
+    folder = keys.identity_key(prefix, identity.to_protocol().digest())
+
+    def done() -> bool:
+        listed = [key for key, _ in store.list(folder + "/", 1000)]
+        return folder + "/layout" in listed and sum("/b/" in k for k in listed) >= blocks
+
+    wait_until(done, "the store holds A's blocks")
+
+
+def remote_status(daemon: Daemon) -> dict[str, Any]:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        return cast(dict[str, Any], client.status()["remote"])
+
+
+def block_files(tier: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in (tier / "entries").rglob(f"*{BLOCK_SUFFIX}")}
+
+
+def tier_files(tier: Path) -> list[str]:
+    return sorted(str(p.relative_to(tier)) for p in tier.rglob("*") if p.is_file())
+
+
+def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
+    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+) -> None:
+    a, b = two_macs
+    identity = Identity("tiny/shared", "cfg", "tok")
+    tokens = prompt(TOKENS, seed=1)
+    put_on(a, identity, tokens, model)
+    uploaded(store, prefix, identity, BLOCKS)
+    asked = [*tokens, 7]
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        assert m.REMOTE_FETCH_FEATURE in client._link.server.features  # type: ignore[union-attr]
+        restored = client.get(identity, asked, model=model)
+        assert restored is not None
+        assert restored.matched == BLOCKS * BLOCK  # whole blocks only: the tail stays on A
+        assert client.stats.remote_fetches == 1
+        assert not client.stats.misses
+        got = greedy(model, restored.cache, asked[restored.matched :])
+    # B's blocks are A's, byte for byte; B's cache decodes as a fresh prefill of the same
+    # tokens, and generation on B continues token for token as on A.
+    assert block_files(b.tier) == block_files(a.tier)
+    fresh = greedy(model, prefill(model, tokens[: BLOCKS * BLOCK]), asked[BLOCKS * BLOCK :])
+    assert got[0] == fresh[0]
+    assert bool(mx.array_equal(got[1], fresh[1]).item())
+    on_a = greedy(model, prefill(model, tokens), asked[-1:])
+    assert got[0] == on_a[0]
+    remote = remote_status(b)
+    assert remote["hits"] == 1
+    assert remote["downloaded_blocks"] == BLOCKS
+    assert remote["restore_gbps_p50"] > 0
+    # Asked again, B answers from its own tier: nothing more is fetched.
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        assert client.get(identity, asked, model=model) is not None
+        assert client.stats.remote_fetches == 0
+    assert remote_status(b)["downloaded_blocks"] == BLOCKS
+
+
+def _lookup_seconds(daemon: Daemon, identity: Identity, prompts: list[list[int]]) -> list[float]:
+    """Each prompt's lookup (a miss: nothing local), timed; none failed."""
+    wire = identity.to_protocol()
+    seconds = []
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
+        for tokens in prompts:
+            started = time.perf_counter()
+            assert client.lookup(wire, tokens) is None
+            seconds.append(time.perf_counter() - started)
+        assert client.stats.failed_lookups == 0
+    return seconds
+
+
+def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store_locally(
+    two_macs: tuple[Daemon, Daemon], seaweed: Seaweed, tmp_path: Path, model: Any
+) -> None:
+    _, b = two_macs
+    identity = Identity("tiny/down", "cfg", "tok")
+    prompts = [prompt(8 * BLOCK, seed=100 + i) for i in range(LOOKUPS)]
+    seaweed.kill()
+    try:
+        with running_daemon(tmp_path / "local-only") as local_only:
+            usual = statistics.median(_lookup_seconds(local_only, identity, prompts))
+        remote_down = statistics.median(_lookup_seconds(b, identity, prompts))
+        # A generous bound: the point is that no lookup waits on the dead store.
+        assert remote_down < 5 * usual + 0.05, (remote_down, usual)
+        put_on(b, identity, prompts[0], model)
+        with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+            found = client.lookup(identity.to_protocol(), [*prompts[0], 7])
+            assert found is not None
+            found.release()
+        assert remote_status(b)["state"] in ("degraded", "down")
+    finally:
+        seaweed.start()
+
+
+def _damage(store: S3Store, key: str, name: str) -> None:
+    """One bit of a key in the block object (as a failing disk or a hostile writer would)."""
+    data = bytearray(store.get(key, 1 << 26) or b"")
+    block = parse_block_head(name, data, len(data))
+    data[block.slots[0].start + 3] ^= 1
+    store.delete(key)
+    assert store.put_if_absent(key, bytes(data))
+
+
+def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
+    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+) -> None:
+    a, b = two_macs
+    identity = Identity("tiny/damaged", "cfg", "tok")
+    tokens = prompt(TOKENS, seed=2)
+    put_on(a, identity, tokens, model)
+    uploaded(store, prefix, identity, BLOCKS)
+    digest = identity.to_protocol().digest()
+    damaged = sorted(block_files(a.tier))[2]
+    _damage(store, f"{keys.identity_key(prefix, digest)}/b/{damaged}", damaged)
+    before = tier_files(b.tier)
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        assert client.get(identity, [*tokens, 7], model=model) is None
+        assert client.stats.remote_fetches == 1
+        assert client.list_entries() == []
+    remote = remote_status(b)
+    assert remote["hits"] == 0
+    assert remote["misses_by_reason"] == {"damaged": 1}
+    # No entry, no block, nothing quarantined, no staging file left.
+    assert tier_files(b.tier) == before
+    assert not list((b.tier / "quarantine").iterdir())
+    assert staging_files(b.tier) == []
+
+
+def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetched(
+    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+) -> None:
+    a, b = two_macs
+    identity = Identity("tiny/short", "cfg", "tok")
+    tokens = prompt(TOKENS, seed=4)
+    put_on(a, identity, tokens, model)
+    uploaded(store, prefix, identity, BLOCKS)
+    local = 5 * BLOCK  # B holds the first five blocks itself
+    put_on(b, identity, tokens[:local], model)
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        # The prompt runs 17 tokens past B's match: not worth asking the store.
+        restored = client.get(identity, [*tokens[: BLOCKS * BLOCK], 7], model=model)
+        assert restored is not None
+        assert restored.matched == local
+        # This one runs 49 past, but the store holds only one block (16 tokens) more.
+        longer = [*tokens[: BLOCKS * BLOCK], *prompt(2 * BLOCK, seed=5), 7]
+        restored = client.get(identity, longer, model=model)
+        assert restored is not None
+        assert restored.matched == local
+        assert client.stats.remote_fetches == 0
+    remote = remote_status(b)
+    assert remote["downloaded_blocks"] == 0
+    assert remote["misses_by_reason"] == {"short": 1}
+
+
+def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes_on(
+    two_macs: tuple[Daemon, Daemon], store: S3Store, prefix: str, model: Any
+) -> None:
+    a, b = two_macs
+    identity = Identity("tiny/old-client", "cfg", "tok").to_protocol()
+    tokens = prompt(TOKENS, seed=6)
+    put_on(a, Identity("tiny/old-client", "cfg", "tok"), tokens, model)
+    uploaded(store, prefix, Identity("tiny/old-client", "cfg", "tok"), BLOCKS)
+    asked = pack_tokens([*tokens, 7])
+    with RawPeer(b.socket_path) as old:
+        started = time.perf_counter()
+        reply = old.call(m.Lookup(id=old.next_id(), identity=identity, tokens=asked))
+        assert time.perf_counter() - started < 0.1  # an engine's lookup deadline
+        assert isinstance(reply, m.LookupReply)
+        assert reply.entry is None
+        assert reply.fetching is None
+
+        def hit() -> m.LookupReply | None:
+            found = old.call(m.Lookup(id=old.next_id(), identity=identity, tokens=asked))
+            assert isinstance(found, m.LookupReply)
+            if found.entry is None:
+                return None
+            assert found.fd is not None
+            os.close(found.fd)
+            return found
+
+        found = wait_until(hit, "the fetch the first lookup started is local")
+        assert found is not None
+        assert found.matched == BLOCKS * BLOCK
+        assert found.lease is not None
+        assert isinstance(old.call(m.Release(id=old.next_id(), lease=found.lease)), m.ReleaseReply)
+    assert remote_status(b)["hits"] == 1
