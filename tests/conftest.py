@@ -9,6 +9,9 @@ from pathlib import Path
 import daemon_process
 import pytest
 from daemon_process import Daemon, running_daemon
+from seaweed import Seaweed, running_seaweed, weed_binary
+
+from kvd.remote.s3 import S3Store
 
 
 @pytest.fixture(autouse=True)
@@ -53,3 +56,29 @@ def _tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    """A real S3 store (SeaweedFS `weed mini` on loopback, tests/remote/seaweed.py), one for a
+    test module: it takes 1-3 s to start. A test that kills it starts it again."""
+    assert weed_binary().exists(), f"{weed_binary()} is missing: install the dev extras"
+    with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_store(seaweed: Seaweed) -> Iterator[S3Store]:
+    """A client of the test store's bucket, closed after the test."""
+    if seaweed.process is None:  # a test before killed it and failed before restarting it
+        seaweed.start()
+    client = seaweed.store(timeout=5.0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def s3_prefix(request: pytest.FixtureRequest) -> str:
+    """A key prefix of the test's own, so tests sharing a store do not see each other's
+    objects."""
+    return f"t/{request.node.name}"

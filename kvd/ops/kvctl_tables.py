@@ -113,6 +113,36 @@ def _prefill_checkpoints(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _remote(status: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The remote tier's health, uploads and fetches; no row without one."""
+    remote = status.get("remote")
+    if remote is None:
+        return []
+    state = remote["state"]
+    if state != "ok" and remote["last_error"]:
+        state += f" ({remote['last_error']})"
+    where = remote["url"] + (f" at {remote['endpoint']}" if remote["endpoint"] else "")
+    gbps = remote["restore_gbps_p50"]
+    return [
+        ("remote", f"{state}; {where}"),
+        (
+            "uploads",
+            f"{remote['pending_uploads']} pending ({size(remote['pending_bytes'])}, "
+            f"{remote['upload_policy']}); {remote['uploaded_blocks']:,} blocks "
+            f"({size(remote['uploaded_bytes'])}) sent, {remote['already_there_blocks']:,} "
+            f"there already; {remote['upload_drops']:,} dropped "
+            f"({size(remote['upload_dropped_bytes'])})",
+        ),
+        (
+            "downloads",
+            f"{remote['downloaded_blocks']:,} blocks ({size(remote['downloaded_bytes'])}); "
+            f"{remote['hits']:,} hits, {remote['misses']:,} misses; restore "
+            + ("-" if gbps is None else f"{gbps:.2f} GB/s")
+            + " p50",
+        ),
+    ]
+
+
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
     """Aligned columns: the first left ones flush left, the others flush right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -163,6 +193,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             f"{size(wb['max_bytes'])}, {wb['policy']}); {wb['stored']} stored, "
             f"{wb['dropped']} dropped, {wb['failed']} failed",
         ),
+        *_remote(status),
     ]
     if rates is not None:
         rows.append(

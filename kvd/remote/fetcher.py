@@ -26,7 +26,7 @@ import xxhash
 from anyio.abc import TaskGroup
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
 from kvd_protocol.tokens import TOKEN_BYTES
@@ -35,6 +35,7 @@ from kvd.logs import get_logger
 from kvd.remote.layout import Layout, manifest_plan
 from kvd.remote.probe import FetchError, Prober
 from kvd.remote.s3 import ObjectTooLarge, StoreError
+from kvd.remote.uploader import LruSet
 from kvd.store.staged_put import DeclaredBlocks, Put
 
 if TYPE_CHECKING:
@@ -43,18 +44,9 @@ if TYPE_CHECKING:
 log = get_logger("kvd.remote.fetcher")
 
 FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
-PROBE_WAIT: Final = 0.03  # seconds a lookup waits for a probe: well within an engine's 0.1 s
+PROBE_WAIT: Final = 0.05  # seconds a lookup waits for a probe: half an engine's 0.1 s deadline
 MAX_FETCHES: Final = 16  # probes and fetches under way at once; past it, lookups start none
-# Why a lookup that could have fetched did not (the status's remote misses).
-MISS_REASONS: Final = (
-    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
-    "short",  # the store holds less than remote_min_tokens past the local match
-    "missing",  # a block the probe found was gone when fetched
-    "damaged",  # a block of another size, or that failed the commit's checks
-    "timeout",  # not committed within remote_fetch_timeout
-    "store_error",  # the store failed a request (unreachable, refused, 5xx)
-    "refused",  # the tier refused the put (no room, its admission policy)
-)
+REFUSED_CHAINS: Final = 1024  # chains remembered as refused by a commit
 
 
 _PROBE_MISSES: Final = frozenset({"no_layout", "short"})
@@ -84,6 +76,9 @@ class Fetcher:
         self._prober = Prober(remote)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
+        # Chains (identity, last block hash) whose fetch the commit refused: a block in the store
+        # is damaged, and stays so (never overwritten), so it is not downloaded again.
+        self._refused: LruSet[tuple[str, bytes]] = LruSet(REFUSED_CHAINS)
 
     async def run(self) -> None:
         """Hold the fetches' tasks until cancelled (the daemon stops: fetches under way are
@@ -149,6 +144,7 @@ class Fetcher:
             with anyio.fail_after(timeout):
                 layout, blocks = await self._probe(identity, tokens)
             fetch.blocks, fetch.deadline = blocks, time.monotonic() + timeout
+            probe_ms = round((time.perf_counter() - started) * 1000, 1)
             fetch.probed.set()
             with anyio.fail_after(timeout):
                 fetched = await self._fetch(identity, tokens, layout, blocks)
@@ -164,7 +160,13 @@ class Fetcher:
             self._counters.hits += 1
             seconds = time.perf_counter() - started
             self._counters.fetch_rates.append(fetched / max(seconds, 1e-9) / 1e9)
-            log.info("remote_fetched", identity=key[0], blocks=blocks, seconds=round(seconds, 3))
+            log.info(
+                "remote_fetched",
+                identity=key[0],
+                blocks=blocks,
+                probe_ms=probe_ms,
+                seconds=round(seconds, 3),
+            )
         finally:
             fetch.probed.set()
             fetch.done.set()
@@ -198,6 +200,9 @@ class Fetcher:
             )
         except ValueError as exc:  # a layout this daemon cannot make an entry of
             raise FetchError("no_layout", str(exc)) from None
+        chain = (identity.digest(), plan.hashes[-1])
+        if chain in self._refused:
+            raise FetchError("damaged", "a block of this chain in the store was refused before")
         declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
         tier = self._tier
         try:
@@ -216,6 +221,9 @@ class Fetcher:
         try:
             await tier.commit_put(FETCH_OWNER, put.id)
         except ProtocolError as exc:  # the commit removed its files
+            if exc.code is not ErrorCode.INVALID_ENTRY:
+                raise FetchError("refused", exc.message) from None
+            self._refused.add(chain)
             raise FetchError("damaged", exc.message) from None
         return plan.entry.file_size + blocks * plan.block_size
 

@@ -7,9 +7,10 @@
               background (recover) gets an answer again
 
 A probe retries with backoff, BACKOFF_FIRST_S doubling to BACKOFF_MAX_S; refused credentials
-are retried every AUTH_RETRY_S. Going down is said once at warning, with the error; the same
-error again is never logged, a new one is, and coming back is said at info. last_error is a
-short string with no secret in it (the client's errors hold none).
+are retried every AUTH_RETRY_S. Going down is said once at warning, with the error; failures
+while down are not logged again unless their kind changes (the store unreachable, its
+credentials refused), and coming back is said at info. last_error is a short string with no
+secret in it (the client's errors hold none).
 """
 
 from __future__ import annotations
@@ -45,14 +46,13 @@ class Health:
         self._clock = clock
         self.last_error = ""
         self.failures = 0  # in a row
-        self.refused = False  # the credentials were: down until a probe passes
+        self.refused = False  # the last failure was the credentials refused
         self._failed_at: float | None = None
-        self._logged = ""  # the error the warning said, while down
         self._changed = anyio.Event()  # pulsed when the store goes down
 
     @property
     def state(self) -> State:
-        if self.refused or self.failures >= FAILURES_TO_DOWN:
+        if self.failures >= FAILURES_TO_DOWN:
             return State.DOWN
         if self._failed_at is not None and self._clock() - self._failed_at < RECENT_S:
             return State.DEGRADED
@@ -67,21 +67,23 @@ class Health:
         """A store call got its answer (a 404 or a 412 is one)."""
         if self.state is State.DOWN:  # the outage is over: ok, not degraded by it
             log.info("remote_up", after=self.last_error)
-            self._logged = ""
             self._failed_at = None
         self.failures = 0
         self.refused = False
 
     def failed(self, error: str, *, refused: bool = False) -> None:
         """A store call failed (error: why, no secret); refused: the credentials were."""
-        was_up = self.up
+        was_up, was_refused = self.up, self.refused
         self.failures += 1
-        self.refused = self.refused or refused
+        if refused:  # down at once, and stays down through failures of another kind
+            self.failures = max(self.failures, FAILURES_TO_DOWN)
+        self.refused = refused  # the latest failure's kind: the probe's pace
         self.last_error = error
         self._failed_at = self._clock()
-        if not self.up and error != self._logged:
+        if not self.up and (was_up or self.refused != was_refused):
             log.warning("remote_down", error=error, local_only=True)
-            self._logged = error
+        elif self.up:  # degraded: each failure said, for the operator who wonders why
+            log.info("remote_request_failed", error=error, failures=self.failures)
         if was_up and not self.up:
             self._changed.set()
             self._changed = anyio.Event()

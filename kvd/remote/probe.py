@@ -1,8 +1,8 @@
 """The probe: how much of a prompt, past what the tier holds, the store holds as blocks.
 
 First the identity's layout (its block size and layers: an identity without one has nothing to
-fetch); then the block hashes of the prompt, and a binary search of HEADs over those past the
-local match for the last block the store holds. Blocks are uploaded as whole chains, so a
+fetch); then the block hashes of the prompt, and a search in rounds of parallel HEADs over those
+past the local match for the last block the store holds. Blocks are uploaded as whole chains, so a
 chain in the store is a prefix; one with a hole (a block expired) is found by the fetch, which
 fails there. Blocks known to be in the store (the uploads' memo, which the probes feed too) are
 not asked about again, so the probes of prompts that share a prefix ask about it once.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Final
 
+import anyio
 from kvd_protocol.blocks import block_hashes
 
 from kvd.remote.layout import Layout
@@ -21,12 +22,24 @@ if TYPE_CHECKING:
     from kvd.remote.remote import Remote
 
 ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the store is asked again after
+# Why a lookup that could have fetched did not (the status's remote misses).
+MISS_REASONS: Final = (
+    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
+    "short",  # the store holds less than remote_min_tokens past the local match
+    "missing",  # a block the probe found was gone when fetched
+    "damaged",  # a block of another size, or that failed the commit's checks
+    "timeout",  # not committed within remote_fetch_timeout
+    "store_error",  # the store failed a request (unreachable, refused, 5xx)
+    "refused",  # the tier refused the put (no room, its admission policy)
+)
 
 
 class FetchError(Exception):
-    """Nothing fetched: reason (a remote miss reason, fetcher.MISS_REASONS) and detail."""
+    """Nothing fetched: reason (one of MISS_REASONS) and detail, in words."""
 
     def __init__(self, reason: str, detail: str) -> None:
+        if reason not in MISS_REASONS:
+            raise ValueError(f"{reason!r} is not a remote miss reason")
         super().__init__(detail)
         self.reason = reason
 
@@ -53,22 +66,38 @@ class Prober:
         self, digest: str, layout: Layout, tokens: bytes, local: int, least: int
     ) -> int:
         """How many whole blocks of tokens, from the first, the store holds: at least enough
-        to reach least tokens past local (the local match), else FetchError "short"."""
+        to reach least tokens past local (the local match), else FetchError "short". A search
+        in rounds of up to remote_requests HEADs at once: a round trip or two for a prompt of
+        a few blocks, log base remote_requests + 1 of them for a long one."""
         size = layout.block_tokens
         hashes = block_hashes(tokens, size)
         need = max(1, -(-(local + least) // size))  # the fewest blocks worth fetching
-        if need > len(hashes) or not await self._holds(digest, hashes[need - 1]):
+        low, high = need - 1, len(hashes)  # the store holds low blocks or more; not past high
+        width = max(1, self._remote.config.remote_requests)
+        while low < high:
+            counts = _spread(low + 1, high, width)
+            held = await self._hold_all(digest, [hashes[count - 1] for count in counts])
+            if not held[0] and low < need:
+                break
+            low = max([low, *(c for c, h in zip(counts, held, strict=True) if h)])
+            high = min([high, *(c - 1 for c, h in zip(counts, held, strict=True) if not h)])
+        if low < need:
             raise FetchError(
                 "short", f"the store holds less than {least} tokens past the {local} local"
             )
-        low, high = need, len(hashes)  # the store holds blocks 0..low-1; none past high
-        while low < high:
-            mid = (low + high + 1) // 2
-            if await self._holds(digest, hashes[mid - 1]):
-                low = mid
-            else:
-                high = mid - 1
         return low
+
+    async def _hold_all(self, digest: str, blocks: list[bytes]) -> list[bool]:
+        """Whether the store holds each block, asked at once."""
+        held = [False] * len(blocks)
+
+        async def ask(index: int) -> None:
+            held[index] = await self._holds(digest, blocks[index])
+
+        async with anyio.create_task_group() as asking:
+            for index in range(len(blocks)):
+                asking.start_soon(ask, index)
+        return held
 
     async def _holds(self, digest: str, block: bytes) -> bool:
         known = self._remote.uploader.known
@@ -79,3 +108,11 @@ class Prober:
             return False
         known.add((digest, block))
         return True
+
+
+def _spread(first: int, last: int, most: int) -> list[int]:
+    """At most most counts from first to last, both included, evenly apart."""
+    if last - first + 1 <= most:
+        return list(range(first, last + 1))
+    step = (last - first) / (most - 1) if most > 1 else 0
+    return sorted({first + round(step * i) for i in range(most)} | {last})

@@ -26,6 +26,7 @@ from kvd.remote.fetcher import Fetcher
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreAuthError, StoreError
+from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
 from kvd.store.tier import Tier
 
@@ -50,8 +51,6 @@ class RemoteCounters:
     uploaded_blocks: int = 0
     uploaded_bytes: int = 0
     already_there: int = 0  # blocks a conditional create found in the store (412)
-    upload_drops: int = 0  # uploads dropped: the queue's cap, the store down, an error
-    upload_dropped_bytes: int = 0
     not_shareable: int = 0  # entries whose blocks stay local (checkpoints, hybrids, ...)
     layout_mismatch: int = 0  # entries that do not fit their identity's layout in the store
     downloaded_blocks: int = 0
@@ -63,6 +62,21 @@ class RemoteCounters:
     def fetch_gbps_p50(self) -> float | None:
         """The median of the recent fetches' GB/s (probe + fetch + check + commit)."""
         return statistics.median(self.fetch_rates) if self.fetch_rates else None
+
+
+@dataclass(frozen=True)
+class RemoteFlush:
+    """How a flush of the puts and their uploads ended."""
+
+    durable: bool  # every put accepted before it is durable
+    pending: int  # puts not durable yet
+    uploads: int  # uploads still pending
+    upload_bytes: int  # their bytes not known to be in the store
+    dropped: int  # uploads dropped since the last flush answered
+
+    @property
+    def done(self) -> bool:
+        return self.durable and not self.uploads and not self.dropped
 
 
 class Remote:
@@ -165,16 +179,16 @@ class Remote:
             tasks.start_soon(self.uploader.run)
             tasks.start_soon(self.fetcher.run)
 
-    async def flush(self, timeout: float | None) -> tuple[bool, int, int, int]:
+    async def flush(self, timeout: float | None) -> RemoteFlush:
         """Make every entry accepted so far durable (which queues its upload, as the policy
         says), then wait until every upload queued by then is sent or dropped; all within
-        timeout seconds (None: no deadline). (done, puts pending, uploads left, their bytes
-        left)."""
+        timeout seconds (None: no deadline)."""
         began = time.monotonic()
+        mark = Mark()  # open: the uploads of the entries the flush makes durable join it
         durable, pending = await self.tier.flush(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
-        sent, uploads, nbytes = await self.uploader.flush(left)
-        return durable and sent, pending, uploads, nbytes
+        uploads, nbytes, dropped = await self.uploader.flush(mark, left)
+        return RemoteFlush(durable, pending, uploads, nbytes, dropped)
 
     def close(self) -> None:
         if self.store is not None:
@@ -194,8 +208,8 @@ class Remote:
             "uploaded_blocks": counters.uploaded_blocks,
             "uploaded_bytes": counters.uploaded_bytes,
             "already_there_blocks": counters.already_there,
-            "upload_drops": counters.upload_drops,
-            "upload_dropped_bytes": counters.upload_dropped_bytes,
+            "upload_drops": queue.dropped,
+            "upload_dropped_bytes": queue.dropped_bytes,
             "not_shareable": counters.not_shareable,
             "layout_mismatch": counters.layout_mismatch,
             "downloaded_blocks": counters.downloaded_blocks,

@@ -133,6 +133,8 @@ class S3Store:
         """The store `config.remote` names; StoreAuthError if there are no credentials, or
         they cannot be read (a file that is not 0600, ...). A CA bundle for a private TLS
         endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
+        if not config.remote:
+            raise ValueError("the remote setting is empty: there is no store")
         environ = os.environ if environ is None else environ
         bucket = config.remote.removeprefix("s3://").partition("/")[0]
         try:
@@ -157,10 +159,11 @@ class S3Store:
     def head(self, key: str) -> int | None:
         """The object's size; None if there is none."""
         response = self._request("HEAD", key)
-        self._finish(response)
+        self._finish(response)  # a HEAD's answer has no body, so no error Code either
         if response.status == 404:
             return None
-        self._check(response, f"HEAD {key}")
+        if not 200 <= response.status < 300:
+            raise _failure(f"HEAD {key}", response.status, "")
         size = _content_length(response)
         if size is None:
             raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
@@ -194,7 +197,11 @@ class S3Store:
 
     def put_file_if_absent(self, key: str, fd: int, size: int) -> bool:
         """As put_if_absent, the body the first `size` bytes of `fd` (sent with sendfile over
-        http; the fd's offset moves). ValueError if the file is shorter."""
+        http; the fd's offset moves). ValueError if the file is shorter; the file's own read
+        errors are OSErrors, not StoreErrors (sent through TLS, the store's and the file's
+        cannot be told apart)."""
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"the file ended at {os.fstat(fd).st_size} of {size} bytes")
         payload = UNSIGNED_PAYLOAD if self._tls else _file_sha256(fd, size)
         response = self._request(
             "PUT", key, headers={"if-none-match": "*"}, payload=payload, file=(fd, size)
@@ -264,7 +271,9 @@ class S3Store:
         file: tuple[int, int] | None = None,
     ) -> http.client.HTTPResponse:
         """Sends one signed request and returns the response, its body unread. A connection
-        kept from an earlier call that turns out closed by the store is replaced once."""
+        kept from an earlier call that turns out closed by the store (its idle timeout, a
+        restart) is replaced once; a conditional PUT sent twice that way answers 412 the
+        second time if the first reached the store, which reads as "already there": true."""
         path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
         query = query or {}
         signed = self._signer.headers(
@@ -311,26 +320,31 @@ class S3Store:
         sink: Callable[[memoryview, int], object],
     ) -> int:
         """Reads the body into `sink(chunk, offset)`, never more than limit + 1 bytes; the
-        size read. A body that ends before its Content-Length is the store failing."""
+        size read. A body that ends before its Content-Length is the store failing; the
+        sink's own errors (a full disk) are the caller's, raised as they are."""
         declared = _content_length(response)
         if declared is not None and declared > limit:
             self._drop(response)
             raise ObjectTooLarge(f"{what}: {declared} bytes, over the limit of {limit}")
         buffer = memoryview(bytearray(min(CHUNK, limit + 1)))
         total = 0
-        try:
-            while True:
+        while True:
+            try:
                 count = response.readinto(buffer[: min(len(buffer), limit + 1 - total)])
-                if not count:
-                    break
-                if total + count > limit:
-                    self._drop(response)
-                    raise ObjectTooLarge(f"{what}: over the limit of {limit} bytes")
+            except (OSError, http.client.HTTPException) as error:
+                self._drop(response)
+                raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+            if not count:
+                break
+            if total + count > limit:
+                self._drop(response)
+                raise ObjectTooLarge(f"{what}: over the limit of {limit} bytes")
+            try:
                 sink(buffer[:count], total)
-                total += count
-        except (OSError, http.client.HTTPException) as error:
-            self._drop(response)
-            raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+            except BaseException:
+                self._drop(response)
+                raise
+            total += count
         if declared is not None and total != declared:
             self._drop(response)
             raise StoreUnavailable(f"{what}: the body ended at {total} of {declared} bytes")

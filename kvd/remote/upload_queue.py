@@ -4,12 +4,14 @@ A pure state machine, like the write-behind queue (kvd/store/writeback.py): the 
 the sending. An upload joins with the blocks of its entry not known to be in the store, and
 its bytes count until each block is known to be there (sent, or found there already); the
 uploader takes one upload at a time, oldest first (next), and reports each block (sent) and
-the end (done).
+the end (done: sent whole, or dropped).
 
 Over the cap the oldest queued uploads are dropped (counted, with their bytes); the upload in
 flight and the one just added never are, so one upload larger than the cap still goes. Uploads
 leave in the order they came (dropped oldest first, or taken oldest first), so "every upload
-added before this one has left" is one comparison of sequence numbers (flush --remote).
+added up to this one has left" is a comparison of sequence numbers (a Mark: flush --remote).
+An upload the uploader drops before it could join (the store down) is counted here too
+(drop_at_once).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ class Upload:
     block_size: int  # each block file's size
     seq: int = 0  # its place in the queue's order
     left: int = 0  # bytes of its blocks not known to be in the store yet
+
+
+@dataclass(eq=False, slots=True)
+class Mark:
+    """The uploads added up to seq (every one while seq is None: an open mark)."""
+
+    seq: int | None = None
+
+    def holds(self, seq: int) -> bool:
+        return self.seq is None or seq <= self.seq
 
 
 class UploadQueue:
@@ -72,9 +84,7 @@ class UploadQueue:
             if oldest is upload:
                 break  # only the new upload is left to drop, and it never is
             del self._queued[oldest.seq]
-            self._leave(oldest)
-            self.dropped += 1
-            self.dropped_bytes += oldest.left
+            self._leave(oldest, dropped=True)
             dropped.append(oldest)
         return dropped
 
@@ -94,21 +104,33 @@ class UploadQueue:
         upload.left -= nbytes
         self.pending_bytes -= nbytes
 
-    def done(self, upload: Upload) -> None:
-        """The uploader is finished with the upload in flight, whatever became of it."""
+    def done(self, upload: Upload, *, dropped: bool) -> None:
+        """The uploader is finished with the upload in flight: sent whole, or dropped (the
+        store down, a failure, the entry gone), its bytes left counted as dropped."""
         if upload is not self.in_flight:
             raise ValueError(f"the upload of entry {upload.entry} is not in flight")
         self.in_flight = None
-        self._leave(upload)
+        self._leave(upload, dropped=dropped)
 
-    def left_of(self, seq: int) -> tuple[int, int]:
-        """The uploads added up to seq (a last_seq seen earlier) still pending, and their
-        bytes; (0, 0) once every one of them is done or dropped."""
-        pending = list(itertools.takewhile(lambda u: u.seq <= seq, self._queued.values()))
-        if self.in_flight is not None and self.in_flight.seq <= seq:
+    def drop_at_once(self, nbytes: int) -> None:
+        """An upload of nbytes dropped before it joined, counted as one that did."""
+        self.dropped += 1
+        self.dropped_bytes += nbytes
+
+    def close(self, mark: Mark) -> None:
+        """The mark (open until now: Mark()) holds the uploads added so far, no later one."""
+        mark.seq = self.last_seq
+
+    def left_of(self, mark: Mark) -> tuple[int, int]:
+        """The mark's uploads still pending, and their bytes; (0, 0) once every one of them
+        is done or dropped."""
+        pending = list(itertools.takewhile(lambda u: mark.holds(u.seq), self._queued.values()))
+        if self.in_flight is not None and mark.holds(self.in_flight.seq):
             pending.append(self.in_flight)
         return len(pending), sum(u.left for u in pending)
 
-    def _leave(self, upload: Upload) -> None:
+    def _leave(self, upload: Upload, *, dropped: bool) -> None:
         self._pending.discard(upload.entry)
         self.pending_bytes -= upload.left
+        if dropped:
+            self.drop_at_once(upload.left)

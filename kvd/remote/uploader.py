@@ -33,7 +33,7 @@ from kvd.logs import get_logger
 from kvd.remote.layout import Layout, NotShareable, layout_of
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.s3 import StoreError
-from kvd.remote.upload_queue import Upload, UploadQueue
+from kvd.remote.upload_queue import Mark, Upload, UploadQueue
 from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
@@ -106,6 +106,7 @@ class Uploader:
         self._mismatched: set[str] = set()  # identities whose stored layout does not fit
         self._rate = TokenBucket(config.remote_upload_rate)
         self._sends = max(1, config.remote_requests // 2)
+        self._reported_drops = 0  # queue.dropped when the last flush answered
         self._work = anyio.Event()  # pulsed when an upload is queued
         self._changed = anyio.Event()  # pulsed when an upload leaves the queue
 
@@ -135,14 +136,12 @@ class Uploader:
         blocks = tuple(h for h in record.blocks if (record.identity, h) not in self.known)
         if not blocks and record.identity in self.remote.layouts:
             return  # all there already
-        if not self.remote.health.up:
-            counters.upload_drops += 1
-            counters.upload_dropped_bytes += len(blocks) * record.block_size
+        if not self.remote.health.up:  # the health said why, once
+            self.queue.drop_at_once(len(blocks) * record.block_size)
             return
         dropped = self.queue.add(record.id, record.identity, blocks, record.block_size)
         for upload in dropped or ():
             log.info("remote_upload_dropped", entry=upload.entry, bytes=upload.left, why="cap")
-            self._count_drop(upload)
         self._work.set()
         self._work = anyio.Event()
 
@@ -155,20 +154,21 @@ class Uploader:
             if upload is None:
                 await self._work.wait()
                 continue
+            sent = False
             try:
-                await self._send(upload)
+                sent = await self._send(upload)
             finally:
-                self.queue.done(upload)
+                self.queue.done(upload, dropped=not sent)
                 self._changed.set()
                 self._changed = anyio.Event()
 
-    async def _send(self, upload: Upload) -> None:
-        """One entry's layout and blocks, under a lease on the entry."""
+    async def _send(self, upload: Upload) -> bool:
+        """One entry's layout and blocks, under a lease on the entry; False when it was
+        dropped (the store down or failing, the entry gone before its turn)."""
         remote = self.remote
         leased = None if not remote.health.up else remote.tier.lease_entry(OWNER, upload.entry)
-        if leased is None:  # the store down, or the entry gone (evicted) before its turn
-            self._count_drop(upload)
-            return
+        if leased is None:
+            return False
         record, lease, fd = leased
         try:
             try:
@@ -186,9 +186,10 @@ class Uploader:
         except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
             if not isinstance(exc, StoreError):  # the health has a store's failure
                 log.warning("remote_upload_failed", entry=record.id, error=str(exc))
-            self._count_drop(upload)
+            return False
         finally:
             remote.tier.end_lease(OWNER, lease)
+        return True
 
     async def _fits(self, layout: Layout) -> bool:
         """Whether the identity's layout in the store is this one's (writing it if there is
@@ -215,7 +216,7 @@ class Uploader:
         failure (the sends under way end first)."""
         tier, digest = self.remote.tier, record.identity
         wanted = set(upload.blocks)
-        blocks = tier.catalog.blocks_of(record)
+        blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
             if not any(b.hash in wanted and (digest, b.hash) not in self.known for b in batch):
@@ -266,16 +267,16 @@ class Uploader:
         self.known.add((digest, block_hash))
         self.queue.sent(upload, size)
 
-    def _count_drop(self, upload: Upload) -> None:
-        self.remote.counters.upload_drops += 1
-        self.remote.counters.upload_dropped_bytes += upload.left
-
-    async def flush(self, timeout: float | None) -> tuple[bool, int, int]:
-        """Wait until every upload queued so far is done or dropped, up to timeout seconds:
-        (done, uploads left, bytes left)."""
-        mark = self.queue.last_seq
+    async def flush(self, mark: Mark, timeout: float | None) -> tuple[int, int, int]:
+        """Wait until every upload of the mark (closed now) is sent or dropped, up to timeout
+        seconds: (uploads left, their bytes, uploads dropped since the last flush answered:
+        before this one began too, so that no drop goes unsaid)."""
+        self.queue.close(mark)
         with anyio.move_on_after(timeout):
             while self.queue.left_of(mark)[0]:
                 await self._changed.wait()
-        left, nbytes = self.queue.left_of(mark)
-        return not left, left, nbytes
+        dropped, self._reported_drops = (
+            self.queue.dropped - self._reported_drops,
+            self.queue.dropped,
+        )
+        return (*self.queue.left_of(mark), dropped)

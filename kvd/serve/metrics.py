@@ -87,6 +87,24 @@ IDENTITY_COUNTERS = (
     ("engine_dropped", "kvd_identity_engine_dropped", "snapshots engines dropped unsent"),
     ("engine_dropped_bytes", "kvd_identity_engine_dropped_bytes", "bytes engines dropped"),
 )
+# The status's "remote" section (kvd.remote.remote.Remote.status), when the remote tier is on.
+REMOTE_GAUGES = (
+    ("pending_uploads", "kvd_remote_pending_uploads", "entries waiting to upload their blocks"),
+    ("pending_bytes", "kvd_remote_pending_bytes", "bytes of blocks waiting to upload"),
+)
+REMOTE_COUNTERS = (
+    ("uploaded_blocks", "kvd_remote_uploaded_blocks", "blocks written to the remote store"),
+    ("uploaded_bytes", "kvd_remote_uploaded_bytes", "bytes written to the remote store"),
+    ("already_there_blocks", "kvd_remote_already_there_blocks", "blocks the store held already"),
+    ("upload_drops", "kvd_remote_upload_drops", "uploads dropped: queue cap, store down, error"),
+    ("upload_dropped_bytes", "kvd_remote_upload_dropped_bytes", "bytes of the uploads dropped"),
+    ("not_shareable", "kvd_remote_not_shareable", "entries kept local: checkpoints, hybrids"),
+    ("layout_mismatch", "kvd_remote_layout_mismatch", "entries unlike their stored layout"),
+    ("downloaded_blocks", "kvd_remote_downloaded_blocks", "blocks fetched from the store"),
+    ("downloaded_bytes", "kvd_remote_downloaded_bytes", "bytes fetched from the store"),
+    ("hits", "kvd_remote_hits", "fetches from the store committed"),
+)
+REMOTE_STATES = ("ok", "degraded", "down")
 # The status's "prefill_checkpoints" map, of the tier (kvd_prefill_checkpoint_*) and of each
 # identity (kvd_identity_prefill_checkpoint_*, labelled as the other identity metrics).
 PREFILL_CHECKPOINT_GAUGES = (
@@ -182,6 +200,31 @@ def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
     yield from (family for family in families if family.samples)
 
 
+def _remote_metrics(remote: Mapping[str, Any]) -> Iterator[Metric]:
+    """The remote tier's figures: its state (1 for the one it is in), its counts, its misses
+    by reason and its fetch rate."""
+    yield from _flat(remote, REMOTE_GAUGES, REMOTE_COUNTERS)
+    state = GaugeMetricFamily(
+        "kvd_remote_state", "the remote store's health (1: the state it is in)", labels=["state"]
+    )
+    for name in REMOTE_STATES:
+        state.add_metric([name], float(remote.get("state") == name))
+    yield state
+    misses = CounterMetricFamily(
+        "kvd_remote_misses", "remote probes and fetches that restored nothing", labels=["reason"]
+    )
+    for reason, count in (remote.get("misses_by_reason") or {}).items():
+        if _number(count):
+            misses.add_metric([str(reason)], count)
+    yield misses
+    if _number(remote.get("restore_gbps_p50")):
+        yield GaugeMetricFamily(
+            "kvd_remote_restore_bytes_per_second",
+            "median speed of the recent fetches from the store (probe to commit)",
+            value=remote["restore_gbps_p50"] * 1e9,
+        )
+
+
 def _named(prefix: str, figures: Any) -> list[tuple[str, str, str]]:
     """(key, prefix + name, help) of each of figures."""
     return [(key, prefix + name, text) for key, name, text in figures]
@@ -198,6 +241,8 @@ def status_metrics(status: Status) -> Iterator[Metric]:
     yield from _flat(status.get("writeback", {}), WRITEBACK_GAUGES, WRITEBACK_COUNTERS)
     yield from _flat(status.get("kept", {}), KEPT_GAUGES, KEPT_COUNTERS)
     yield from _identity_metrics(status.get("identities", []))
+    if isinstance(status.get("remote"), Mapping):
+        yield from _remote_metrics(status["remote"])
     if isinstance(status.get("clients"), list):
         yield GaugeMetricFamily("kvd_clients", "connected clients", value=len(status["clients"]))
     daemon = status.get("daemon", {})

@@ -587,13 +587,14 @@ class Session:
             return m.FlushReply(id=request.id, durable=durable, pending=pending)
         if self.remote is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "this kvd has no remote tier (`remote`)")
-        done, pending, uploads, nbytes = await self.remote.flush(request.timeout)
+        flushed = await self.remote.flush(request.timeout)
         return m.FlushReply(
             id=request.id,
-            durable=done,
-            pending=pending,
-            remote_pending=uploads,
-            remote_pending_bytes=nbytes,
+            durable=flushed.done,
+            pending=flushed.pending,
+            remote_pending=flushed.uploads,
+            remote_pending_bytes=flushed.upload_bytes,
+            remote_dropped=flushed.dropped,
         )
 
     def _status(self, request: m.Request) -> m.StatusReply:

@@ -502,12 +502,16 @@ class Tier:
 
     def lease_entry(self, owner: int, entry: str) -> tuple[EntryRecord, int, int] | None:
         """A durable entry by id, opened read-only and leased to owner (its blocks then come
-        from open_blocks); None when it is gone or cannot be read now."""
+        from open_blocks; what they are, from blocks_of); None when it is gone or cannot be
+        read now."""
         record = self.catalog.records.get(entry)
         if record is None or not record.durable:
             return None
         fd = self.catalog.open(record, self.quarantine.now)
         return None if fd is None else (record, self.leases.grant(owner, record), fd)
+
+    def blocks_of(self, record: EntryRecord) -> tuple[Block, ...]:
+        return self.catalog.blocks_of(record)
 
     def find_checkpoint(
         self, owner: int, identity: Identity, key: str, prompt: bytes

@@ -523,13 +523,16 @@ class Flush(Request):
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class FlushReply(Reply):
     """remote_pending, remote_pending_bytes: the uploads queued before a remote flush that
-    were still pending when it answered (nil unless it asked for remote)."""
+    were still pending when it answered; remote_dropped: the uploads dropped since the last
+    remote flush answered (nil unless it asked for remote). durable: the puts are durable and
+    the uploads all sent."""
 
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))
     pending: int = field(metadata=wire(_uint()))
     remote_pending: int | None = field(default=None, metadata=wire(_optional(_uint())))
     remote_pending_bytes: int | None = field(default=None, metadata=wire(_optional(_uint())))
+    remote_dropped: int | None = field(default=None, metadata=wire(_optional(_uint())))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

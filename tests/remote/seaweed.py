@@ -3,11 +3,12 @@ process) on loopback, in a folder of its own.
 
 Every port it binds is chosen here, each a random free one below the kernel's ephemeral range
 (so an outgoing connection of another test cannot take it while the store is down and
-restarting on the same ports); the gRPC ports would otherwise be HTTP + 10000. Its S3 identity
-comes from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment at start: with them it
-checks every signature; bucket auto-creation on upload is off so that a missing bucket is a
-refusal, as on any real store. `kill()` plays "the store is down"; `start()` again brings it
-back on the same ports and data.
+restarting on the same ports); the gRPC ports would otherwise be HTTP + 10000. Its S3
+identity comes from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment at start:
+with them it checks every signature (without them it takes any, which would hide a signing
+bug). Bucket auto-creation on upload is off, so that a missing bucket is a refusal as on any
+real store. `kill()` plays "the store is down"; `start()` again brings it back on the same
+ports and data.
 """
 
 from __future__ import annotations
@@ -184,7 +185,14 @@ class Seaweed:
 def running_seaweed(folder: Path, *, tls: Certificates | None = None) -> Iterator[Seaweed]:
     """A started `weed mini` in `folder`, stopped at the end."""
     server = Seaweed(folder, tls=tls)
-    server.start()
+    try:
+        server.start()
+    except RuntimeError:
+        if "is not available" not in server.log_tail():
+            raise
+        # Another process took a chosen port between the choice and the start: choose again.
+        server.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+        server.start()
     try:
         yield server
     finally:

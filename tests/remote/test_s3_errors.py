@@ -80,16 +80,16 @@ def test_a_missing_bucket_is_a_refusal(seaweed: Seaweed, tmp_path: Path) -> None
 
 
 def test_a_killed_store_is_unavailable_and_recovers(
-    seaweed: Seaweed, store: S3Store, tmp_path: Path
+    seaweed: Seaweed, s3_store: S3Store, tmp_path: Path
 ) -> None:
-    store.put_if_absent("t/killed/k", b"kept")
+    s3_store.put_if_absent("t/killed/k", b"kept")
     seaweed.kill()
     try:
-        messages = assert_every_call_raises(store, StoreUnavailable, tmp_path)
+        messages = assert_every_call_raises(s3_store, StoreUnavailable, tmp_path)
         assert "Connection refused" in messages[0]
     finally:
         seaweed.start()
-    assert store.get("t/killed/k", 4) == b"kept"
+    assert s3_store.get("t/killed/k", 4) == b"kept"
 
 
 def test_a_port_nothing_listens_on_is_unavailable(tmp_path: Path) -> None:

@@ -1,0 +1,87 @@
+"""The store's health: ok, degraded after a failure, down after failures in a row or at once
+when the credentials are refused; back to ok at the first answer; the probe's pace; the
+warning said once per outage."""
+
+from __future__ import annotations
+
+import structlog
+
+from kvd.remote.health import (
+    AUTH_RETRY_S,
+    BACKOFF_MAX_S,
+    FAILURES_TO_DOWN,
+    RECENT_S,
+    Health,
+    State,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def state(health: Health) -> State:
+    """The state now (a call: each look is a new one)."""
+    return health.state
+
+
+def test_a_failure_degrades_and_failures_in_a_row_take_it_down() -> None:
+    clock = Clock()
+    health = Health(clock)
+    assert state(health) is State.OK
+    health.failed("PUT k: no answer within 2 s")
+    assert state(health) is State.DEGRADED
+    assert health.up
+    health.succeeded()
+    assert state(health) is State.DEGRADED, "the last ones were not all failures: degraded"
+    clock.now += RECENT_S + 1
+    assert state(health) is State.OK
+    for _ in range(FAILURES_TO_DOWN):
+        health.failed("PUT k: Connection refused")
+    assert state(health) is State.DOWN
+    assert not health.up
+    assert health.last_error == "PUT k: Connection refused"
+
+
+def test_refused_credentials_take_it_down_at_once_and_an_answer_brings_it_back() -> None:
+    health = Health(Clock())
+    health.failed("LIST p: HTTP 403 SignatureDoesNotMatch", refused=True)
+    assert state(health) is State.DOWN
+    assert health.retry_in(0) == AUTH_RETRY_S
+    health.failed("LIST p: Connection refused")  # another kind: still down, faster probes
+    assert state(health) is State.DOWN
+    assert health.retry_in(0) < AUTH_RETRY_S
+    health.succeeded()
+    assert state(health) is State.OK, "the outage is over: ok at once, not degraded by it"
+    assert health.last_error == "LIST p: Connection refused"  # kept for people
+
+
+def test_the_probe_backs_off_doubling_to_a_minute() -> None:
+    health = Health(Clock())
+    delays = [health.retry_in(attempt) for attempt in range(10)]
+    assert delays[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert delays[-1] == BACKOFF_MAX_S
+    assert delays == sorted(delays)
+
+
+def test_going_down_is_warned_once_per_outage_and_kind() -> None:
+    health = Health(Clock())
+    with structlog.testing.capture_logs() as logs:
+        for i in range(FAILURES_TO_DOWN + 5):
+            health.failed(f"PUT k{i}: Connection refused")
+        health.failed("LIST p: HTTP 403 InvalidAccessKeyId", refused=True)
+        health.failed("LIST p: HTTP 403 InvalidAccessKeyId", refused=True)
+        health.succeeded()
+        health.failed("x", refused=True)
+    downs = [e for e in logs if e["event"] == "remote_down"]
+    assert [e["log_level"] for e in downs] == ["warning"] * 3
+    assert [e["error"] for e in downs] == [
+        f"PUT k{FAILURES_TO_DOWN - 1}: Connection refused",
+        "LIST p: HTTP 403 InvalidAccessKeyId",
+        "x",
+    ]
+    assert [e["event"] for e in logs].count("remote_up") == 1
