@@ -145,7 +145,8 @@ def _shape(device: str, namespace: str | None, spec: LinkSpec, delay: bool) -> s
     return "tbf"
 
 
-def _raise_exit(signum: int, frame: FrameType | None) -> None:
+def raise_exit(signum: int, frame: FrameType | None) -> None:
+    """A signal handler that ends the process as an exception does, running every finally."""
     raise SystemExit(128 + signum)
 
 
@@ -158,7 +159,7 @@ def emulated_link(spec: LinkSpec) -> Iterator[Link]:
     namespace = f"{NAME_PREFIX}{pid}"
     host_device, peer_device = namespace + "h", namespace + "n"
     host_address, peer_address = _addresses(pid)
-    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    previous = signal.signal(signal.SIGTERM, raise_exit)
     try:
         _run("ip", "netns", "add", namespace)
         _run("ip", "link", "add", host_device, "type", "veth", "peer", "name", peer_device)

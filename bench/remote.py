@@ -38,6 +38,7 @@ import argparse
 import gc
 import itertools
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -50,7 +51,16 @@ from typing import Any, cast
 
 import mlx.core as mx
 from _daemon import Daemon, running_daemon
-from _netem import GBIT_1, GBIT_10, LOOPBACK, Link, emulated_link, link_unavailable, measure_rate
+from _netem import (
+    GBIT_1,
+    GBIT_10,
+    LOOPBACK,
+    Link,
+    emulated_link,
+    link_unavailable,
+    measure_rate,
+    raise_exit,
+)
 from _seaweed import BUCKET, LinkedSeaweed, credentials_file
 from kvd_client.client import Client
 from kvd_client.identity import Identity
@@ -309,6 +319,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, raise_exit)  # the store and daemons stopped on the way out
     use_openblas()  # as bench/ttft.py: the prefill on the BLAS an engine here would use
     made, recompute = prompts(sorted(args.blocks), args.repeat)
     unavailable = link_unavailable()
