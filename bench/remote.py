@@ -11,7 +11,8 @@ link's far end and two daemons on this side, each on a tier of its own ("two Mac
   probe of the store, fetch of the N blocks, check, commit and restore, timed around the call
   ("remote"); a get that restores less, or without a fetch, fails the run;
 - anchors in the same run: the same get on B again once its files left the page cache
-  ("local cold": sync and drop_caches as root, else posix_fadvise DONTNEED of each file), and
+  ("local cold": sync and drop_caches as root, else posix_fadvise DONTNEED of each file;
+  where neither exists, as on macOS, the files stay cached and the column is a hot get), and
   the tiny model's prefill of the same tokens ("recompute": the median of --repeat).
 
 Two caches: "8B shape" (restore.py's: 32 layers, 8 KV heads of 128, float16; 32 MiB a
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import shutil
 import signal
 import statistics
@@ -206,10 +208,17 @@ def remote_get(client: Client, prompt: Prompt) -> tuple[float, bool]:
     return seconds, late
 
 
+def cold_by() -> str | None:
+    """How a tier's files leave the page cache here; None: they cannot (macOS, not root)."""
+    if can_drop_page_cache():
+        return "drop_caches"
+    return "posix_fadvise" if hasattr(os, "posix_fadvise") else None
+
+
 def drop_files(tier: Path) -> None:
     if can_drop_page_cache():
         drop_page_cache()
-    else:
+    elif hasattr(os, "posix_fadvise"):
         evict_files([path for path in tier.rglob("*") if path.is_file()])
 
 
@@ -323,7 +332,7 @@ def main() -> None:
     use_openblas()  # as bench/ttft.py: the prefill on the BLAS an engine here would use
     made, recompute = prompts(sorted(args.blocks), args.repeat)
     unavailable = link_unavailable()
-    cold = "drop_caches" if can_drop_page_cache() else "posix_fadvise"
+    cold = cold_by() or "nothing: hot, the page cache cannot be dropped here"
     print(
         f"blocks of {BLOCK_TOKENS} tokens; remote_requests {args.requests}; median (min-max) "
         f"of {args.repeat} reps; local cold by {cold}; recompute: the tiny model's prefill "
