@@ -65,7 +65,7 @@ from _netem import (
 )
 from _seaweed import BUCKET, LinkedSeaweed, credentials_file
 from kvd_client.client import Client
-from kvd_client.identity import Identity
+from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from kvd_protocol.blocks import BLOCK_TOKENS
 from restore import (
@@ -97,7 +97,7 @@ class Prompt:
     blocks: int
     tokens: list[int]
     cache: list[Any]
-    identity: Identity
+    identity: EngineIdentity
 
     @property
     def asked(self) -> list[int]:
@@ -124,9 +124,9 @@ def prompts(blocks: Sequence[int], repeat: int) -> tuple[list[Prompt], dict[int,
         tokens = tokens_of(count, count, model.args.vocab_size)
         runs = [prefill(model, tokens, 2048, len(tokens)) for _ in range(repeat)]
         recompute[count] = [run.seconds for run in runs]
-        tiny = Identity("bench/remote/tiny", "cfg", "tok")
+        tiny = EngineIdentity("bench/remote/tiny", "cfg", "tok")
         made.append(Prompt("tiny", count, tokens, runs[-1].cache, tiny))
-        shaped = Identity("bench/remote/8b-shape", "cfg", "tok")
+        shaped = EngineIdentity("bench/remote/8b-shape", "cfg", "tok")
         big = tokens_of(count, 1000 + count, model.args.vocab_size)
         made.append(Prompt("8B shape", count, big, realistic_cache(len(big), seed=count), shaped))
     return made, recompute
