@@ -147,8 +147,9 @@ class Fetcher:
             fetch.blocks, fetch.deadline = blocks, time.monotonic() + timeout
             probe_ms = round((time.perf_counter() - started) * 1000, 1)
             fetch.probed.set()
+            phases: dict[str, float] = {}
             with anyio.fail_after(timeout):
-                fetched = await self._fetch(identity, tokens, layout, blocks)
+                fetched = await self._fetch(identity, tokens, layout, blocks, phases)
         except FetchError as exc:
             self._missed(identity, exc.reason, str(exc))
         except TimeoutError:
@@ -166,6 +167,7 @@ class Fetcher:
                 identity=key[0],
                 blocks=blocks,
                 probe_ms=probe_ms,
+                **{f"{phase}_ms": round(ms, 1) for phase, ms in phases.items()},
                 seconds=round(seconds, 3),
             )
         finally:
@@ -192,8 +194,16 @@ class Fetcher:
         least = self._config.remote_min_tokens
         return layout, await self._prober.extent(digest, layout, tokens, local, least)
 
-    async def _fetch(self, identity: Identity, tokens: bytes, layout: Layout, blocks: int) -> int:
-        """Put the first blocks of tokens from the store; the bytes of the entry committed."""
+    async def _fetch(
+        self,
+        identity: Identity,
+        tokens: bytes,
+        layout: Layout,
+        blocks: int,
+        phases: dict[str, float],
+    ) -> int:
+        """Put the first blocks of tokens from the store; the bytes of the entry committed.
+        phases: the milliseconds of each step (begin, download, commit), for the log."""
         fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
         try:
             plan = manifest_plan(
@@ -206,6 +216,7 @@ class Fetcher:
             raise FetchError("damaged", "a block of this chain in the store was refused before")
         declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
         tier = self._tier
+        mark = time.perf_counter()
         try:
             put, _, fd = await tier.begin_put(
                 FETCH_OWNER, identity, fetched, plan.entry.file_size, declared
@@ -214,11 +225,13 @@ class Fetcher:
             raise FetchError("refused", exc.message) from None
         if put is None or fd is None:
             return 0  # the tier holds it already (a lookup raced this fetch)
+        mark = _lap(phases, "begin", mark)
         try:
             await self._write(put, fd, plan)
         except BaseException:
             tier.abort_put(FETCH_OWNER, put.id)
             raise
+        mark = _lap(phases, "download", mark)
         try:
             await tier.commit_put(FETCH_OWNER, put.id)
         except ProtocolError as exc:  # the commit removed its files
@@ -226,6 +239,7 @@ class Fetcher:
                 raise FetchError("refused", exc.message) from None
             self._refused.add(chain)
             raise FetchError("damaged", exc.message) from None
+        _lap(phases, "commit", mark)
         return plan.entry.file_size + blocks * plan.block_size
 
     async def _write(self, put: Put, fd: int, plan: ManifestPlan) -> None:
@@ -275,3 +289,10 @@ class Fetcher:
         self._link.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size
+
+
+def _lap(phases: dict[str, float], phase: str, since: float) -> float:
+    """Note the milliseconds of phase, which began at since; now, when the next begins."""
+    now = time.perf_counter()
+    phases[phase] = (now - since) * 1000
+    return now
