@@ -9,7 +9,11 @@ link's far end and two daemons on this side, each on a tier of its own ("two Mac
 - per remote_requests R (--requests) and rep (--repeat), B starts afresh (empty tier, that
   remote_requests, no uploads) and each prompt is asked of it once by Client.get: lookup,
   probe of the store, fetch of the N blocks, check, commit and restore, timed around the call
-  ("remote"); a get that restores less, or without a fetch, fails the run;
+  ("remote"); a get that restores less, or without a fetch, fails the run. Of that, B's own
+  fetch (probe to commit) and its downloads, from its `remote_fetched` events ("fetch",
+  "downloads"); then the same GETs of the same blocks by the same S3 client outside any
+  daemon, R at once, into files ("same GETs outside"): what the store gives the downloads
+  at that moment, so "downloads ÷ outside" near 1 says the fetch path is not the bound;
 - anchors in the same run: the same get on B again once its files left the page cache
   ("local cold": sync and drop_caches as root, else posix_fadvise DONTNEED of each file;
   where neither exists, as on macOS, the files stay cached and the column is a hot get), and
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -46,6 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +73,8 @@ from _seaweed import BUCKET, LinkedSeaweed, credentials_file
 from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
-from kvd_protocol.blocks import BLOCK_TOKENS
+from kvd_protocol.blocks import BLOCK_TOKENS, block_hashes
+from kvd_protocol.tokens import pack_tokens
 from restore import (
     DAEMON_FLAGS,
     cache_bytes,
@@ -77,6 +84,9 @@ from restore import (
     realistic_cache,
 )
 from ttft import blas_in_use, prefill, use_openblas
+
+from kvd.remote import keys
+from kvd.remote.s3 import S3Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "client"))
 from tiny_models import tiny_llama  # the tests' tiny model
@@ -139,6 +149,59 @@ class Row:
     remote: list[float] = field(default_factory=list)
     cold: list[float] = field(default_factory=list)
     late: int = 0  # first gets that missed: the probe outlasted the lookup's wait
+    fetch: list[float] = field(default_factory=list)  # B's fetch: probe to commit
+    download: list[float] = field(default_factory=list)  # of it, the GETs of the blocks
+    outside: list[float] = field(default_factory=list)  # the same GETs by a client outside
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """B's `remote_fetched` event of one prompt: its identity and steps, in seconds."""
+
+    identity: str
+    blocks: int
+    seconds: float
+    download: float
+
+
+def fetched_events(log: Path) -> list[Fetched]:
+    """The fetches B committed, in order, from its log (JSON lines)."""
+    found = []
+    for line in log.read_text().splitlines():
+        if '"remote_fetched"' in line:
+            event = json.loads(line[line.index("{") :])
+            found.append(
+                Fetched(
+                    event["identity"],
+                    event["blocks"],
+                    event["seconds"],
+                    event["download_ms"] / 1000,
+                )
+            )
+    return found
+
+
+def outside_get(store: S3Store, digest: str, prompt: Prompt, requests: int, folder: Path) -> float:
+    """Seconds the S3 client, outside any daemon, takes to GET the prompt's blocks from the
+    same store into files, requests at once: what the store allows the fetch's downloads."""
+    hashes = block_hashes(pack_tokens(prompt.tokens), BLOCK_TOKENS)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def get(index: int) -> None:
+        fd = os.open(folder / str(index), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            key = keys.block_key(PREFIX, digest, hashes[index])
+            if store.get_to_file(key, fd, 1 << 40) is None:
+                raise RuntimeError(f"{key} is not in the store")
+        finally:
+            os.close(fd)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(requests) as pool:
+        list(pool.map(get, range(len(hashes))))
+    seconds = time.perf_counter() - started
+    shutil.rmtree(folder)
+    return seconds
 
 
 def remote_flags(endpoint: str, credentials: Path) -> list[str]:
@@ -237,6 +300,7 @@ def run_link(
     rows: dict[tuple[str, int, int], Row] = {}
     server = LinkedSeaweed(folder / "store", link)
     server.start()
+    store = server.store()
     try:
         flags = remote_flags(server.endpoint, credentials_file(folder))
         with running_daemon(folder / "a", [*flags, "--remote-upload-rate", "0"]) as a:
@@ -256,6 +320,16 @@ def run_link(
                     fetched = remote_status(b)["downloaded_blocks"]
                     if fetched != sum(prompt.blocks for prompt in made):
                         raise RuntimeError(f"B fetched {fetched} blocks: {remote_status(b)}")
+                    events = fetched_events(b.log)
+                    if [e.blocks for e in events] != [p.blocks for p in made]:
+                        raise RuntimeError(f"B's log tells of fetches {events}")
+                    for prompt, event in zip(made, events, strict=True):
+                        row = rows[(prompt.kind, prompt.blocks, requests)]
+                        row.fetch.append(event.seconds)
+                        row.download.append(event.download)
+                        row.outside.append(
+                            outside_get(store, event.identity, prompt, requests, folder / "got")
+                        )
                     client.flush(SETTLE_SECONDS)
                     drop_files(b.tier)  # once untimed: the first drop evicts code pages too
                     local_get(client, made[0])
@@ -264,6 +338,7 @@ def run_link(
                         row = rows[(prompt.kind, prompt.blocks, requests)]
                         row.cold.append(local_get(client, prompt))
     finally:
+        store.close()
         server.stop()
     return rows
 
@@ -294,9 +369,10 @@ def print_link(
     print(f"\n{label}")
     print(
         "| cache | blocks | MiB | requests | remote s | remote GB/s | first get missed | "
+        "fetch s | downloads s | same GETs outside s | downloads ÷ outside | "
         "local cold s | remote ÷ local cold | recompute s | recompute ÷ remote |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (kind, blocks, requests), row in sorted(rows.items()):
         prompt = next(p for p in made if p.kind == kind and p.blocks == blocks)
         remote, cold = statistics.median(row.remote), statistics.median(row.cold)
@@ -304,7 +380,10 @@ def print_link(
         print(
             f"| {kind} | {blocks} | {prompt.nbytes / (1 << 20):,.1f} | {requests} | "
             f"{spread(row.remote)} | {prompt.nbytes / remote / 1e9:.3f} | "
-            f"{row.late}/{len(row.remote)} | {spread(row.cold)} | "
+            f"{row.late}/{len(row.remote)} | {spread(row.fetch)} | {spread(row.download)} | "
+            f"{spread(row.outside)} | "
+            f"{statistics.median(row.download) / statistics.median(row.outside):.2f} | "
+            f"{spread(row.cold)} | "
             f"{remote / cold:.1f} | {again:.3f} | {again / remote:.2f} |"
         )
     widest = max(requests for _, _, requests in rows)
