@@ -7,7 +7,9 @@ path (blocks the tier holds are not fetched: the put holds them), downloads the 
 straight into the put's staging files, at most remote_requests at once, each bounded by the
 layout's block size, writes the manifest from the layout and commits. The commit checks it as
 any put's: chain hashes, headers, every checksum. Whatever goes wrong aborts the put (its
-staging files deleted) and is counted by reason; nothing remote touches a local entry.
+staging files deleted) and is counted by reason; nothing remote touches a local entry. A block
+missing from the store, or of the wrong size, mid-chain: the blocks before it are fetched
+instead (a put of its own), when they reach remote_min_tokens past the local match.
 
 A lookup waits for the probe only briefly (PROBE_WAIT) and is told to ask again when the fetch
 is under way; a probe or fetch not done by then goes on (the next lookup finds it local). A
@@ -35,7 +37,7 @@ from kvd.logs import get_logger
 from kvd.remote.layout import Layout, manifest_plan
 from kvd.remote.link import StoreLink
 from kvd.remote.lru import LruSet
-from kvd.remote.probe import FetchError, Prober
+from kvd.remote.probe import FetchError, Prober, fewest_blocks
 from kvd.remote.s3 import ObjectTooLarge, StoreError
 from kvd.store.staged_put import DeclaredBlocks, Put
 
@@ -149,7 +151,11 @@ class Fetcher:
             fetch.probed.set()
             phases: dict[str, float] = {}
             with anyio.fail_after(timeout):
-                fetched = await self._fetch(identity, tokens, layout, blocks, phases)
+                try:
+                    fetched = await self._fetch(identity, tokens, layout, blocks, phases)
+                except FetchError as hole:
+                    blocks = self._cut(identity, tokens, layout, hole)
+                    fetched = await self._fetch(identity, tokens, layout, blocks, phases)
         except FetchError as exc:
             self._missed(identity, exc.reason, str(exc))
         except TimeoutError:
@@ -193,6 +199,18 @@ class Fetcher:
         local = self._tier.longest_match(identity, tokens)
         least = self._config.remote_min_tokens
         return layout, await self._prober.extent(digest, layout, tokens, local, least)
+
+    def _cut(self, identity: Identity, tokens: bytes, layout: Layout, hole: FetchError) -> int:
+        """The blocks before hole, the first block the download found missing or damaged, to
+        fetch instead; hole raised again unless they reach remote_min_tokens past the local
+        match."""
+        local = self._tier.longest_match(identity, tokens)
+        least = fewest_blocks(local, self._config.remote_min_tokens, layout.block_tokens)
+        if hole.block is None or hole.block < least:
+            raise hole
+        say = log.warning if hole.reason == "damaged" else log.info
+        say("remote_fetch_cut", identity=identity.digest(), blocks=hole.block, detail=str(hole))
+        return hole.block
 
     async def _fetch(
         self,
@@ -255,20 +273,26 @@ class Fetcher:
             for first in range(put.held_blocks, len(plan.hashes), MAX_BLOCK_BATCH):
                 count = min(MAX_BLOCK_BATCH, len(plan.hashes) - first)
                 fds += await self._tier.put_blocks(FETCH_OWNER, put.id, first, count)
-            failures: list[Exception] = []
+            holes: list[FetchError] = []  # blocks missing or damaged in the store
+            failures: list[StoreError] = []
             async with anyio.create_task_group() as downloads:
 
                 async def download(index: int, block_fd: int) -> None:
                     try:
                         await self._download(put, plan, index, block_fd)
-                    except (FetchError, StoreError) as exc:
-                        failures.append(exc)
+                    except FetchError as exc:
+                        holes.append(exc)
                         downloads.cancel_scope.cancel()  # the others are in vain
+                    except StoreError as exc:
+                        failures.append(exc)
+                        downloads.cancel_scope.cancel()
 
                 for index, block_fd in zip(wanted, fds, strict=True):
                     downloads.start_soon(download, index, block_fd)
             if failures:
                 raise failures[0]
+            if holes:  # the first of them: the blocks before it may be worth a fetch
+                raise min(holes, key=lambda hole: hole.block or 0)
         finally:
             for block_fd in fds:
                 os.close(block_fd)
@@ -280,12 +304,14 @@ class Fetcher:
         try:
             got = await self._link.call(lambda store: store.get_to_file(key, fd, size))
         except ObjectTooLarge as exc:
-            raise FetchError("damaged", f"block {index}: {exc}") from None
+            raise FetchError("damaged", f"block {index}: {exc}", index) from None
         if got is None:
             self._link.known.discard((digest, block))
-            raise FetchError("missing", f"block {index} ({key}) is not in the store")
+            raise FetchError("missing", f"block {index} ({key}) is not in the store", index)
         if got != size:
-            raise FetchError("damaged", f"block {index} ({key}) holds {got} bytes, not {size}")
+            raise FetchError(
+                "damaged", f"block {index} ({key}) holds {got} bytes, not {size}", index
+            )
         self._link.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size

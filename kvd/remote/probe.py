@@ -2,10 +2,11 @@
 
 First the identity's layout (its block size and layers: an identity without one has nothing to
 fetch); then the block hashes of the prompt, and a search in rounds of parallel HEADs over those
-past the local match for the last block the store holds. Blocks are uploaded as whole chains, so a
-chain in the store is a prefix; one with a hole (a block expired) is found by the fetch, which
-fails there. Blocks known to be in the store (the uploads' memo, which the probes feed too) are
-not asked about again, so the probes of prompts that share a prefix ask about it once.
+past the local match for the last block the store holds. Blocks are uploaded as whole chains, so
+a chain in the store is a prefix; one with a hole (a block expired) is found by the fetch, which
+takes the blocks before it if they are worth it. Blocks known to be in the store (the uploads'
+memo, which the probes feed too) are not asked about again, so the probes of prompts that share
+a prefix ask about it once.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ MISS_REASONS: Final = (
 
 
 class FetchError(Exception):
-    """Nothing fetched: reason (one of MISS_REASONS) and detail, in words."""
+    """Nothing fetched: reason (one of MISS_REASONS) and detail, in words; block, the index of
+    the block found missing or damaged when the download found it (the blocks before it may
+    be fetched still)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, block: int | None = None) -> None:
         if reason not in MISS_REASONS:
             raise ValueError(f"{reason!r} is not a remote miss reason")
         super().__init__(detail)
         self.reason = reason
+        self.block = block
+
+
+def fewest_blocks(local: int, least: int, block_tokens: int) -> int:
+    """The fewest blocks, from the first, worth fetching: least tokens past the local match."""
+    return max(1, -(-(local + least) // block_tokens))
 
 
 class Prober:
@@ -69,7 +78,7 @@ class Prober:
         a few blocks, log base remote_requests + 1 of them for a long one."""
         size = layout.block_tokens
         hashes = block_hashes(tokens, size)
-        need = max(1, -(-(local + least) // size))  # the fewest blocks worth fetching
+        need = fewest_blocks(local, least, size)
         low, high = need - 1, len(hashes)  # the store holds low blocks or more; not past high
         width = max(1, self._link.config.remote_requests)
         while low < high:

@@ -4,9 +4,10 @@ A prompt cache put on A goes to the store (A's uploads); B restores it exactly (
 byte for byte A's) and generation continues token for token; with the store killed B
 answers lookups within its usual time and stores locally, and with the store hung a get is
 a miss in its usual time (the fetch goes on once the store answers); a block damaged in the
-store is refused on B and leaves its tier as it was; a prefix shorter than remote_min_tokens
-past what is local is not fetched; a client that predates the fetch field is answered at
-once (and the fetch goes on: its next lookup finds the entry local).
+store is refused on B and leaves its tier as it was; a block missing mid-chain leaves the
+blocks before it fetched when they reach remote_min_tokens past what is local; a prefix
+shorter than remote_min_tokens past what is local is not fetched; a client that predates the
+fetch field is answered at once (and the fetch goes on: its next lookup finds the entry local).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
 from kvd_client.results import TicketState
 from kvd_protocol import messages as m
-from kvd_protocol.blocks import BLOCK_SUFFIX
+from kvd_protocol.blocks import BLOCK_SUFFIX, block_hashes
 from kvd_protocol.entry_reader import parse_block_head
 from kvd_protocol.tokens import pack_tokens
 from mlx_lm.models.cache import make_prompt_cache
@@ -273,6 +274,46 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
     wait_until(lambda: staging_files(b.tier) == [], "the fetch's staging files are gone")
     assert entry_files(b.tier) == []
     assert not list((b.tier / "quarantine").iterdir())
+
+
+def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_worth_it(
+    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+) -> None:
+    """Block 3 of 6 gone from the store (expired, say): B commits blocks 0-2, 48 tokens, at
+    least remote_min_tokens (32) past its empty tier. Block 2 gone where B holds blocks 0-1:
+    nothing before the hole is worth it, and the fetch is a miss ("missing")."""
+    a, b = two_macs
+    cut, early = EngineIdentity("tiny/hole", "cfg", "tok"), EngineIdentity("tiny/hole2", "c", "t")
+    prompts = {cut: prompt(TOKENS, seed=6), early: prompt(TOKENS, seed=7)}
+    for (identity, tokens), hole in zip(prompts.items(), (3, 2), strict=True):
+        put_on(a, identity, tokens, model)
+        uploaded(s3_store, s3_prefix, identity, BLOCKS)
+        hashes = block_hashes(pack_tokens(tokens[: BLOCKS * BLOCK]), BLOCK)
+        digest = identity.to_protocol().digest()
+        s3_store.delete(keys.block_key(s3_prefix, digest, hashes[hole]))
+    put_on(b, early, prompts[early][: 2 * BLOCK], model)
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        assert client.flush(SETTLE_SECONDS)
+        before = set(block_files(b.tier))
+        restored = fetched_get(client, b, cut, [*prompts[cut], 7], model)
+        assert restored is not None
+        assert restored.matched == 3 * BLOCK
+        assert client.flush(SETTLE_SECONDS)  # B's blocks in place
+    assert "remote_fetch_cut" in b.logs()  # the probe found block 6: the fetch found the hole
+    theirs = block_files(a.tier)
+    fetched = {name: data for name, data in block_files(b.tier).items() if name not in before}
+    assert len(fetched) == 3
+    assert all(theirs[name] == data for name, data in fetched.items())  # A's, byte for byte
+    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+        restored = client.get(early, [*prompts[early], 7], model=model)
+        assert restored is not None
+        assert restored.matched == 2 * BLOCK  # what B held; the fetch, if it ended, added none
+    wait_until(lambda: remote_of(b)["misses_by_reason"], "the second fetch's end")
+    remote = remote_of(b)
+    assert remote["hits"] == 1
+    assert remote["misses_by_reason"] == {"missing": 1}
+    wait_until(lambda: staging_files(b.tier) == [], "the fetches' staging files are gone")
+    assert len(block_files(b.tier)) == len(before) + 3
 
 
 def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetched(
