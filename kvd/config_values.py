@@ -41,11 +41,19 @@ def parse_size(value: object) -> int:
     return (int(whole or "0") * denominator + int(fraction or "0")) * scale // denominator
 
 
-def positive_size(value: object) -> int:
-    size = parse_size(value)
-    if size == 0:
-        raise ValueError("must be greater than zero")
-    return size
+def above_zero(parse: Callable[[object], int]) -> Callable[[object], int]:
+    """The parser that also refuses 0."""
+
+    def parse_above_zero(value: object) -> int:
+        number = parse(value)
+        if number == 0:
+            raise ValueError("must be greater than zero")
+        return number
+
+    return parse_above_zero
+
+
+positive_size = above_zero(parse_size)
 
 
 def duration(value: object) -> float:
@@ -69,11 +77,7 @@ def count(value: object) -> int:
     return value
 
 
-def positive_count(value: object) -> int:
-    number = count(value)
-    if number == 0:
-        raise ValueError("must be greater than zero")
-    return number
+positive_count = above_zero(count)
 
 
 def port(value: object) -> int:

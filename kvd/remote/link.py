@@ -34,6 +34,7 @@ T = TypeVar("T")
 LAYOUT_LIMIT: Final = 1 << 20  # bytes: a layout of 4096 layers is a few hundred KiB
 RATES_KEPT: Final = 256  # fetch rates the p50 is taken over, the newest
 KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
+KNOWN_MAX_AGE: Final = 3600.0  # seconds: far shorter than any lifecycle expiry (days)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -73,7 +74,9 @@ class StoreLink:
         self.limiter = anyio.CapacityLimiter(config.remote_requests)
         self.counters = RemoteCounters()
         self.layouts: dict[str, Layout] = {}  # identity digest -> the layout in the store
-        self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS)  # (identity, block hash)
+        # (digest, block hash) of blocks known to be in the store; forgotten after a while, so
+        # that a block the store expired (a lifecycle rule) is sent again.
+        self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS, KNOWN_MAX_AGE)
         self.store: S3Store | None = None  # made by the first call (credentials read then)
 
     async def call(self, request: Callable[[S3Store], T]) -> T:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from kvd_protocol.messages import Lookup
 
 from kvd.config import Config
 from kvd.remote.fetcher import Fetcher
@@ -60,6 +61,15 @@ class Remote:
             tasks.start_soon(link.health.recover, link.probe)
             tasks.start_soon(self.uploader.run)
             tasks.start_soon(self.fetcher.run)
+
+    def lookup_waits(self, lookup: Lookup, tenant: str) -> bool:
+        """Whether a lookup is answered after the fetch it may wait for (Fetcher.waits)."""
+        return self.fetcher.waits(lookup, tenant)
+
+    async def fetch_for(self, lookup: Lookup) -> float | None:
+        """A lookup's fetch: the seconds the client may wait for it, or None to answer from
+        what is local now (Fetcher.wait)."""
+        return await self.fetcher.wait(lookup)
 
     async def flush(self, timeout: float | None) -> RemoteFlush:
         """Make every entry accepted so far durable (which queues its upload, as the policy

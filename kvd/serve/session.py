@@ -65,8 +65,8 @@ REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote 
 
 
 def _waits_for_a_fetch(asked: m.Request, remote: Remote | None, tenant: str) -> bool:
-    """A lookup that may wait for a fetch from the remote tier: a task (Fetcher.waits)."""
-    return type(asked) is m.Lookup and remote is not None and remote.fetcher.waits(asked, tenant)
+    """A lookup that may wait for a fetch from the remote tier: a task (Remote.lookup_waits)."""
+    return type(asked) is m.Lookup and remote is not None and remote.lookup_waits(asked, tenant)
 
 
 class Session:
@@ -471,7 +471,7 @@ class Session:
         to ask again after it: fetching, the seconds the fetch has left."""
         if self.peer.tenant:
             self._check_identity(request, request.identity)
-        if self.remote and (left := await self.remote.fetcher.wait(request)) is not None:
+        if self.remote and (left := await self.remote.fetch_for(request)) is not None:
             return m.LookupReply(id=request.id, matched=0, entry=None, lease=None, fetching=left)
         reply = self._lookup(request)
         self.tier.book_lookups()  # no other request's reply to go first

@@ -30,7 +30,6 @@ from .fields import (
     _name,
     _optional,
     _prose,
-    _seconds,
     _status,
     _token_count,
     _tokens,
@@ -40,6 +39,15 @@ from .fields import (
 from .identity import Identity
 from .limits import Limits
 from .record import Record
+
+# The records messages carry, read from here by their users as the messages are:
+from .summaries import MAX_REPORTED_BYTES as MAX_REPORTED_BYTES  # noqa: PLC0414
+from .summaries import MAX_REPORTED_DROPS as MAX_REPORTED_DROPS  # noqa: PLC0414
+from .summaries import MAX_REPORTED_MS as MAX_REPORTED_MS  # noqa: PLC0414
+from .summaries import DropReport as DropReport  # noqa: PLC0414
+from .summaries import EntrySummary as EntrySummary  # noqa: PLC0414
+from .summaries import RestoreReport as RestoreReport  # noqa: PLC0414
+from .summaries import _drops, _entries, _entry, _report
 from .tokens import TOKEN_BYTES
 
 PROTOCOL_VERSION: Final = 1
@@ -58,51 +66,10 @@ REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remo
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
-# one it could not use (a running mean poisoned by 1e300, a wait of a thousand years):
+# one it could not use (a wait of a thousand years; a reported figure: summaries.py):
 MAX_WAIT_SECONDS: Final = 86_400.0  # a ticket or flush wait: a day
-MAX_REPORTED_MS: Final = 86_400_000.0  # store_ms and a restore report's ms: a day
 MAX_PREFILL_COST: Final = 60.0  # seconds of prefill per token: a minute
-MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read or a drop report held: a PiB
-MAX_REPORTED_DROPS: Final = U32  # snapshots one drop report counts
 MAX_LIST_PAGE: Final = 10_000  # entries in one list reply: ~1.3 MB, well within a frame
-
-
-# The checkers of the records declared below (fields.py holds the others).
-
-
-def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
-    return EntrySummary.from_map(value, what, limits)
-
-
-def _report(value: object, what: str, limits: Limits) -> RestoreReport:
-    return RestoreReport.from_map(value, what, limits)
-
-
-def _drops(value: object, what: str, limits: Limits) -> DropReport:
-    return DropReport.from_map(value, what, limits)
-
-
-def _entries(value: object, what: str, limits: Limits) -> tuple[EntrySummary, ...]:
-    items = schema.sequence(value, what, limits.max_frame_bytes)
-    return tuple(_entry(item, what, limits) for item in items)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class EntrySummary(Record):
-    """What the daemon tells about one stored entry (lookup and list replies)."""
-
-    id: str = field(metadata=wire(_name))
-    identity: str = field(metadata=wire(_name))  # Identity.digest()
-    tokens: int = field(metadata=wire(_uint()))
-    bytes: int = field(metadata=wire(_uint()))
-    trimmable: bool = field(metadata=wire(_bool))
-    created: float = field(metadata=wire(_seconds))  # seconds since the epoch
-    durable: bool = field(metadata=wire(_bool))
-    # Fields added within version 1 (left out at their defaults):
-    used: float | None = field(default=None, metadata=wire(_optional(_seconds)))  # last lease
-    leases: int = field(default=0, metadata=wire(_uint()))  # readers holding it now
-    # A prefill checkpoint (FORMAT.md, meta prefill_checkpoint); trimmable is then false.
-    prefill_checkpoint: bool = field(default=False, metadata=wire(_bool))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -335,14 +302,6 @@ class OpenBlocksReply(_BlockFilesReply):
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class DropReport(Record):
-    """Snapshots the engine dropped unsent (its backlog was full) and the bytes they held."""
-
-    snapshots: int = field(metadata=wire(_uint(0, MAX_REPORTED_DROPS)))
-    bytes: int = field(metadata=wire(_uint(0, MAX_REPORTED_BYTES)))
-
-
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PutCommit(Request):
     """store_ms: the engine's time from handing the caches over to this commit (snapshot
     and write), for the daemon's telemetry (feature "restore_report"). dropped: the
@@ -479,17 +438,6 @@ class ForgetCheckpoint(Request):
 class ForgetCheckpointReply(Reply):
     op: ClassVar[str] = "forget_checkpoint"
     removed: int = field(metadata=wire(_uint()))
-
-
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class RestoreReport(Record):
-    """How an engine's restore from a leased entry went, for the daemon's telemetry: restored
-    (miss nil: tokens restored from bytes read) or not (miss: the engine's reason)."""
-
-    miss: str | None = field(metadata=wire(_optional(_name)))
-    ms: float = field(metadata=wire(_at_most(MAX_REPORTED_MS)))  # lookup's start to caches built
-    bytes: int = field(metadata=wire(_uint(0, MAX_REPORTED_BYTES)))
-    tokens: int = field(metadata=wire(_token_count))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

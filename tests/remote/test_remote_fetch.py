@@ -7,7 +7,8 @@ a miss in its usual time (the fetch goes on once the store answers); a block dam
 store is refused on B and leaves its tier as it was; a block missing mid-chain leaves the
 blocks before it fetched when they reach remote_min_tokens past what is local; a prefix
 shorter than remote_min_tokens past what is local is not fetched; a client that predates the
-fetch field is answered at once (and the fetch goes on: its next lookup finds the entry local).
+fetch field is answered at once (and the fetch goes on: its next lookup finds the entry
+local); a daemon pointed at another prefix (another tenant) finds nothing of it.
 """
 
 from __future__ import annotations
@@ -374,3 +375,31 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
         assert found.lease is not None
         assert isinstance(old.call(m.Release(id=old.next_id(), lease=found.lease)), m.ReleaseReply)
     assert remote_of(b)["hits"] == 1
+
+
+def test_another_prefix_is_another_tenant(
+    tmp_path: Path, seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, model: Any
+) -> None:
+    """A daemon pointed at another prefix of the same bucket (another tenant) never finds
+    what A uploaded: its get is a miss, it asks the store for nothing under A's prefix, and
+    its tier stays empty."""
+    flags = remote_flags(
+        seaweed, tmp_path, s3_prefix, min_tokens=MIN_TOKENS, fetch_timeout=FETCH_TIMEOUT
+    )
+    other_flags = remote_flags(
+        seaweed, tmp_path, f"{s3_prefix}-other", min_tokens=MIN_TOKENS, fetch_timeout=2
+    )
+    identity = EngineIdentity("tiny/tenant", "cfg", "tok")
+    tokens = prompt(TOKENS, seed=7)
+    with running_daemon(tmp_path / "a", flags) as a:
+        put_on(a, identity, tokens, model)
+        uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    with (
+        running_daemon(tmp_path / "c", other_flags) as c,
+        Client.connect(c.socket_path, require=True, block_tokens=BLOCK) as client,
+    ):
+        assert client.get(identity, [*tokens, 7], model=model) is None
+        now = remote_of(c)
+        assert (now["hits"], now["downloaded_blocks"]) == (0, 0)
+    assert stored(s3_store, f"{s3_prefix}-other") == {}
+    assert entry_files(tmp_path / "c") == []
