@@ -9,7 +9,7 @@ and when a new one comes, what it makes unnecessary or what is worth least goes.
   newest). A finished turn is thus never dropped while a segment or a checkpoint is kept. A
   snapshot larger than max_bytes alone is still taken when nothing else waits.
 
-Bytes are counted by owner (Held.holds): a block copy several snapshots share once.
+Bytes are counted by owner (InMemory.bytes_by_owner): a block copy several snapshots share once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Kind(IntEnum):
     TURN = 2  # a finished turn: prompt and generation
 
 
-class Held(Protocol):
+class InMemory(Protocol):
     """What the backlog weighs of a snapshot (planned or taken)."""
 
     @property
@@ -40,15 +40,15 @@ class Held(Protocol):
     @property
     def trimmable(self) -> bool: ...
 
-    def holds(self) -> Mapping[object, int]:
-        """The bytes it holds, by owner."""
+    def bytes_by_owner(self) -> Mapping[object, int]:
+        """The bytes it keeps in memory, by owner (a shared block copy is its own owner)."""
         ...
 
 
-T = TypeVar("T", bound=Held)
+T = TypeVar("T", bound=InMemory)
 
 
-def covers(entry: Held, other: Held) -> bool:
+def covers(entry: InMemory, other: InMemory) -> bool:
     """Whether entry's tokens serve other's: equal, or longer and trimmable."""
     tokens, wanted = entry.tokens, other.tokens
     if len(tokens) < len(wanted) or (len(tokens) > len(wanted) and not entry.trimmable):
@@ -56,10 +56,10 @@ def covers(entry: Held, other: Held) -> bool:
     return tokens[: len(wanted)] == wanted
 
 
-def held_bytes(items: Iterable[Held]) -> int:
+def memory_bytes(items: Iterable[InMemory]) -> int:
     owners: dict[object, int] = {}
     for item in items:
-        owners.update(item.holds())
+        owners.update(item.bytes_by_owner())
     return sum(owners.values())
 
 
@@ -88,12 +88,12 @@ class Backlog(Generic[T]):
 
     @property
     def nbytes(self) -> int:
-        return held_bytes(self._waiting)
+        return memory_bytes(self._waiting)
 
     def popleft(self) -> T:
         return self._waiting.pop(0)
 
-    def admit(self, new: Held) -> Admission[T]:
+    def admit(self, new: InMemory) -> Admission[T]:
         """Make room for new (not added yet: append it once taken) by the rules above; the
         superseded and dropped leave the backlog."""
         if any(covers(waiting, new) for waiting in self._waiting):
@@ -102,7 +102,7 @@ class Backlog(Generic[T]):
         kept = [waiting for waiting in self._waiting if waiting not in superseded]
         dropped: list[T] = []
         taken = True
-        while kept and held_bytes([*kept, new]) > self.max_bytes:
+        while kept and memory_bytes([*kept, new]) > self.max_bytes:
             victim = _least_worth([*kept, new])
             if victim is new:
                 taken = False
@@ -116,7 +116,7 @@ class Backlog(Generic[T]):
         self._waiting.append(item)
 
 
-def _least_worth(items: Sequence[Held]) -> Held:
+def _least_worth(items: Sequence[InMemory]) -> InMemory:
     """The first to drop: the least worth by kind, the oldest first (items are in age
     order)."""
     return min(items, key=lambda item: item.kind)

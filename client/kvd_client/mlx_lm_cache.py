@@ -42,7 +42,7 @@ from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import prefill_checkpoints, snapshots
-from .backlog import Admission, Backlog, Kind, held_bytes
+from .backlog import Admission, Backlog, Kind, memory_bytes
 from .block_io import BlocksNotHeld
 from .codecs import CodecError
 from .drops import Drops
@@ -242,7 +242,7 @@ class ColdTier:
             self._futures.pop(snapshot).cancel()
             self.stats.superseded += 1
         for snapshot in admission.dropped:
-            self._dropped(snapshot.tokens, held_bytes([snapshot]))
+            self._dropped(snapshot.tokens, memory_bytes([snapshot]))
             self._futures.pop(snapshot).cancel()
         if admission.covered:
             self.stats.superseded += 1

@@ -140,7 +140,7 @@ class Plan:
         """What the snapshot copies."""
         return self.private_bytes + len(self.new) * self.block_bytes
 
-    def holds(self) -> dict[object, int]:
+    def bytes_by_owner(self) -> dict[object, int]:
         """The memory it will hold, by owner: shared copies counted once across snapshots."""
         owned: dict[object, int] = {copy: copy.nbytes for copy in self.shared.values()}
         owned.update({(self, i): self.block_bytes for i in self.new})
@@ -164,7 +164,7 @@ class Snapshot:
     private_bytes: int
     copied: int  # bytes copied for it
 
-    def holds(self) -> dict[object, int]:
+    def bytes_by_owner(self) -> dict[object, int]:
         owned: dict[object, int] = {copy: copy.nbytes for copy in self.copies.values()}
         owned[self] = self.private_bytes
         return owned

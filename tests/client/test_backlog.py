@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
-from kvd_client.backlog import Backlog, Kind, covers, held_bytes
+from kvd_client.backlog import Backlog, Kind, covers, memory_bytes
 
 
 @dataclass(eq=False)
@@ -18,7 +18,7 @@ class Item:
     trimmable: bool = True
     shared: dict[object, int] = field(default_factory=dict)
 
-    def holds(self) -> Mapping[object, int]:
+    def bytes_by_owner(self) -> Mapping[object, int]:
         return {self: self.nbytes, **self.shared}
 
 
@@ -84,7 +84,7 @@ def test_one_larger_than_the_bound_is_taken_only_when_nothing_else_waits() -> No
 def test_bytes_shared_by_several_snapshots_count_once() -> None:
     block = object()
     a, b = Item([1], 5, shared={block: 20}), Item([2], 5, shared={block: 20})
-    assert held_bytes([a, b]) == 30
+    assert memory_bytes([a, b]) == 30
     backlog: Backlog[Item] = Backlog(30)
     _filled(backlog, a)
     assert backlog.admit(b).taken
