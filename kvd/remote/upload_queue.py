@@ -26,8 +26,8 @@ class Upload:
     """One entry's blocks to send: those not known to be in the store when it was added."""
 
     entry: str  # the entry's id
-    identity: str  # its identity digest
-    blocks: tuple[bytes, ...]  # their hashes, in the entry's order
+    digest: str  # its identity's digest
+    block_hashes: tuple[bytes, ...]  # in the entry's order
     block_size: int  # each block file's size
     seq: int = 0  # its place in the queue's order
     left: int = 0  # bytes of its blocks not known to be in the store yet
@@ -64,7 +64,7 @@ class UploadQueue:
         return len(self._queued) + (self.in_flight is not None)
 
     def add(
-        self, entry: str, identity: str, blocks: tuple[bytes, ...], block_size: int
+        self, entry: str, digest: str, block_hashes: tuple[bytes, ...], block_size: int
     ) -> list[Upload] | None:
         """Queue an entry's blocks behind the others; the uploads dropped for room (oldest
         first), or None when the entry is pending already (nothing changed)."""
@@ -73,8 +73,8 @@ class UploadQueue:
         if entry in self._pending:
             return None
         self.last_seq = next(self._seq)
-        nbytes = len(blocks) * block_size
-        upload = Upload(entry, identity, blocks, block_size, self.last_seq, nbytes)
+        nbytes = len(block_hashes) * block_size
+        upload = Upload(entry, digest, block_hashes, block_size, self.last_seq, nbytes)
         self._queued[upload.seq] = upload
         self._pending.add(entry)
         self.pending_bytes += upload.left

@@ -187,7 +187,7 @@ class Uploader:
         """The upload's blocks, BLOCK_BATCH files open at a time; StoreError at the first
         failure (the sends under way end first)."""
         tier, digest = self.link.tier, record.digest
-        wanted = set(upload.blocks)
+        wanted = set(upload.block_hashes)
         blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
@@ -220,7 +220,7 @@ class Uploader:
         """One block: a HEAD first (another daemon of the identity may have sent it: its
         bytes need not go again), else a conditional create. A failure is kept in failures
         (and the block is not sent when one came before)."""
-        link, digest, block_hash, size = self.link, upload.identity, block.hash, block.size
+        link, digest, block_hash, size = self.link, upload.digest, block.hash, block.size
         key = link.block_key(digest, block_hash)
         async with limiter:
             if failures:
