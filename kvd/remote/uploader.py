@@ -191,17 +191,21 @@ class Uploader:
         blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
-            if not any(b.hash in wanted and (digest, b.hash) not in self.known for b in batch):
+            unsent = [
+                i
+                for i, block in enumerate(batch)
+                if block.hash in wanted and (digest, block.hash) not in self.known
+            ]
+            if not unsent:
                 continue
             fds = tier.open_blocks(OWNER, lease, first, len(batch))
             failures: list[BaseException] = []
             try:
                 async with anyio.create_task_group() as sends:
                     limiter = anyio.CapacityLimiter(self._sends)
-                    for block, fd in zip(batch, fds, strict=True):
-                        if block.hash in wanted and (digest, block.hash) not in self.known:
-                            send = partial(self._send_block, limiter=limiter, failures=failures)
-                            sends.start_soon(send, upload, block, fd)
+                    send = partial(self._send_block, limiter=limiter, failures=failures)
+                    for i in unsent:
+                        sends.start_soon(send, upload, batch[i], fds[i])
             finally:
                 for fd in fds:
                     os.close(fd)
