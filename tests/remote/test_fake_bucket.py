@@ -1,0 +1,66 @@
+"""The fake bucket the remote tier's hostile tests script: honest by default (the real client's
+calls all answered as S3 would), hostile where a rule says, and closed whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from fake_bucket import FakeBucket, hang, key_has, running_bucket, status
+
+from kvd.remote.credentials import Credentials
+from kvd.remote.s3 import S3Store, StoreUnavailable
+
+
+@pytest.fixture
+def bucket() -> Iterator[FakeBucket]:
+    with running_bucket() as fake:
+        yield fake
+
+
+@pytest.fixture
+def client(bucket: FakeBucket) -> Iterator[S3Store]:
+    store = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=1.0)
+    yield store
+    store.close()
+
+
+def test_honest_calls(bucket: FakeBucket, client: S3Store) -> None:
+    assert client.head("a/x") is None
+    assert client.put_if_absent("a/x", b"hello")
+    assert not client.put_if_absent("a/x", b"other")  # If-None-Match: * honoured
+    assert client.head("a/x") == 5
+    assert client.get("a/x", 100) == b"hello"
+    for index in range(5):
+        client.put_if_absent(f"a/y{index}", b"z" * index)
+    assert client.list("a/", 3) == [("a/x", 5), ("a/y0", 0), ("a/y1", 1)]
+    assert len(client.list("a/", 100)) == 6
+    client.delete("a/x")
+    assert client.get("a/x", 100) is None
+    assert bucket.asked("PUT", "a/x") == 2
+
+
+def test_ignoring_if_none_match_overwrites(client: S3Store, bucket: FakeBucket) -> None:
+    bucket.ignore_if_none_match = True
+    assert client.put_if_absent("k", b"1")
+    assert client.put_if_absent("k", b"2")
+    assert bucket.objects["k"] == b"2"
+
+
+def test_rules_fire_newest_first_and_expire(bucket: FakeBucket, client: S3Store) -> None:
+    bucket.objects["k"] = b"v"
+    bucket.on(key_has("k"), status(503, "SlowDown"), times=1)
+    with pytest.raises(StoreUnavailable, match="503 SlowDown"):
+        client.get("k", 10)
+    assert client.get("k", 10) == b"v"  # the rule fired its one time
+
+
+def test_close_ends_hung_answers(bucket: FakeBucket, client: S3Store) -> None:
+    bucket.on(key_has("k"), hang(bucket))
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="no answer within"):
+        client.get("k", 10)
+    assert time.monotonic() - began < 5
+    bucket.close()
+    assert bucket.closed.is_set()
