@@ -32,7 +32,8 @@ POLL_SECONDS = 0.002  # between connect attempts while starting: the error on a 
 ERROR_LEVELS = frozenset({"error", "critical"})
 OPENED = '"event": "tier_opened"'  # start-up is done (the directory listed), as logged
 # What the daemon inherits from the test's environment; everything else is left behind.
-INHERITED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
+# PYTHONPATH: a checkout run against another's virtualenv runs its own daemon too.
+INHERITED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
 
 # `python -m kvd` under an open-file limit, soft and hard (preexec_fn is unsafe with threads).
 LIMITED_START = (
