@@ -169,9 +169,10 @@ class FakeBucket:
                 rule.times -= 1
                 if rule.times <= 0:
                     self._rules.remove(rule)
-        (rule.answer if rule is not None else self._honest)(connection, request)
+        (rule.answer if rule is not None else self.honest)(connection, request)
 
-    def _honest(self, connection: socket.socket, request: Request) -> None:
+    def honest(self, connection: socket.socket, request: Request) -> None:
+        """The answer S3 would give (a rule's answer may fall back on it)."""
         key = request.key
         with self._lock:
             found = self.objects.get(key) if key is not None else None
