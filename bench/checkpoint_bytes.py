@@ -26,8 +26,8 @@ from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
-from kvd_client.mlx_lm_server import SERVER_BLOCK_TOKENS
 from kvd_client.prefill_checkpoints import choose_interval
+from kvd_client.server_flags import SERVER_BLOCK_TOKENS
 from mlx_lm.models import nemotron_h, qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache
 

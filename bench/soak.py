@@ -32,8 +32,7 @@ from _daemon import running_daemon
 from kvd_client.client import Client
 from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.identity import Identity
-
-from kvd.config_values import parse_size
+from kvd_protocol.quantities import parse_size
 
 IDENTITIES = [Identity(f"bench/soak-{i}", "cfg", "tok", "codecs/1", "mlx/cpu") for i in range(4)]
 SAMPLE_SECONDS = 0.05

@@ -11,7 +11,7 @@ flags, the variables, the keys of the file and the table in docs/operations.md
 `$KVD_CONFIG`, else the platform's default file (kvd_protocol.paths); a missing default file
 is fine, a missing named one is an error. Every value a source gives is checked, even one a
 later source overrides, and a bad one raises ConfigError naming the source and the key.
-Values: see config_values.
+Values: see config_values, and kvd_protocol.quantities for sizes and durations.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kvd_protocol import quantities
 from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
 
 from kvd import config_values as values
@@ -120,16 +121,16 @@ class Config:
     max_bytes: int = field(
         default=DEFAULT_MAX_BYTES,
         metadata=setting(
-            values.positive_size, "SIZE", "byte cap of the whole tier, across identities"
+            quantities.positive_size, "SIZE", "byte cap of the whole tier, across identities"
         ),
     )
     min_free: int = field(
         default=DEFAULT_MIN_FREE,
-        metadata=setting(values.parse_size, "SIZE", "free-disk floor the tier never eats into"),
+        metadata=setting(quantities.parse_size, "SIZE", "free-disk floor the tier never eats into"),
     )
     writeback_max_bytes: int = field(
         default=DEFAULT_WRITEBACK_MAX_BYTES,
-        metadata=setting(values.positive_size, "SIZE", "write-behind queue cap"),
+        metadata=setting(quantities.positive_size, "SIZE", "write-behind queue cap"),
     )
     writeback_policy: Overflow = field(
         default=Overflow.DROP_OLDEST,
@@ -142,7 +143,7 @@ class Config:
     )
     writeback_block_timeout: float = field(
         default=DEFAULT_WRITEBACK_BLOCK_TIMEOUT,
-        metadata=setting(values.duration, "SECONDS", "longest wait of a put under `block`"),
+        metadata=setting(quantities.duration, "SECONDS", "longest wait of a put under `block`"),
     )
     eviction_policy: str = field(
         default="lru",
@@ -171,7 +172,7 @@ class Config:
     admission_window: float = field(
         default=DEFAULT_ADMISSION_WINDOW,
         metadata=setting(
-            values.duration, "SECONDS", "how long a first sighting counts under `second-hit`"
+            quantities.duration, "SECONDS", "how long a first sighting counts under `second-hit`"
         ),
     )
     quotas: tuple[tuple[str, int], ...] = field(
@@ -186,18 +187,18 @@ class Config:
     )
     shutdown_deadline: float = field(
         default=DEFAULT_SHUTDOWN_DEADLINE,
-        metadata=setting(values.duration, "SECONDS", "seconds to flush after SIGTERM"),
+        metadata=setting(quantities.duration, "SECONDS", "seconds to flush after SIGTERM"),
     )
     snapshot_interval: float = field(
         default=DEFAULT_SNAPSHOT_INTERVAL,
         metadata=setting(
-            values.duration, "SECONDS", "seconds between index snapshots (a start-up shortcut)"
+            quantities.duration, "SECONDS", "seconds between index snapshots (a start-up shortcut)"
         ),
     )
     reconcile_interval: float = field(
         default=DEFAULT_RECONCILE_INTERVAL,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "seconds between full checks of the directory against the index",
         ),
@@ -225,7 +226,7 @@ class Config:
     frame_timeout: float = field(
         default=DEFAULT_FRAME_TIMEOUT,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "a frame not whole this long after its first byte closes its connection",
         ),
@@ -241,7 +242,7 @@ class Config:
     put_timeout: float = field(
         default=DEFAULT_PUT_TIMEOUT,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "a put not committed this long after put_begin is aborted and its bytes returned",
         ),
@@ -249,7 +250,7 @@ class Config:
     quarantine_max_bytes: int = field(
         default=DEFAULT_QUARANTINE_MAX_BYTES,
         metadata=setting(
-            values.parse_size, "SIZE", "files that failed validation kept for inspection"
+            quantities.parse_size, "SIZE", "files that failed validation kept for inspection"
         ),
     )
     metrics_port: int = field(
@@ -270,7 +271,7 @@ class Config:
     lease_max_age: float = field(
         default=DEFAULT_LEASE_MAX_AGE,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "a lease held this long ends: its entry may be evicted (its reader's descriptors "
             "stay valid), and the lease's open_blocks and release are answered not_found",
@@ -279,7 +280,7 @@ class Config:
     frame_buffer_bytes: int = field(
         default=DEFAULT_FRAME_BUFFER_BYTES,
         metadata=setting(
-            values.positive_size,
+            quantities.positive_size,
             "SIZE",
             "bytes of partial frames all connections together may hold; the connection that "
             "would go over is closed (over_limit)",
@@ -333,7 +334,7 @@ class Config:
     remote_fetch_timeout: float = field(
         default=DEFAULT_REMOTE_FETCH_TIMEOUT,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "longest a get waits for blocks only the remote holds; then it answers with what "
             "is local",
@@ -351,7 +352,7 @@ class Config:
     remote_request_timeout: float = field(
         default=DEFAULT_REMOTE_REQUEST_TIMEOUT,
         metadata=setting(
-            values.duration,
+            quantities.duration,
             "SECONDS",
             "a request to the store that takes longer (to connect, or between two reads) "
             "fails, and counts against the store's health",
@@ -377,7 +378,7 @@ class Config:
     remote_upload_bytes: int = field(
         default=DEFAULT_REMOTE_UPLOAD_BYTES,
         metadata=setting(
-            values.positive_size,
+            quantities.positive_size,
             "SIZE",
             "upload queue cap; over it the oldest queued upload is dropped (counted)",
         ),
@@ -385,7 +386,7 @@ class Config:
     remote_upload_rate: int = field(
         default=DEFAULT_REMOTE_UPLOAD_RATE,
         metadata=setting(
-            values.parse_size, "SIZE", "bytes per second uploads may send (0: no cap)"
+            quantities.parse_size, "SIZE", "bytes per second uploads may send (0: no cap)"
         ),
     )
     config_file: Path | None = None  # the file that was read, if any (not itself a setting)
@@ -414,7 +415,7 @@ class Setting:
         if isinstance(self.default, float):
             return f"{self.default:g}"
         if isinstance(self.default, int) and self.metavar == "SIZE":
-            return values.format_size(self.default)
+            return quantities.format_size(self.default)
         return str(self.default)
 
 

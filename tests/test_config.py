@@ -8,8 +8,6 @@ import os
 from pathlib import Path, PurePosixPath
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from kvd_protocol.paths import DefaultPaths, default_paths, socket_path_fits
 
 from kvd.config import (
@@ -30,7 +28,6 @@ from kvd.config import (
     load_config,
     settings_table,
 )
-from kvd.config_values import parse_size
 
 MAC_HOME = PurePosixPath("/Users/firstname.lastname")
 OWN_GROUP = grp.getgrgid(os.getgid()).gr_name
@@ -308,50 +305,6 @@ def test_flag_and_environment_paths_are_relative_to_the_working_directory(
     environ["KVD_DIR"] = "tier"
     config = load(["--socket", "s.sock"], environ)
     assert (config.dir, config.socket) == (tmp_path / "tier", tmp_path / "s.sock")
-
-
-# ---- sizes ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("4096", 4096),
-        ("4096B", 4096),
-        ("16KiB", 16 << 10),
-        ("16K", 16 << 10),
-        ("16kb", 16 << 10),
-        ("512M", 512 << 20),
-        ("512MiB", 512 << 20),
-        ("200G", 200 << 30),
-        ("1GB", 1 << 30),
-        ("1 GiB", 1 << 30),
-        ("1.5T", 3 << 39),
-        ("2P", 2 << 50),
-        (".5K", 512),
-        ("1.1K", 1126),  # 1126.4 bytes, rounded down
-        ("3.", 3),
-        ("0.0009765625K", 1),  # 2**-10 K, exactly one byte
-        ("123456789012345678901234567890.5P", (123456789012345678901234567890 << 50) + (1 << 49)),
-        ("0", 0),
-    ],
-)
-def test_size_forms(text: str, size: int) -> None:
-    assert parse_size(text) == size
-
-
-@given(st.integers(min_value=0, max_value=1 << 60))
-def test_plain_and_unit_sizes_are_exact(n: int) -> None:
-    assert parse_size(n) == parse_size(str(n)) == n
-    assert parse_size(f"{n}K") == parse_size(f"{n}KiB") == n * 1024
-
-
-@pytest.mark.parametrize(
-    "bad", ["", "G", "12Q", "-1", "1e3", "1,5G", "inf", "1.5.5G", "5 G B", "4096iB", True, -1, 2.5]
-)
-def test_bad_sizes(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"size|negative"):
-        parse_size(bad)
 
 
 # ---- bad values name their source ----------------------------------------------------------

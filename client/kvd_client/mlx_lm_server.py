@@ -1,8 +1,10 @@
 """`kvd-mlx-lm-server`: stock `mlx_lm.server` with kvd as the tier under its prompt cache.
 
-    kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NS]
-        [--kvd-lookup-timeout SECONDS] [--kvd-block-tokens N] [--kvd-backlog-bytes N]
-        [--kvd-checkpoint-interval N] [--kvd-checkpoint-bytes B]
+    kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NAME]
+        [--kvd-lookup-timeout SECONDS] [--kvd-block-tokens N] [--kvd-backlog-bytes SIZE]
+        [--kvd-checkpoint-interval N] [--kvd-checkpoint-bytes SIZE]
+
+Its flags (server_flags.py) take sizes and durations as the daemon does (`1G`; seconds).
 
 mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under it:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
@@ -56,7 +58,6 @@ from types import FrameType
 from typing import Any, Final, NoReturn
 
 import mlx_lm
-from kvd_protocol.blocks import check_block_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
@@ -67,11 +68,11 @@ from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
 from .identity import EngineIdentity
-from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
-from .prefill_checkpoints import BY_COST, PROMPT_BYTES, UNIT_TOKENS, CheckpointSettings
+from .prefill_checkpoints import BY_COST, CheckpointSettings
+from .server_flags import PROG, kvd_flags, parse_flags
 
 log = logging.getLogger("kvd_client")
 
@@ -87,10 +88,6 @@ stock: Any = _server
 mlx_lm_utils: Any = _utils
 
 CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
-# Half the library's default block: a conversation's turns each rewrite their tail (half a
-# block on average) in the next turn's block; at 128 a 20-turn conversation writes 1.16x its
-# final KV, at 256 1.29x (docs/benchmarks.md, "Wear"). Still two blocks per mlx-lm KV step.
-SERVER_BLOCK_TOKENS: Final = 128
 
 
 @dataclass(frozen=True)
@@ -424,120 +421,6 @@ def _storable(tokens: Sequence[int]) -> bool:
     return min(tokens, default=0) >= 0
 
 
-def _kvd_flags() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
-    kvd = parser.add_argument_group("kvd (the shared cold tier under the prompt cache)")
-    kvd.add_argument(
-        "--kvd-socket",
-        default=None,
-        help="the kvd daemon's socket (default: $KVD_SOCKET, else the platform default)",
-    )
-    kvd.add_argument(
-        "--kvd-lookup-timeout",
-        type=_seconds,
-        default=DEFAULT_LOOKUP_TIMEOUT,
-        metavar="SECONDS",
-        help="a lookup not answered this long is a miss, and the daemon is skipped until it "
-        f"answers again (default: {DEFAULT_LOOKUP_TIMEOUT})",
-    )
-    kvd.add_argument(
-        "--kvd-namespace",
-        default="",
-        help="keep this server's entries apart from others of the same model (default: none)",
-    )
-    kvd.add_argument(
-        "--kvd-block-tokens",
-        type=_block_tokens,
-        default=SERVER_BLOCK_TOKENS,
-        help="tokens per block of the caches stored (a power of two in 16..65536; 0: whole "
-        "entries). Smaller blocks rewrite less of a growing conversation (each turn's tail "
-        "is written again in the next turn's block) in more files "
-        f"(default: {SERVER_BLOCK_TOKENS})",
-    )
-    kvd.add_argument(
-        "--kvd-backlog-bytes",
-        type=_positive_bytes,
-        default=BACKLOG_BYTES,
-        help="what the snapshots waiting to be sent to kvd may hold, in bytes; beyond it "
-        f"segments are dropped first, then the oldest (default: {BACKLOG_BYTES})",
-    )
-    kvd.add_argument(
-        "--kvd-checkpoint-interval",
-        type=_tokens,
-        default=None,
-        metavar="N",
-        help="tokens between the prefill checkpoints of a model whose caches cannot be "
-        "trimmed (hybrids, sliding windows): a prompt whose end changed restores all but the "
-        "last N; a multiple of --kvd-block-tokens, 0: none (default: chosen per model by "
-        "cost, the bytes of its state against the prefill time it saves)",
-    )
-    kvd.add_argument(
-        "--kvd-checkpoint-bytes",
-        type=_positive_bytes,
-        default=PROMPT_BYTES,
-        metavar="B",
-        help="what the prefill checkpoints of one prompt may write of their own state, in "
-        f"bytes, with the interval chosen by cost (default: {PROMPT_BYTES})",
-    )
-    return parser
-
-
-def _parse_flags(
-    flags: argparse.ArgumentParser, argv: Sequence[str]
-) -> tuple[argparse.Namespace, list[str]]:
-    """The kvd flags and the rest (mlx_lm.server's); exits with a usage error for a
-    checkpoint interval that is not a multiple of the block size."""
-    args, rest = flags.parse_known_args(argv)
-    try:
-        args.kvd_checkpoints = CheckpointSettings(
-            args.kvd_checkpoint_interval, args.kvd_checkpoint_bytes
-        )
-        args.kvd_checkpoints.check_unit(args.kvd_block_tokens or UNIT_TOKENS)
-    except ValueError as exc:
-        flags.error(f"--kvd-checkpoint-interval: {exc} (--kvd-block-tokens)")
-    return args, rest
-
-
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
-    return seconds
-
-
-def _block_tokens(text: str) -> int:
-    try:
-        value = int(text)
-        return value and check_block_tokens(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not 0 or a power of two in 16..65536 tokens"
-        ) from None
-
-
-def _tokens(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens")
-    return value
-
-
-def _positive_bytes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of bytes")
-    return value
-
-
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # mlx_lm.server shuts down cleanly on it
 
@@ -554,14 +437,17 @@ def _exit_changed(changed: MlxLmChangedError) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    flags = _kvd_flags()
-    args, rest = _parse_flags(flags, sys.argv[1:] if argv is None else argv)
+    flags = kvd_flags()
+    args, rest = parse_flags(flags, sys.argv[1:] if argv is None else argv)
+    sys.argv = [PROG, *rest]
     if "-h" in rest or "--help" in rest:
         flags.print_help()
         print()
+        stock.main()  # prints mlx_lm.server's own flags and exits, with no daemon asked
+        return
     client = Client.connect(
         args.kvd_socket,
-        name="kvd-mlx-lm-server",
+        name=PROG,
         lookup_timeout=args.kvd_lookup_timeout,
         block_tokens=args.kvd_block_tokens,
     )
@@ -571,7 +457,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     stock.stream_generate = partial(tiered_stream_generate, tier=tier)
     stock.BatchGenerator = partial(TieredBatchGenerator, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    sys.argv = [sys.argv[0], *rest]
     try:
         stock.main()
     except MlxLmChangedError as changed:  # from the model provider's checks, before serving

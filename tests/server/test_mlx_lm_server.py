@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,26 +263,3 @@ def test_a_conversation_copies_its_rows_about_once_and_the_summary_counts_it(
     assert entry.tokens * kv_per_token <= copied <= 1.25 * entry.tokens * kv_per_token
     assert per_request == written // requests > 0
     assert dropped == aborted == 0
-
-
-def test_help_lists_the_kvd_flags_and_mlx_lm_servers_own() -> None:
-    shown = subprocess.run(
-        [sys.executable, "-m", "kvd_client.mlx_lm_server", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    for flag in (
-        "--kvd-socket",
-        "--kvd-namespace",
-        "--kvd-lookup-timeout",
-        "--kvd-block-tokens",
-        "--kvd-backlog-bytes",
-        "--kvd-checkpoint-interval",
-        "--kvd-checkpoint-bytes",
-        "--model",
-        "--prompt-cache-size",
-        "--port",
-    ):
-        assert flag in shown
