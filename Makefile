@@ -13,7 +13,7 @@ PIP_INSTALL := bin/python -m pip install --quiet --disable-pip-version-check -e 
 # What depends on mlx-lm's version: the server, the ColdTier and the codecs of its cache classes.
 MLX_LM_TESTS := tests/server tests/client/test_mlx_lm_cache.py tests/client/test_codecs.py
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench remote-demo clean
 
 $(STAMP): pyproject.toml protocol/pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ test: lint
 
 bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# SeaweedFS on loopback and two daemons sharing it, until Ctrl-C (docs/remote.md, "On one machine").
+remote-demo: $(STAMP)
+	$(BIN)/python scripts/remote_demo.py
 
 clean:
 	rm -rf $(VENV) .venv-mlx-lm-* .mypy_cache .pytest_cache .ruff_cache .hypothesis
