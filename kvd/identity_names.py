@@ -34,6 +34,7 @@ UNSAID: Final = "-"
 SHORT_HASH: Final = 8
 DIGEST_SHOWN: Final = 12
 DIGEST_HEX: Final = 32  # Identity.digest()'s length
+CANDIDATES_SHOWN: Final = 10  # of an ambiguous --identity, listed in its error
 _HEX: Final = frozenset(string.hexdigits.lower())
 
 
@@ -109,7 +110,11 @@ def _model_names(model_id: str, members: Sequence[tuple[str, dict[str, str]]]) -
 
 
 class IdentityNameError(LookupError):
-    """An --identity that names no identity, or more than one."""
+    """An --identity that names no identity, or more than one: its lines, the first saying
+    which, each other a candidate."""
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.args))
 
 
 def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) -> str:
@@ -117,7 +122,9 @@ def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) 
     left_out more not listed): a name, a digest, or a digest's unique prefix; a model id
     whose identities have longer names stands for all of them. A whole digest passes as it
     is (the daemon may hold an identity the status does not list). Raises IdentityNameError,
-    listing the candidates of an ambiguous one."""
+    listing the candidates of an ambiguous one (CANDIDATES_SHOWN of them at most)."""
+    if not given:
+        raise IdentityNameError("an empty identity names none: `kvctl status` lists them")
     named = [i for i in listed if i.get("name") == given]
     if len(named) == 1:
         return str(named[0]["identity"])
@@ -133,8 +140,11 @@ def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) 
     if len(candidates) == 1:
         return str(candidates[0]["identity"])
     if candidates:
-        rows = "\n".join(f"  {i.get('name', '')}  {i['identity']}" for i in candidates)
-        raise IdentityNameError(f"{given!r} names {len(candidates)} identities:\n{rows}")
+        shown = candidates[:CANDIDATES_SHOWN]
+        rows = [f"  {i.get('name', '')}  {i['identity']}" for i in shown]
+        more = len(candidates) - len(shown)
+        rows += [f"  and {more} more"] if more else []
+        raise IdentityNameError(f"{given!r} names {len(candidates)} identities:", *rows)
     unlisted = f"; {left_out} more it does not list go by their whole digest" if left_out else ""
     raise IdentityNameError(
         f"no identity is named {given!r}, nor has a digest starting so: `kvctl status` "

@@ -7,23 +7,28 @@ finds the socket the way the daemon does: --socket, KVD_SOCKET, the config file,
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import socket
+import string
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvd_protocol import messages as m
-from kvd_protocol.connection import NEED_DATA, Connection, Role
 from kvd_protocol.entry import EntryHeader
-from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.limits import DEFAULT_LIMITS
 
-from kvd.config import ConfigError, load_config
-from kvd.identity_names import IdentityNameError, resolve
+from kvd.config import ConfigError, env_var, load_config
+from kvd.config_values import count, duration
+from kvd.identity_names import CANDIDATES_SHOWN, IdentityNameError, resolve
+from kvd.ops.control import (
+    HOW_TO_START,
+    Control,
+    DaemonUnavailableError,
+    socket_source,
+)
 from kvd.ops.doctor import add_doctor_parser, run_doctor
 from kvd.ops.kvctl_tables import (
     SORTS,
@@ -35,105 +40,132 @@ from kvd.ops.kvctl_tables import (
     size,
 )
 from kvd.ops.service import add_service_parser, run_service
+from kvd.ops.terminal import printable, printable_strings
 from kvd.progress import Progress
 from kvd.serve.metrics import exposition
 from kvd.store.entry_files import read_header
 
-RECEIVE_BYTES = 1 << 16
+ENTRY_ID_HEX = 32
+HEX_DIGITS = frozenset(string.hexdigits.lower())
 IDENTITY_FORMS = "its name, its digest, or the digest's first digits"
+MAX_SECONDS = 7 * 86400.0  # a bound on every duration kvctl takes: a week
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+PIPE_CLOSED = 141  # 128 + SIGPIPE: the reader of the output went away (`kvctl list | head`)
+EXIT_CODES = {
+    "status": "1 the daemon refused",
+    "ping": "1 the daemon refused",
+    "flush": "1 not done when --wait ran out, or uploads dropped (said which)",
+    "list": "1 the daemon refused",
+    "show": "1 no entry has that id, or its file cannot be read",
+    "evict": "1 the daemon refused (evict needs the daemon's own user or root)",
+    "verify": "1 an entry is damaged (each named)",
+    "metrics": "1 the daemon refused",
+}
 
 
-class DaemonUnavailableError(Exception):
-    """The daemon does not answer on the socket."""
+def _exit_codes(command: str) -> str:
+    return (
+        f"exit status: 0 done; {EXIT_CODES[command]}; 2 a bad argument or setting, or an "
+        "identity or entry id that names none or several; 3 no daemon answers on the socket; "
+        f"{INTERRUPTED} interrupted (Ctrl-C); {PIPE_CLOSED} the output was closed early"
+    )
 
 
-class Control:
-    """One blocking connection to the daemon, one request at a time."""
+def _seconds(value: str) -> float:
+    """A duration flag: seconds, positive, finite, at most MAX_SECONDS."""
+    try:
+        seconds = duration(value)
+    except ValueError as exc:  # argparse shows the message of this one only
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{value} s is more than a week ({MAX_SECONDS:.0f} s)")
+    return seconds
 
-    def __init__(self, path: str, timeout: float) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(path)
-        except OSError as exc:
-            self._sock.close()
-            raise DaemonUnavailableError(
-                f"no kvd answers on {path}: {exc.strerror or exc}"
-            ) from None
-        self._conn = Connection(Role.CLIENT)
-        self._ids = itertools.count(1)
-        self._timeout = timeout
-        hello = self.call(m.Hello, protocol=m.PROTOCOL_VERSION, client="kvctl", pid=os.getpid())
-        assert isinstance(hello, m.HelloReply)
-        self.features = frozenset(hello.features)
 
-    def wait_longer(self, seconds: float | None) -> None:
-        """The next answers may take seconds (None: as long as it takes) on top of the usual
-        timeout: a request that waits on purpose."""
-        self._sock.settimeout(None if seconds is None else self._timeout + seconds)
-
-    def call(self, request: type[m.Request], **fields: Any) -> m.Reply:
-        self._sock.sendall(self._conn.send(request(id=next(self._ids), **fields)))
-        while True:
-            event = self._conn.next_event()
-            if event is not NEED_DATA:
-                break
-            try:
-                data = self._sock.recv(RECEIVE_BYTES)
-            except TimeoutError:
-                raise DaemonUnavailableError("the daemon did not answer in time") from None
-            self._conn.receive_data(data)
-        if isinstance(event, m.ErrorReply):
-            raise ProtocolError(event.code, event.message)
-        assert isinstance(event, m.Reply)
-        return event
-
-    def close(self) -> None:
-        self._sock.close()
+def _count(value: str) -> int:
+    try:
+        return count(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvctl", description="Inspect and manage a kvd daemon.")
-    parser.add_argument("--socket", help="the daemon's socket (default: as kvd finds it)")
+    parser = argparse.ArgumentParser(
+        prog="kvctl",
+        description="Inspect and manage a kvd daemon.",
+        epilog=f"Without a daemon answering, exit status 3. {HOW_TO_START}.",
+    )
+    parser.add_argument(
+        "--socket",
+        help=f"the daemon's socket (default: {env_var('socket')}, the configuration file, "
+        "then the platform's default, as kvd finds it)",
+    )
     parser.add_argument("--config", metavar="FILE", help="kvd's TOML configuration file")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for each answer (default: %(default)s)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="the tier, the queue, each model, the clients")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, epilog=_exit_codes(name))
+
+    status = command("status", "the tier, the queue, each model, the clients")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.add_argument(
-        "--watch", action="store_true", help="refresh in place, with rates per second"
+        "--watch", action="store_true", help="refresh until Ctrl-C, with rates per second"
     )
-    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    status.add_argument("--count", type=int, default=0, help="stop after this many (0: never)")
-    commands.add_parser("ping", help="check that the daemon answers")
-    flush = commands.add_parser("flush", help="wait until every accepted put is durable")
-    flush.add_argument("--wait", type=float, default=None, help="give up after this many seconds")
+    status.add_argument(
+        "--interval",
+        type=_seconds,
+        default=2.0,
+        metavar="S",
+        help="seconds between refreshes (default: %(default)s)",
+    )
+    status.add_argument(
+        "--count",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="stop after N tables (default: %(default)s, never)",
+    )
+    command("ping", "check that the daemon answers")
+    flush = command("flush", "wait until every accepted put is durable")
+    flush.add_argument(
+        "--wait",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="give up after S seconds (default: wait as long as it takes)",
+    )
     flush.add_argument(
         "--remote",
         action="store_true",
         dest="uploads",  # not `remote`: that names the setting kvctl's config reads
         help="and until the uploads to the remote store are sent",
     )
-    listing = commands.add_parser("list", help="list entries")
+    listing = command("list", "list entries")
     listing.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
     listing.add_argument(
-        "--sort", choices=sorted(SORTS), default="used", help="order (default used)"
+        "--sort", choices=sorted(SORTS), default="used", help="order (default: %(default)s)"
     )
-    listing.add_argument("--json", action="store_true")
-    show = commands.add_parser("show", help="one entry: identity, tokens, layers, checksums")
-    show.add_argument("entry", help="the entry id")
-    show.add_argument("--json", action="store_true")
-    evict = commands.add_parser("evict", help="delete entries now")
+    listing.add_argument("--json", action="store_true", help="print the entries as JSON")
+    show = command("show", "one entry: identity, tokens, layers, checksums")
+    show.add_argument("entry", help="the entry id, or as many of its first digits as only it has")
+    show.add_argument("--json", action="store_true", help="print the entry as JSON")
+    evict = command("evict", "delete entries now")
     target = evict.add_mutually_exclusive_group(required=True)
-    target.add_argument("--entry", help="one entry id")
+    target.add_argument("--entry", help="one entry id (all its digits)")
     target.add_argument("--identity", help=f"every entry of one identity ({IDENTITY_FORMS})")
     target.add_argument("--all", action="store_true", help="every entry")
-    verify = commands.add_parser(
-        "verify", help="check every entry's file whole; exit 1 naming each damaged one"
-    )
+    verify = command("verify", "check every entry's file whole; exit 1 naming each damaged one")
     verify.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
-    commands.add_parser("metrics", help="the status in Prometheus text format")
+    command("metrics", "the status in Prometheus text format")
     add_service_parser(commands)
     add_doctor_parser(commands)
     return parser
@@ -161,33 +193,56 @@ def _watch(control: Control, interval: float, count: int) -> int:
     before, at = _status(control), time.monotonic()
     moved: dict[str, float] | None = None  # rates, from the second table on
     shown = 0
-    try:
-        while True:
-            if terminal:
-                sys.stdout.write("\033[H\033[J")  # home, clear: redraw in place
-            print(format_status(before, moved), flush=True)
-            shown += 1
-            if count and shown >= count:
-                return 0
-            time.sleep(interval)
-            after, now = _status(control), time.monotonic()
-            moved = rates(before, after, now - at)
-            before, at = after, now
-    except KeyboardInterrupt:
-        return 0
+    while True:
+        if terminal:
+            sys.stdout.write("\033[H\033[J")  # home, clear: redraw in place
+        print(format_status(before, moved), flush=True)
+        shown += 1
+        if count and shown >= count:
+            return 0
+        time.sleep(interval)
+        after, now = _status(control), time.monotonic()
+        moved = rates(before, after, now - at)
+        before, at = after, now
 
 
-def _show(control: Control, entry: str, as_json: bool) -> int:
+class EntryIdError(LookupError):
+    """An entry id that is no prefix of one, or the prefix of several entries' ids: its
+    lines, the first saying which, each other a candidate."""
+
+
+def _entry(control: Control, given: str) -> m.EntrySummary | None:
+    """The entry whose id given is, or is the unique prefix of (in any case); None for no
+    such entry. Raises EntryIdError."""
+    wanted = given.lower()
+    if not wanted or len(wanted) > ENTRY_ID_HEX or not set(wanted) <= HEX_DIGITS:
+        raise EntryIdError(
+            f"{given!r} is not an entry id: an id is {ENTRY_ID_HEX} hex digits (`kvctl list` "
+            "shows them), and `show` takes as many of its first ones as only it has"
+        )
+    found = [e for e in _entries(control, None) if e.id.startswith(wanted)]
+    if len(found) > 1:
+        rows = [f"  {e.id}  {e.identity}" for e in found[:CANDIDATES_SHOWN]]
+        more = len(found) - CANDIDATES_SHOWN
+        rows += [f"  and {more} more"] if more > 0 else []
+        raise EntryIdError(f"{given!r} begins {len(found)} entries' ids (entry, identity):", *rows)
+    return found[0] if found else None
+
+
+def _show(control: Control, given: str, as_json: bool) -> int:
     """One entry's summary from the daemon and its header from its file (in the daemon's
-    tier, which status names)."""
-    found = [e for e in _entries(control, None) if e.id == entry]
-    if not found:
-        print(f"kvctl: no entry {entry}", file=sys.stderr)
+    tier, which status names); the summary alone when the file cannot be read here."""
+    summary = _entry(control, given)
+    if summary is None:
+        _say(f"no entry's id is or begins {given}: `kvctl list` shows them")
         return 1
-    (summary,) = found
     status = _status(control)
     path = Path(status["daemon"]["dir"]) / "entries" / summary.identity / f"{summary.id}.kve"
-    header = read_header(path, DEFAULT_LIMITS)
+    try:
+        header = read_header(path, DEFAULT_LIMITS)
+    except (OSError, EntryFormatError) as exc:
+        _say(f"entry {summary.id}'s file cannot be read here: {exc}")
+        return 1
     if as_json:
         shown = {**summary.to_map(), "path": str(path), "header": _header_map(header)}
         print(json.dumps(shown, indent=2))
@@ -225,7 +280,12 @@ def _header_map(header: EntryHeader) -> dict[str, Any]:
 
 
 def _entries(control: Control, digest: str | None) -> list[m.EntrySummary]:
-    """Every entry (of one identity), page by page."""
+    """Every entry this user may list (of one identity), page by page. A tenant lists its
+    identities one at a time (the daemon lists every identity's to their owner only): those
+    its status shows, which are its own."""
+    if digest is None and control.tenant:
+        digests = [str(i["identity"]) for i in _status(control)["identities"]]
+        return [e for d in digests for e in _entries(control, d)]
     entries: list[m.EntrySummary] = []
     after = None
     while True:
@@ -255,7 +315,8 @@ def _verify(control: Control, digest: str | None, repair: bool) -> int:
                 if reply.problem is not None:
                     damaged += 1
                     done = " (quarantined)" if reply.quarantined else ""
-                    print(f"damaged {entry.id} ({entry.identity}): {reply.problem}{done}")
+                    problem = printable(reply.problem)
+                    print(f"damaged {entry.id} ({entry.identity}): {problem}{done}")
             progress.step()
     finally:
         progress.close()
@@ -267,7 +328,7 @@ def _verify(control: Control, digest: str | None, repair: bool) -> int:
 def _flush(control: Control, wait: float | None, remote: bool) -> int:
     """Wait until the accepted puts are durable (and, remote, uploaded); 1 when not done."""
     if remote and m.REMOTE_FLUSH_FEATURE not in control.features:
-        print("kvctl: this kvd predates flush --remote", file=sys.stderr)
+        _say("this kvd predates flush --remote")
         return 2
     control.wait_longer(wait)
     reply = control.call(m.Flush, timeout=wait, **({"remote": True} if remote else {}))
@@ -313,40 +374,63 @@ def _run(args: argparse.Namespace, control: Control) -> int:
     elif args.command == "verify":
         return _verify(control, _digest(control, args.identity), args.repair)
     elif args.command == "metrics":
-        status = _status(control)
+        status = printable_strings(_status(control))  # label values too reach a terminal
         sys.stdout.write(exposition(lambda: status).decode())
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _say(message: str, *more: str) -> None:
+    """An error for the operator, on stderr, a line each: printable, whatever the daemon,
+    its clients or the arguments put in them."""
+    lines = [f"kvctl: {message}", *more]
+    print("\n".join(map(printable, lines)), file=sys.stderr)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "service":  # needs no daemon
         return run_service(args)
-    if args.command == "doctor":  # needs no daemon
+    if args.command == "doctor":  # asks the daemon when one answers, needs none
         return run_doctor(args)
     try:
-        socket_path = str(load_config(args, os.environ).socket)
+        config = load_config(args, os.environ)
     except ConfigError as exc:
-        print(f"kvctl: configuration error: {exc}", file=sys.stderr)
+        _say(f"configuration error: {exc}")
         return 2
     try:
-        control = Control(socket_path, args.timeout)
+        source = socket_source(args, os.environ, config)
+        control = Control(str(config.socket), args.timeout, source)
     except DaemonUnavailableError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 3
     try:
         return _run(args, control)
     except ProtocolError as exc:
-        print(f"kvctl: the daemon refused: {exc}", file=sys.stderr)
+        _say(f"the daemon refused: {exc}")
         return 1
-    except IdentityNameError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+    except (IdentityNameError, EntryIdError) as exc:
+        _say(*exc.args)
         return 2
     except DaemonUnavailableError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 3
     finally:
         control.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """kvctl's exit status (see _exit_codes); a Ctrl-C or a closed output ends it quietly."""
+    try:
+        args = build_parser().parse_args(argv)
+        code = _command(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except BrokenPipeError:
+        # Nobody reads what is left: point stdout at nothing, so that the flush at exit
+        # finds no pipe to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED
+    return code
 
 
 if __name__ == "__main__":

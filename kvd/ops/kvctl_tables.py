@@ -1,5 +1,7 @@
 """The tables kvctl prints for people: status (the tier, then one row per model), the entry
-list, one entry's header. Pure: dicts and records in, text out."""
+list, one entry's header. Pure: dicts and records in, text out. Every cell and value goes
+through terminal.printable as the table is laid out (columns, fields): a name a client chose
+reaches the terminal with its control characters escaped, whichever row shows it."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from kvd_protocol.entry import EntryHeader
 from kvd_protocol.messages import EntrySummary
 
 from kvd.identity_names import DIGEST_SHOWN
+from kvd.ops.terminal import printable
 
 
 def size(n: float) -> str:
@@ -145,7 +148,9 @@ def _remote(status: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-    """Aligned columns: the first left ones flush left, the others flush right."""
+    """Aligned columns of printable cells: the first left ones flush left, the others flush
+    right."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
@@ -156,6 +161,12 @@ def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1)
         return "  ".join(cells).rstrip()
 
     return [line(header), *map(line, rows)]
+
+
+def fields(rows: Sequence[tuple[str, str]]) -> list[str]:
+    """One line per (name, value), the values aligned and printable."""
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {printable(value)}" for name, value in rows]
 
 
 def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None = None) -> str:
@@ -205,8 +216,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
                 f"{size(rates['bytes_written'])} written",
             )
         )
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines = fields(rows)
     if status["identities"]:
         header = ["identity", "digest", "entries", "bytes", "hits", "misses", "hit %"]
         header += ["restore ms p50/p95/p99", "tokens restored", "written"]
@@ -340,8 +350,7 @@ def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: st
                 f"{header.checkpoint.key}, {header.checkpoint.generated_tokens} generated",
             )
         )
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines = fields(rows)
     table = []
     for number, layer in enumerate(header.layers):
         for slot in layer.slots:
