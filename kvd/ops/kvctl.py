@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import string
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, env_var, load_config
-from kvd.config_values import count, duration
+from kvd.config_values import count
 from kvd.identity_names import CANDIDATES_SHOWN, IdentityNameError, resolve
 from kvd.ops.control import (
     HOW_TO_START,
@@ -48,39 +50,52 @@ from kvd.store.entry_files import read_header
 ENTRY_ID_HEX = 32
 HEX_DIGITS = frozenset(string.hexdigits.lower())
 IDENTITY_FORMS = "its name, its digest, or the digest's first digits"
-MAX_SECONDS = 7 * 86400.0  # a bound on every duration kvctl takes: a week
+MAX_SECONDS = 7 * 86400.0  # a bound on --timeout and --interval: a week
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 PIPE_CLOSED = 141  # 128 + SIGPIPE: the reader of the output went away (`kvctl list | head`)
+NO_DAEMON = 3
 EXIT_CODES = {
-    "status": "1 the daemon refused",
-    "ping": "1 the daemon refused",
-    "flush": "1 not done when --wait ran out, or uploads dropped (said which)",
-    "list": "1 the daemon refused",
-    "show": "1 no entry has that id, or its file cannot be read",
-    "evict": "1 the daemon refused (evict needs the daemon's own user or root)",
-    "verify": "1 an entry is damaged (each named)",
-    "metrics": "1 the daemon refused",
+    "status": "the daemon refused",
+    "ping": "the daemon refused",
+    "flush": "not done when --wait ran out, or uploads dropped (said which)",
+    "list": "the daemon refused",
+    "show": "no entry has that id, or its file cannot be read here",
+    "evict": "the daemon refused (evict needs the daemon's own user or root)",
+    "verify": "an entry is damaged (each named)",
+    "metrics": "the daemon refused",
 }
 
 
 def _exit_codes(command: str) -> str:
-    return (
-        f"exit status: 0 done; {EXIT_CODES[command]}; 2 a bad argument or setting, or an "
-        "identity or entry id that names none or several; 3 no daemon answers on the socket; "
-        f"{INTERRUPTED} interrupted (Ctrl-C); {PIPE_CLOSED} the output was closed early"
-    )
+    """The exit statuses of a command, for its --help."""
+    meanings = {
+        0: "done",
+        1: EXIT_CODES[command],
+        2: "a bad argument or setting, or an identity or entry id that names none or several",
+        NO_DAEMON: "no daemon answers on the socket",
+        INTERRUPTED: "interrupted (Ctrl-C)",
+        PIPE_CLOSED: "the output was closed before all of it was read (`| head`)",
+    }
+    return "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in meanings.items())
 
 
-def _seconds(value: str) -> float:
-    """A duration flag: seconds, positive, finite, at most MAX_SECONDS."""
-    try:
-        seconds = duration(value)
-    except ValueError as exc:  # argparse shows the message of this one only
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds > MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{value} s is more than a week ({MAX_SECONDS:.0f} s)")
-    return seconds
+def _seconds(most: float, *, zero: bool = False) -> Callable[[str], float]:
+    """The parser of a duration flag: seconds, above zero (or zero), at most most."""
+    least = "0" if zero else "above 0"
+
+    def parse(value: str) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not 0 <= seconds <= most or (seconds == 0 and not zero):  # NaN fails both
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a number of seconds from {least} to {most:.0f}"
+            )
+        return seconds
+
+    return parse
 
 
 def _count(value: str) -> int:
@@ -94,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvctl",
         description="Inspect and manage a kvd daemon.",
-        epilog=f"Without a daemon answering, exit status 3. {HOW_TO_START}.",
+        epilog=f"Without a daemon answering, exit status {NO_DAEMON}: {HOW_TO_START}.",
     )
     parser.add_argument(
         "--socket",
@@ -104,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="kvd's TOML configuration file")
     parser.add_argument(
         "--timeout",
-        type=_seconds,
+        type=_seconds(MAX_SECONDS),
         default=10.0,
         metavar="S",
         help="seconds to wait for each answer (default: %(default)s)",
@@ -112,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=text, epilog=_exit_codes(name))
+        return commands.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=_exit_codes(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
     status = command("status", "the tier, the queue, each model, the clients")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -121,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--interval",
-        type=_seconds,
+        type=_seconds(MAX_SECONDS),
         default=2.0,
         metavar="S",
         help="seconds between refreshes (default: %(default)s)",
@@ -137,10 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     flush = command("flush", "wait until every accepted put is durable")
     flush.add_argument(
         "--wait",
-        type=_seconds,
+        type=_seconds(m.MAX_WAIT_SECONDS, zero=True),
         default=None,
         metavar="S",
-        help="give up after S seconds (default: wait as long as it takes)",
+        help="give up after S seconds, at most a day (default: wait as long as it takes)",
     )
     flush.add_argument(
         "--remote",
@@ -401,7 +422,7 @@ def _command(args: argparse.Namespace) -> int:
         control = Control(str(config.socket), args.timeout, source)
     except DaemonUnavailableError as exc:
         _say(str(exc))
-        return 3
+        return NO_DAEMON
     try:
         return _run(args, control)
     except ProtocolError as exc:
@@ -412,7 +433,7 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     except DaemonUnavailableError as exc:
         _say(str(exc))
-        return 3
+        return NO_DAEMON
     finally:
         control.close()
 

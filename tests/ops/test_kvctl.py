@@ -102,3 +102,27 @@ def test_a_missing_daemon_is_a_clear_error() -> None:
     )
     assert result.returncode == 3
     assert "no kvd answers on /tmp/kvd-no-such/kvd.sock" in result.stderr
+
+
+def test_show_takes_a_unique_prefix_of_an_entry_id(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        for n in range(17):  # 17 ids: two of them begin with the same hex digit
+            spec = TensorSpec("float32", (1, 2, 8, 4))
+            tensors = [np.full(spec.shape, n, np.float32) for _ in range(2)]
+            layers = [LayerSpec("kv", (spec, spec), True)]
+            tokens = list(range(100 * n, 100 * n + 8))
+            assert client.put_entry(IDENTITY, tokens, layers, tensors).wait(30).state == "stored"
+        ids = [e.id for e in client.list_entries(IDENTITY)]
+    first = {i[0]: [j for j in ids if j[0] == i[0]] for i in ids}
+    alone = next(i for i in ids if len({j for j in ids if j.startswith(i[:6])}) == 1)
+    shown = kvctl(daemon, "show", alone[:6].upper(), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["id"] == alone
+    digit, sharing = next((d, group) for d, group in first.items() if len(group) > 1)
+    ambiguous = kvctl(daemon, "show", digit)
+    assert ambiguous.returncode == 2
+    assert f"'{digit}' begins {len(sharing)} entries' ids" in ambiguous.stderr
+    assert all(f"  {i}  {IDENTITY.digest()}" in ambiguous.stderr for i in sharing)
+    unknown = kvctl(daemon, "show", "0" * 32 if "0" * 32 not in ids else "f" * 32)
+    assert unknown.returncode == 1
+    assert "no entry's id is or begins" in unknown.stderr
