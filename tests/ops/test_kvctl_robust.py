@@ -59,17 +59,24 @@ BAD_VALUES: list[tuple[Sequence[str], int]] = [
 ]
 
 
+def _kvctl(
+    *args: str, stdout: int = subprocess.PIPE, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`kvctl ARGS` in a process of its own, its stderr (and by default stdout) captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.ops.kvctl", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
 def _run(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     """kvctl on the daemon's socket unless args name another (--socket comes first)."""
-    if args and args[0] == "--socket":
-        return subprocess.run(
-            [sys.executable, "-m", "kvd.ops.kvctl", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    return kvctl(daemon, *args)
+    return _kvctl(*args) if args and args[0] == "--socket" else kvctl(daemon, *args)
 
 
 def _quiet(result: subprocess.CompletedProcess[str]) -> None:
@@ -107,14 +114,7 @@ def test_help_shows_defaults_and_exit_codes(daemon: Daemon) -> None:
 
 def test_no_daemon_names_the_socket_and_how_to_start_one(tmp_path: os.PathLike[str]) -> None:
     socket_path = os.path.join(tmp_path, "kvd.sock")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvd.ops.kvctl", "list"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, "KVD_SOCKET": socket_path},
-    )
+    result = _kvctl("list", env={**os.environ, "KVD_SOCKET": socket_path})
     _quiet(result)
     assert result.returncode == NO_DAEMON
     assert f"no kvd answers on {socket_path} (from KVD_SOCKET)" in result.stderr
@@ -127,14 +127,7 @@ def _closed_output(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[st
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "kvd.ops.kvctl", "--socket", daemon.socket_path, *args],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        return _kvctl("--socket", daemon.socket_path, *args, stdout=write_end)
     finally:
         os.close(write_end)
 
