@@ -177,7 +177,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         ("daemon", f"pid {daemon['pid']}, kvd {daemon['version']}, up {daemon['uptime_s']:.0f} s"),
         ("memory", size(daemon["rss_bytes"])),
         ("tier", daemon.get("dir", "")),
-        ("entries", f"{status['entries']} in {_identity_count(status)} identities"),
+        ("entries", _entries(status)),
         ("bytes", f"{size(status['bytes'])} of {size(status['max_bytes'])} cap"),
         (
             "disk free",
@@ -253,6 +253,14 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             ),
         ]
     return "\n".join(lines)
+
+
+def _entries(status: Mapping[str, Any]) -> str:
+    """The tier's entries, and the identities (a tenant's status has its own only)."""
+    identities = _identity_count(status)
+    if status.get("tenant"):
+        return f"{status['entries']} in the tier; {identities} identities of yours"
+    return f"{status['entries']} in {identities} identities"
 
 
 def _identity_count(status: Mapping[str, Any]) -> int:

@@ -33,6 +33,7 @@ from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
 from kvd.serve.handouts import Handouts, descriptors_asked
 from kvd.serve.peer import Peer
+from kvd.serve.status import tenant_report
 from kvd.store.miss_reasons import Miss
 from kvd.store.staged_put import DeclaredBlocks
 from kvd.store.tier import Tier, summary
@@ -597,7 +598,11 @@ class Session:
         )
 
     def _status(self, request: m.Request) -> m.StatusReply:
-        return m.StatusReply(id=request.id, status=self.status())
+        status = self.status()
+        if self.peer.tenant:  # another user's: its own part of it
+            known = {d: t.identity for d, t in self.tier.telemetry.identities.items()}
+            status = tenant_report(status, self.peer, known)
+        return m.StatusReply(id=request.id, status=status)
 
     def _list(self, request: m.ListEntries) -> m.ListEntriesReply:
         if self.peer.tenant:

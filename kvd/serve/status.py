@@ -2,18 +2,21 @@
 
 The tier's figures are its own (Tier.report, kvd.store.tier_report); this adds the clients and
 the daemon's process. It is strict JSON: a number that is not finite is reported as null.
+A tenant (a peer of another user, see kvd.serve.peer) reads its own part of it: its
+identities, named among themselves, its user's clients, and the tier's totals.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psutil
+from kvd_protocol.identity import Identity
 
-from kvd import __version__
+from kvd import __version__, identity_names
 from kvd.remote.remote import Remote
 from kvd.serve.peer import Peer
 from kvd.store.tier import Tier
@@ -43,6 +46,27 @@ def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[st
         "version": __version__,
     }
     return report
+
+
+def tenant_report(
+    report: Mapping[str, Any], peer: Peer, known: Mapping[str, Identity | None]
+) -> dict[str, Any]:
+    """What the tenant peer reads of the status report: of the identities, those under its
+    tenant, each named as if the tier held no other user's (a name tells apart only what it
+    is shown beside), and how many of its own the report left out; of the clients, its
+    user's; every other figure (the tier's totals, the daemon's) as it is. known: every
+    identity the daemon knows, by digest (the telemetry's)."""
+    tenant = peer.tenant
+    own = [i for i in report["identities"] if str(i.get("namespace") or "").startswith(tenant)]
+    names = identity_names.names({i["identity"]: known.get(i["identity"]) for i in own})
+    theirs = sum(1 for i in known.values() if i is not None and i.namespace.startswith(tenant))
+    return {
+        **report,
+        "tenant": tenant,
+        "identities": [{**i, "name": names[i["identity"]]} for i in own],
+        "identities_left_out": max(0, theirs - len(own)),
+        "clients": [c for c in report["clients"] if c.get("uid") == peer.credentials.uid],
+    }
 
 
 def finite(value: Any) -> Any:

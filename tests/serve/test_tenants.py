@@ -3,17 +3,11 @@ of its own user, under its tenant's namespace; the daemon's own user is not reac
 
 from __future__ import annotations
 
-import grp
-import json
 import os
-import traceback
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pytest
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, entry, put_stored
 from daemon_process import Daemon, running_daemon
 from identity_variants import variant
@@ -22,43 +16,12 @@ from kvd_client.link import DEFAULT_BACKOFF, Link
 from kvd_protocol import Checkpoint, LayerSpec, TensorSpec
 from kvd_protocol import messages as m
 from kvd_protocol.tokens import pack_tokens
+from other_user import GROUP, NOBODY, as_nobody
 
-NOBODY = 65534
 TENANT = f"uid:{NOBODY}/"
-GROUP = "users"
 FLAGS = ["--socket-group", GROUP]
 PROMPT = list(range(700, 764))
 LONGER = [*PROMPT, *range(900, 964)]  # what would supersede PROMPT's entry
-
-
-def _as_nobody(work: Callable[[], object]) -> Any:
-    """What work() returns (through JSON), run in a forked child as nobody in GROUP: a peer
-    the daemon lets in (the socket is the group's) with a uid of its own."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a peer under another uid")
-    gid = grp.getgrnam(GROUP).gr_gid
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        out, code = "", 1
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(NOBODY)
-            out, code = json.dumps(work()), 0
-        except BaseException:
-            out = traceback.format_exc()
-        finally:
-            with os.fdopen(write_end, "wb") as pipe:
-                pipe.write(out.encode())
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        out = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, out
-    return json.loads(out)
 
 
 def _code(reply: m.Reply) -> str:
@@ -114,7 +77,7 @@ def test_a_tenant_cannot_read_replace_or_supersede_the_owners_entry(tmp_path: Pa
                 seen["misses"] = dict(client.stats.misses)
             return seen
 
-        seen = _as_nobody(trespass)
+        seen = as_nobody(trespass)
         assert seen == {
             "tenant": TENANT,
             "lookup": "permission_denied",
@@ -172,7 +135,7 @@ def test_an_engine_of_another_user_restores_its_own_entries_unseen_by_the_owner(
                     seen["again"] = again.summary.id == hit.summary.id
             return seen
 
-        assert _as_nobody(engine) == {
+        assert as_nobody(engine) == {
             "matched": len(PROMPT),
             "exact": True,
             "namespace": TENANT,
@@ -210,7 +173,7 @@ def test_a_tenant_cannot_find_or_forget_the_owners_checkpoints(tmp_path: Path) -
                 found = client.find_checkpoint(IDENTITY, "gen-a", PROMPT)
                 return [refused, found, client.forget_checkpoint(IDENTITY, "gen-a")]
 
-        assert _as_nobody(forget) == ["permission_denied", None, 0]
+        assert as_nobody(forget) == ["permission_denied", None, 0]
         found = owner.find_checkpoint(IDENTITY, "gen-a", PROMPT)
         assert found is not None
         found.release()
@@ -231,7 +194,7 @@ def test_users_share_identities_when_the_daemon_says_so(tmp_path: Path) -> None:
                 hit.release()
                 return [server.tenant, hit.matched, _put(client, LONGER, seed=2)]
 
-        assert _as_nobody(share) == ["", len(PROMPT), "stored"]
+        assert as_nobody(share) == ["", len(PROMPT), "stored"]
         # The group member's longer entry superseded the owner's: one cache, shared.
         assert [e.tokens for e in owner.list_entries(IDENTITY)] == [len(LONGER)]
 
@@ -251,6 +214,6 @@ def test_a_tenants_miss_is_explained_by_its_own_identities_only(tmp_path: Path) 
                 return dict(client.stats.misses)
 
         # Once no entry at all; then its own quantised entry holds 40 tokens of the prompt.
-        assert _as_nobody(look_up) == {"no entry": 1, "kv differs": 1}
+        assert as_nobody(look_up) == {"no entry": 1, "kv differs": 1}
         assert owner.lookup(plain, [*PROMPT, 1]) is None
         assert owner.stats.misses == {"kv differs": 1}
