@@ -163,8 +163,8 @@ def get_logger(name: str) -> FilteringBoundLogger:
 
 
 class RateLimited:
-    """Warnings a client can provoke at will, at most one line per event every `every`
-    seconds: the next line says how many were left out meanwhile (`suppressed`)."""
+    """Lines a client or the remote store can provoke at will, at most one line per event
+    every `every` seconds: the next line says how many were left out meanwhile (`suppressed`)."""
 
     def __init__(
         self,
@@ -179,6 +179,12 @@ class RateLimited:
         self._left_out: dict[str, int] = {}
 
     def warning(self, event: str, **fields: object) -> None:
+        self._say(self._logger.warning, event, fields)
+
+    def info(self, event: str, **fields: object) -> None:
+        self._say(self._logger.info, event, fields)
+
+    def _say(self, say: Callable[..., object], event: str, fields: dict[str, object]) -> None:
         now = self._clock()
         last = self._last.get(event)
         if last is not None and now - last < self._every:
@@ -188,4 +194,4 @@ class RateLimited:
         left_out = self._left_out.pop(event, 0)
         if left_out:
             fields["suppressed"] = left_out
-        self._logger.warning(event, **fields)
+        say(event, **fields)

@@ -34,6 +34,7 @@ from kvd.ops.control import (
 from kvd.ops.doctor import add_doctor_parser, run_doctor
 from kvd.ops.kvctl_tables import (
     SORTS,
+    ago,
     format_entry,
     format_list,
     format_status,
@@ -58,7 +59,8 @@ NO_DAEMON = 3
 EXIT_CODES = {
     "status": "the daemon refused",
     "ping": "the daemon refused",
-    "flush": "not done when --wait ran out, or uploads dropped (said which)",
+    "flush": "not done: puts not durable when --wait ran out; with --remote also uploads "
+    "pending or dropped, or the remote store down (each said)",
     "list": "the daemon refused",
     "show": "no entry has that id, or its file cannot be read here",
     "evict": "the daemon refused (evict needs the daemon's own user or root)",
@@ -347,7 +349,8 @@ def _verify(control: Control, digest: str | None, repair: bool) -> int:
 
 
 def _flush(control: Control, wait: float | None, remote: bool) -> int:
-    """Wait until the accepted puts are durable (and, remote, uploaded); 1 when not done."""
+    """Wait until the accepted puts are durable (and, remote, uploaded); 1 when not done,
+    saying what was not: puts, uploads pending or dropped, the store down."""
     if remote and m.REMOTE_FLUSH_FEATURE not in control.features:
         _say("this kvd predates flush --remote")
         return 2
@@ -359,11 +362,16 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
     elif reply.durable:
         print("durable and uploaded")
     else:
+        now = time.time()
+        since = ago(now - (reply.remote_dropped_for or 0.0), now)
         print(
             f"not done: {reply.pending} puts not durable, {reply.remote_pending} uploads "
             f"({size(reply.remote_pending_bytes or 0)}) still pending, "
-            f"{reply.remote_dropped} dropped since the last flush --remote"
+            f"{reply.remote_dropped} dropped since the last flush --remote or the start "
+            f"({since} ago)"
         )
+        if reply.remote_down is not None:
+            print(f"the remote store is down: {reply.remote_down}")
     return 0 if reply.durable else 1
 
 

@@ -2,8 +2,9 @@
 client, its health, the figures), the uploads (uploader.py) and the fetches.
 
 While the health is down, the uploads are dropped (counted) and lookups do not ask the
-store; the health's probe brings it back. The server builds one when `remote` is set and
-runs run() for the daemon's life.
+store; the health's probe brings it back. The upload queue is journaled in the tier folder
+(upload_journal): a restart offers again what a stop cut off. The server builds one when
+`remote` is set and runs run() for the daemon's life.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvd_protocol.messages import Lookup
 from kvd.config import Config
 from kvd.remote.fetcher import Fetcher
 from kvd.remote.link import StoreLink
+from kvd.remote.upload_journal import UploadJournal
 from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
 from kvd.store.tier import Tier
@@ -29,13 +31,16 @@ class RemoteFlush:
 
     durable: bool  # every put accepted before it is durable
     pending: int  # puts not durable yet
-    uploads: int  # uploads still pending
+    uploads: int  # uploads still pending (the restart's not offered again yet included)
     upload_bytes: int  # their bytes not known to be in the store
     dropped: int  # uploads dropped since the last flush answered
+    dropped_for: float  # seconds since then (or since the daemon started)
+    down: str | None  # the store is down: why (its last error); None when it is not
 
     @property
     def done(self) -> bool:
-        return self.durable and not self.uploads and not self.dropped
+        """Every put durable, every upload sent, none dropped, the store not down."""
+        return self.durable and not self.uploads and not self.dropped and self.down is None
 
 
 class Remote:
@@ -45,7 +50,7 @@ class Remote:
         self.config = config
         self.tier = tier
         self.link = StoreLink(config, tier)
-        self.uploader = Uploader(self.link)
+        self.uploader = Uploader(self.link, UploadJournal(tier.dirs.upload_journal))
         self.fetcher = Fetcher(self.link)
         tier.notices.stored.append(self.uploader.stored)
         tier.notices.hit.append(self.uploader.hit)
@@ -79,15 +84,22 @@ class Remote:
         mark = Mark()  # open: the uploads of the entries the flush makes durable join it
         durable, pending = await self.tier.flush(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
-        uploads, nbytes, dropped = await self.uploader.flush(mark, left)
-        return RemoteFlush(durable, pending, uploads, nbytes, dropped)
+        uploads, nbytes, dropped, since = await self.uploader.flush(mark, left)
+        health = self.link.health
+        down = None if health.up else health.last_error or "down"
+        return RemoteFlush(
+            durable, pending, uploads, nbytes, dropped, max(0.0, time.time() - since), down
+        )
 
     def close(self) -> None:
+        self.uploader.journal.close()
         self.link.close()
 
     def status(self) -> dict[str, Any]:
         """The status report's `remote` section: no credential in it."""
-        counters, queue, health = self.link.counters, self.uploader.queue, self.link.health
+        counters, health = self.link.counters, self.link.health
+        uploader = self.uploader
+        queue, journal, resumed = uploader.queue, uploader.journal, uploader.resumed
         return {
             "state": health.state.value,
             "last_error": health.last_error or None,
@@ -103,6 +115,12 @@ class Remote:
             "upload_dropped_bytes": queue.dropped_bytes,
             "not_shareable": counters.not_shareable,
             "layout_mismatch": counters.layout_mismatch,
+            "journal_uploads": journal.written,
+            "journal_bytes": journal.size,
+            "journal_problem": journal.problem,
+            "restart_uploads": resumed.pending,
+            "restart_reoffered": resumed.reoffered,
+            "restart_gone": resumed.gone,
             "downloaded_blocks": counters.downloaded_blocks,
             "downloaded_bytes": counters.downloaded_bytes,
             "hits": counters.hits,

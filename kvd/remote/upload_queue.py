@@ -63,6 +63,10 @@ class UploadQueue:
     def pending_count(self) -> int:
         return len(self._queued) + (self.in_flight is not None)
 
+    def holds(self, entry: str) -> bool:
+        """Whether the entry's upload is queued or in flight."""
+        return entry in self._pending
+
     def add(
         self, entry: str, digest: str, block_hashes: tuple[bytes, ...], block_size: int
     ) -> list[Upload] | None:

@@ -16,12 +16,21 @@ conditional create (412: already there, counted, not an error), at most half of
 remote_requests at once, at remote_upload_rate. What the store is known to hold
 is remembered (a bounded LRU of block keys), so a block is asked about once. The store down:
 uploads are dropped and counted, the health says why.
+
+The queue is journaled (upload_journal): each upload that joins it and leaves it (sent whole,
+or counted dropped) is noted, and an upload a stop cut off (in flight or queued) stays in the
+journal. At start (resume) the uploads the journal holds are offered again, oldest first,
+whatever the policy (a policy `never` now counts them dropped); those whose entry is gone
+meanwhile are counted dropped (why: gone). A journal found damaged keeps what it could read,
+and the newest shareable entries, as many as the queue's cap holds, are offered again
+besides. What the store's answers provoke again and again is logged rate-limited.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -30,22 +39,33 @@ from typing import Final
 import anyio
 from kvd_protocol.errors import EntryFormatError, ProtocolError
 
-from kvd.logs import get_logger
+from kvd.logs import RateLimited, get_logger
 from kvd.remote.layout import Layout, NotShareable, layout_of
 from kvd.remote.link import StoreLink
 from kvd.remote.lru import LruSet
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.s3 import StoreError
+from kvd.remote.upload_journal import UploadJournal
 from kvd.remote.upload_queue import Mark, Upload, UploadQueue
 from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
 
 log = get_logger("kvd.remote.uploader")
+limited = RateLimited(log)  # what the store's answers (and the entries') provoke at will
 
 OWNER: Final = 0  # the uploads' leases in the tier (connections count from 1)
 BLOCK_BATCH: Final = 16  # block files of one upload open at once
 OFFERED: Final = 1 << 16  # entry ids remembered as offered once
+
+
+@dataclass
+class Resumed:
+    """What start-up found of the uploads a stop cut off (the journal's figures)."""
+
+    pending: int = 0  # uploads the journal held: pending from before this start
+    reoffered: int = 0  # of them offered again (queued)
+    gone: int = 0  # of them dropped: their entry gone meanwhile
 
 
 @dataclass(frozen=True)
@@ -64,20 +84,39 @@ UPLOAD_POLICIES: Final[Mapping[str, UploadPolicy]] = {
 }
 
 
-class Uploader:
-    """The upload queue and the task that drains it (run), fed by the tier's notices."""
+def shareable(record: EntryRecord) -> bool:
+    """Whether an entry's blocks may go to the store: whole blocks of an entry that is not a
+    checkpoint and whose every layer is blocked (trimmable)."""
+    return (
+        bool(record.block_hashes)
+        and record.trimmable
+        and record.checkpoint_key is None
+        and not record.prefill_checkpoint
+    )
 
-    def __init__(self, link: StoreLink) -> None:
+
+class Uploader:
+    """The upload queue, its journal and the task that drains it (run), fed by the tier's
+    notices."""
+
+    def __init__(self, link: StoreLink, journal: UploadJournal) -> None:
         config = link.config
         self.link = link
+        self.journal = journal
         self.policy = UPLOAD_POLICIES[config.remote_upload]
         self.queue = UploadQueue(config.remote_upload_bytes)
         self.known = link.known  # (identity, block hash) of blocks known in the store
+        found = journal.load()
+        self.damaged = found.damage  # what ended the journal's reading at start
+        self.resumed = Resumed(pending=len(found.pending))
+        self._unresumed = dict(found.pending)  # the journal's, not offered again yet
+        self._resuming = anyio.Event()  # set once they are
         self._offered: LruSet[str] = LruSet(OFFERED)
         self._mismatched: set[str] = set()  # identities whose stored layout does not fit
         self._rate = TokenBucket(config.remote_upload_rate)
         self._sends = max(1, config.remote_requests // 2)
         self._reported_drops = 0  # queue.dropped when the last flush answered
+        self.reported_at = time.time()  # when the last flush answered (or the start)
         self._work = anyio.Event()  # pulsed when an upload is queued
         self._changed = anyio.Event()  # pulsed when an upload leaves the queue
 
@@ -91,55 +130,131 @@ class Uploader:
         if self.policy.when_hit:
             self._offer(record)
 
-    def _offer(self, record: EntryRecord) -> None:
-        """Queue the entry's blocks not known to be in the store, once per entry."""
+    def _offer(self, record: EntryRecord) -> bool:
+        """Queue the entry's blocks not known to be in the store, once per entry; whether
+        it joined the queue (or is in it)."""
         if record.id in self._offered:
-            return
+            return self.queue.holds(record.id)
         self._offered.add(record.id)
         counters = self.link.counters
-        shareable = record.block_hashes and record.trimmable and record.checkpoint_key is None
-        if not shareable or record.prefill_checkpoint:
+        if not shareable(record):
             counters.not_shareable += 1
-            return
+            return False
         if record.digest in self._mismatched:
             counters.layout_mismatch += 1
-            return
+            return False
         blocks = tuple(h for h in record.block_hashes if (record.digest, h) not in self.known)
         if not blocks and record.digest in self.link.layouts:
-            return  # all there already
+            return False  # all there already
         if not self.link.health.up:  # the health said why, once
             self.queue.drop_at_once(len(blocks) * record.block_size)
-            return
+            return False
         dropped = self.queue.add(record.id, record.digest, blocks, record.block_size)
+        if blocks:  # an upload of the layout alone loses nothing if a stop cuts it off
+            self.journal.added(record.id, len(blocks) * record.block_size)
         for upload in dropped or ():
-            log.info("remote_upload_dropped", entry=upload.entry, bytes=upload.left, why="cap")
+            self._dropped(upload.entry, upload.left, "cap")
         self._work.set()
         self._work = anyio.Event()
+        return True
+
+    def _dropped(self, entry: str, nbytes: int, why: str) -> None:
+        """An upload left the queue unsent (counted by the queue already): said, unjournaled."""
+        self.journal.left(entry)
+        limited.info("remote_upload_dropped", entry=entry, bytes=nbytes, why=why)
+
+    # --- start-up ---------------------------------------------------------------------------
+
+    async def resume(self) -> None:
+        """Offer again the uploads the journal held at start (see the module's docstring),
+        once the tier has listed its directory; said at info when there were any."""
+        await self.link.tier.wait_settled()
+        resumed = self.resumed
+        uploads = self.policy.when_stored or self.policy.when_hit
+        while self._unresumed:
+            entry = next(iter(self._unresumed))
+            nbytes = self._unresumed.pop(entry)
+            record = self.link.tier.entry(entry)
+            if record is None or not uploads:
+                self.queue.drop_at_once(nbytes)
+                resumed.gone += record is None
+                self._dropped(entry, nbytes, "gone" if record is None else "policy never")
+            elif self._offer(record):
+                resumed.reoffered += 1
+            else:  # not shareable now, all in the store already, or the store down (counted)
+                self.journal.left(entry)
+        if self.damaged is not None and uploads:
+            self._offer_newest()
+        self._resuming.set()
+        if resumed.pending or self.damaged is not None:
+            log.info(
+                "remote_uploads_resumed",
+                pending=resumed.pending,
+                reoffered=resumed.reoffered,
+                gone=resumed.gone,
+                journal_damaged=self.damaged,
+            )
+
+    def _offer_newest(self) -> None:
+        """A damaged journal: the newest shareable entries, as many as the queue's cap holds,
+        offered again (a block the store holds costs a HEAD, not its bytes)."""
+        room = self.queue.cap_bytes - self.queue.pending_bytes
+        newest = sorted(self.link.tier.stored_entries(), key=lambda r: r.created, reverse=True)
+        chosen = []
+        for record in newest:
+            nbytes = len(record.block_hashes) * record.block_size
+            if not shareable(record) or nbytes > room:
+                continue
+            room -= nbytes
+            chosen.append(record)
+        for record in reversed(chosen):  # oldest first, as they came
+            self._offer(record)
 
     # --- sending ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Send queued uploads, oldest first, one at a time. Runs forever."""
+        """Resume (once), then send queued uploads, oldest first, one at a time, and keep
+        the journal. Runs forever."""
+        if not self._resuming.is_set():
+            await self.resume()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self.journal.run)
+            await self._drain()
+
+    async def _drain(self) -> None:
         while True:
             upload = self.queue.next()
             if upload is None:
                 await self._work.wait()
                 continue
-            sent = False
             try:
-                sent = await self._send(upload)
-            finally:
-                self.queue.done(upload, dropped=not sent)
-                self._changed.set()
-                self._changed = anyio.Event()
+                dropped = await self._send(upload)
+            except anyio.get_cancelled_exc_class():
+                raise  # the daemon stops: the upload stays in the journal, for the next start
+            except Exception:
+                self._finish(upload, "failed")
+                raise
+            self._finish(upload, dropped)
 
-    async def _send(self, upload: Upload) -> bool:
-        """One entry's layout and blocks, under a lease on the entry; False when it was
-        dropped (the store down or failing, the entry gone before its turn)."""
+    def _finish(self, upload: Upload, dropped: str | None) -> None:
+        """The upload in flight is done: sent whole (dropped None), or dropped (why)."""
+        self.queue.done(upload, dropped=dropped is not None)
+        if dropped is None:
+            self.journal.left(upload.entry)
+        else:
+            self._dropped(upload.entry, upload.left, dropped)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _send(self, upload: Upload) -> str | None:
+        """One entry's layout and blocks, under a lease on the entry; None when sent, else
+        why it was dropped (the store down or failing, the entry gone before its turn)."""
         link = self.link
-        leased = None if not link.health.up else link.tier.lease_entry(OWNER, upload.entry)
+        if not link.health.up:
+            return "store down"
+        leased = link.tier.lease_entry(OWNER, upload.entry)
         if leased is None:
-            return False
+            return "gone"
         record, lease, fd = leased
         try:
             try:
@@ -152,16 +267,17 @@ class Uploader:
             if await self._fits(layout):
                 await self._send_blocks(upload, record, lease)
         except NotShareable as exc:
-            log.info("remote_not_shareable", entry=record.id, why=str(exc))
+            limited.info("remote_not_shareable", entry=record.id, why=str(exc))
             link.counters.not_shareable += 1
-        except (StoreError, OSError, EntryFormatError, ProtocolError) as exc:
-            if not isinstance(exc, StoreError):  # the health has a store's failure
-                log.warning("remote_upload_failed", entry=record.id, error=str(exc))
-            return False
+        except StoreError:
+            return "store failed"  # the health has the store's failure
+        except (OSError, EntryFormatError, ProtocolError) as exc:
+            limited.warning("remote_upload_failed", entry=record.id, error=str(exc))
+            return "failed"
         finally:
             with contextlib.suppress(ProtocolError):  # expired (lease_max_age) meanwhile
                 link.tier.end_lease(OWNER, lease)
-        return True
+        return None
 
     async def _fits(self, layout: Layout) -> bool:
         """Whether the identity's layout in the store is this one's (writing it if there is
@@ -172,7 +288,7 @@ class Uploader:
             if stored is not None and stored.fits(layout):
                 return True
             self._mismatched.add(digest)
-            log.warning(
+            limited.warning(
                 "remote_layout_mismatch",
                 identity=digest,
                 block_tokens=layout.block_tokens,
@@ -246,16 +362,24 @@ class Uploader:
         self.known.add((digest, block_hash))
         self.queue.sent(upload, size)
 
-    async def flush(self, mark: Mark, timeout: float | None) -> tuple[int, int, int]:
-        """Wait until every upload of the mark (closed now) is sent or dropped, up to timeout
-        seconds: (uploads left, their bytes, uploads dropped since the last flush answered:
-        before this one began too, so that no drop goes unsaid)."""
-        self.queue.close(mark)
+    async def flush(self, mark: Mark, timeout: float | None) -> tuple[int, int, int, float]:
+        """Wait until the uploads from before the restart are offered again, then until every
+        upload of the mark (closed then) is sent or dropped, up to timeout seconds: (uploads
+        left, their bytes, uploads dropped since the last flush answered: before this one
+        began too, so that no drop goes unsaid, and when that was: the start for the first)."""
         with anyio.move_on_after(timeout):
+            await self._resuming.wait()
+            self.queue.close(mark)
             while self.queue.left_of(mark)[0]:
                 await self._changed.wait()
+        if not self._resuming.is_set():
+            self.queue.close(mark)
+        left, nbytes = self.queue.left_of(mark)
+        left += len(self._unresumed)
+        nbytes += sum(self._unresumed.values())
         dropped, self._reported_drops = (
             self.queue.dropped - self._reported_drops,
             self.queue.dropped,
         )
-        return (*self.queue.left_of(mark), dropped)
+        since, self.reported_at = self.reported_at, time.time()
+        return left, nbytes, dropped, since

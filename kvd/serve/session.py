@@ -595,6 +595,8 @@ class Session:
             remote_pending=flushed.uploads,
             remote_pending_bytes=flushed.upload_bytes,
             remote_dropped=flushed.dropped,
+            remote_dropped_for=flushed.dropped_for,
+            remote_down=flushed.down,
         )
 
     def _status(self, request: m.Request) -> m.StatusReply:

@@ -21,7 +21,7 @@ import itertools
 import operator
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -591,6 +591,14 @@ class Tier:
         """The identity's namespace, as a request or an entry's header told; None if unknown."""
         names = self.telemetry.identities.get(digest)
         return None if names is None else names.namespace
+
+    def entry(self, entry: str) -> EntryRecord | None:
+        """The entry by id; None without such an entry."""
+        return self.catalog.records.get(entry)
+
+    def stored_entries(self) -> Iterator[EntryRecord]:
+        """The durable entries (not those pending in the write-behind queue)."""
+        return self.catalog.durable()
 
     def identity_of(self, entry: str) -> str | None:
         """The digest of the identity of the entry by id; None without such an entry."""

@@ -7,6 +7,7 @@
 <dir>/quarantine/<id>.kve            files that failed validation, capped in bytes
 <dir>/deleting/<random>.gone         files taken out of the tier, being unlinked (deleter.py)
 <dir>/index.snapshot                 the index as of the last snapshot (a start-up shortcut)
+<dir>/uploads.journal                uploads to the remote tier pending (kvd.remote.upload_journal)
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class TierDir:
     @property
     def snapshot(self) -> Path:
         return self.root / "index.snapshot"
+
+    @property
+    def upload_journal(self) -> Path:
+        return self.root / "uploads.journal"
 
     def entry_path(self, digest: str, entry_id: str) -> Path:
         return self.entries / digest / f"{entry_id}{ENTRY_SUFFIX}"

@@ -30,6 +30,7 @@ from .fields import (
     _name,
     _optional,
     _prose,
+    _seconds,
     _status,
     _token_count,
     _tokens,
@@ -472,8 +473,10 @@ class Flush(Request):
 class FlushReply(Reply):
     """remote_pending, remote_pending_bytes: the uploads queued before a remote flush that
     were still pending when it answered; remote_dropped: the uploads dropped since the last
-    remote flush answered (nil unless it asked for remote). durable: the puts are durable and
-    the uploads all sent."""
+    remote flush answered, remote_dropped_for: the seconds since then (or since the daemon
+    started); remote_down: the store is down, and why (nil when it is not); all nil unless it
+    asked for remote. durable: the puts are durable and the uploads all sent, none dropped,
+    the store not down."""
 
     op: ClassVar[str] = "flush"
     durable: bool = field(metadata=wire(_bool))
@@ -481,6 +484,8 @@ class FlushReply(Reply):
     remote_pending: int | None = field(default=None, metadata=wire(_optional(_uint())))
     remote_pending_bytes: int | None = field(default=None, metadata=wire(_optional(_uint())))
     remote_dropped: int | None = field(default=None, metadata=wire(_optional(_uint())))
+    remote_dropped_for: float | None = field(default=None, metadata=wire(_optional(_seconds)))
+    remote_down: str | None = field(default=None, metadata=wire(_optional(_prose)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)

@@ -19,6 +19,8 @@ from kvd_protocol.messages import (
     ErrorReply,
     Evict,
     FindCheckpoint,
+    Flush,
+    FlushReply,
     HelloReply,
     Lookup,
     LookupReply,
@@ -49,6 +51,14 @@ OPTIONAL_FIELDS: dict[type[Message], set[str]] = {
     PutBegin: {"blocks", "block_tokens", "block_size", "prefill_cost"},
     PutBeginReply: {"held"},
     PutCommit: {"store_ms", "dropped"},
+    Flush: {"remote"},
+    FlushReply: {
+        "remote_pending",
+        "remote_pending_bytes",
+        "remote_dropped",
+        "remote_dropped_for",
+        "remote_down",
+    },
 }
 
 

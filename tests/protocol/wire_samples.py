@@ -170,6 +170,19 @@ def exchanges(first_id: int = 2) -> list[tuple[Request, Reply]]:
         (Flush(id=0, timeout=None), FlushReply(id=0, durable=True, pending=0)),
         (Flush(id=0, timeout=0.0), FlushReply(id=0, durable=False, pending=3)),
         (
+            Flush(id=0, timeout=5.0, remote=True),
+            FlushReply(
+                id=0,
+                durable=False,
+                pending=0,
+                remote_pending=2,
+                remote_pending_bytes=1 << 20,
+                remote_dropped=1,
+                remote_dropped_for=12.5,
+                remote_down="connection refused",
+            ),
+        ),
+        (
             Status(id=0),
             StatusReply(id=0, status={"entries": 3, "tiers": [{"bytes": 1.5, "name": b"x"}]}),
         ),

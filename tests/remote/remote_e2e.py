@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -90,6 +91,24 @@ def wait_remote(
 
 def flush_remote(daemon: Daemon, wait_s: float = 30.0) -> subprocess.CompletedProcess[str]:
     return kvctl(daemon, "flush", "--remote", "--wait", str(wait_s))
+
+
+AGO = re.compile(r" \(\d+[smhd] ago\)$")
+
+
+def flush_said(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """What `flush --remote` printed, line by line; a first line that counts drops ends with
+    how long ago that count began ("(42s ago)"), checked here and left out."""
+    lines = done.stdout.splitlines()
+    if lines and lines[0].startswith("not done:"):
+        assert AGO.search(lines[0]), done.stdout
+        lines[0] = AGO.sub("", lines[0])
+    return lines
+
+
+def dropped_since(count: int) -> str:
+    """The end of `flush --remote`'s first line when it is not done (flush_said's)."""
+    return f"{count} dropped since the last flush --remote or the start"
 
 
 def stored(store: S3Store, prefix: str) -> dict[str, int]:

@@ -16,7 +16,16 @@ from pathlib import Path
 from blocks_e2e import BLOCK_TOKENS, look_up, manifest_plan, put_v2, status
 from daemon_e2e import IDENTITY, RawPeer
 from daemon_process import Daemon, running_daemon
-from remote_e2e import flush_remote, remote_flags, remote_status, restart, stored, wait_remote
+from remote_e2e import (
+    dropped_since,
+    flush_remote,
+    flush_said,
+    remote_flags,
+    remote_status,
+    restart,
+    stored,
+    wait_remote,
+)
 from seaweed import SECRET_KEY, Seaweed
 
 from kvd.remote import keys
@@ -71,7 +80,7 @@ def test_over_its_cap_the_queue_drops_the_oldest_never_the_one_in_flight(
         assert (now["upload_drops"], now["upload_dropped_bytes"]) == (2, 4 * BLOCK_SIZE)
         said = flush_remote(daemon)
         assert said.returncode == 1, "not everything went"
-        assert said.stdout.strip().endswith("2 dropped since the last flush --remote")
+        assert flush_said(said)[0].endswith(dropped_since(2)), said.stdout
         done = flush_remote(daemon)
         assert done.returncode == 0, done.stdout + done.stderr
         now = remote_status(peer)
@@ -93,10 +102,10 @@ def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_kil
             put_v2(peer, IDENTITY, prompt(1, 2))
             left = flush_remote(daemon, wait_s=0.5)
             assert left.returncode == 1
-            assert left.stdout.strip() == (
+            assert flush_said(left) == [
                 f"not done: 0 puts not durable, 1 uploads ({2 * BLOCK_SIZE / 1024:.1f} KiB) "
-                "still pending, 0 dropped since the last flush --remote"
-            ), left.stdout
+                f"still pending, {dropped_since(0)}"
+            ], left.stdout
         resumed = flush_remote(daemon)  # the store goes on: the upload waiting for it ends
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         seaweed.kill()
@@ -106,8 +115,8 @@ def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_kil
             killed = flush_remote(daemon, wait_s=20)
             assert time.monotonic() - began < 10, "a refused connection fails fast"
             assert killed.returncode == 1
-            assert killed.stdout.strip().endswith(
-                "0 uploads (0 B) still pending, 1 dropped since the last flush --remote"
+            assert flush_said(killed)[0].endswith(
+                f"0 uploads (0 B) still pending, {dropped_since(1)}"
             ), killed.stdout
         finally:
             restart(seaweed)
