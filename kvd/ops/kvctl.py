@@ -371,7 +371,7 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
             f"({since} ago)"
         )
         if reply.remote_down is not None:
-            print(f"the remote store is down: {reply.remote_down}")
+            print(f"the remote store is down: {printable(reply.remote_down)}")
     return 0 if reply.durable else 1
 
 

@@ -137,6 +137,7 @@ def _remote(status: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"there already; {remote['upload_drops']:,} dropped "
             f"({size(remote['upload_dropped_bytes'])})",
         ),
+        *_upload_journal(remote),
         (
             "downloads",
             f"{remote['downloaded_blocks']:,} blocks ({size(remote['downloaded_bytes'])}); "
@@ -145,6 +146,21 @@ def _remote(status: Mapping[str, Any]) -> list[tuple[str, str]]:
             + " p50",
         ),
     ]
+
+
+def _upload_journal(remote: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The upload journal: what it holds, what the start found in it, its problem if any
+    (no row from a daemon without one)."""
+    if "journal_uploads" not in remote:
+        return []
+    text = (
+        f"{remote['journal_uploads']:,} uploads ({size(remote['journal_bytes'])}); from "
+        f"before the restart {remote['restart_uploads']:,}: {remote['restart_reoffered']:,} "
+        f"offered again, {remote['restart_gone']:,} gone"
+    )
+    if remote["journal_problem"]:
+        text += f"; {remote['journal_problem']}"
+    return [("upload journal", text)]
 
 
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:

@@ -175,3 +175,22 @@ def test_wrong_credentials_run_local_only_and_say_so_once_without_the_secret(
         assert wrong not in text
         assert SECRET_KEY not in text
     assert stored(s3_store, s3_prefix) == {}
+
+
+def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_send(
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Nothing queued, nothing dropped: with the store down (credentials refused), `flush
+    --remote` still says what it could not do, and exits 1."""
+    flags = remote_flags(seaweed, tmp_path, s3_prefix, secret="not-the-secret-77d1")
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+        wait_remote(peer, lambda r: r["state"] == "down", "credentials refused")
+        said = flush_remote(daemon, wait_s=5)
+        assert said.returncode == 1, said.stdout + said.stderr
+        first, down = flush_said(said)
+        assert first == (
+            f"not done: 0 puts not durable, 0 uploads (0 B) still pending, {dropped_since(0)}"
+        )
+        assert down.startswith("the remote store is down: ")
+        assert "403" in down
+        assert "durable and uploaded" not in said.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, Begun, look_up, manifest_plan, put_v2, read_manifest
 from daemon_e2e import IDENTITY, RawPeer
-from daemon_process import Daemon, running_daemon
+from daemon_process import Daemon, kvctl, running_daemon
 from remote_e2e import (
     dropped_since,
     flush_remote,
@@ -156,6 +156,12 @@ def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
             assert now["upload_drops"] == 1
             again = flush_remote(daemon)
             assert again.returncode == 0, "said once"
+            shown = kvctl(daemon, "status").stdout
+            (row,) = [line for line in shown.splitlines() if line.startswith("upload journal")]
+            assert row.endswith(
+                f"; from before the restart {len(pending)}: {len(pending) - 1} offered again, "
+                "1 gone"
+            ), row
     kept = [b for b in entries if b is not gone]
     assert missing_blocks(s3_store, s3_prefix, kept) == []
     (dropped,) = events(daemon, "remote_upload_dropped")
