@@ -69,6 +69,18 @@ def test_a_rate_limited_warning_goes_out_once_a_period_and_counts_the_rest() -> 
     assert [(e["event"], e["level"]) for e in events[3:]] == [("another_event", "warning")]
 
 
+def test_a_rate_limited_info_line_shares_the_rule_at_its_own_level() -> None:
+    out = io.StringIO()
+    configure_logging("json", stream=out, environ={})
+    now = [0.0]
+    limited = RateLimited(get_logger("kvd.remote.uploader"), every=10.0, clock=lambda: now[0])
+    for second in (0.0, 3.0, 11.0):
+        now[0] = second
+        limited.info("remote_upload_dropped", why="cap")
+    events = json_lines(out.getvalue())
+    assert [(e["level"], e.get("suppressed")) for e in events] == [("info", None), ("info", 1)]
+
+
 def test_auto_is_json_off_a_terminal() -> None:
     out = io.StringIO()
     configure_logging("auto", stream=out, environ={})

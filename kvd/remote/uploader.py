@@ -229,8 +229,11 @@ class Uploader:
                 continue
             try:
                 dropped = await self._send(upload)
+                # A stop may end the calls under way: their failure is the stop's, and the
+                # upload stays in the journal for the next start.
+                await anyio.lowlevel.checkpoint()
             except anyio.get_cancelled_exc_class():
-                raise  # the daemon stops: the upload stays in the journal, for the next start
+                raise
             except Exception:
                 self._finish(upload, "failed")
                 raise
@@ -271,7 +274,7 @@ class Uploader:
             link.counters.not_shareable += 1
         except StoreError:
             return "store failed"  # the health has the store's failure
-        except (OSError, EntryFormatError, ProtocolError) as exc:
+        except (OSError, ValueError, EntryFormatError, ProtocolError) as exc:
             limited.warning("remote_upload_failed", entry=record.id, error=str(exc))
             return "failed"
         finally:

@@ -9,7 +9,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from blocks_e2e import commit, status, wait
 from daemon_e2e import RawPeer, wait_until
@@ -25,12 +25,20 @@ WRITABLE_S = 60.0
 WARM_BYTES = 64 << 10
 
 
+class Store(Protocol):
+    """A test store a daemon can be pointed at: SeaweedFS (seaweed.py), the fake bucket
+    (fake_bucket.py)."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+
 def remote_flags(
-    seaweed: Seaweed, folder: Path, prefix: str, *, secret: str = SECRET_KEY, **settings: object
+    store: Store, folder: Path, prefix: str, *, secret: str = SECRET_KEY, **settings: object
 ) -> list[str]:
-    """A daemon's flags for the test store under prefix: its credentials in a 0600 file
-    (secret: the one written there), settings as `remote_*` flags (upload_rate=... gives
-    --remote-upload-rate)."""
+    """A daemon's flags for the test store under prefix (its bucket `kvd`): its credentials
+    in a 0600 file (secret: the one written there), settings as `remote_*` flags
+    (upload_rate=... gives --remote-upload-rate)."""
     folder.mkdir(parents=True, exist_ok=True)
     credentials = folder / "credentials"
     credentials.write_text(
@@ -41,7 +49,7 @@ def remote_flags(
         "--remote",
         f"s3://{BUCKET}/{prefix}",
         "--remote-endpoint",
-        seaweed.endpoint,
+        store.endpoint,
         "--remote-credentials-file",
         str(credentials),
     ]

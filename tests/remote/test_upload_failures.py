@@ -33,6 +33,7 @@ from kvd.remote.s3 import S3Store
 
 DIGEST = IDENTITY.digest()
 LOOKUP_BOUND_S = 1.0  # a lookup with the store gone answers far within this (it never asks)
+RATE_PERIOD_S = 10.0  # kvd.logs.RateLimited's: one line per event this often
 
 
 def prompt(n: int, blocks: int) -> list[int]:
@@ -43,9 +44,17 @@ def prompt(n: int, blocks: int) -> list[int]:
 BLOCK_SIZE = manifest_plan(IDENTITY, prompt(0, 1)).block_size
 
 
-def down_warnings(daemon: Daemon) -> list[dict[str, object]]:
+def logged(daemon: Daemon, name: str) -> list[dict[str, object]]:
     events = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
-    return [e for e in events if e.get("event") == "remote_down"]
+    return [e for e in events if e.get("event") == name]
+
+
+def down_warnings(daemon: Daemon) -> list[dict[str, object]]:
+    return logged(daemon, "remote_down")
+
+
+def dropped_lines(daemon: Daemon) -> list[dict[str, object]]:
+    return logged(daemon, "remote_upload_dropped")
 
 
 def timed_lookup(peer: RawPeer, tokens: list[int]) -> float:
@@ -194,3 +203,29 @@ def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_s
         assert down.startswith("the remote store is down: ")
         assert "403" in down
         assert "durable and uploaded" not in said.stdout
+
+
+def test_drops_a_slow_store_provokes_are_logged_once_a_period_with_the_count_left_out(
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+) -> None:
+    """One block a second into a queue of one block's bytes: every entry put meanwhile drops
+    the one queued before it. Five drops in a moment are one line; the next drop, a period
+    later, is a line that counts the four left out."""
+    flags = remote_flags(
+        seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE, upload_bytes=BLOCK_SIZE
+    )
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+        put_v2(peer, IDENTITY, prompt(1, 30))  # in flight for about 30 s
+        for n in range(2, 8):
+            put_v2(peer, IDENTITY, prompt(n, 2))
+        assert remote_status(peer)["upload_drops"] == 5
+        (first,) = dropped_lines(daemon)
+        time.sleep(RATE_PERIOD_S + 0.5)
+        put_v2(peer, IDENTITY, prompt(8, 2))  # drops the seventh
+        now = remote_status(peer)
+        assert (now["upload_drops"], now["pending_uploads"]) == (6, 2), "the first in flight still"
+        lines = dropped_lines(daemon)
+    assert len(lines) == 2
+    assert "suppressed" not in first
+    assert lines[1]["suppressed"] == 4
+    assert lines[1]["why"] == "cap"
