@@ -210,3 +210,24 @@ def test_the_journal_stays_small_however_many_uploads_pass(
         size = TierDir(daemon.tier).upload_journal.stat().st_size
         bound = len(journal_format.MAGIC) + journal_format.COMPACT_MIN * journal_format.RECORD.size
         assert size <= bound < 2 * count * journal_format.RECORD.size
+
+
+def test_a_journal_that_cannot_be_read_or_written_is_said_and_the_uploads_go_on(
+    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A folder where the journal's file should be: start-up says it cannot read it, every
+    write says it cannot write it (once), and the uploads reach the store all the same."""
+    journal = TierDir(tmp_path / "tier").upload_journal
+    journal.mkdir(parents=True)
+    flags = remote_flags(seaweed, tmp_path, s3_prefix)
+    with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+        entries = [put_v2(peer, IDENTITY, prompt(n, 2)) for n in (1, 2)]
+        done = flush_remote(daemon)
+        assert done.returncode == 0, done.stdout + done.stderr
+        now = wait_remote(peer, lambda r: "cannot write" in (r["journal_problem"] or ""), "said")
+        assert now["uploaded_blocks"] == 4
+        (unreadable,) = events(daemon, "remote_upload_journal_damaged")
+        assert str(unreadable["why"]).startswith("unreadable: ")
+        (failed,) = events(daemon, "remote_upload_journal_failed")
+        assert failed["level"] == "warning"
+    assert missing_blocks(s3_store, s3_prefix, entries) == []
