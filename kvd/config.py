@@ -354,7 +354,7 @@ class Config:
         metadata=setting(
             quantities.duration,
             "SECONDS",
-            "a request to the store that takes longer (to connect, or between two reads) "
+            "a request to the store not done within this (connect, send, the whole answer) "
             "fails, and counts against the store's health",
         ),
     )

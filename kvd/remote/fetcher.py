@@ -302,7 +302,9 @@ class Fetcher:
         digest, block = put.identity.digest(), plan.hashes[index]
         key, size = self._link.block_key(digest, block), plan.block_size
         try:
-            got = await self._link.call(lambda store: store.get_to_file(key, fd, size))
+            got = await self._link.call(
+                lambda store, by: store.get_to_file(key, fd, size, deadline=by)
+            )
         except ObjectTooLarge as exc:
             raise FetchError("damaged", f"block {index}: {exc}", index) from None
         if got is None:

@@ -2,7 +2,11 @@
 the fetches share.
 
 Every store call goes through call(): a worker thread under one limiter (remote_requests at
-once for the whole daemon), its outcome told to the health. The identities' layouts read or
+once for the whole daemon), within a deadline on its whole duration (remote_request_timeout
+by default; a fetch gives what is left of its own), its outcome told to the health. A call
+whose caller is cancelled (a fetch out of time, the daemon stopping) is not waited for: its
+connection is shut down at once (s3.Interrupt), its thread abandoned and counted, its limiter
+token given back. The identities' layouts read or
 written, and the blocks known to be in the store (a bounded LRU), are kept here: both paths
 learn them.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ import anyio
 from kvd.config import Config
 from kvd.logs import get_logger
 from kvd.remote import keys
+from kvd.remote.deadlines import Interrupt
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.lru import LruSet
@@ -55,6 +61,7 @@ class RemoteCounters:
     downloaded_blocks: int = 0
     downloaded_bytes: int = 0
     hits: int = 0  # fetches committed
+    abandoned_requests: int = 0  # store calls under way whose caller was cancelled
     misses: Counter[str] = field(default_factory=Counter)  # by reason
     fetch_rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATES_KEPT))
 
@@ -79,13 +86,33 @@ class StoreLink:
         self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS, KNOWN_MAX_AGE)
         self.store: S3Store | None = None  # made by the first call (credentials read then)
 
-    async def call(self, request: Callable[[S3Store], T]) -> T:
-        """request(store) in a worker thread under the limiter, its outcome told to the
-        health: StoreError as the client raises it (a StoreAuthError when no credentials
-        can be had). ObjectTooLarge is the store's answer, not its failure."""
+    async def call(
+        self, request: Callable[[S3Store, float], T], deadline: float | None = None
+    ) -> T:
+        """request(store, deadline) in a worker thread under the limiter, its outcome told to
+        the health: StoreError as the client raises it (a StoreAuthError when no credentials
+        can be had; StoreUnavailable past deadline, by default remote_request_timeout from
+        now). ObjectTooLarge is the store's answer, not its failure. Cancelled, it returns
+        at once: the call's connection is shut down and its thread left to end by itself."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.remote_request_timeout
+        interrupt = Interrupt()
+        started = ended = False
+
+        def work(store: S3Store) -> T:
+            nonlocal started, ended
+            started = True
+            try:
+                with store.interruptible(interrupt):
+                    return request(store, deadline)
+            finally:
+                ended = True
+
         try:
             store = self.store or self._open()
-            result = await anyio.to_thread.run_sync(request, store, limiter=self.limiter)
+            result = await anyio.to_thread.run_sync(
+                work, store, limiter=self.limiter, abandon_on_cancel=True
+            )
         except ObjectTooLarge:
             self.health.succeeded()
             raise
@@ -95,6 +122,10 @@ class StoreLink:
         except StoreError as exc:
             self.health.failed(str(exc))
             raise
+        finally:
+            if not ended:  # cancelled: a thread not started yet will not use its connection
+                interrupt.interrupt()
+                self.counters.abandoned_requests += started
         self.health.succeeded()
         return result
 
@@ -108,7 +139,7 @@ class StoreLink:
         learns it): a listing of one key under the prefix."""
         root = keys.identity_key(self.prefix, "")
         with contextlib.suppress(StoreError):  # the health has it
-            await self.call(lambda store: store.list(root, 1))
+            await self.call(lambda store, by: store.list(root, 1, deadline=by))
 
     def block_key(self, digest: str, block_hash: bytes) -> str:
         return keys.block_key(self.prefix, digest, block_hash)
@@ -116,15 +147,18 @@ class StoreLink:
     def layout_key(self, digest: str) -> str:
         return keys.layout_key(self.prefix, digest)
 
-    async def stored_layout(self, digest: str) -> Layout | None:
+    async def stored_layout(self, digest: str, deadline: float | None = None) -> Layout | None:
         """The identity's layout in the store (kept once read); None when there is none, or
-        one that is not a layout (said at warning). StoreError as call() raises it."""
+        one that is not a layout (said at warning). StoreError as call() raises it, within
+        deadline as call()'s."""
         found = self.layouts.get(digest)
         if found is not None:
             return found
         key = self.layout_key(digest)
         try:
-            data = await self.call(lambda store: store.get(key, LAYOUT_LIMIT))
+            data = await self.call(
+                lambda store, by: store.get(key, LAYOUT_LIMIT, deadline=by), deadline
+            )
         except ObjectTooLarge as exc:
             log.warning("remote_layout_refused", identity=digest, error=str(exc))
             return None
@@ -144,7 +178,7 @@ class StoreLink:
         StoreError as call() raises it."""
         key = self.layout_key(layout.identity)
         data = encode_layout(layout)
-        if await self.call(lambda store: store.put_if_absent(key, data)):
+        if await self.call(lambda store, by: store.put_if_absent(key, data, deadline=by)):
             self.layouts[layout.identity] = layout
             return layout
         return await self.stored_layout(layout.identity)

@@ -111,7 +111,7 @@ class Prober:
         if (digest, block) in known:
             return True
         key = self._link.block_key(digest, block)
-        if await self._link.call(lambda store: store.head(key)) is None:
+        if await self._link.call(lambda store, by: store.head(key, deadline=by)) is None:
             return False
         known.add((digest, block))
         return True

@@ -127,4 +127,5 @@ class Remote:
             "misses": sum(counters.misses.values()),
             "misses_by_reason": dict(counters.misses),
             "restore_gbps_p50": counters.fetch_gbps_p50(),
+            "abandoned_requests": counters.abandoned_requests,
         }

@@ -1,9 +1,13 @@
 """A small S3 client: the few calls the remote tier makes, on http.client.
 
-Blocking and thread-safe: each thread keeps one connection (keep-alive) to the endpoint, and
-every call is bounded by the request timeout on connect and on each read. Bodies are read
-into the caller's file or buffer and never past the caller's limit, so a hostile or broken
-store cannot make the daemon hold more than it asked for. Requests are signed with SigV4 in
+Blocking and thread-safe: each thread keeps one connection (keep-alive) to the endpoint. Every
+call has a deadline on its whole duration (connect, send, the answer's head and body; by
+default the request timeout from now): a watchdog thread shuts down the connection of a call
+still under way at its deadline, so a store that trickles its answer a byte at a time cannot
+hold a call past it. Another thread may end a call at once the same way (Interrupt: the
+daemon's event loop, for a call it no longer waits for). Bodies are read into the caller's file
+or buffer and never past the caller's limit, so a hostile or broken store cannot make the
+daemon hold more than it asked for. Requests are signed with SigV4 in
 the Authorization header; over plain http a body's sha256 is signed too (the store refuses a
 body changed on the way), over https TLS already protects it and the body goes unsigned (no
 hash pass over every block uploaded). Addressing is path-style (bucket in the path), which
@@ -26,15 +30,18 @@ import re
 import socket
 import ssl
 import threading
+import time
 import weakref
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
 from kvd.config import Config
 from kvd.remote.credentials import Credentials, CredentialsError, load_credentials
+from kvd.remote.deadlines import Bound, Interrupt
 from kvd.remote.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Signer, canonical_query, uri_path
 
 CHUNK: Final = 1 << 20  # bytes read from the socket at a time
@@ -75,10 +82,14 @@ def endpoint_for(endpoint: str, region: str, bucket: str) -> tuple[str, str]:
     return f"https://{bucket}.s3.{region}.amazonaws.com", ""
 
 
-def _describe(error: BaseException, timeout: float) -> str:
+def _describe(error: BaseException, bound: Bound) -> str:
     """A failure's cause in a few words (never a request or header)."""
+    if bound.interrupt.expired:
+        return bound.overdue()
+    if bound.interrupt.interrupted:
+        return "interrupted"
     if isinstance(error, TimeoutError):
-        return f"no answer within {timeout:g} s"
+        return bound.overdue()
     if isinstance(error, ssl.SSLCertVerificationError):
         return f"TLS: {error.verify_message}"
     if isinstance(error, ssl.SSLError):
@@ -156,46 +167,58 @@ class S3Store:
 
     # The calls.
 
-    def head(self, key: str) -> int | None:
+    def head(self, key: str, *, deadline: float | None = None) -> int | None:
         """The object's size; None if there is none."""
-        response = self._request("HEAD", key)
-        self._finish(response)  # a HEAD's answer has no body, so no error Code either
-        if response.status == 404:
-            return None
-        if not 200 <= response.status < 300:
-            raise _failure(f"HEAD {key}", response.status, "")
-        size = _content_length(response)
-        if size is None:
-            raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
-        return size
+        with self._call(deadline) as bound:
+            response = self._request(bound, "HEAD", key)
+            self._finish(response)  # a HEAD's answer has no body, so no error Code either
+            if response.status == 404:
+                return None
+            if not 200 <= response.status < 300:
+                raise _failure(f"HEAD {key}", response.status, "")
+            size = _content_length(response)
+            if size is None:
+                raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
+            return size
 
-    def get(self, key: str, limit: int) -> bytes | None:
+    def get(self, key: str, limit: int, *, deadline: float | None = None) -> bytes | None:
         """A small object whole; None if there is none; ObjectTooLarge past `limit` bytes."""
-        response = self._request("GET", key)
-        if self._absent(response, f"GET {key}"):
-            return None
-        return self._read_all(response, f"GET {key}", limit)
+        with self._call(deadline) as bound:
+            response = self._request(bound, "GET", key)
+            if self._absent(response, f"GET {key}"):
+                return None
+            return self._read_all(bound, response, f"GET {key}", limit)
 
-    def get_to_file(self, key: str, fd: int, limit: int) -> int | None:
+    def get_to_file(
+        self, key: str, fd: int, limit: int, *, deadline: float | None = None
+    ) -> int | None:
         """Streams the object into `fd` from offset 0 (pwrite) and returns its size; None if
         there is none; ObjectTooLarge past `limit` bytes (what was written stays: the
         caller's file is a staging file it deletes)."""
-        response = self._request("GET", key)
-        if self._absent(response, f"GET {key}"):
-            return None
-        return self._read_body(
-            response, f"GET {key}", limit, lambda chunk, offset: _pwrite_all(fd, chunk, offset)
-        )
+        with self._call(deadline) as bound:
+            response = self._request(bound, "GET", key)
+            if self._absent(response, f"GET {key}"):
+                return None
+            return self._read_body(
+                bound,
+                response,
+                f"GET {key}",
+                limit,
+                lambda chunk, offset: _pwrite_all(fd, chunk, offset),
+            )
 
-    def put_if_absent(self, key: str, body: bytes) -> bool:
+    def put_if_absent(self, key: str, body: bytes, *, deadline: float | None = None) -> bool:
         """Creates the object unless the key exists (If-None-Match: *): False if it did."""
         payload = UNSIGNED_PAYLOAD if self._tls else hashlib.sha256(body).hexdigest()
-        response = self._request(
-            "PUT", key, headers={"if-none-match": "*"}, payload=payload, body=body
-        )
-        return self._created(response, f"PUT {key}")
+        with self._call(deadline) as bound:
+            response = self._request(
+                bound, "PUT", key, headers={"if-none-match": "*"}, payload=payload, body=body
+            )
+            return self._created(response, f"PUT {key}")
 
-    def put_file_if_absent(self, key: str, fd: int, size: int) -> bool:
+    def put_file_if_absent(
+        self, key: str, fd: int, size: int, *, deadline: float | None = None
+    ) -> bool:
         """As put_if_absent, the body the first `size` bytes of `fd` (sent with sendfile over
         http; the fd's offset moves). ValueError if the file is shorter; the file's own read
         errors are OSErrors, not StoreErrors (sent through TLS, the store's and the file's
@@ -203,36 +226,52 @@ class S3Store:
         if os.fstat(fd).st_size < size:
             raise ValueError(f"the file ended at {os.fstat(fd).st_size} of {size} bytes")
         payload = UNSIGNED_PAYLOAD if self._tls else _file_sha256(fd, size)
-        response = self._request(
-            "PUT", key, headers={"if-none-match": "*"}, payload=payload, file=(fd, size)
-        )
-        return self._created(response, f"PUT {key}")
+        with self._call(deadline) as bound:
+            response = self._request(
+                bound, "PUT", key, headers={"if-none-match": "*"}, payload=payload, file=(fd, size)
+            )
+            return self._created(response, f"PUT {key}")
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, deadline: float | None = None) -> None:
         """Deletes the object (an absent one too)."""
-        response = self._request("DELETE", key)
-        code = self._error_code(response)
+        with self._call(deadline) as bound:
+            response = self._request(bound, "DELETE", key)
+            code = self._error_code(response)
         if not 200 <= response.status < 300 and (response.status, code) != (404, "NoSuchKey"):
             raise _failure(f"DELETE {key}", response.status, code)
 
-    def list(self, prefix: str, limit: int) -> list[tuple[str, int]]:
+    def list(
+        self, prefix: str, limit: int, *, deadline: float | None = None
+    ) -> list[tuple[str, int]]:
         """Up to `limit` (key, size) pairs of the objects whose key starts with `prefix`, in
-        key order."""
+        key order (every page within the one deadline)."""
         found: list[tuple[str, int]] = []
         token = ""
-        while len(found) < limit:
-            query = {"list-type": "2", "prefix": prefix}
-            query["max-keys"] = str(min(LIST_PAGE_KEYS, limit - len(found)))
-            if token:
-                query["continuation-token"] = token
-            what = f"LIST {prefix}"
-            response = self._request("GET", None, query=query)
-            self._check(response, what)
-            entries, token = _parse_list(self._read_all(response, what, LIST_PAGE_LIMIT), what)
-            found.extend(entries[: limit - len(found)])
-            if not (token and entries):  # an empty page that says more follow would loop
-                break
+        with self._call(deadline) as bound:
+            while len(found) < limit:
+                query = {"list-type": "2", "prefix": prefix}
+                query["max-keys"] = str(min(LIST_PAGE_KEYS, limit - len(found)))
+                if token:
+                    query["continuation-token"] = token
+                what = f"LIST {prefix}"
+                response = self._request(bound, "GET", None, query=query)
+                self._check(response, what)
+                page = self._read_all(bound, response, what, LIST_PAGE_LIMIT)
+                entries, token = _parse_list(page, what)
+                found.extend(entries[: limit - len(found)])
+                if not (token and entries):  # an empty page that says more follow would loop
+                    break
         return found
+
+    @contextmanager
+    def interruptible(self, interrupt: Interrupt) -> Iterator[None]:
+        """The calls this thread makes within are ended by interrupt.interrupt() (from any
+        thread) as by their deadline."""
+        self._local.interrupt = interrupt
+        try:
+            yield
+        finally:
+            self._local.interrupt = None
 
     def close(self) -> None:
         """Closes every thread's connection (a later call opens a new one)."""
@@ -242,6 +281,19 @@ class S3Store:
             connection.close()
 
     # The transport.
+
+    @contextmanager
+    def _call(self, deadline: float | None) -> Iterator[Bound]:
+        """One call's bound: until deadline (None: the request timeout from now), ended by
+        the thread's Interrupt if it has one. Its socket is watched no more once it ends, so
+        a later interrupt cannot shut down the connection the thread keeps for the next."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        bound = Bound.until(deadline, getattr(self._local, "interrupt", None))
+        try:
+            yield bound
+        finally:
+            bound.interrupt.watch(None)
 
     def _connection(self) -> http.client.HTTPConnection:
         connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
@@ -261,6 +313,7 @@ class S3Store:
 
     def _request(
         self,
+        bound: Bound,
         method: str,
         key: str | None,
         *,
@@ -273,7 +326,9 @@ class S3Store:
         """Sends one signed request and returns the response, its body unread. A connection
         kept from an earlier call that turns out closed by the store (its idle timeout, a
         restart) is replaced once; a conditional PUT sent twice that way answers 412 the
-        second time if the first reached the store, which reads as "already there": true."""
+        second time if the first reached the store, which reads as "already there": true.
+        Every step is within bound: its connect and sends by their socket timeout, the
+        whole by the watchdog (bound's Interrupt shuts the socket down)."""
         path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
         query = query or {}
         signed = self._signer.headers(
@@ -292,6 +347,13 @@ class S3Store:
             connection = self._connection()
             reused = connection.sock is not None
             try:
+                if connection.sock is None:
+                    connection.timeout = bound.left()
+                    connection.connect()
+                else:
+                    connection.sock.settimeout(bound.left())
+                if not bound.interrupt.watch(connection.sock):
+                    raise TimeoutError("interrupted")  # described by bound
                 connection.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
                 for name, value in signed.items():
                     connection.putheader(name, value)
@@ -305,8 +367,9 @@ class S3Store:
                 return connection.getresponse()
             except (OSError, http.client.HTTPException) as error:  # TLS refusals are OSErrors
                 connection.close()
-                if not (retry and reused) or isinstance(error, TimeoutError):
-                    raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+                again = retry and reused and not bound.interrupt.interrupted
+                if not again or isinstance(error, TimeoutError):
+                    raise StoreUnavailable(f"{what}: {_describe(error, bound)}") from None
                 retry = False
             except ValueError:  # the caller's file is shorter than it said
                 connection.close()
@@ -314,14 +377,16 @@ class S3Store:
 
     def _read_body(
         self,
+        bound: Bound,
         response: http.client.HTTPResponse,
         what: str,
         limit: int,
         sink: Callable[[memoryview, int], object],
     ) -> int:
         """Reads the body into `sink(chunk, offset)`, never more than limit + 1 bytes; the
-        size read. A body that ends before its Content-Length is the store failing; the
-        sink's own errors (a full disk) are the caller's, raised as they are."""
+        size read. A body that ends before its Content-Length, or not by bound's deadline
+        (the watchdog shut its socket: it looks ended), is the store failing; the sink's own
+        errors (a full disk) are the caller's, raised as they are."""
         declared = _content_length(response)
         if declared is not None and declared > limit:
             self._drop(response)
@@ -333,7 +398,7 @@ class S3Store:
                 count = response.readinto(buffer[: min(len(buffer), limit + 1 - total)])
             except (OSError, http.client.HTTPException) as error:
                 self._drop(response)
-                raise StoreUnavailable(f"{what}: {_describe(error, self.timeout)}") from None
+                raise StoreUnavailable(f"{what}: {_describe(error, bound)}") from None
             if not count:
                 break
             if total + count > limit:
@@ -345,14 +410,19 @@ class S3Store:
                 self._drop(response)
                 raise
             total += count
+        if bound.interrupt.interrupted:
+            self._drop(response)
+            raise StoreUnavailable(f"{what}: {_describe(TimeoutError(), bound)}")
         if declared is not None and total != declared:
             self._drop(response)
             raise StoreUnavailable(f"{what}: the body ended at {total} of {declared} bytes")
         return total
 
-    def _read_all(self, response: http.client.HTTPResponse, what: str, limit: int) -> bytes:
+    def _read_all(
+        self, bound: Bound, response: http.client.HTTPResponse, what: str, limit: int
+    ) -> bytes:
         body = bytearray()
-        self._read_body(response, what, limit, lambda chunk, _: body.extend(chunk))
+        self._read_body(bound, response, what, limit, lambda chunk, _: body.extend(chunk))
         return bytes(body)
 
     def _drop(self, response: http.client.HTTPResponse) -> None:

@@ -349,10 +349,12 @@ class Uploader:
             if failures:
                 return
             try:
-                created = await link.call(lambda store: store.head(key)) is None
+                created = await link.call(lambda store, by: store.head(key, deadline=by)) is None
                 if created:
                     await self._rate.wait_for(size)
-                    created = await link.call(lambda store: store.put_file_if_absent(key, fd, size))
+                    created = await link.call(
+                        lambda store, by: store.put_file_if_absent(key, fd, size, deadline=by)
+                    )
             except (StoreError, OSError, ValueError) as exc:
                 failures.append(exc)
                 return

@@ -103,6 +103,7 @@ REMOTE_COUNTERS = (
     ("downloaded_blocks", "kvd_remote_downloaded_blocks", "blocks fetched from the store"),
     ("downloaded_bytes", "kvd_remote_downloaded_bytes", "bytes fetched from the store"),
     ("hits", "kvd_remote_hits", "fetches from the store committed"),
+    ("abandoned_requests", "kvd_remote_abandoned_requests", "store requests cut off mid-way"),
 )
 REMOTE_STATES = ("ok", "degraded", "down")
 # The status's "prefill_checkpoints" map, of the tier (kvd_prefill_checkpoint_*) and of each

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvd.remote.credentials import Credentials
+from kvd.remote.deadlines import Interrupt
 from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError, StoreUnavailable
 
 Script = Callable[[socket.socket, bytes], None]  # answers one request (its head given)
@@ -135,16 +136,61 @@ def test_a_body_cut_short_is_the_store_failing(
     still_works(hostile, store)
 
 
-def test_a_trickle_that_stalls_times_out(hostile: HostileStore, store: S3Store) -> None:
-    def stall(connection: socket.socket, head: bytes) -> None:
-        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nx")
-        time.sleep(2.0)
+@pytest.mark.parametrize("part", ["stall", "body", "head"])
+def test_a_slow_answer_ends_at_the_calls_deadline(
+    hostile: HostileStore, store: S3Store, part: str
+) -> None:
+    """A body that stalls, or a body or head sent a byte at a time, each well within the
+    read timeout (0.5 s): the call ends at its deadline, the request timeout from its start
+    unless the caller gives one."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
 
-    hostile.script = stall
+    def slow(connection: socket.socket, request: bytes) -> None:
+        if part == "stall":
+            connection.sendall(head + b"x")
+            time.sleep(5.0)
+            return
+        if part == "body":
+            connection.sendall(head)
+        for byte in (b"x" * 1000) if part == "body" else head:
+            connection.sendall(bytes([byte]))
+            time.sleep(0.1)
+
+    hostile.script = slow
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=r"no answer within 0.5 s"):
+    with pytest.raises(StoreUnavailable, match=r"not done within 0.5 s"):
         store.get("k", LIMIT)
     assert time.monotonic() - started < 1.5
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"not done within 2 s"):
+        store.get("k", LIMIT, deadline=time.monotonic() + 2.0)
+    assert 1.5 < time.monotonic() - started < 3.0
+    still_works(hostile, store)
+
+
+def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store: S3Store) -> None:
+    def hang(connection: socket.socket, request: bytes) -> None:
+        time.sleep(5.0)
+
+    hostile.script = hang
+    interrupt = Interrupt()
+    failures: list[BaseException] = []
+
+    def call() -> None:
+        with store.interruptible(interrupt):
+            try:
+                store.get("k", LIMIT, deadline=time.monotonic() + 30.0)
+            except StoreError as error:
+                failures.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    interrupt.interrupt()
+    thread.join(timeout=5.0)
+    assert time.monotonic() - started < 1.0
+    assert [str(error) for error in failures] == ["GET k: interrupted"]
     still_works(hostile, store)
 
 
