@@ -21,7 +21,7 @@ import fnmatch
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -466,6 +466,37 @@ def settings_table() -> str:
 
 
 # ---- loading -------------------------------------------------------------------------------
+
+
+def settings_of(config: Config) -> dict[str, object]:
+    """config's settings as a TOML table holds them (paths and choices as strings, quotas as a
+    table; a setting that is off, None, left out): what a daemon reports of itself, which
+    with_settings reads back."""
+    table = {name: getattr(config, name) for name in SETTINGS}
+    return {
+        name: dict(value) if name == "quotas" else _plain(value)
+        for name, value in table.items()
+        if value is not None
+    }
+
+
+def _plain(value: object) -> object:
+    """A setting's value as TOML holds it: a path or a choice as its string."""
+    return str(value) if isinstance(value, Path | StrEnum) else value
+
+
+def with_settings(config: Config, table: Mapping[str, object], source: str) -> Config:
+    """config with the settings of table (settings_of's) in place of its own; a key it does
+    not know (a newer daemon's) is left out. Raises ConfigError naming source."""
+    root = Path("/")  # the paths of a daemon's settings are absolute already
+    return replace(
+        config,
+        **{
+            key: _parse(source, key, value, root, root)
+            for key, value in table.items()
+            if key in SETTINGS
+        },
+    )
 
 
 def _expand(path: Path, home: Path, base: Path) -> Path:

@@ -1,8 +1,9 @@
 """`kvctl doctor`: every assumption kvd makes about the platform, tried for real here.
 
 Each check is one function in CHECKS, with what it assumes and how it finds out; it answers
-holds, does not hold, or not applicable here, with what it found. The checks read the
-settings as kvd does (kvd/config.py) and need no daemon. They never change the tier: what
+holds, does not hold, or not applicable here, with what it found. The checks take the
+settings of the daemon answering on the socket (doctor_daemon), else read them as kvd does
+(kvd/config.py): they need no daemon. They never change the tier: what
 they try, they try on files of their own in a temporary folder made inside the tier's
 folder (before the tier exists, inside the nearest folder that does, on the same file
 system as it will be), removed at the end. The platform modules do the work; this module
@@ -30,6 +31,7 @@ from typing import Any, Final
 
 from kvd import __version__
 from kvd.config import Config, ConfigError, load_config
+from kvd.ops.doctor_daemon import running_daemons_config
 from kvd.ops.kvctl_tables import size
 from kvd.serve.fd_limit import connections_for, descriptors_for, raise_open_file_limit
 from kvd.serve.launchd_socket import launchd_sockets
@@ -465,12 +467,14 @@ def run_checks(config: Config) -> list[Result]:
 MARKS: Final = {Verdict.HOLDS: "yes", Verdict.FAILS: "NO", Verdict.NOT_HERE: "n/a"}
 
 
-def format_results(results: list[Result]) -> str:
+def format_results(results: list[Result], whose: str) -> str:
+    """The table of results; whose: the line that says whose settings they checked."""
     machine = os.uname()
     width = max(len(r.check.name) for r in results)
     lines = [
         f"kvd {__version__} on {sys.platform} ({machine.sysname} {machine.release}, "
         f"{machine.machine}), Python {sys.version.split()[0]}",
+        whose,
         "",
         f"{'check':<{width}}  holds?  detail",
         *(
@@ -488,11 +492,19 @@ def format_results(results: list[Result]) -> str:
 
 
 def add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    text = "check what kvd assumes of this machine, with the running daemon's settings"
     doctor = commands.add_parser(
-        "doctor", help="check what kvd assumes of this machine (no daemon needed)"
+        "doctor",
+        help=text,
+        description=f"{text} (without one, as kvd would read them here)",
+        epilog="exit status:\n  0    every check that applies holds\n  1    one does not\n"
+        "  2    a configuration error",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument(
-        "--dir", metavar="DIR", help="the tier directory (default: as kvd finds it)"
+        "--dir",
+        metavar="DIR",
+        help="the tier directory (default: the running daemon's, else as kvd finds it)",
     )
     doctor.add_argument("--json", action="store_true", help="a list of objects, one per check")
 
@@ -501,6 +513,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     """0 when every check that applies holds, 1 otherwise, 2 for a configuration error."""
     try:
         config = load_config(args, os.environ)
+        given = ["dir"] if args.dir is not None else []
+        config, whose = running_daemons_config(config, args.timeout, given)
     except ConfigError as exc:
         print(f"kvctl: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -508,5 +522,5 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.to_map() for r in results], indent=2))
     else:
-        print(format_results(results))
+        print(format_results(results, whose))
     return 1 if any(r.finding.verdict is Verdict.FAILS for r in results) else 0

@@ -17,6 +17,7 @@ import psutil
 from kvd_protocol.identity import Identity
 
 from kvd import __version__, identity_names
+from kvd.config import settings_of
 from kvd.remote.remote import Remote
 from kvd.serve.peer import Peer
 from kvd.store.tier import Tier
@@ -41,6 +42,7 @@ def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[st
         for p in peers
     ]
     report["daemon"] |= {
+        "settings": settings_of(tier.config),  # for kvctl doctor: the running daemon's
         "pid": os.getpid(),
         "rss_bytes": _process.memory_info().rss,
         "version": __version__,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_process import Daemon, isolated_environment, socket_folder
+from daemon_process import Daemon, isolated_environment, running_daemon, socket_folder
 
 from kvd.ops.doctor import CHECKS
 
@@ -41,21 +41,21 @@ def sockets() -> Iterator[Path]:
 
 
 def doctor(
-    tier: Path,
+    tier: Path | None,
     socket_path: Path,
     *args: str,
     env: Mapping[str, str] | None = None,
     command: tuple[str, ...] = (),
     pass_fds: tuple[int, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`kvctl --socket S doctor --dir D ARGS` in a process of its own (no KVD_* inherited, a
-    HOME that is never made; a floor of 0 unless env names one, so the disk's own free space
-    decides nothing)."""
+    """`kvctl --socket S doctor --dir D ARGS` (no --dir for no tier) in a process of its own
+    (no KVD_* inherited, a HOME that is never made; a floor of 0 unless env names one, so the
+    disk's own free space decides nothing)."""
     home = socket_path.parent / "home"
     environment = isolated_environment(home, {"KVD_MIN_FREE": "0", **(env or {})})
     kvctl = [sys.executable, "-m", "kvd.ops.kvctl", "--socket", str(socket_path), "doctor"]
     return subprocess.run(
-        [*command, *kvctl, "--dir", str(tier), *args],
+        [*command, *kvctl, *(["--dir", str(tier)] if tier else []), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -93,11 +93,33 @@ def test_a_daemons_tier_passes_and_is_left_as_it_was(daemon: Daemon) -> None:
     assert everything_under(daemon.tier) == before  # no file made, changed or left behind
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"kvd 0.1.0 on {sys.platform}")
-    rows = {line.split()[0]: line.split()[1] for line in lines[3 : 3 + len(NAMES)]}
+    assert lines[1] == f"settings: the daemon on {daemon.socket_path} (pid {daemon.pid})"
+    rows = {line.split()[0]: line.split()[1] for line in lines[4 : 4 + len(NAMES)]}
     assert list(rows) == NAMES
     assert set(rows.values()) <= {"yes", "n/a"}
     assert rows["peer_credentials"] == rows["tier_folder"] == rows["socket_folder"] == "yes"
     assert "hold, 0 do not" in lines[-1]
+
+
+def test_the_running_daemons_folder_and_settings_are_checked(tmp_path: Path) -> None:
+    flags = ["--max-bytes", "3G", "--min-free", "1M"]
+    with running_daemon(tmp_path, flags) as daemon:
+        socket_path = Path(daemon.socket_path)
+        # Its own settings (a default tier under HOME, a floor of 0) are not the daemon's.
+        found = as_json(doctor(None, socket_path, "--json"))
+        assert found["tier_folder"]["detail"] == f"{daemon.tier}, yours, mode 700"
+        assert "floor min_free 1.0 MiB" in found["free_space"]["detail"]
+        assert "cap max_bytes 3.0 GiB" in found["free_space"]["detail"]
+        # A --dir given is checked as given; the other settings are still the daemon's.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        given = as_json(doctor(elsewhere, socket_path, "--json"))
+        assert given["tier_folder"]["detail"] == f"{elsewhere}, yours, mode 700"
+        assert "floor min_free 1.0 MiB" in given["free_space"]["detail"]
+    alone = doctor(None, socket_path)
+    assert f"settings: as kvd reads them here; no daemon answers on {socket_path}" in alone.stdout
+    assert "floor min_free 0 B" in alone.stdout
+    assert str(daemon.tier) not in alone.stdout
 
 
 def test_json_is_one_object_per_check(tmp_path: Path, sockets: Path) -> None:
