@@ -65,6 +65,71 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _percentiles(summary: Mapping[str, Any] | None) -> str:
+    found = summary or {}
+    return "/".join(_ms(found.get(p)) for p in ("p50", "p95", "p99"))
+
+
+REASONS_SHOWN = 3  # miss reasons named on a row, the most frequent first
+
+
+def top_reasons(by_reason: Mapping[str, int] | None, shown: int = REASONS_SHOWN) -> str:
+    """The most frequent miss reasons, with their counts: "no entry 3, kv differs 1"."""
+    ranked = sorted((by_reason or {}).items(), key=lambda item: (-item[1], item[0]))
+    named = [f"{reason} {count:,}" for reason, count in ranked[:shown] if count]
+    more = sum(count for _, count in ranked[shown:])
+    return ", ".join(named) + (f", other {more:,}" if more else "") if named else "-"
+
+
+def _lookups(status: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Hits, misses and the hit rate among them; the lookups the engines' memory served as
+    well (engine-held: not misses of the tier), from a daemon that counts them apart; and
+    the misses' most frequent reasons."""
+    hits, misses = status["hits"], status["misses"]
+    text = f"{hits:,} hits, {misses:,} misses ({_ratio(hits, misses)})"
+    held = status.get("engine_held")
+    if held is not None:
+        text += f"; {held:,} engine-held (the engine's memory held as much)"
+    rows = [("lookups", text)]
+    if "misses_by_reason" in status:
+        rows.append(("misses", top_reasons(status["misses_by_reason"])))
+    return rows
+
+
+def _seconds(value: float) -> str:
+    """Seconds for people: 0.42 s, 12.3 s, 4.5 min, 2.1 h."""
+    for unit, length in (("h", 3600), ("min", 60)):
+        if value >= length * 2:
+            return f"{value / length:,.1f} {unit}"
+    return f"{value:.2f} s" if value < 10 else f"{value:,.1f} s"
+
+
+def _prefill_saved(status: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The prefill the restores saved, since start and in 24 h, and what of it is an
+    estimate; no row from a daemon that does not count it."""
+    if "prefill_saved_s" not in status:
+        return []
+    text = (
+        f"{_seconds(status['prefill_saved_s'])} since start, "
+        f"{_seconds(status['prefill_saved_s_24h'])} in 24 h"
+    )
+    estimated = status["prefill_saved_estimated_s"]
+    if estimated:
+        text += (
+            f" ({_seconds(estimated)} of it estimated: restores of models no engine measured, "
+            "at the others' mean cost or 1 ms a token)"
+        )
+    return [("prefill saved", text + "; restored tokens x each model's measured prefill cost")]
+
+
+def _saved_cell(identity: Mapping[str, Any]) -> str:
+    """An identity's prefill saved in seconds; `~` before an estimate."""
+    saved = identity.get("prefill_saved_s")
+    if saved is None:
+        return "-"
+    return ("~" if identity.get("prefill_saved_estimated_s") else "") + f"{saved:,.2f}"
+
+
 def _shared(status: Mapping[str, Any]) -> str:
     """Shared blocks: how much more the tier would hold without them, and what they saved."""
     blocks = status.get("blocks")
@@ -199,12 +264,9 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             "disk free",
             f"{size(status['disk_free_bytes'])} (floor {size(status['min_free_bytes'])})",
         ),
-        (
-            "lookups",
-            f"{status['hits']} hits, {status['misses']} misses "
-            f"({_ratio(status['hits'], status['misses'])})",
-        ),
-        ("restored", f"{status.get('tokens_restored', 0):,} prompt tokens not computed"),
+        *_lookups(status),
+        ("restored", _restored(status)),
+        *_prefill_saved(status),
         (
             "written",
             f"{size(status['bytes_written'])} since start, "
@@ -227,19 +289,19 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         rows.append(
             (
                 "per second",
-                f"{rates['hits']:.1f} hits, {rates['misses']:.1f} misses, "
+                f"{rates['hits']:.1f} hits, {rates['engine_held']:.1f} engine-held, "
+                f"{rates['misses']:.1f} misses, "
                 f"{rates['tokens_restored']:,.0f} tokens restored, "
                 f"{size(rates['bytes_written'])} written",
             )
         )
     lines = fields(rows)
     if status["identities"]:
-        header = ["identity", "digest", "entries", "bytes", "hits", "misses", "hit %"]
-        header += ["restore ms p50/p95/p99", "tokens restored", "written"]
+        header = ["identity", "digest", "entries", "bytes", "hits", "engine-held", "misses"]
+        header += ["hit %", "saved s", "restore ms p50/p95/p99", "tokens restored", "written"]
+        header += ["top misses"]
         table = []
         for i in status["identities"]:
-            restore = i.get("restore_ms") or {}
-            percentiles = "/".join(_ms(restore.get(p)) for p in ("p50", "p95", "p99"))
             table.append(
                 [
                     model_name(i),
@@ -247,14 +309,22 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
                     str(i["entries"]),
                     size(i["bytes"]),
                     str(i.get("hits", 0)),
+                    str(i.get("engine_held", "-")),
                     str(i.get("misses", 0)),
                     _ratio(i.get("hits", 0), i.get("misses", 0)),
-                    percentiles,
+                    _saved_cell(i),
+                    _percentiles(i.get("restore_ms")),
                     f"{i.get('tokens_restored', 0):,}",
                     size(i.get("bytes_written", 0)),
+                    top_reasons(i.get("misses_by_reason"), 2),
                 ]
             )
         lines += ["", *columns(header, table, left=2)]
+        lines.append(
+            "hit %: of the lookups the engine's memory did not serve; saved s: restored tokens x "
+            "the model's measured prefill cost (~: estimated, not measured); restore ms: "
+            "percentiles estimated from buckets (within 12%)"
+        )
     left_out = status.get("identities_left_out", 0)  # absent from an older daemon's
     if left_out:
         lines.append(
@@ -279,12 +349,23 @@ def _entries(status: Mapping[str, Any]) -> str:
     return f"{status['entries']} in {identities} identities"
 
 
+def _restored(status: Mapping[str, Any]) -> str:
+    """Tokens restored, and the restores' latency (bucket estimates), when the daemon says."""
+    text = f"{status.get('tokens_restored', 0):,} prompt tokens not computed"
+    if status.get("restores") and "restore_ms" in status:
+        text += (
+            f" in {status['restores']:,} restores, ms p50/p95/p99 "
+            f"{_percentiles(status.get('restore_ms'))} (estimated from buckets, within 12%)"
+        )
+    return text
+
+
 def _identity_count(status: Mapping[str, Any]) -> int:
     """The identities with entries or traffic: those listed and those left out."""
     return len(status["identities"]) + int(status.get("identities_left_out", 0))
 
 
-RATE_KEYS = ("hits", "misses", "tokens_restored", "bytes_written")
+RATE_KEYS = ("hits", "engine_held", "misses", "tokens_restored", "bytes_written")
 
 
 def rates(before: Mapping[str, Any], after: Mapping[str, Any], seconds: float) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 A collector over one status dict (status.status_report's): every figure a gauge or a
 counter, per identity with an `identity` label (and `name`, `model_id`, `namespace` when the
-status names them). Figures the status lacks (an older daemon) are left out, not reported as zero.
+status names them); restore latencies also as histograms, in buckets that are the same on every
+daemon (so that a fleet's add up). Figures the status lacks (an older daemon) are left out,
+not reported as zero.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -34,10 +41,17 @@ GAUGES = (
     ("deleting_bytes", "kvd_deleting_bytes", "bytes of files taken out, not yet unlinked"),
     ("leased_bytes", "kvd_leased_bytes", "bytes eviction cannot free while leases last"),
     ("identities_left_out", "kvd_identities_left_out", "identities the status does not list"),
+    ("prefill_saved_s_24h", "kvd_prefill_saved_24h_seconds", "prefill restores saved in 24 h"),
+    (
+        "prefill_saved_estimated_s_24h",
+        "kvd_prefill_saved_estimated_24h_seconds",
+        "of the prefill saved in 24 h, the part valued at the fallback cost",
+    ),
 )
 COUNTERS = (
     ("hits", "kvd_hits", "lookups that found an entry"),
-    ("misses", "kvd_misses", "lookups that found none"),
+    ("engine_held", "kvd_engine_held", "lookups the engine's memory served as well: not misses"),
+    ("misses", "kvd_misses", "lookups that found none the engine could use"),
     ("evictions", "kvd_evictions", "entries evicted"),
     ("evicted_bytes", "kvd_evicted_bytes", "bytes evicted"),
     ("superseded", "kvd_superseded", "entries replaced by a longer one"),
@@ -52,6 +66,12 @@ COUNTERS = (
     ("dedup_saved_bytes", "kvd_dedup_saved_bytes", "bytes not written: blocks already held"),
     ("engine_dropped", "kvd_engine_dropped", "snapshots engines dropped unsent: backlog full"),
     ("engine_dropped_bytes", "kvd_engine_dropped_bytes", "bytes of the snapshots engines dropped"),
+    ("prefill_saved_s", "kvd_prefill_saved_seconds", "prefill restores saved: tokens x cost"),
+    (
+        "prefill_saved_estimated_s",
+        "kvd_prefill_saved_estimated_seconds",
+        "of the prefill saved, the part valued at the fallback cost (not measured)",
+    ),
 )
 WRITEBACK_GAUGES = (
     ("pending_bytes", "kvd_writeback_pending_bytes", "bytes waiting to be written"),
@@ -77,15 +97,28 @@ IDENTITY_GAUGES = (
     ("entries", "kvd_identity_entries", "entries of one identity"),
     ("bytes", "kvd_identity_bytes", "bytes of one identity's entries"),
     ("block_bytes", "kvd_identity_block_bytes", "bytes of one identity's shared blocks"),
+    ("prefill_saved_s_24h", "kvd_identity_prefill_saved_24h_seconds", "prefill saved in 24 h"),
+    (
+        "prefill_saved_estimated_s_24h",
+        "kvd_identity_prefill_saved_estimated_24h_seconds",
+        "of the prefill saved in 24 h, the part valued at the fallback cost",
+    ),
 )
 IDENTITY_COUNTERS = (
     ("hits", "kvd_identity_hits", "restores of one identity the engines reported"),
+    ("engine_held", "kvd_identity_engine_held", "lookups the engine's memory served as well"),
     ("restores", "kvd_identity_restores", "restores of one identity, with their timing"),
     ("tokens_restored", "kvd_identity_tokens_restored", "prefill tokens restored, not computed"),
     ("bytes_written", "kvd_identity_written_bytes", "bytes written for one identity"),
     ("dedup_saved_bytes", "kvd_identity_dedup_saved_bytes", "bytes not written: blocks held"),
     ("engine_dropped", "kvd_identity_engine_dropped", "snapshots engines dropped unsent"),
     ("engine_dropped_bytes", "kvd_identity_engine_dropped_bytes", "bytes engines dropped"),
+    ("prefill_saved_s", "kvd_identity_prefill_saved_seconds", "prefill restores saved"),
+    (
+        "prefill_saved_estimated_s",
+        "kvd_identity_prefill_saved_estimated_seconds",
+        "of the prefill saved, the part valued at the fallback cost (not measured)",
+    ),
 )
 # The status's "remote" section (kvd.remote.remote.Remote.status), when the remote tier is on.
 REMOTE_GAUGES = (
@@ -143,7 +176,19 @@ def _flat(table: Mapping[str, Any], gauges: Any, counters: Any) -> Iterator[Metr
             yield CounterMetricFamily(name, text, value=table[key])
 
 
-def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
+def _buckets(bounds: object, figures: Mapping[str, Any]) -> list[tuple[str, float]] | None:
+    """The (le, cumulative count) of figures' restore latency buckets, in seconds, +Inf last
+    (the restores); None from a daemon that keeps none."""
+    counts, total = figures.get("restore_ms_buckets"), figures.get("restores")
+    if not isinstance(bounds, list) or not isinstance(counts, list) or not _number(total):
+        return None
+    if len(counts) != len(bounds) or not _number(figures.get("restore_ms_sum")):
+        return None
+    found = [(repr(bound / 1000), count) for bound, count in zip(bounds, counts, strict=True)]
+    return [*found, ("+Inf", total)]
+
+
+def _identity_metrics(identities: list[Mapping[str, Any]], bounds: object) -> Iterator[Metric]:
     names = [n for n in IDENTITY_NAMES if any(n in i for i in identities)]
     labels = ["identity", *names]
 
@@ -190,6 +235,23 @@ def _identity_metrics(identities: list[Mapping[str, Any]]) -> Iterator[Metric]:
     for i in identities:
         if _number(i.get("restore_gb_per_s")):
             speed.add_metric(values(i), i["restore_gb_per_s"] * 1e9)
+    cost = GaugeMetricFamily(
+        "kvd_identity_prefill_seconds_per_token",
+        "prefill cost of one identity, as its engines measured it",
+        labels=labels,
+    )
+    families.append(cost)
+    for i in identities:
+        if _number(i.get("prefill_ms_per_token")):
+            cost.add_metric(values(i), i["prefill_ms_per_token"] / 1000)
+    restores = HistogramMetricFamily(
+        "kvd_identity_restore_duration_seconds", "restore latency of one identity", labels=labels
+    )
+    families.append(restores)
+    for i in identities:
+        buckets = _buckets(bounds, i)
+        if buckets is not None:
+            restores.add_metric(values(i), buckets, i["restore_ms_sum"] / 1000)
     for key, name, text in IDENTITY_LATENCIES:
         latency = GaugeMetricFamily(name, f"{text}, by quantile", labels=[*labels, "quantile"])
         families.append(latency)
@@ -241,7 +303,16 @@ def status_metrics(status: Status) -> Iterator[Metric]:
     )
     yield from _flat(status.get("writeback", {}), WRITEBACK_GAUGES, WRITEBACK_COUNTERS)
     yield from _flat(status.get("kept", {}), KEPT_GAUGES, KEPT_COUNTERS)
-    yield from _identity_metrics(status.get("identities", []))
+    bounds = status.get("restore_ms_bounds")
+    buckets = _buckets(bounds, status)
+    if buckets is not None:
+        yield HistogramMetricFamily(
+            "kvd_restore_duration_seconds",
+            "restore latency, every identity's (the engines' reports)",
+            buckets=buckets,
+            sum_value=status["restore_ms_sum"] / 1000,
+        )
+    yield from _identity_metrics(status.get("identities", []), bounds)
     if isinstance(status.get("remote"), Mapping):
         yield from _remote_metrics(status["remote"])
     if isinstance(status.get("clients"), list):

@@ -43,6 +43,7 @@ class Counters:
 
     hits: int = 0
     misses: int = 0
+    engine_held: int = 0  # lookups the engine's own memory served as well (miss_reasons)
     evictions: int = 0
     evicted_bytes: int = 0
     superseded: int = 0

@@ -2,7 +2,9 @@
 it, per identity), and a sentence for the engine's log.
 
 - "no entry": no entry of the identity shares a prefix with the prompt;
-- "below min_tokens": the best one holds fewer tokens of it than the engine already does;
+- "below min_tokens": the best one (or none) holds no more of it than the engine's own memory
+  does (min_tokens is what that covers + 1, and at least 2): the status counts these apart, as
+  engine-held, not as misses of the tier;
 - "unreadable": the best one's file cannot be opened now;
 - "<aspect> differs" (kv, template, adapter, trait, ns, runtime, codec, config, tokenizer):
   either of the first two, while another identity of the same model holds more of the prompt
@@ -75,8 +77,8 @@ def explain(
     if reason == BELOW_MIN_TOKENS:
         return Miss(
             reason,
-            f"the best entry holds {matched} tokens of this {prompt}-token prompt, fewer than "
-            f"the {min_tokens} the engine holds",
+            f"the best entry holds {matched} tokens of this {prompt}-token prompt, no more than "
+            f"the {min_tokens - 1} the engine holds",
         )
     holds = "holds no entry" if not catalog.holds(digest) else "holds none usable for this prompt"
     return Miss(reason, f"identity {digest[:DIGEST_SHOWN]} ({identity.model_id}) {holds}")

@@ -2,11 +2,19 @@
 report about their restores and stores. Pure state (no I/O, no clock of its own): callers
 pass the time.
 
-- Lookups: hits, and misses by reason ("no entry"; "below min_tokens" when the engine held as
-  much already), counted by the daemon. A hit the engine could not use is reported back with
-  the release as a miss of the engine's reason (damaged, model, codec...).
-- Restores: latency (a log-scale histogram: percentiles in constant memory, however many),
-  bytes read, tokens restored (prefill the engines did not compute).
+- Lookups: hits, engine-held (the engine's own memory held as much of the prompt as the tier
+  did: miss_reasons' "below min_tokens", not a miss of the tier), and misses by reason ("no
+  entry", "kv differs"...), counted by the daemon, per identity and for the tier. A hit the
+  engine could not use is reported back with the release as a miss of the engine's reason
+  (damaged, model, codec...).
+- Restores: latency (a log-scale histogram: percentiles in constant memory, however many, and
+  the same samples in EXPORT_BOUNDS_MS, a few fixed buckets that the metrics expose so that
+  several daemons' histograms add up), bytes read, tokens restored (prefill the engines did
+  not compute).
+- Prefill saved: each restore's tokens times the identity's measured prefill cost at that
+  moment, in seconds, since start and over the last 24 hours; a restore of an identity no
+  engine measured yet is valued at the fallback cost (prefill_cost below) and counted apart,
+  as an estimate.
 - Stores: bytes written per identity and for the whole tier in the last 24 hours (a ring of
   per-minute sums), and the engines' time from handing caches over to the commit.
 - Prefill checkpoints: lookups the daemon answered with one (hits), and the prompt tokens
@@ -34,6 +42,8 @@ MISS_REASONS of them per identity, later ones counted as OTHER_REASON. The tier-
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -50,8 +60,14 @@ from kvd import identity_names
 GROWTH: Final = 1.25
 FIRST_BOUND_MS: Final = 0.05
 BUCKETS: Final = 100
+# The buckets the metrics expose (upper bounds, ms; +Inf beyond): the same on every daemon.
+EXPORT_BOUNDS_MS: Final = (
+    *(1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0),
+    *(1000.0, 2500.0, 5000.0, 10_000.0, 30_000.0, 60_000.0),
+)
 DAY_SECONDS: Final = 86_400
 MINUTE: Final = 60
+IDENTITY_DAY_SLOT: Final = 600  # an identity's 24 h sums, by ten minutes: 144 slots at most
 PREFILL_REPORT_WEIGHT: Final = 0.2
 DEFAULT_PREFILL_COST: Final = 1e-3  # seconds per token: ~1k tokens/s, a mid-size model's prefill
 IDLE_IDENTITIES: Final = 1024  # identities with no entry whose telemetry is kept (~2.5 KB each)
@@ -60,18 +76,26 @@ OTHER_REASON: Final = "other"
 
 
 class LatencyHistogram:
-    """Milliseconds in log-scale buckets; percentile() answers the bucket's geometric middle."""
+    """Milliseconds in log-scale buckets; percentile() answers the bucket's geometric middle
+    (within ~12% of the truth). exported: the counts in EXPORT_BOUNDS_MS' buckets."""
 
     def __init__(self) -> None:
         self.counts = [0] * BUCKETS
+        self.exported = [0] * (len(EXPORT_BOUNDS_MS) + 1)  # the last: beyond every bound
         self.count = 0
         self.total_ms = 0.0
 
     def add(self, ms: float) -> None:
         index = 0 if ms <= FIRST_BOUND_MS else math.ceil(math.log(ms / FIRST_BOUND_MS, GROWTH))
         self.counts[min(index, BUCKETS - 1)] += 1
+        self.exported[bisect.bisect_left(EXPORT_BOUNDS_MS, ms)] += 1
         self.count += 1
         self.total_ms += ms
+
+    def buckets(self) -> list[int]:
+        """The samples at or under each of EXPORT_BOUNDS_MS (cumulative, as Prometheus has
+        them); count is the +Inf bucket's."""
+        return list(itertools.accumulate(self.exported[:-1]))
 
     def percentile(self, share: float) -> float | None:
         """The value under which share (0..1) of the samples fall; None with no sample."""
@@ -98,27 +122,55 @@ def _rounded(ms: float | None) -> float | None:
 
 
 class DaySum:
-    """A sum over the last 24 hours, kept as per-minute sums (at most 1440 of them)."""
+    """A sum over the last 24 hours, kept as sums per slot of slot seconds (a minute: at most
+    1440 of them); a sample leaves it when its whole slot is over 24 hours old."""
 
-    def __init__(self) -> None:
-        self._minutes: deque[list[int]] = deque()  # [minute, sum], oldest first
+    def __init__(self, slot: int = MINUTE) -> None:
+        self._slot = slot
+        self._slots: deque[list[float]] = deque()  # [slot, sum], oldest first
 
-    def add(self, amount: int, now: float) -> None:
-        minute = int(now // MINUTE)
-        if self._minutes and self._minutes[-1][0] == minute:
-            self._minutes[-1][1] += amount
+    def add(self, amount: float, now: float) -> None:
+        slot = now // self._slot
+        if self._slots and self._slots[-1][0] == slot:
+            self._slots[-1][1] += amount
         else:
-            self._minutes.append([minute, amount])
+            self._slots.append([slot, amount])
         self._forget(now)
 
-    def total(self, now: float) -> int:
+    def total(self, now: float) -> float:
         self._forget(now)
-        return sum(amount for _, amount in self._minutes)
+        return sum(amount for _, amount in self._slots)
 
     def _forget(self, now: float) -> None:
-        oldest = int((now - DAY_SECONDS) // MINUTE)
-        while self._minutes and self._minutes[0][0] <= oldest:
-            self._minutes.popleft()
+        oldest = (now - DAY_SECONDS) // self._slot
+        while self._slots and self._slots[0][0] <= oldest:
+            self._slots.popleft()
+
+
+class PrefillSaved:
+    """Seconds of prefill the restores saved: since start and in the last 24 hours, and of
+    each the part estimated (valued at the fallback cost: no engine had measured it)."""
+
+    def __init__(self, slot: int) -> None:
+        self.seconds = 0.0
+        self.estimated = 0.0
+        self._day = DaySum(slot)
+        self._estimated_day = DaySum(slot)
+
+    def add(self, seconds: float, *, estimated: bool, now: float) -> None:
+        self.seconds += seconds
+        self._day.add(seconds, now)
+        if estimated:
+            self.estimated += seconds
+            self._estimated_day.add(seconds, now)
+
+    def report(self, now: float) -> dict[str, float]:
+        return {
+            "prefill_saved_s": round(self.seconds, 3),
+            "prefill_saved_s_24h": round(self._day.total(now), 3),
+            "prefill_saved_estimated_s": round(self.estimated, 3),
+            "prefill_saved_estimated_s_24h": round(self._estimated_day.total(now), 3),
+        }
 
 
 @dataclass
@@ -127,6 +179,7 @@ class IdentityTelemetry:
     # None for one known by digest only.
     identity: Identity | None = None
     hits: int = 0
+    engine_held: int = 0  # lookups the engine's memory served as well as the tier could
     misses: Counter[str] = field(default_factory=Counter)
     restores: int = 0
     restore_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -141,6 +194,7 @@ class IdentityTelemetry:
     engine_dropped_bytes: int = 0
     prefill_checkpoint_hits: int = 0  # lookups answered with a prefill checkpoint
     prefill_checkpoint_restored_tokens: int = 0  # the prompt tokens those matched
+    saved: PrefillSaved = field(default_factory=lambda: PrefillSaved(IDENTITY_DAY_SLOT))
 
     @property
     def model_id(self) -> str:
@@ -150,7 +204,7 @@ class IdentityTelemetry:
     def namespace(self) -> str:
         return "" if self.identity is None else self.identity.namespace
 
-    def report(self) -> dict[str, object]:
+    def report(self, now: float) -> dict[str, object]:
         seconds = self.restore_ms.total_ms / 1000
         return {
             "model_id": self.model_id,
@@ -158,10 +212,13 @@ class IdentityTelemetry:
             "traits": "" if self.identity is None else self.identity.traits,
             "runtime": "" if self.identity is None else self.identity.runtime,
             "hits": self.hits,
+            "engine_held": self.engine_held,
             "misses": sum(self.misses.values()),
             "misses_by_reason": dict(sorted(self.misses.items())),
             "restores": self.restores,
             "restore_ms": self.restore_ms.summary(),
+            "restore_ms_buckets": self.restore_ms.buckets(),
+            "restore_ms_sum": round(self.restore_ms.total_ms, 3),
             "restore_gb_per_s": round(self.restored_bytes / seconds / 1e9, 3) if seconds else None,
             "tokens_restored": self.tokens_restored,
             "bytes_written": self.bytes_written,
@@ -172,6 +229,7 @@ class IdentityTelemetry:
             "prefill_ms_per_token": (
                 None if self.prefill_cost is None else round(self.prefill_cost * 1000, 6)
             ),
+            **self.saved.report(now),
         }
 
 
@@ -188,6 +246,10 @@ class Telemetry:
         self._named: tuple[object, dict[str, str]] = (None, {})
         self.written_today = DaySum()
         self.restores = 0  # tier-wide: outlive the identities forgotten
+        self.restore_ms = LatencyHistogram()
+        self.saved = PrefillSaved(MINUTE)
+        self.engine_held = 0
+        self.misses: Counter[str] = Counter()  # by reason, MISS_REASONS of them at most
         self.tokens_restored = 0
         self.engine_dropped = 0
         self.engine_dropped_bytes = 0
@@ -266,7 +328,13 @@ class Telemetry:
         if hit:
             found.hits += 1
         else:
-            _missed(found, reason)
+            _missed(found.misses, reason)
+            _missed(self.misses, reason)
+
+    def held_by_engine(self, identity: Identity) -> None:
+        """A lookup whose engine held as much of the prompt in its memory as the tier did."""
+        self.seen(identity).engine_held += 1
+        self.engine_held += 1
 
     def prefill_checkpoint_hit(self, digest: str, matched: int) -> None:
         """A lookup answered with a prefill checkpoint, matched tokens of its prompt."""
@@ -276,20 +344,26 @@ class Telemetry:
         self.prefill_checkpoint_hits += 1
         self.prefill_checkpoint_restored_tokens += matched
 
-    def restored(self, digest: str, report: RestoreReport) -> None:
+    def restored(self, digest: str, report: RestoreReport, now: float) -> None:
         """An engine's word on a hit it was leased: restored, or a miss after all."""
         found = self.of(digest)
         if report.miss is not None:
             # The daemon counted the hit the engine could not use (unless it has forgotten it).
             found.hits = max(0, found.hits - 1)
-            _missed(found, report.miss)
+            _missed(found.misses, report.miss)
+            _missed(self.misses, report.miss)
             return
         found.restores += 1
         found.restore_ms.add(report.ms)
         found.restored_bytes += report.bytes
         found.tokens_restored += report.tokens
         self.restores += 1
+        self.restore_ms.add(report.ms)
         self.tokens_restored += report.tokens
+        seconds = report.tokens * self.prefill_cost(digest)
+        estimated = found.prefill_cost is None
+        found.saved.add(seconds, estimated=estimated, now=now)
+        self.saved.add(seconds, estimated=estimated, now=now)
 
     def stored(self, digest: str, nbytes: int, now: float) -> None:
         self.of(digest).bytes_written += nbytes
@@ -337,9 +411,23 @@ class Telemetry:
         """Seconds per token of prefill an entry of this identity saves (see the module)."""
         return self._reported_costs.get(digest, self._mean_cost)
 
+    def report(self, now: float) -> dict[str, object]:
+        """The tier's lookups, restores and prefill saved, beyond the forgotten identities."""
+        return {
+            "engine_held": self.engine_held,
+            "misses_by_reason": dict(sorted(self.misses.items())),
+            "restores": self.restores,
+            "restore_ms": self.restore_ms.summary(),
+            "restore_ms_bounds": list(EXPORT_BOUNDS_MS),
+            "restore_ms_buckets": self.restore_ms.buckets(),
+            "restore_ms_sum": round(self.restore_ms.total_ms, 3),
+            "tokens_restored": self.tokens_restored,
+            **self.saved.report(now),
+        }
 
-def _missed(found: IdentityTelemetry, reason: str) -> None:
+
+def _missed(misses: Counter[str], reason: str) -> None:
     """Count a miss by its reason, or as OTHER_REASON once MISS_REASONS - 1 others are named."""
-    if reason not in found.misses and len(found.misses) >= MISS_REASONS - 1:
+    if reason not in misses and len(misses) >= MISS_REASONS - 1:
         reason = OTHER_REASON
-    found.misses[reason] += 1
+    misses[reason] += 1

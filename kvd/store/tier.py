@@ -401,6 +401,8 @@ class Tier:
             if match.record.id in self.catalog.records:  # kept, but unreadable now
                 reason, matched = miss_reasons.UNREADABLE, match.matched
                 break
+        if reason == miss_reasons.NO_ENTRY and min_tokens > 1:  # the engine holds more
+            reason = miss_reasons.BELOW_MIN_TOKENS
         miss = miss_reasons.explain(
             self.catalog,
             self.telemetry,
@@ -428,7 +430,10 @@ class Tier:
         counters, now = self.catalog.counters, time.time()
         for identity, tokens, outcome in pending:
             self.admission.looked_up(identity.digest(), tokens, now)
-            if isinstance(outcome, str):
+            if outcome == miss_reasons.BELOW_MIN_TOKENS:
+                counters.engine_held += 1
+                self.telemetry.held_by_engine(identity)
+            elif isinstance(outcome, str):
                 counters.misses += 1
                 self.telemetry.lookup(identity, hit=False, reason=outcome)
             else:
@@ -553,7 +558,7 @@ class Tier:
         telemetry."""
         record = self.leases.release(owner, lease_id)
         if report is not None:
-            self.telemetry.restored(record.digest, report)
+            self.telemetry.restored(record.digest, report, time.time())
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:

@@ -48,6 +48,7 @@ def tier_report(
     except OSError:
         free = -1
     unique = catalog.total_bytes
+    now = time.time()
     return {
         "entries": len(catalog),
         "bytes": unique,
@@ -103,10 +104,11 @@ def tier_report(
             "refused": queue.refused,  # at commit
             "refused_at_begin": puts.refused,
         },
-        **_identities(catalog, telemetry),
-        "bytes_written_24h": telemetry.written_today.total(time.time()),
-        "tokens_restored": telemetry.tokens_restored,
-        "restores": telemetry.restores,
+        **_identities(catalog, telemetry, now),
+        "bytes_written_24h": telemetry.written_today.total(now),
+        # Lookups the engines' memory served (not misses of the tier), misses by reason,
+        # restores and their latency buckets, tokens restored and the prefill seconds saved.
+        **telemetry.report(now),
         # Snapshots the engines dropped unsent (their backlogs were full), as they reported.
         "engine_dropped": telemetry.engine_dropped,
         "engine_dropped_bytes": telemetry.engine_dropped_bytes,
@@ -122,14 +124,14 @@ def tier_report(
             "sightings": admission.sightings(),
         },
         "daemon": {
-            "uptime_s": round(time.time() - started, 3),
+            "uptime_s": round(now - started, 3),
             "dir": str(root),
             "socket": str(config.socket),
         },
     }
 
 
-def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
+def _identities(catalog: Catalog, telemetry: Telemetry, now: float) -> dict[str, Any]:
     """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
     bytes first, then the most recently seen), by digest: each one's name (unique among all
     of them, listed or not), its share of the tier (entry files and unique blocks) and its
@@ -150,7 +152,7 @@ def _identities(catalog: Catalog, telemetry: Telemetry) -> dict[str, Any]:
                 "entries": entries.get(digest, 0),
                 "bytes": size[digest],
                 "block_bytes": catalog.block_store.identity_bytes(digest),
-                **_telemetry_report(telemetry, digest),
+                **_telemetry_report(telemetry, digest, now),
                 "prefill_checkpoints": _prefill_checkpoints(
                     [held[digest]] if digest in held else [],
                     telemetry.identities.get(digest) or IdentityTelemetry(),
@@ -179,7 +181,7 @@ def _prefill_checkpoints(
     }
 
 
-def _telemetry_report(telemetry: Telemetry, digest: str) -> dict[str, object]:
+def _telemetry_report(telemetry: Telemetry, digest: str, now: float) -> dict[str, object]:
     """An identity's telemetry, without making one for it (a report is not a sighting)."""
     found = telemetry.identities.get(digest)
-    return (found or IdentityTelemetry()).report()
+    return (found or IdentityTelemetry()).report(now)

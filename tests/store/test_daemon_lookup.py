@@ -161,13 +161,20 @@ def test_concurrent_client_processes_get_their_own_bytes(daemon: Daemon) -> None
         assert report(client)["entries"] == 48
 
 
-def test_a_lookup_with_min_tokens_misses_when_the_best_match_is_shorter(daemon: Daemon) -> None:
+def test_a_lookup_with_min_tokens_finds_nothing_when_the_best_match_is_shorter(
+    daemon: Daemon,
+) -> None:
+    """Nothing the engine's memory did not hold already: engine-held, neither hit nor miss."""
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, BASE[:32], seed=1)
         before = report(client)
         assert client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=33) is None
         after = report(client)
-        assert (after["misses"], after["hits"]) == (before["misses"] + 1, before["hits"])
+        assert (after["misses"], after["hits"], after["engine_held"]) == (
+            before["misses"],
+            before["hits"],
+            before["engine_held"] + 1,
+        )
         found = client.lookup(IDENTITY, [*BASE[:32], 1], min_tokens=32)
         assert found is not None
         with found:

@@ -84,15 +84,49 @@ def test_entries_only_under_an_identity_that_differs_name_it_and_what_differs(
     assert _misses(daemon, PLAIN) == {reason: 1}
 
 
-def test_a_match_shorter_than_the_engine_holds_is_below_min_tokens(daemon: Daemon) -> None:
+def _engine_held(daemon: Daemon, identity: Identity) -> tuple[int, int]:
+    """The identity's engine-held lookups, and the tier's."""
+    with Client.connect(daemon.socket_path, require=True) as client:
+        status = report(client)
+    (mine,) = [i for i in status["identities"] if i["identity"] == identity.digest()]
+    return mine["engine_held"], status["engine_held"]
+
+
+def test_a_match_no_longer_than_the_engine_holds_is_engine_held_not_a_miss(
+    daemon: Daemon,
+) -> None:
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, PLAIN, STORED, 1)
     reply = _explained(daemon, PLAIN, PROMPT, min_tokens=33)
     assert reply.miss == "below min_tokens"
     assert reply.detail == (
-        "the best entry holds 32 tokens of this 35-token prompt, fewer than the 33 the engine holds"
+        "the best entry holds 32 tokens of this 35-token prompt, no more than the 32 the "
+        "engine holds"
     )
-    assert _misses(daemon, PLAIN) == {"below min_tokens": 1}
+    assert _misses(daemon, PLAIN) == {}
+    assert _engine_held(daemon, PLAIN) == (1, 1)
+
+
+def test_no_entry_while_the_engine_holds_part_of_the_prompt_is_engine_held(
+    daemon: Daemon,
+) -> None:
+    reply = _explained(daemon, PLAIN, PROMPT, min_tokens=2)  # the engine holds one token
+    assert reply.miss == "below min_tokens"
+    assert _misses(daemon, PLAIN) == {}
+    assert _engine_held(daemon, PLAIN) == (1, 1)
+    assert _explained(daemon, PLAIN, PROMPT, min_tokens=1).miss == "no entry"  # holds none
+    assert _misses(daemon, PLAIN) == {"no entry": 1}
+    assert _engine_held(daemon, PLAIN) == (1, 1)
+
+
+def test_another_identity_holding_more_than_the_engine_is_a_miss_not_engine_held(
+    daemon: Daemon,
+) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        put_stored(client, variant("8bit-g64"), STORED, 1)
+    assert _explained(daemon, PLAIN, PROMPT, min_tokens=10).miss == "kv differs"
+    assert _misses(daemon, PLAIN) == {"kv differs": 1}
+    assert _engine_held(daemon, PLAIN) == (0, 0)
 
 
 def test_a_client_that_does_not_ask_gets_the_reply_of_before(daemon: Daemon) -> None:
