@@ -98,6 +98,14 @@ class ColdTierStats:
     snapshot_max_seconds: float = 0.0  # the longest one
     bytes_copied: int = 0  # copied by them
     bytes_written: int = 0  # into the daemon's files by their puts
+    prefill_seconds_per_token: float = 0.0  # the engine's last measure (0: none yet)
+
+    @property
+    def prefill_saved_seconds(self) -> float | None:
+        """The prefill the restores saved: the tokens restored at the engine's last measured
+        cost a token; None before any prefill of MIN_MEASURED_PREFILL tokens was timed."""
+        cost = self.prefill_seconds_per_token
+        return self.restored_tokens * cost if cost else None
 
 
 class ColdTier:
@@ -322,6 +330,7 @@ class ColdTier:
         self.client.measured_prefill(tokens, seconds)
         if tokens >= MIN_MEASURED_PREFILL and seconds > 0:
             self._prefill_rate = tokens / seconds
+            self.stats.prefill_seconds_per_token = seconds / tokens
 
     def _interval(self, prompt_tokens: int) -> int:
         """The interval by cost (prefill_checkpoints.choose_interval); 0 when the caches have

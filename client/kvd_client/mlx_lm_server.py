@@ -68,6 +68,7 @@ from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
 from .identity import EngineIdentity
+from .link import MIN_MEASURED_PREFILL
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
@@ -386,14 +387,29 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
 
 def _describe(stats: ColdTierStats) -> str:
     return (
-        f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), {stats.fresh} "
-        f"lookups found nothing longer than memory ({stats.lookups_unavailable} with the daemon "
-        f"unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
+        f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), "
+        + _described_saving(stats)
+        + f"; {stats.fresh} lookups found nothing longer than memory "
+        f"({stats.lookups_unavailable} with the daemon unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
         f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending; "
         + _described_snapshots(stats)
         + f"; prefill checkpoints: {stats.checkpoints} taken ({stats.checkpoint_bytes} bytes "
         f"copied), {stats.checkpoint_restores} prompts restored from them "
         f"({stats.checkpoint_restored_tokens} tokens)"
+    )
+
+
+def _described_saving(stats: ColdTierStats) -> str:
+    """The prefill the restores saved, at this server's measured cost, or why it is unknown."""
+    saved = stats.prefill_saved_seconds
+    if saved is None:
+        return (
+            "prefill saved not measured (this server timed no prefill of "
+            f"{MIN_MEASURED_PREFILL} tokens or more)"
+        )
+    return (
+        f"prefill saved {saved:.2f} s (the tokens restored at the "
+        f"{stats.prefill_seconds_per_token * 1000:.3f} ms a token this server last measured)"
     )
 
 
