@@ -390,8 +390,9 @@ def _describe(stats: ColdTierStats) -> str:
         f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), "
         + _described_saving(stats)
         + f"; {stats.fresh} lookups found nothing longer than memory "
-        f"({stats.lookups_unavailable} with the daemon unavailable); {stats.stored} caches stored, {stats.unavailable} skipped with the daemon "
-        f"unavailable, {stats.failed} failed, {stats.superseded} superseded before sending; "
+        f"({stats.lookups_unavailable} with the daemon unavailable); {stats.stored} caches "
+        f"stored, {stats.unavailable} skipped with the daemon unavailable, {stats.failed} "
+        f"failed, {stats.superseded} superseded before sending; "
         + _described_snapshots(stats)
         + f"; prefill checkpoints: {stats.checkpoints} taken ({stats.checkpoint_bytes} bytes "
         f"copied), {stats.checkpoint_restores} prompts restored from them "
