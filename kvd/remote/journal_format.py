@@ -9,8 +9,8 @@ check or is cut short, ends what can be read: the replay says where and why (dam
 keeps what came before.
 
 Compaction writes the pending uploads anew as ADDED records (compacted) once the records
-left behind outnumber them (worth_compacting), so the file stays within about twice the
-records of the uploads the queue holds.
+left behind outnumber them (worth_compacting), so the file stays within about COMPACT_MIN
+records, or twice the uploads the queue holds, whichever is more.
 """
 
 from __future__ import annotations

@@ -19,11 +19,13 @@ uploads are dropped and counted, the health says why.
 
 The queue is journaled (upload_journal): each upload that joins it and leaves it (sent whole,
 or counted dropped) is noted, and an upload a stop cut off (in flight or queued) stays in the
-journal. At start (resume) the uploads the journal holds are offered again, oldest first,
-whatever the policy (a policy `never` now counts them dropped); those whose entry is gone
-meanwhile are counted dropped (why: gone). A journal found damaged keeps what it could read,
-and the newest shareable entries, as many as the queue's cap holds, are offered again
-besides. What the store's answers provoke again and again is logged rate-limited.
+journal. At start (resume, once the tier has listed its folder) the uploads the journal
+holds are offered again, oldest first, without waiting for the policy's event (under the
+policy `never` they are counted dropped); those whose entry is gone meanwhile are counted
+dropped (why: gone). A journal found damaged keeps what it could read, and the newest
+shareable entries, as many as the queue's cap holds, are offered again besides. A flush
+waits for the resume. What the store's answers provoke again and again is logged
+rate-limited (kvd.logs.RateLimited).
 """
 
 from __future__ import annotations
