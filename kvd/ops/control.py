@@ -58,7 +58,14 @@ class Control:
         self._conn = Connection(Role.CLIENT)
         self._ids = itertools.count(1)
         self._timeout = timeout
-        hello = self.call(m.Hello, protocol=m.PROTOCOL_VERSION, client="kvctl", pid=os.getpid())
+        try:
+            hello = self.call(m.Hello, protocol=m.PROTOCOL_VERSION, client="kvctl", pid=os.getpid())
+        except ProtocolError as exc:
+            self._sock.close()
+            raise DaemonUnavailableError(
+                f"what answers on {path} did not take kvctl's hello (not a kvd, or one that "
+                f"refuses this connection): {exc}"
+            ) from None
         assert isinstance(hello, m.HelloReply)
         self.features = frozenset(hello.features)
         self.tenant = hello.tenant  # "": this user may see every identity

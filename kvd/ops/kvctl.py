@@ -19,7 +19,7 @@ from typing import Any
 
 from kvd_protocol import messages as m
 from kvd_protocol.entry import EntryHeader
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
+from kvd_protocol.errors import EntryFormatError, ErrorCode, LocalProtocolError, ProtocolError
 from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, env_var, load_config
@@ -433,6 +433,9 @@ def _command(args: argparse.Namespace) -> int:
         return NO_DAEMON
     try:
         return _run(args, control)
+    except LocalProtocolError as exc:  # an argument the protocol cannot carry
+        _say(f"cannot ask the daemon that: {exc}")
+        return 2
     except ProtocolError as exc:
         _say(f"the daemon refused: {exc}")
         return 1

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import psutil
 import pytest
 from daemon_e2e import IDENTITY, SETTLE_SECONDS, put_stored, wait_until
-from daemon_process import Daemon, kvctl
+from daemon_process import Daemon, kvctl, socket_folder
 from kvd_client import Client
 
 INTERRUPTED = 130
@@ -42,6 +44,7 @@ BAD_VALUES: list[tuple[Sequence[str], int]] = [
     (["evict", "--entry", ""], 1),
     (["evict", "--entry", "f" * 32], 1),
     (["evict", "--entry", "x" * 100_000], 1),
+    (["evict", "--entry", "\udcff"], 2),  # a byte not UTF-8 in argv: no message carries it
     (["evict"], 2),
     (["show", ""], 2),
     (["show", "not-hex"], 2),
@@ -120,6 +123,29 @@ def test_no_daemon_names_the_socket_and_how_to_start_one(tmp_path: os.PathLike[s
     assert f"no kvd answers on {socket_path} (from KVD_SOCKET)" in result.stderr
     for way in ("kvd serve", "make run", "--socket", "KVD_SOCKET"):
         assert way in result.stderr
+
+
+def test_another_program_on_the_socket_is_no_daemon() -> None:
+    """Something that answers the hello with what is not kvd's protocol (an HTTP server)."""
+    with socket_folder() as folder:
+        path = os.path.join(folder, "kvd.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen()
+            answering = threading.Thread(target=_answer_http, args=(listener,), daemon=True)
+            answering.start()
+            result = _kvctl("--socket", path, "status")
+            answering.join(SETTLE_SECONDS)
+    _quiet(result)
+    assert result.returncode == NO_DAEMON
+    assert f"what answers on {path} did not take kvctl's hello" in result.stderr
+
+
+def _answer_http(listener: socket.socket) -> None:
+    connection, _ = listener.accept()
+    with connection:
+        connection.recv(4096)
+        connection.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
 
 
 def _closed_output(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
