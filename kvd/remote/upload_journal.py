@@ -5,15 +5,16 @@ reboot) cut off.
 load() reads it once, at start. The uploader notes each upload that joins the queue (added)
 and leaves it (left) on the event loop; run() writes what was noted in a worker thread, a
 batch at a time with one fsync, and writes the journal anew (compacted, renamed over it) when
-the records left behind dominate, or after a write failed or the file was found damaged. A
-failure to read or write is a problem said at warning (and in status), never the daemon's end:
-the uploads go on without it.
+the records left behind dominate, after the file was found damaged, and after a write failed
+(tried again every RETRY_S until one succeeds). A failure to read or write is a problem said
+at warning (and in status), never the daemon's end: the uploads go on without it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Final
 
 import anyio
 
@@ -22,6 +23,8 @@ from kvd.remote import journal_format as fmt
 from kvd.store.durability import replace_durably, sync_file
 
 log = get_logger("kvd.remote.upload_journal")
+
+RETRY_S: Final = 5.0  # a failed write is tried again (the whole journal) this often
 
 
 class UploadJournal:
@@ -91,6 +94,8 @@ class UploadJournal:
                 self.size = await anyio.to_thread.run_sync(self._write, batch, whole)
             except OSError as exc:
                 self._fail(f"cannot write: {exc}")
+                await anyio.sleep(RETRY_S)  # then the whole journal, even if nothing is noted
+                self._noted.set()
                 continue
             self._records, self._rewrite, self.written = records, False, pending
 
