@@ -268,10 +268,26 @@ def _port(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+EXIT_STATUS = (
+    "exit status:\n  0    done (status: kvd runs)\n  1    a step failed (status: kvd does not "
+    "run)\n  2    a bad argument"
+)
+
+
 def add_service_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     service = commands.add_parser("service", help="install kvd as a user service (or remove it)")
     actions = service.add_subparsers(dest="action", required=True)
-    install = actions.add_parser("install", help="write the service files and start kvd")
+
+    def action(name: str, text: str) -> argparse.ArgumentParser:
+        return actions.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=EXIT_STATUS,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    install = action("install", "write the service files and start kvd")
     install.add_argument(
         "--with-server",
         metavar="MODEL",
@@ -282,12 +298,13 @@ def add_service_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         type=_port,
         default=0,
         metavar="PORT",
-        help="kvd serves Prometheus metrics on 127.0.0.1:PORT (the unit then allows TCP)",
+        help="kvd serves Prometheus metrics on 127.0.0.1:PORT (the unit then allows TCP; "
+        "default: %(default)s, none)",
     )
     install.add_argument("--dry-run", action="store_true", help="print, change nothing")
-    uninstall = actions.add_parser("uninstall", help="stop the services, remove their files")
+    uninstall = action("uninstall", "stop the services, remove their files")
     uninstall.add_argument("--dry-run", action="store_true", help="print, change nothing")
-    actions.add_parser("status", help="what is installed and whether it runs")
+    action("status", "what is installed and whether it runs")
 
 
 def run_service(

@@ -111,6 +111,10 @@ def test_help_shows_defaults_and_exit_codes(daemon: Daemon) -> None:
         assert shown.returncode == 0
         assert "exit status:\n  0    done\n  1    " in shown.stdout
         assert "  3    no daemon answers on the socket\n" in shown.stdout
+    for words in (["doctor"], ["service", "install"], ["service", "status"]):
+        shown = kvctl(daemon, *words, "--help")
+        assert shown.returncode == 0
+        assert "exit status:\n  0    " in shown.stdout
     assert "(default: 2.0)" in kvctl(daemon, "status", "--help").stdout
     assert "(default: used)" in kvctl(daemon, "list", "--help").stdout
 
