@@ -124,6 +124,11 @@ IDENTITY_COUNTERS = (
 REMOTE_GAUGES = (
     ("pending_uploads", "kvd_remote_pending_uploads", "entries waiting to upload their blocks"),
     ("pending_bytes", "kvd_remote_pending_bytes", "bytes of blocks waiting to upload"),
+    ("journal_uploads", "kvd_remote_journal_uploads", "uploads the upload journal holds"),
+    ("journal_bytes", "kvd_remote_journal_bytes", "the upload journal's size"),
+    ("restart_uploads", "kvd_remote_restart_uploads", "uploads pending at the last start"),
+    ("restart_reoffered", "kvd_remote_restart_reoffered", "of them, offered again"),
+    ("restart_gone", "kvd_remote_restart_gone", "of them, dropped: their entry gone"),
 )
 REMOTE_COUNTERS = (
     ("uploaded_blocks", "kvd_remote_uploaded_blocks", "blocks written to the remote store"),

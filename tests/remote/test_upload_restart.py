@@ -156,6 +156,9 @@ def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
             assert now["upload_drops"] == 1
             again = flush_remote(daemon)
             assert again.returncode == 0, "said once"
+            metrics = kvctl(daemon, "metrics").stdout
+            assert "kvd_remote_restart_gone 1.0" in metrics
+            assert f"kvd_remote_restart_uploads {len(pending)}.0" in metrics
             shown = kvctl(daemon, "status").stdout
             (row,) = [line for line in shown.splitlines() if line.startswith("upload journal")]
             assert row.endswith(
