@@ -174,7 +174,9 @@ def test_a_closed_output_ends_quietly(stocked: Daemon) -> None:
         ["metrics"],
         ["verify"],
         ["ping"],
+        ["flush"],
         ["doctor"],
+        ["service", "status"],
     ):
         result = _closed_output(stocked, *args)
         assert (result.returncode, result.stderr) == (PIPE_CLOSED, ""), (args, result.stderr)
