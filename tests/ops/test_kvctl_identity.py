@@ -92,3 +92,16 @@ def test_evict_and_verify_take_a_name(stocked: Daemon) -> None:
     # it its name: the other keeps its own.
     assert _listed(stocked, f"{MODEL},kv=8bit-g64") == set()
     assert _listed(stocked, f"{MODEL},kv=none") == {PLAIN.digest()}
+
+
+def test_an_ambiguous_identity_lists_ten_candidates_and_counts_the_others(daemon: Daemon) -> None:
+    many = [variant(model="gemma-12", namespace=f"team-{n}") for n in range(13)]
+    with Client.connect(daemon.socket_path, require=True) as client:
+        for seed, identity in enumerate(many):
+            put_stored(client, identity, range(8), seed)
+    result = kvctl(daemon, "list", "--identity", "gemma-12")
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "kvctl: 'gemma-12' names 13 identities:"
+    assert sum(line.startswith("  gemma-12") for line in lines) == 10
+    assert lines[-1] == "  and 3 more"
