@@ -84,7 +84,7 @@ def _exit_codes(command: str) -> str:
 
 def _seconds(most: float, *, zero: bool = False) -> Callable[[str], float]:
     """The parser of a duration flag: seconds, above zero (or zero), at most most."""
-    least = "0" if zero else "above 0"
+    least = "0 or more" if zero else "above 0"
 
     def parse(value: str) -> float:
         try:
@@ -93,7 +93,7 @@ def _seconds(most: float, *, zero: bool = False) -> Callable[[str], float]:
             seconds = math.nan
         if not 0 <= seconds <= most or (seconds == 0 and not zero):  # NaN fails both
             raise argparse.ArgumentTypeError(
-                f"{value!r} is not a number of seconds from {least} to {most:.0f}"
+                f"{value!r} is not a number of seconds {least}, at most {most:.0f}"
             )
         return seconds
 
