@@ -1,12 +1,10 @@
-"""The store's credentials, from the standard AWS sources in order:
+"""The store's credentials, and the INI files that hold them (credential_source.py says
+which source is read, and when again).
 
-1. the file named by `remote_credentials_file` (INI as ~/.aws/credentials), which must belong to
-   the daemon's user and be readable by no one else (0600), as a file holding a secret should;
-2. the environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN;
-3. the shared file: AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials.
-
-From a file, the profile is AWS_PROFILE's, else "default". A secret never reaches a repr, a log
-line or an error message: errors name the file, the profile and the line number, never a value.
+A file named by the operator (`remote_credentials_file`) must belong to the daemon's user and be
+readable by no one else (0600), as a file holding a secret should; every file is read without
+hanging on a FIFO and up to FILE_LIMIT bytes. A secret never reaches a repr, a log line or an
+error message: errors name the file, the profile and the line number, never a value.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import configparser
 import os
 import stat
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -31,38 +28,52 @@ class Credentials:
     access_key: str
     secret_key: str = field(repr=False)
     session_token: str = field(default="", repr=False)
-    source: str = ""  # where they were read: a file and profile, or "environment"
+    source: str = ""  # where they were read: a file and profile, "environment", a process
+    expires: float | None = None  # time.time() when they expire; None: they do not
 
 
-def load_credentials(
-    file: Path | None, environ: Mapping[str, str], home: Path | None = None
-) -> Credentials:
-    """The credentials of the first source that has any (see the module's order)."""
-    profile = environ.get("AWS_PROFILE") or "default"
-    if file is not None:
-        return _from_file(file, profile, owned_private=True)
-    access_key = environ.get("AWS_ACCESS_KEY_ID", "")
-    secret_key = environ.get("AWS_SECRET_ACCESS_KEY", "")
-    if access_key or secret_key:
-        if not (access_key and secret_key):
-            missing = "AWS_SECRET_ACCESS_KEY" if access_key else "AWS_ACCESS_KEY_ID"
-            raise CredentialsError(f"the environment has AWS credentials without {missing}")
-        return Credentials(
-            access_key, secret_key, environ.get("AWS_SESSION_TOKEN", ""), "environment"
-        )
-    shared = environ.get("AWS_SHARED_CREDENTIALS_FILE")
-    shared_file = Path(shared) if shared else (home or Path.home()) / ".aws" / "credentials"
-    if not shared_file.exists():
-        raise CredentialsError(
-            "no credentials for the remote store: set remote_credentials_file, or "
-            f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or write {shared_file}"
-        )
-    return _from_file(shared_file, profile, owned_private=False)
+class NoProfile(CredentialsError):  # noqa: N818 - reads as what the file lacks
+    """The file has no section for the profile (another source may have it)."""
 
 
-def _from_file(path: Path, profile: str, *, owned_private: bool) -> Credentials:
+def from_file(path: Path, profile: str, *, owned_private: bool) -> Credentials:
     """One profile of an INI credentials file; `owned_private`: refused unless the daemon's
     user owns it and no one else may read or write it (checked on the file opened)."""
+    text = read_private(path, owned_private=owned_private)
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text, source=str(path))
+    except configparser.Error as error:
+        raise CredentialsError(
+            f"{path} is not an INI credentials file ({line_of(error)})"
+        ) from None
+    if not parser.has_section(profile):
+        raise NoProfile(f"{path} has no profile [{profile}]")
+    section = parser[profile]
+    access_key = section.get("aws_access_key_id", "").strip()
+    secret_key = section.get("aws_secret_access_key", "").strip()
+    if not (access_key and secret_key):
+        raise CredentialsError(
+            f"{path} profile [{profile}] lacks aws_access_key_id or aws_secret_access_key"
+        )
+    return Credentials(
+        access_key,
+        secret_key,
+        section.get("aws_session_token", "").strip(),
+        f"{path} [{profile}]",
+    )
+
+
+def line_of(error: configparser.Error) -> str:
+    """Where an INI file is wrong, in words: the parser's own message quotes the offending
+    line, which may hold a secret."""
+    line = getattr(error, "lineno", None) or [n for n, _ in getattr(error, "errors", [])]
+    return f"line {line}"
+
+
+def read_private(path: Path, *, owned_private: bool) -> str:
+    """A small file's text (CredentialsError if it cannot be read, is not a file, is over
+    FILE_LIMIT, or, owned_private, is not the daemon's own and 0600)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not hang the daemon
     except OSError as error:
@@ -86,25 +97,4 @@ def _from_file(path: Path, profile: str, *, owned_private: bool) -> Credentials:
         text = os.read(fd, FILE_LIMIT).decode("utf-8", errors="replace")
     finally:
         os.close(fd)
-    parser = configparser.ConfigParser(interpolation=None)
-    try:
-        parser.read_string(text, source=str(path))
-    except configparser.Error as error:
-        # The parser's own message quotes the offending line, which may hold a secret.
-        line = getattr(error, "lineno", None) or [n for n, _ in getattr(error, "errors", [])]
-        raise CredentialsError(f"{path} is not an INI credentials file (line {line})") from None
-    if not parser.has_section(profile):
-        raise CredentialsError(f"{path} has no profile [{profile}]")
-    section = parser[profile]
-    access_key = section.get("aws_access_key_id", "").strip()
-    secret_key = section.get("aws_secret_access_key", "").strip()
-    if not (access_key and secret_key):
-        raise CredentialsError(
-            f"{path} profile [{profile}] lacks aws_access_key_id or aws_secret_access_key"
-        )
-    return Credentials(
-        access_key,
-        secret_key,
-        section.get("aws_session_token", "").strip(),
-        f"{path} [{profile}]",
-    )
+    return text

@@ -6,14 +6,17 @@ once for the whole daemon), within a deadline on its whole duration (remote_requ
 by default; a fetch gives what is left of its own), its outcome told to the health. A call
 whose caller is cancelled (a fetch out of time, the daemon stopping) is not waited for: its
 connection is shut down at once (s3.Interrupt), its thread abandoned and counted, its limiter
-token given back. The identities' layouts read or
-written, and the blocks known to be in the store (a bounded LRU), are kept here: both paths
+token given back. A store that asks to slow down (StoreBusy) is asked again once the health's
+pause has passed, within the caller's deadline when it gave one, else up to BUSY_PATIENCE_S;
+one that refuses the credentials is asked again at once if reading them again gave others (a
+key rotated, a session token renewed). The identities' layouts read or written, and the blocks known to be in the store (a bounded LRU), are kept here: both paths
 learn them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections import Counter, deque
@@ -26,11 +29,19 @@ import anyio
 from kvd.config import Config
 from kvd.logs import get_logger
 from kvd.remote import keys
+from kvd.remote.credential_source import CredentialSource
 from kvd.remote.deadlines import Interrupt
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.lru import LruSet
-from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreAuthError, StoreError
+from kvd.remote.s3 import (
+    ObjectTooLarge,
+    S3Store,
+    StoreAuthError,
+    StoreBusy,
+    StoreClockSkewed,
+    StoreError,
+)
 from kvd.store.tier import Tier
 
 log = get_logger("kvd.remote")
@@ -41,6 +52,7 @@ LAYOUT_LIMIT: Final = 1 << 20  # bytes: a layout of 4096 layers is a few hundred
 RATES_KEPT: Final = 256  # fetch rates the p50 is taken over, the newest
 KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
 KNOWN_MAX_AGE: Final = 3600.0  # seconds: far shorter than any lifecycle expiry (days)
+BUSY_PATIENCE_S: Final = 120.0  # a call without a deadline, asked to slow down for longer, fails
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -77,7 +89,8 @@ class StoreLink:
         self.config = config
         self.tier = tier
         self.bucket, self.prefix = split_url(config.remote)
-        self.health = Health()
+        self.credentials = CredentialSource(config.remote_credentials_file, os.environ)
+        self.health = Health(credentials_changed=self.credentials.changed)
         self.limiter = anyio.CapacityLimiter(config.remote_requests)
         self.counters = RemoteCounters()
         self.layouts: dict[str, Layout] = {}  # identity digest -> the layout in the store
@@ -93,7 +106,23 @@ class StoreLink:
         the health: StoreError as the client raises it (a StoreAuthError when no credentials
         can be had; StoreUnavailable past deadline, by default remote_request_timeout from
         now). ObjectTooLarge is the store's answer, not its failure. Cancelled, it returns
-        at once: the call's connection is shut down and its thread left to end by itself."""
+        at once: the call's connection is shut down and its thread left to end by itself.
+        Asked to slow down, it waits out the health's pause and asks again while the pause
+        ends before deadline (none given: BUSY_PATIENCE_S from now), else raises StoreBusy:
+        never a failure of the store."""
+        give_up = time.monotonic() + BUSY_PATIENCE_S if deadline is None else deadline
+        busy: StoreBusy | None = None
+        while True:
+            if not await self.health.paced(give_up):
+                raise busy or StoreBusy(self.health.last_error)
+            try:
+                return await self._attempt(request, deadline)
+            except StoreBusy as exc:
+                self.health.busy(str(exc), exc.retry_after)
+                busy = exc
+
+    async def _attempt(self, request: Callable[[S3Store, float], T], deadline: float | None) -> T:
+        """One request, as call() says."""
         if deadline is None:
             deadline = time.monotonic() + self.config.remote_request_timeout
         interrupt = Interrupt()
@@ -104,7 +133,7 @@ class StoreLink:
             started = True
             try:
                 with store.interruptible(interrupt):
-                    return request(store, deadline)
+                    return self._renewing(request)(store, deadline)
             finally:
                 ended = True
 
@@ -116,6 +145,8 @@ class StoreLink:
         except ObjectTooLarge:
             self.health.succeeded()
             raise
+        except StoreBusy:
+            raise  # call() waits and asks again
         except StoreAuthError as exc:
             self.health.failed(str(exc), refused=True)
             raise
@@ -129,9 +160,26 @@ class StoreLink:
         self.health.succeeded()
         return result
 
+    def _renewing(self, request: Callable[[S3Store, float], T]) -> Callable[[S3Store, float], T]:
+        """request, made once more when the store refused the credentials and reading them
+        again gave others (in the worker thread: a credential_process may run)."""
+
+        def attempt(store: S3Store, deadline: float) -> T:
+            try:
+                return request(store, deadline)
+            except StoreClockSkewed:
+                raise  # other credentials would not help
+            except StoreAuthError:
+                refused = store.signed_with()
+                if refused is None or not self.credentials.renew(refused):
+                    raise
+            return request(store, deadline)
+
+        return attempt
+
     def _open(self) -> S3Store:
-        """The store client, with the credentials as they are now (StoreAuthError)."""
-        self.store = S3Store.from_config(self.config)
+        """The store client (its credentials are read at its first request)."""
+        self.store = S3Store.from_config(self.config, credentials=self.credentials)
         return self.store
 
     async def probe(self) -> None:

@@ -13,10 +13,16 @@ body changed on the way), over https TLS already protects it and the body goes u
 hash pass over every block uploaded). Addressing is path-style (bucket in the path), which
 every S3-compatible server takes; AWS's own endpoint gets the bucket in the host name.
 
+The credentials are a CredentialSource's, as they are at each request (read again when they
+change, expire or are refused: credential_source.py), or fixed ones.
+
 Failures come as StoreError subclasses whose messages name the call and the cause, never a
 secret:
-    StoreUnavailable  no connection, a reset, a timeout, TLS refused, 5xx (503 SlowDown too)
+    StoreUnavailable  no connection, a reset, a timeout, TLS refused, 5xx
+      StoreBusy       the store asks to slow down: 429, 503 SlowDown, a 503 with Retry-After
     StoreAuthError    no credentials, or the store refused them (401/403)
+      StoreClockSkewed  a refusal for the clock: RequestTimeTooSkewed, or the answer's Date
+                      more than SKEW_LIMIT_S from this machine's ("clock off by N s")
     StoreRefused      any other refusal (4xx: NoSuchBucket, InvalidRequest, ...)
     ObjectTooLarge    an object longer than the caller's limit
 """
@@ -35,12 +41,14 @@ import weakref
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
 from kvd.config import Config
-from kvd.remote.credentials import Credentials, CredentialsError, load_credentials
+from kvd.remote.credential_source import CredentialSource
+from kvd.remote.credentials import Credentials, CredentialsError
 from kvd.remote.deadlines import Bound, Interrupt
 from kvd.remote.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Signer, canonical_query, uri_path
 
@@ -49,6 +57,8 @@ ERROR_BODY_LIMIT: Final = 64 << 10  # an error's XML is read up to this, to lear
 LIST_PAGE_LIMIT: Final = 8 << 20  # a ListObjectsV2 page (1000 keys) is far smaller
 LIST_PAGE_KEYS: Final = 1000  # S3's largest page
 _CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+SKEW_LIMIT_S: Final = 300.0  # a refusal whose answer's Date is further off is put to the clock
+BUSY_WAIT_MAX_S: Final = 60.0  # a Retry-After is honoured up to this
 
 
 class StoreError(Exception):
@@ -59,8 +69,26 @@ class StoreUnavailable(StoreError):  # noqa: N818 - reads as the state the healt
     """The store did not answer, or answered that it cannot now (5xx)."""
 
 
+class StoreBusy(StoreUnavailable):
+    """The store asks for fewer requests (429, 503 SlowDown): it is there, and answers again
+    after a while; retry_after, the seconds it asked for (Retry-After), if it said."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class StoreAuthError(StoreError):
     """No credentials, or the store refused them."""
+
+
+class StoreClockSkewed(StoreAuthError):  # noqa: N818 - reads as the store's answer
+    """The store refused the request for this machine's clock, not its credentials; offset,
+    the store's clock minus this machine's in seconds, when its answer had a Date."""
+
+    def __init__(self, message: str, offset: float | None) -> None:
+        super().__init__(message)
+        self.offset = offset
 
 
 class StoreRefused(StoreError):  # noqa: N818 - reads as the store's answer
@@ -99,14 +127,49 @@ def _describe(error: BaseException, bound: Bound) -> str:
     return type(error).__name__
 
 
-def _failure(what: str, status: int, code: str) -> StoreError:
-    """The error a status means; `code` is S3's error Code if the body had one."""
+def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreError:
+    """The error an answer means; `code` is S3's error Code if the body had one."""
+    status = response.status
     message = f"{what}: HTTP {status}" + (f" {code}" if code else "")
-    if status >= 500 or status == 429:
+    retry_after = _retry_after(response)
+    if status == 429 or (status == 503 and (code == "SlowDown" or retry_after is not None)):
+        return StoreBusy(f"{message}: the store asks for fewer requests", retry_after)
+    if status >= 500:
         return StoreUnavailable(message)
     if status in (401, 403):
-        return StoreAuthError(message)
+        offset = clock_offset(response)
+        off = offset is not None and abs(offset) > SKEW_LIMIT_S
+        if off or code == "RequestTimeTooSkewed":
+            by = f" by {round(abs(offset))} s" if off and offset is not None else ""
+            side = "" if not by else " (behind)" if offset and offset > 0 else " (ahead)"
+            return StoreClockSkewed(
+                f"{message}: this machine's clock is off{by}{side} from the store's", offset
+            )
+        return StoreAuthError(f"{message}: credentials refused")
     return StoreRefused(message)
+
+
+def clock_offset(response: http.client.HTTPResponse) -> float | None:
+    """The store's clock minus this machine's, in seconds, from the answer's Date (None
+    without one); to the second, as the header is."""
+    date = response.getheader("date")
+    if date is None:
+        return None
+    try:
+        moment = parsedate_to_datetime(date)
+    except (TypeError, ValueError):
+        return None
+    if moment.tzinfo is None:
+        return None
+    return moment.timestamp() - time.time()
+
+
+def _retry_after(response: http.client.HTTPResponse) -> float | None:
+    """Retry-After in seconds (its date form is not used by S3 stores), up to BUSY_WAIT_MAX_S."""
+    value = (response.getheader("retry-after") or "").strip()
+    if not value.isdigit():
+        return None
+    return min(float(value), BUSY_WAIT_MAX_S)
 
 
 class S3Store:
@@ -116,7 +179,7 @@ class S3Store:
         self,
         endpoint: str,
         bucket: str,
-        credentials: Credentials,
+        credentials: Credentials | CredentialSource,
         *,
         region: str = "us-east-1",
         timeout: float = 10.0,
@@ -133,25 +196,33 @@ class S3Store:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
         self._host_header = parts.netloc.rpartition("@")[2]
-        self._signer = Signer(credentials, region)
+        self._region = region
+        self._source = credentials if isinstance(credentials, CredentialSource) else None
+        fixed = credentials if isinstance(credentials, Credentials) else None
+        self._signer: Signer | None = None if fixed is None else Signer(fixed, region)
         self._context = ssl.create_default_context(cafile=ca_file) if self._tls else None
         self._local = threading.local()
         self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._open_lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: Config, environ: Mapping[str, str] | None = None) -> S3Store:
-        """The store `config.remote` names; StoreAuthError if there are no credentials, or
-        they cannot be read (a file that is not 0600, ...). A CA bundle for a private TLS
-        endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
+    def from_config(
+        cls,
+        config: Config,
+        environ: Mapping[str, str] | None = None,
+        *,
+        credentials: CredentialSource | None = None,
+    ) -> S3Store:
+        """The store `config.remote` names, signed with the credentials `credentials` reads
+        (by default a source of config and environ's): every call raises StoreAuthError while
+        there are none, or they cannot be read (a file that is not 0600, ...). A CA bundle for
+        a private TLS endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
         if not config.remote:
             raise ValueError("the remote setting is empty: there is no store")
         environ = os.environ if environ is None else environ
         bucket = config.remote.removeprefix("s3://").partition("/")[0]
-        try:
-            credentials = load_credentials(config.remote_credentials_file, environ)
-        except CredentialsError as error:
-            raise StoreAuthError(str(error)) from None
+        if credentials is None:
+            credentials = CredentialSource(config.remote_credentials_file, environ)
         ca_bundle = environ.get("AWS_CA_BUNDLE")
         return cls(
             config.remote_endpoint,
@@ -175,7 +246,7 @@ class S3Store:
             if response.status == 404:
                 return None
             if not 200 <= response.status < 300:
-                raise _failure(f"HEAD {key}", response.status, "")
+                raise _failure(f"HEAD {key}", response, "")
             size = _content_length(response)
             if size is None:
                 raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
@@ -238,7 +309,7 @@ class S3Store:
             response = self._request(bound, "DELETE", key)
             code = self._error_code(response)
         if not 200 <= response.status < 300 and (response.status, code) != (404, "NoSuchKey"):
-            raise _failure(f"DELETE {key}", response.status, code)
+            raise _failure(f"DELETE {key}", response, code)
 
     def list(
         self, prefix: str, limit: int, *, deadline: float | None = None
@@ -280,7 +351,27 @@ class S3Store:
         for connection in connections:
             connection.close()
 
+    def signed_with(self) -> Credentials | None:
+        """The credentials this thread's last request was signed with."""
+        credentials: Credentials | None = getattr(self._local, "signed_with", None)
+        return credentials
+
     # The transport.
+
+    def _signer_now(self) -> Signer:
+        """The signer of the credentials as they are now (read again when due)."""
+        signer = self._signer
+        if self._source is not None:
+            try:
+                credentials = self._source.current()
+            except CredentialsError as error:
+                raise StoreAuthError(str(error)) from None
+            if signer is None or signer.credentials is not credentials:
+                signer = self._signer = Signer(credentials, self._region)
+        assert signer is not None  # fixed credentials have their signer from the start
+        self._local.signed_with = signer.credentials
+        return signer
+
 
     @contextmanager
     def _call(self, deadline: float | None) -> Iterator[Bound]:
@@ -331,7 +422,7 @@ class S3Store:
         whole by the watchdog (bound's Interrupt shuts the socket down)."""
         path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
         query = query or {}
-        signed = self._signer.headers(
+        signed = self._signer_now().headers(
             method,
             self._host_header,
             path,
@@ -451,7 +542,7 @@ class S3Store:
     def _check(self, response: http.client.HTTPResponse, what: str) -> None:
         """Raises the StoreError a status other than 2xx means."""
         if not 200 <= response.status < 300:
-            raise _failure(what, response.status, self._error_code(response))
+            raise _failure(what, response, self._error_code(response))
 
     def _absent(self, response: http.client.HTTPResponse, what: str) -> bool:
         """True for a 404 that says the key is not there (not a bucket that is not)."""
@@ -460,7 +551,7 @@ class S3Store:
             return False
         code = self._error_code(response)
         if code == "NoSuchBucket":
-            raise _failure(what, response.status, code)
+            raise _failure(what, response, code)
         return True
 
     def _created(self, response: http.client.HTTPResponse, what: str) -> bool:

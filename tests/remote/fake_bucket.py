@@ -6,10 +6,12 @@ A test turns it hostile by rules: `bucket.on(match, answer)` makes every request
 accepts get answer(connection, request) instead of the honest answer (the newest rule first;
 `times=` limits how often a rule fires). The answers below are the misbehaviours of a store that
 is faulty, overloaded or hostile: an error status (503 SlowDown, 429, 403 with any S3 code), a
-body trickled a few bytes at a time, a head or body that never comes (`hang`), a reset, a body
-other than the object's, a page of HTML. `requests` counts what was asked, by method and key.
+clock refusal (`skewed`), a body trickled a few bytes at a time, a head or body that never comes
+(`hang`), a reset, a body other than the object's, a page of HTML. `requests` counts what was
+asked, by method and key.
 
-Signatures are not checked (the real SeaweedFS of seaweed.py checks them); the server honours
+Signatures are not checked (the real SeaweedFS of seaweed.py checks them), but a rule may match
+the access key a request was signed with (`signed_by`); the server honours
 If-None-Match: * unless `ignore_if_none_match` is set (as some S3-compatible stores do).
 close() ends every connection, hung ones included.
 """
@@ -314,6 +316,24 @@ def trickle_head(bucket: FakeBucket, *, every: float) -> Answer:
     return answer
 
 
+def skewed(bucket: FakeBucket) -> Answer:
+    """403 RequestTimeTooSkewed as S3 answers a request signed by a clock too far off: its Date
+    from the bucket's clock (date_offset), the times in the error's XML."""
+
+    def answer(connection: socket.socket, request: Request) -> None:
+        now = time.time() + bucket.date_offset
+        xml = (
+            "<?xml version='1.0'?><Error><Code>RequestTimeTooSkewed</Code><Message>The "
+            "difference between the request time and the current time is too large.</Message>"
+            f"<RequestTime>{request.headers.get('x-amz-date', '')}</RequestTime>"
+            f"<ServerTime>{formatdate(now, usegmt=True)}</ServerTime>"
+            "<MaxAllowedSkewMilliseconds>900000</MaxAllowedSkewMilliseconds></Error>"
+        ).encode()
+        send(connection, 403, xml, date=formatdate(now, usegmt=True), head=request)
+
+    return answer
+
+
 def hang(bucket: FakeBucket) -> Answer:
     """No answer at all, until the bucket closes."""
 
@@ -332,6 +352,11 @@ def reset(connection: socket.socket, request: Request) -> None:
 def key_has(part: str, method: str | None = None) -> Match:
     """Requests for a key containing part (and of method, when given)."""
     return lambda request: part in (request.key or "") and method in (None, request.method)
+
+
+def signed_by(access_key: str) -> Match:
+    """Requests signed with this access key (SigV4's Credential=KEY/...)."""
+    return lambda request: f"Credential={access_key}/" in request.headers.get("authorization", "")
 
 
 def every_request(request: Request) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -76,6 +77,13 @@ def restart(seaweed: Seaweed) -> None:
                     raise AssertionError(f"no write within {WRITABLE_S:g} s: {error}") from None
     finally:
         client.close()
+
+
+def logged(daemon: Daemon, event: str) -> list[dict[str, Any]]:
+    """The daemon's log events of this name, in order."""
+    lines = daemon.logs().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    return [e for e in events if e.get("event") == event]
 
 
 def remote_status(peer: RawPeer) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.remote.credentials import Credentials, CredentialsError, load_credentials
+from kvd.remote.credential_source import load_credentials
+from kvd.remote.credentials import Credentials, CredentialsError
 from kvd.remote.s3 import S3Store
 from kvd.remote.sigv4 import Signer
 

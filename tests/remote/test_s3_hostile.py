@@ -218,7 +218,7 @@ def test_an_error_code_is_shown_only_when_it_is_a_code(
     hostile.script = odd
     with pytest.raises(StoreError) as raised:
         store.get("k", LIMIT)
-    assert str(raised.value) == "GET k: HTTP 403"
+    assert str(raised.value) == "GET k: HTTP 403: credentials refused"
 
 
 @pytest.mark.parametrize(
