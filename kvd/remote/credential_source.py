@@ -13,8 +13,9 @@ The profile is AWS_PROFILE's, else "default".
 A CredentialSource reads them when first asked and again, at the next request, when they may
 have changed: the files it watches changed (checked at most every AGAIN_S), the credentials
 near their Expiration (REFRESH_BEFORE_S before it, or half their life when that is shorter),
-or the store refused them (renew). Never more often than every AGAIN_S: a store refusing every
-request, or a process failing, costs one read a second at most. A refresh ahead of expiry that
+or the store refused them (renew). Never more often than every AGAIN_S, but for a refusal,
+which reads again unless a read came after the refused request was signed: the requests refused
+at once cost one read. A refresh ahead of expiry that
 fails keeps the credentials it would have replaced until they expire. The environment is read
 once: a running process's environment does not change.
 """
@@ -132,14 +133,13 @@ class CredentialSource:
                 raise self._error
             return self._credentials
 
-    def renew(self, refused: Credentials) -> bool:
-        """The store refused `refused`: read again now (unless read within AGAIN_S); whether
+    def renew(self, refused: Credentials, signed_at: float) -> bool:
+        """The store refused `refused`, signed at clock() time signed_at: read again now,
+        unless they were read since (another refused request of the same moment did); whether
         that gave other credentials to try."""
         with self._lock:
-            if self._credentials is not refused:
-                return self._credentials is not None  # another thread renewed them already
             self._refused = True
-            if self._clock() - self._read_at >= AGAIN_S:
+            if self._read_at <= signed_at:
                 self._read()
             return self._credentials is not None and self._credentials is not refused
 

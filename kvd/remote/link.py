@@ -9,8 +9,8 @@ connection is shut down at once (s3.Interrupt), its thread abandoned and counted
 token given back. A store that asks to slow down (StoreBusy) is asked again once the health's
 pause has passed, within the caller's deadline when it gave one, else up to BUSY_PATIENCE_S;
 one that refuses the credentials is asked again at once if reading them again gave others (a
-key rotated, a session token renewed). The identities' layouts read or written, and the blocks known to be in the store (a bounded LRU), are kept here: both paths
-learn them.
+key rotated, a session token renewed). The identities' layouts read or written, and the blocks
+known to be in the store (a bounded LRU), are kept here: both paths learn them.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class StoreLink:
                 raise  # other credentials would not help
             except StoreAuthError:
                 refused = store.signed_with()
-                if refused is None or not self.credentials.renew(refused):
+                if refused is None or not self.credentials.renew(*refused):
                     raise
             return request(store, deadline)
 

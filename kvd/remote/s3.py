@@ -351,10 +351,11 @@ class S3Store:
         for connection in connections:
             connection.close()
 
-    def signed_with(self) -> Credentials | None:
-        """The credentials this thread's last request was signed with."""
-        credentials: Credentials | None = getattr(self._local, "signed_with", None)
-        return credentials
+    def signed_with(self) -> tuple[Credentials, float] | None:
+        """The credentials this thread's last request was signed with, and when
+        (time.monotonic())."""
+        signed: tuple[Credentials, float] | None = getattr(self._local, "signed_with", None)
+        return signed
 
     # The transport.
 
@@ -369,9 +370,8 @@ class S3Store:
             if signer is None or signer.credentials is not credentials:
                 signer = self._signer = Signer(credentials, self._region)
         assert signer is not None  # fixed credentials have their signer from the start
-        self._local.signed_with = signer.credentials
+        self._local.signed_with = (signer.credentials, time.monotonic())
         return signer
-
 
     @contextmanager
     def _call(self, deadline: float | None) -> Iterator[Bound]:
