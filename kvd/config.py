@@ -327,7 +327,8 @@ class Config:
             values.optional_path,
             "FILE",
             "an AWS-style credentials file, which must be 0600; unset: the environment "
-            "(`AWS_ACCESS_KEY_ID`, ...), then `~/.aws/credentials` (`AWS_PROFILE`)",
+            "(`AWS_ACCESS_KEY_ID`, ...), then `~/.aws/credentials` (`AWS_PROFILE`), then the "
+            "profile's `credential_process` in `~/.aws/config`; read again when it changes",
             "none",
         ),
     )

@@ -4,11 +4,16 @@ warning said once per outage."""
 
 from __future__ import annotations
 
+import time
+
+import anyio
 import structlog
 
 from kvd.remote.health import (
     AUTH_RETRY_S,
     BACKOFF_MAX_S,
+    BUSY_FIRST_S,
+    BUSY_MAX_S,
     FAILURES_TO_DOWN,
     RECENT_S,
     Health,
@@ -85,3 +90,54 @@ def test_going_down_is_warned_once_per_outage_and_kind() -> None:
         "x",
     ]
     assert [e["event"] for e in logs].count("remote_up") == 1
+
+
+def test_a_store_that_asks_to_slow_down_is_degraded_never_down() -> None:
+    clock = Clock()
+    health = Health(clock)
+    for _ in range(FAILURES_TO_DOWN * 3):
+        pause = health.busy("PUT k: HTTP 503 SlowDown", None)
+        clock.now += pause
+    assert state(health) is State.DEGRADED
+    assert health.failures == 0
+    health.failed("PUT k: Connection refused")
+    assert health.failures == 1, "asks to slow down are no failures in a row"
+
+
+def test_slow_down_backs_off_doubling_with_jitter_and_honours_retry_after() -> None:
+    clock = Clock()
+    health = Health(clock)
+    pauses = []
+    for _ in range(10):
+        pauses.append(health.busy("503 SlowDown", None))
+        clock.now += pauses[-1]
+    for ask, pause in enumerate(pauses):
+        backoff = min(BUSY_MAX_S, BUSY_FIRST_S * 2**ask)
+        assert backoff / 2 <= pause <= backoff
+    assert health.busy("429", 7.0) == 7.0
+    clock.now += 7.0
+    assert health.busy("429", 0.0) == BUSY_FIRST_S, "a Retry-After of 0 still slows down"
+
+
+def test_asks_answered_during_a_pause_do_not_lengthen_it() -> None:
+    """Requests sent together are refused together: one ask, one pause."""
+    clock = Clock()
+    health = Health(clock)
+    first = health.busy("503 SlowDown", 4.0)
+    clock.now += 1.0
+    assert health.busy("503 SlowDown", 4.0) == first - 1.0
+    assert health.busy_asks == 1
+
+
+def test_paced_waits_out_the_pause_unless_it_ends_past_the_deadline() -> None:
+    async def scenario() -> None:
+        health = Health()
+        assert await health.paced(time.monotonic())
+        health.busy("503 SlowDown", 0.6)
+        began = time.monotonic()
+        assert not await health.paced(began + 0.3), "ends after the deadline: no wait"
+        assert time.monotonic() - began < 0.3
+        assert await health.paced(began + 5.0)
+        assert time.monotonic() - began >= 0.5
+
+    anyio.run(scenario)

@@ -1,0 +1,113 @@
+"""A refusal for the clock is said as one: "clock is off by N s", not "credentials refused", in
+the client's error, the health's last_error and the log, whether the store says
+RequestTimeTooSkewed or only answers 403 with a Date far from this machine's."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Iterator
+from email.utils import formatdate
+from pathlib import Path
+
+import pytest
+from daemon_e2e import RawPeer
+from daemon_process import running_daemon
+from fake_bucket import (
+    FakeBucket,
+    Request,
+    error_xml,
+    every_request,
+    running_bucket,
+    send,
+    skewed,
+    status,
+)
+from remote_e2e import logged, wait_remote
+
+from kvd.remote.credentials import Credentials
+from kvd.remote.s3 import S3Store, StoreAuthError, StoreClockSkewed
+
+
+def refused_with_date(bucket: FakeBucket, code: str) -> None:
+    """Every request answered 403 code, the Date from the bucket's clock."""
+
+    def answer(connection: socket.socket, request: Request) -> None:
+        date = formatdate(time.time() + bucket.date_offset, usegmt=True)
+        send(connection, 403, error_xml(code), date=date, head=request)
+
+    bucket.on(every_request, answer)
+
+
+@pytest.fixture
+def bucket() -> Iterator[FakeBucket]:
+    with running_bucket() as fake:
+        yield fake
+
+
+@pytest.fixture
+def client(bucket: FakeBucket) -> Iterator[S3Store]:
+    store = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "s"), timeout=2.0)
+    yield store
+    store.close()
+
+
+def off_by(message: str) -> int:
+    found = re.search(r"clock is off by (\d+) s", message)
+    assert found, message
+    return int(found.group(1))
+
+
+def test_request_time_too_skewed_says_by_how_much(bucket: FakeBucket, client: S3Store) -> None:
+    bucket.date_offset = -3600.0  # the store an hour behind: this machine an hour ahead
+    bucket.on(every_request, skewed(bucket))
+    with pytest.raises(StoreClockSkewed) as raised:
+        client.head("k")
+    message = str(raised.value)
+    assert abs(off_by(message) - 3600) <= 2
+    assert "(ahead)" in message
+    assert "credentials refused" not in message
+    assert raised.value.offset is not None
+    assert abs(raised.value.offset + 3600) <= 2
+
+
+def test_a_plain_refusal_with_a_far_date_is_put_to_the_clock(
+    bucket: FakeBucket, client: S3Store
+) -> None:
+    bucket.date_offset = 1200.0
+    refused_with_date(bucket, "AccessDenied")
+    with pytest.raises(StoreClockSkewed) as raised:
+        client.list("p/", 1)
+    assert abs(off_by(str(raised.value)) - 1200) <= 2
+    assert "(behind)" in str(raised.value)
+
+
+def test_a_refusal_with_a_near_date_is_the_credentials(bucket: FakeBucket, client: S3Store) -> None:
+    bucket.date_offset = 30.0  # off, but within what a store takes
+    refused_with_date(bucket, "SignatureDoesNotMatch")
+    with pytest.raises(StoreAuthError) as raised:
+        client.get("k", 10)
+    assert not isinstance(raised.value, StoreClockSkewed)
+    assert str(raised.value) == "GET k: HTTP 403 SignatureDoesNotMatch: credentials refused"
+    bucket.clear()
+    bucket.on(every_request, status(403, "RequestTimeTooSkewed"))  # the store's word alone
+    with pytest.raises(StoreClockSkewed, match="this machine's clock is off from the store's"):
+        client.get("k", 10)
+
+
+def test_the_daemon_says_its_clock_is_off_not_its_credentials(tmp_path: Path) -> None:
+    with running_bucket(date_offset=-3600.0) as bucket:
+        bucket.on(every_request, skewed(bucket))
+        credentials = tmp_path / "credentials"
+        credentials.write_text("[default]\naws_access_key_id = K\naws_secret_access_key = s\n")
+        credentials.chmod(0o600)
+        flags = ["--remote", f"s3://{bucket.bucket}/p", "--remote-endpoint", bucket.endpoint]
+        flags += ["--remote-credentials-file", str(credentials)]
+        with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
+            down = wait_remote(peer, lambda r: r["state"] == "down", "the clock refused")
+            error = down["last_error"]
+            assert abs(off_by(error) - 3600) <= 2
+            assert "credentials refused" not in error
+            [warning] = logged(daemon, "remote_down")
+            assert warning["error"] == error
