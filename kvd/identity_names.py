@@ -2,16 +2,22 @@
 them, and the `--identity` argument kvctl resolves against those names.
 
 An identity's aspects are the traits its engine says (kv, template, adapter, then any other,
-in the engine's order), then what its fields hold: its namespace, runtime, codec, and the
-first 8 hex digits of its config fingerprint and tokenizer hash. A trait an engine did not
-say is UNSAID.
+in the engine's order; not its source), then what its fields hold: its namespace, runtime,
+codec, and the first 8 hex digits of its config fingerprint and tokenizer hash. A trait an
+engine did not say is UNSAID.
 
-Its name is its model id, then as few of the aspects that differ among the identities of that
-model as tell it apart from each of them, in that order: `llama-1489590bf7a7` while it is the
-model's only identity, `llama-1489590bf7a7,kv=8bit-g64` beside `llama-1489590bf7a7,kv=none`.
-A name is unique among the identities named together (the tier's); should two still share one
-(model ids are the engines' to choose), each ends with `,id=` and 12 digits of its digest. So a
-name can change as identities of its model come and go; the digest never does.
+Its name starts with where its model came from, as the engine says it in its source trait (a
+repository id such as `mlx-community/Llama-3.2-3B-Instruct-4bit`, else the model folder's name),
+or else with its model id; then come as few of the aspects that differ among the identities
+of its model (its model id) as tell it apart from each of them, in that order:
+`Llama-3.2-3B-Instruct-4bit` while it is the model's only identity,
+`Llama-3.2-3B-Instruct-4bit,kv=8bit-g64` beside `Llama-3.2-3B-Instruct-4bit,kv=none`. A name is
+unique among the identities named together (the tier's); should two still share one (two
+models from folders of one name; model ids are the engines' to choose), each ends with `,id=`
+and 12 digits of its digest. So a name can change as identities of its model come and go; the
+digest never does. Names are bounded whatever engines say: the start at START_CHARS
+characters, each aspect's value at VALUE_CHARS, the whole at NAME_CHARS (then cut, ending with
+`,id=` and the digest's 12 digits).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from kvd_protocol.identity import Identity
+from kvd_protocol.identity import SOURCE_TRAIT, Identity
 
 TRAIT_ASPECTS: Final = ("kv", "template", "adapter")  # the engine library's, first
 FIELD_ASPECTS: Final = ("ns", "runtime", "codec", "config", "tokenizer")
@@ -36,11 +42,16 @@ DIGEST_SHOWN: Final = 12
 DIGEST_HEX: Final = 32  # Identity.digest()'s length
 CANDIDATES_SHOWN: Final = 10  # of an ambiguous --identity, listed in its error
 _HEX: Final = frozenset(string.hexdigits.lower())
+START_CHARS: Final = 64
+VALUE_CHARS: Final = 48
+NAME_CHARS: Final = 160
+CUT: Final = "~"  # ends a start or a value cut short
 
 
 def aspects(identity: Identity) -> dict[str, str]:
     """identity's aspects, in order (see the module)."""
     traits = identity.trait_map()
+    traits.pop(SOURCE_TRAIT, None)  # the name's start, not an aspect
     found = {key: traits.pop(key, UNSAID) for key in TRAIT_ASPECTS}
     found.update(traits)  # the others, in the engine's order
     found.update(
@@ -74,30 +85,42 @@ def names(identities: Mapping[str, Identity | None]) -> dict[str, str]:
     """Each identity's name, by digest (see the module); one known by digest only is named
     by its digest. O(identities x aspects^2)."""
     found: dict[str, str] = {}
-    models: dict[str, list[tuple[str, dict[str, str]]]] = {}
+    models: dict[str, list[tuple[str, str, dict[str, str]]]] = {}
     for digest, identity in identities.items():
         if identity is None:
             found[digest] = digest
         else:
-            models.setdefault(identity.model_id, []).append((digest, aspects(identity)))
-    for model_id, members in models.items():
-        found.update(_model_names(model_id, members))
+            start = _cut(identity.trait_map().get(SOURCE_TRAIT) or identity.model_id, START_CHARS)
+            models.setdefault(identity.model_id, []).append((digest, start, aspects(identity)))
+    for members in models.values():
+        found.update(_model_names(members))
     taken = Counter(found.values())
     for digest, name in found.items():
-        if taken[name] > 1 and name != digest:
-            found[digest] = f"{name},id={digest[:DIGEST_SHOWN]}"
+        told = f"{name},id={digest[:DIGEST_SHOWN]}" if taken[name] > 1 and name != digest else name
+        if len(told) > NAME_CHARS:  # cut, and told apart by the digest
+            told = told[: NAME_CHARS - DIGEST_SHOWN - 5] + f"{CUT},id={digest[:DIGEST_SHOWN]}"
+        found[digest] = told
     return found
 
 
-def _model_names(model_id: str, members: Sequence[tuple[str, dict[str, str]]]) -> dict[str, str]:
-    """The names of one model's identities: each the shortest prefix of the aspects that
-    vary among them which no other member shares."""
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 1] + CUT
+
+
+def _model_names(members: Sequence[tuple[str, str, dict[str, str]]]) -> dict[str, str]:
+    """The names of one model's identities (digest, the name's start, aspects): each its
+    start and the shortest prefix of the aspects that vary among them which no other member
+    shares."""
     if len(members) == 1:
-        return {members[0][0]: model_id}
-    traits = dict.fromkeys(key for _, found in members for key in found if key not in _FIELDS)
+        return {members[0][0]: members[0][1]}
+    traits = dict.fromkeys(key for _, _, found in members for key in found if key not in _FIELDS)
     keys = [*traits, *FIELD_ASPECTS]  # the traits any of them says first, as aspects() has it
-    varying = [k for k in keys if len({found.get(k, UNSAID) for _, found in members}) > 1]
-    rows = {digest: [found.get(k, UNSAID) for k in varying] for digest, found in members}
+    varying = [k for k in keys if len({found.get(k, UNSAID) for _, _, found in members}) > 1]
+    rows = {
+        digest: [_cut(found.get(k, UNSAID), VALUE_CHARS) for k in varying]
+        for digest, _, found in members
+    }
+    starts = {digest: start for digest, start, _ in members}
     shared = Counter(tuple(row[:n]) for row in rows.values() for n in range(len(row) + 1))
     named = {}
     for digest, row in rows.items():
@@ -105,7 +128,7 @@ def _model_names(model_id: str, members: Sequence[tuple[str, dict[str, str]]]) -
         parts = [f",{key}={value}" for key, value in zip(varying[:n], row[:n], strict=True)]
         if shared[tuple(row)] > 1:  # the same aspects (hashes cut short): the digest tells
             parts.append(f",id={digest[:DIGEST_SHOWN]}")
-        named[digest] = model_id + "".join(parts)
+        named[digest] = starts[digest] + "".join(parts)
     return named
 
 
@@ -119,9 +142,10 @@ class IdentityNameError(LookupError):
 
 def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) -> str:
     """The digest of the identity that given names, among the status's identities (listed;
-    left_out more not listed): a name, a digest, or a digest's unique prefix; a model id
-    whose identities have longer names stands for all of them. A whole digest passes as it
-    is (the daemon may hold an identity the status does not list). Raises IdentityNameError,
+    left_out more not listed): a name, a digest, or a digest's unique prefix; a model id, or
+    a name's start (its source) whose identities have longer names, stands for all of them.
+    A whole digest passes as it is (the daemon may hold an identity the status does not
+    list). Raises IdentityNameError,
     listing the candidates of an ambiguous one (CANDIDATES_SHOWN of them at most)."""
     if not given:
         raise IdentityNameError("an empty identity names none: `kvctl status` lists them")
@@ -136,6 +160,7 @@ def resolve(listed: Sequence[Mapping[str, Any]], given: str, left_out: int = 0) 
         for i in listed
         if (set(lowered) <= _HEX and str(i["identity"]).startswith(lowered))
         or str(i.get("name", "")).startswith(f"{given},")
+        or i.get("model_id") == given
     ]
     if len(candidates) == 1:
         return str(candidates[0]["identity"])

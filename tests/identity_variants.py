@@ -17,9 +17,10 @@ def variant(
     namespace: str = "",
     model: str = MODEL,
     traits: bool = True,
+    source: str = "",
 ) -> Identity:
     """The identity model_folder.folder_identity would give (traits False: an engine that
-    says none, as one that predates them)."""
+    says none, as one that predates them; source: where the model came from, if said)."""
     adapter_space = "" if adapter == "none" else f"adapter-{adapter}"
     return Identity(
         model_id=model,
@@ -28,5 +29,10 @@ def variant(
         codec_id="kvd-codecs/3",
         runtime=runtime,
         namespace="/".join(part for part in (adapter_space, namespace) if part),
-        traits=f"kv={kv},template={template},adapter={adapter}" if traits else "",
+        traits=(
+            f"kv={kv},template={template},adapter={adapter}"
+            + (f",source={source}" if source else "")
+            if traits
+            else ""
+        ),
     )

@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from identity_variants import MODEL, variant
 from kvd_client import Client
+from kvd_protocol import messages as m
 from kvd_protocol.identity import Identity
 
-from kvd.identity_names import names
+from kvd.identity_names import NAME_CHARS, START_CHARS, names
 
 
 def _named(*identities: Identity) -> list[str]:
@@ -85,6 +86,47 @@ def test_a_trait_beyond_the_librarys_comes_before_the_fields() -> None:
         f"{MODEL},rope=yarn-4x,runtime=mlx-0.29.1/cpu:x86_64",
         f"{MODEL},rope=yarn-4x,runtime=mlx-0.30.0/cpu:x86_64",
     ]
+
+
+def test_an_identity_is_named_by_its_source_then_what_tells_it_apart() -> None:
+    repository = "mlx-community/Llama-3.2-3B-Instruct-4bit"
+    assert _named(variant(source=repository)) == [repository]
+    assert _named(variant("none", source=repository), variant("8bit-g64", source="Llama-3B")) == [
+        f"{repository},kv=none",
+        "Llama-3B,kv=8bit-g64",
+    ]
+    # Without a source (an engine that predates it), the model id, as before.
+    assert _named(variant("none", source=repository), variant("8bit-g64")) == [
+        f"{repository},kv=none",
+        f"{MODEL},kv=8bit-g64",
+    ]
+
+
+def test_two_models_from_folders_of_one_name_are_told_apart_by_their_digests() -> None:
+    one, other = (
+        variant(model="llama-aaaa", source="model"),
+        variant(model="qwen-bbbb", source="model"),
+    )
+    assert _named(one, other) == [
+        f"model,id={one.digest()[:12]}",
+        f"model,id={other.digest()[:12]}",
+    ]
+
+
+def test_names_are_bounded_whatever_the_engines_say() -> None:
+    long_model = "m" * 1000
+    many = [
+        variant(kv, runtime=runtime, model=long_model, namespace="n" * 900 + kv)
+        for kv in ("none", "8bit-g64")
+        for runtime in ("r" * 800 + "1", "r" * 800 + "2")
+    ]
+    shown = _named(*many)
+    assert len(set(shown)) == len(many)
+    for identity, name in zip(many, shown, strict=True):
+        assert len(name) <= NAME_CHARS
+        assert name.startswith("m" * (START_CHARS - 1) + "~")
+        if len(name) == NAME_CHARS:  # cut: the digest tells it apart
+            assert name.endswith(f"~,id={identity.digest()[:12]}")
 
 
 def test_an_identity_known_by_digest_only_is_named_by_it() -> None:
@@ -165,3 +207,24 @@ def test_an_identity_seen_only_in_lookups_is_named_too(daemon: Daemon) -> None:
         shown = {i["identity"]: i["name"] for i in report(client)["identities"]}
     assert shown[variant("4bit-g32").digest()] == f"{MODEL},kv=4bit-g32"
     assert shown[variant("none").digest()] == f"{MODEL},kv=none"
+
+
+def test_a_daemon_that_predates_the_source_is_sent_the_traits_it_takes(daemon: Daemon) -> None:
+    """A daemon before identity_source refuses a "/" or "_" in a trait: for one whose hello
+    does not offer it (here, the features taken out), the client leaves those traits out."""
+    sourced = variant("none", source="mlx-community/Llama_3B")
+    with Client.connect(daemon.socket_path, require=True) as client:
+        server = client._link.server
+        assert server is not None
+        older = tuple(f for f in server.features if f != m.IDENTITY_SOURCE_FEATURE)
+        client._link.server = replace(server, features=older)
+        put_stored(client, sourced, range(32), 1)
+        (shown,) = report(client)["identities"]
+    assert shown["traits"] == "kv=none,template=1a2b3c4d,adapter=none"
+    assert shown["name"] == MODEL
+    with Client.connect(daemon.socket_path, require=True) as client:  # offered: said whole
+        found = client.lookup(sourced, [*range(32), 7])
+        assert found is not None
+        found.release()
+        (shown,) = report(client)["identities"]
+    assert shown["name"] == "mlx-community/Llama_3B"

@@ -1,5 +1,7 @@
 """The engine-facing identity of a model's caches: what the engine knows (model, config,
-tokenizer, namespace); the codec set and runtime are filled in by to_protocol()."""
+tokenizer, namespace); the codec set and runtime are filled in by to_protocol(). Its source
+trait says where the model came from, for the daemon's names (model_source): a repository id,
+else a folder's name, never a path."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import hashlib
 import json
 import os
 import platform
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,10 @@ from .restore import MLX_VERSION
 # The files of a tokenizer directory (Hugging Face layouts, sentencepiece, tiktoken).
 _TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "special_tokens_map*", "added_tokens*")
 _TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+# A folder of a Hugging Face cache: hub/models--<org>--<name>/snapshots/<revision>.
+_HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+_REPOSITORY_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_NOT_IN_A_TRAIT = re.compile(r"[^A-Za-z0-9._:+@/_-]+")
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,7 @@ class EngineIdentity:
     config_fingerprint: str
     tokenizer_hash: str
     namespace: str = ""
-    traits: str = ""
+    traits: str = field(default="", compare=False)  # as kvd_protocol's: no part of it
 
     @classmethod
     def for_model(
@@ -47,11 +54,13 @@ class EngineIdentity:
         parameters' names, shapes and dtypes, not the weights' values: two fine-tunes of one
         architecture differ only by model_id, which defaults to the tokenizer's path or name
         and else to the model type; pass it when that is not the weights' own name."""
+        source = model_source(_tokenizer_source(tokenizer_or_path))
         return cls(
             model_id=model_id or _default_model_id(model, tokenizer_or_path),
             config_fingerprint=config_fingerprint(model),
             tokenizer_hash=tokenizer_hash(tokenizer_or_path),
             namespace=namespace,
+            traits=protocol.join_traits({protocol.SOURCE_TRAIT: source}) if source else "",
         )
 
     def to_protocol(self) -> protocol.Identity:
@@ -128,6 +137,34 @@ def _file_records(path: Path) -> list[bytes]:
         if not files:
             raise FileNotFoundError(f"no tokenizer files in {path}")
     return [f.name.encode() + b"\0" + _digest(f.read_bytes()).encode() for f in files]
+
+
+def model_source(name_or_path: str | os.PathLike[str] | None) -> str:
+    """Where a model came from, for people: the repository id of a Hugging Face repository
+    (given as such, or a snapshot folder of a Hugging Face cache), else the folder's name (a
+    file's: its folder's), in the characters a trait holds and at most MAX_TRAIT_VALUE of
+    them; "" when nothing is left. Never a path."""
+    if name_or_path is None:
+        return ""
+    text = os.fspath(name_or_path)
+    found = _HUB_SNAPSHOT.search(text)
+    if found is not None:
+        named = f"{found['org']}/{found['name']}"
+    elif _REPOSITORY_ID.fullmatch(text) and not os.path.exists(text):
+        named = text
+    else:
+        path = Path(text)
+        named = (path.parent if path.is_file() else path).resolve().name
+    cleaned = _NOT_IN_A_TRAIT.sub("-", named).strip("-./")
+    return cleaned[: protocol.MAX_TRAIT_VALUE].rstrip("-./")
+
+
+def _tokenizer_source(tokenizer_or_path: Any) -> str | os.PathLike[str] | None:
+    """The path or repository id a tokenizer was loaded from, if it says."""
+    if isinstance(tokenizer_or_path, str | os.PathLike):
+        return tokenizer_or_path
+    name = getattr(tokenizer_or_path, "name_or_path", None)
+    return name if isinstance(name, str) and name else None
 
 
 def _default_model_id(model: Any, tokenizer_or_path: Any) -> str:

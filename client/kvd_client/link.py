@@ -20,9 +20,10 @@ from typing import Final
 from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from kvd_protocol.errors import ErrorCode, ProtocolError
-from kvd_protocol.identity import Identity
+from kvd_protocol.identity import Identity, older_traits
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
+    IDENTITY_SOURCE_FEATURE,
     IDENTITY_TRAITS_FEATURE,
     MAX_PREFILL_COST,
     PROTOCOL_VERSION,
@@ -180,6 +181,10 @@ class Link:
         entry's header is under it already."""
         if identity.traits and not self.offers(IDENTITY_TRAITS_FEATURE):
             identity = dataclasses.replace(identity, traits="")
+        elif identity.traits and not self.offers(IDENTITY_SOURCE_FEATURE):
+            traits = older_traits(identity.traits)
+            if traits != identity.traits:
+                identity = dataclasses.replace(identity, traits=traits)
         tenant = self.tenant
         if identity.namespace.startswith(tenant):
             return identity

@@ -48,6 +48,7 @@ from .codecs import CodecError
 from .drops import Drops
 from .identity import EngineIdentity
 from .link import MIN_MEASURED_PREFILL
+from .model_folder import model_identity
 from .prefill_checkpoints import CheckpointedModel, CheckpointSettings
 from .prompt_cache import snapshot_layers
 from .snapshots import Memo, Plan, Snapshot
@@ -123,7 +124,9 @@ class ColdTier:
         backlog_bytes: int = BACKLOG_BYTES,
         checkpoints: CheckpointSettings = prefill_checkpoints.BY_COST,
     ) -> None:
-        """tokenizer: what mlx_lm.load returned. identity: by default EngineIdentity.for_model.
+        """tokenizer: what mlx_lm.load returned. identity: by default the content of the model
+        folder the tokenizer was loaded from, as kvd-mlx-lm-server keys it
+        (model_folder.model_identity: pass one when the KV cache is quantised).
         backlog_bytes: what the snapshots waiting while one is sent may hold (copies of the
         caches' rows); beyond it checkpoints and segments go first, then the oldest
         (backlog.py). checkpoints: the prefill checkpoints' interval and bytes; a fixed
@@ -135,7 +138,7 @@ class ColdTier:
         self._stores = client.twin()  # puts on a connection of their own: never before a lookup
         self.model = model
         self.tokenizer = tokenizer
-        self.identity = identity or EngineIdentity.for_model(model, tokenizer, namespace)
+        self.identity = identity or model_identity(model, tokenizer, namespace)
         self.stats = ColdTierStats()
         self._wire = self.identity.to_protocol()
         self._backlog: Backlog[Snapshot] = Backlog(backlog_bytes)

@@ -58,6 +58,7 @@ from types import FrameType
 from typing import Any, Final, NoReturn
 
 import mlx_lm
+from kvd_protocol.identity import SOURCE_TRAIT
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
@@ -134,7 +135,13 @@ class ServerTier:
             checkpoints=self.checkpoints,
         )
         self._key, self._cold = key, cold
-        log.info("kvd: model %s is served from %s", identity.model_id, self.client.socket_path)
+        source = identity.to_protocol().trait_map().get(SOURCE_TRAIT, identity.model_id)
+        log.info(
+            "kvd: model %s (%s) is served from %s",
+            source,
+            identity.model_id,
+            self.client.socket_path,
+        )
 
     def model_unusable(self, key: object, why: str) -> None:
         self._retire()
@@ -372,9 +379,9 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
         self.tier.model_loaded(self.model_key, self.model, self.tokenizer, identity)
 
     def _identity(self, model_path: str, adapter_path: str | None) -> EngineIdentity:
-        folder = Path(model_path)
+        folder, source = Path(model_path), None
         if not folder.exists():  # a Hugging Face repository: mlx_lm.load fetched it already
-            folder = mlx_lm_utils.hf_repo_to_path(model_path)
+            folder, source = mlx_lm_utils.hf_repo_to_path(model_path), model_path
         args = self.cli_args
         return folder_identity(
             folder,
@@ -382,6 +389,7 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
             kv=KvQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
             adapter_dir=Path(adapter_path) if adapter_path else None,
             namespace=self.tier.namespace,
+            source=source,
         )
 
 

@@ -9,7 +9,13 @@ other weights never does.
 - namespace: the adapter's content, then the caller's own namespace;
 - model id: the model type and a short weights digest, a name for people that is itself content;
 - traits (not part of the identity, for the daemon's names): the KV quantisation, 8 hex digits of
-  the chat template's digest, and the adapter's folder name with 8 of its digest.
+  the chat template's digest, the adapter's folder name with 8 of its digest, and the source:
+  where the model came from (identity.model_source: the repository id, else the folder's name),
+  which the daemon names the identity by. The same files in another folder are the same
+  identity; its name says the source an engine said last.
+
+model_identity gives a model that mlx_lm.load returned the identity kvd-mlx-lm-server gives it
+(ColdTier's default), from the folder its tokenizer was loaded from.
 
 A weight file's digest is the SHA-256 that names it in a Hugging Face cache (its symlink points
 at `blobs/<sha256>`), else an xxh3-128 of its bytes, remembered per (file, size, mtime, inode) in
@@ -26,12 +32,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import xxhash
-from kvd_protocol.identity import join_traits
+from kvd_protocol.identity import SOURCE_TRAIT, join_traits
 
-from .identity import EngineIdentity, tokenizer_hash
+from .identity import EngineIdentity, model_source, tokenizer_hash
 
 _HUB_BLOB: Final = re.compile(r"[0-9a-f]{64}")
 _WEIGHT_PATTERN: Final = "*.safetensors"
@@ -68,8 +74,10 @@ def folder_identity(
     adapter_dir: Path | None = None,
     namespace: str = "",
     digests: DigestCache | None = None,
+    source: str | None = None,
 ) -> EngineIdentity:
-    """The identity of the model in model_dir as an engine serves it."""
+    """The identity of the model in model_dir as an engine serves it. source: where it came
+    from, for people (a repository id); by default model_dir's (identity.model_source)."""
     digests = digests or DigestCache.default()
     config = (model_dir / "config.json").read_bytes()
     weights = _files_digest(model_dir, (_WEIGHT_PATTERN,), digests)
@@ -86,6 +94,9 @@ def folder_identity(
         "template": _blake(template)[:8] if template else "none",
         "adapter": adapter_trait,
     }
+    said = model_source(model_dir if source is None else source)
+    if said:
+        traits[SOURCE_TRAIT] = said
     return EngineIdentity(
         model_id=f"{model_type}-{weights[:12]}",
         config_fingerprint=fingerprint,
@@ -93,6 +104,34 @@ def folder_identity(
         namespace=_namespace(adapter, namespace),
         traits=join_traits(traits),
     )
+
+
+def model_identity(model: Any, tokenizer: Any, namespace: str = "") -> EngineIdentity:
+    """The identity of a model as mlx_lm.load returned it with its tokenizer: of the content
+    of the folder the tokenizer was loaded from, with the chat template in force and the KV
+    cache not quantised, as kvd-mlx-lm-server gives it (folder_identity); when the tokenizer
+    names no such folder, EngineIdentity.for_model's."""
+    folder = _loaded_from(tokenizer)
+    if folder is None:
+        return EngineIdentity.for_model(model, tokenizer, namespace)
+    template = getattr(tokenizer, "chat_template", None)
+    return folder_identity(
+        folder, chat_template=template if isinstance(template, str) else None, namespace=namespace
+    )
+
+
+def _loaded_from(tokenizer: Any) -> Path | None:
+    """The model folder (config.json and weights) a tokenizer was loaded from, if any."""
+    name = getattr(tokenizer, "name_or_path", None)
+    if not isinstance(name, str) or not name:
+        return None
+    folder = Path(name)
+    try:
+        if (folder / "config.json").is_file() and any(folder.glob(_WEIGHT_PATTERN)):
+            return folder
+    except OSError:
+        pass
+    return None
 
 
 def _namespace(adapter: str, namespace: str) -> str:

@@ -266,12 +266,13 @@ def _show(control: Control, given: str, as_json: bool) -> int:
     except (OSError, EntryFormatError) as exc:
         _say(f"entry {summary.id}'s file cannot be read here: {exc}")
         return 1
+    names = {i["identity"]: model_name(i) for i in status["identities"]}
+    name = names.get(summary.identity, summary.identity)
     if as_json:
-        shown = {**summary.to_map(), "path": str(path), "header": _header_map(header)}
+        shown = {**summary.to_map(), "name": name, "path": str(path), "header": _header_map(header)}
         print(json.dumps(shown, indent=2))
         return 0
-    names = {i["identity"]: model_name(i) for i in status["identities"]}
-    print(format_entry(summary, header, names.get(summary.identity, summary.identity), str(path)))
+    print(format_entry(summary, header, name, str(path)))
     return 0
 
 
@@ -388,10 +389,11 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         return _flush(control, args.wait, args.uploads)
     elif args.command == "list":
         entries = _entries(control, _digest(control, args.identity))
+        names = {i["identity"]: model_name(i) for i in _status(control)["identities"]}
         if args.json:
-            print(json.dumps([e.to_map() for e in entries], indent=2))
+            named = [{**e.to_map(), "name": names.get(e.identity, e.identity)} for e in entries]
+            print(json.dumps(named, indent=2))
         else:
-            names = {i["identity"]: model_name(i) for i in _status(control)["identities"]}
             print(format_list(entries, names, args.sort, time.time()))
     elif args.command == "show":
         return _show(control, args.entry, args.json)

@@ -332,13 +332,24 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             "the most bytes, then the most recently seen)"
         )
     if status["clients"]:
-        lines += [
-            "",
-            *columns(
-                ["client", "pid"], [[c["name"] or "-", str(c["pid"])] for c in status["clients"]]
-            ),
-        ]
+        lines += ["", *_clients(status)]
     return "\n".join(lines)
+
+
+def _clients(status: Mapping[str, Any]) -> list[str]:
+    """One row per client process: its name and pid, and the models it serves (the identities
+    its lookups and puts named last) from a daemon that says them."""
+    names = {i["identity"]: model_name(i) for i in status["identities"]}
+    rows = []
+    for client in status["clients"]:
+        served = client.get("identities")
+        models = (
+            "-"
+            if not served
+            else ", ".join(names.get(digest, short_digest(digest)) for digest in served)
+        )
+        rows.append([client["name"] or "-", models, str(client["pid"])])
+    return columns(["client", "serves", "pid"], rows, left=2)
 
 
 def _entries(status: Mapping[str, Any]) -> str:

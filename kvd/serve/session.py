@@ -58,6 +58,7 @@ FEATURES = (
     m.PREFILL_COST_FEATURE,
     m.BLOCKS_FEATURE,
     m.IDENTITY_TRAITS_FEATURE,
+    m.IDENTITY_SOURCE_FEATURE,
     m.LOOKUP_MISS_FEATURE,
     m.ENGINE_DROPS_FEATURE,
     m.REMOTE_FLUSH_FEATURE,
@@ -425,6 +426,7 @@ class Session:
     async def _put_begin(self, request: m.PutBegin) -> m.PutBeginReply:
         if self.peer.tenant:
             self._check_identity(request, request.identity)
+        self.peer.named(request.identity.digest())
         put, skip, fd = await self.tier.begin_put(
             self.peer.session,
             request.identity,
@@ -481,6 +483,7 @@ class Session:
     def _lookup(self, request: m.Lookup) -> m.LookupReply:
         if self.peer.tenant:
             self._check_identity(request, request.identity)
+        self.peer.named(request.identity.digest())
         found = self.tier.lookup(
             self.peer.session,
             request.identity,

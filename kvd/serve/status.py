@@ -19,7 +19,7 @@ from kvd_protocol.identity import Identity
 from kvd import __version__, identity_names
 from kvd.config import settings_of
 from kvd.remote.remote import Remote
-from kvd.serve.peer import Peer
+from kvd.serve.peer import SERVED_KEPT, Peer
 from kvd.store.tier import Tier
 
 _process = psutil.Process()
@@ -37,10 +37,7 @@ def status_report(
 def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[str, Any]:
     report = tier.report()
     report["remote"] = None if remote is None else remote.status()
-    report["clients"] = [
-        {"pid": p.credentials.pid, "uid": p.credentials.uid, "name": p.name or _name(p)}
-        for p in peers
-    ]
+    report["clients"] = clients(peers)
     report["daemon"] |= {
         "settings": settings_of(tier.config),  # for kvctl doctor: the running daemon's
         "pid": os.getpid(),
@@ -48,6 +45,29 @@ def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[st
         "version": __version__,
     }
     return report
+
+
+def clients(peers: Iterable[Peer]) -> list[dict[str, Any]]:
+    """The client processes, each once by the name it gave (an engine holds two connections:
+    its lookups' and its puts'): pid, uid, name, its connections, and the digests of the
+    identities they named last (what it serves), the last named last."""
+    found: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for peer in peers:
+        key = (peer.credentials.pid, peer.credentials.uid, peer.name or _name(peer))
+        client = found.get(key)
+        if client is None:
+            client = found[key] = {
+                "pid": key[0],
+                "uid": key[1],
+                "name": key[2],
+                "connections": 0,
+                "identities": {},
+            }
+        client["connections"] += 1
+        client["identities"].update(peer.served)
+    for client in found.values():
+        client["identities"] = list(client["identities"])[-SERVED_KEPT:]
+    return list(found.values())
 
 
 def tenant_report(

@@ -118,7 +118,14 @@ _REQUIRED = frozenset(_NAMES) - _OPTIONAL
 # keep to characters that need no quoting in a shell, a Prometheus label or a table.
 MAX_TRAITS_BYTES: Final = 160
 MAX_TRAITS: Final = 8
-_TRAIT: Final = re.compile(r"([a-z][a-z0-9_]{0,15})=([A-Za-z0-9._:+@-]{1,48})")
+MAX_TRAIT_VALUE: Final = 48
+_TRAIT: Final = re.compile(r"([a-z][a-z0-9_]{0,15})=([A-Za-z0-9._:+@/_-]{1,48})")
+_NEWER: Final = re.compile(r"=[^,]*[/_]")  # a value a daemon before IDENTITY_SOURCE_FEATURE refuses
+# Where the engine loaded the model from (a repository id such as "mlx-community/Llama-3.2-3B",
+# else the model folder's name): what the daemon names the identity by. A value may hold "/"
+# or "_" only for a daemon that offers IDENTITY_SOURCE_FEATURE (one that predates it refuses
+# them: older_traits).
+SOURCE_TRAIT: Final = "source"
 # The entry meta key a header keeps its identity's traits under.
 TRAITS_META: Final = "identity_traits"
 
@@ -142,12 +149,22 @@ def parse_traits(traits: str) -> dict[str, str]:
     for pair in pairs:
         matched = _TRAIT.fullmatch(pair)
         if matched is None:
-            raise ValueError(f"{pair[:64]!r} is not key=value (a-z key, value of A-Za-z0-9._:+@-)")
+            raise ValueError(
+                f"{pair[:64]!r} is not key=value (a-z key, value of A-Za-z0-9._:+@/_-)"
+            )
         key, value = matched.groups()
         if key in found:
             raise ValueError(f"trait {key!r} given twice")
         found[key] = value
     return found
+
+
+def older_traits(traits: str) -> str:
+    """traits as a daemon that predates IDENTITY_SOURCE_FEATURE takes them: without the pairs
+    whose value holds a "/" or "_"."""
+    if _NEWER.search(traits) is None:
+        return traits
+    return ",".join(pair for pair in traits.split(",") if _NEWER.search(pair) is None)
 
 
 def join_traits(traits: dict[str, str]) -> str:

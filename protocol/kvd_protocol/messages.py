@@ -56,6 +56,7 @@ SKIP_REASONS: Final = ("duplicate", "covered")
 BLOCKS_FEATURE: Final = "blocks"  # put_begin's blocks, put_blocks, open_blocks
 PREFILL_COST_FEATURE: Final = "prefill_cost"  # put_begin's prefill_cost
 IDENTITY_TRAITS_FEATURE: Final = "identity_traits"  # an identity's traits
+IDENTITY_SOURCE_FEATURE: Final = "identity_source"  # its source trait (a "/" in a value)
 LOOKUP_MISS_FEATURE: Final = "lookup_miss"  # lookup's explain, its reply's miss and detail
 ENGINE_DROPS_FEATURE: Final = "engine_drops"  # put_commit's dropped
 REMOTE_FETCH_FEATURE: Final = "remote_fetch"  # lookup's fetch, its reply's fetching

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvd_client.identity import EngineIdentity
+from kvd_client.identity import EngineIdentity, model_source
 from kvd_client.model_folder import DigestCache, KvQuantization, folder_identity
 from model_folders import CHAT_TEMPLATE, build_model_folder
 
@@ -47,7 +47,35 @@ def _identity(
 def test_two_folders_of_identical_files_have_one_identity(
     folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    assert _identity(folders["a"], tmp_path) == _identity(folders["copy"], tmp_path / "other")
+    a, copy = _identity(folders["a"], tmp_path), _identity(folders["copy"], tmp_path / "other")
+    assert a == copy
+    assert a.to_protocol().digest() == copy.to_protocol().digest()
+    # Each says where it came from, which is no part of the identity.
+    assert (a.to_protocol().trait_map()["source"], copy.to_protocol().trait_map()["source"]) == (
+        "a",
+        "copy",
+    )
+
+
+def test_the_source_is_the_repository_id_else_the_folders_name_never_a_path(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    snapshot = tmp_path / "hub" / "models--mlx-community--Llama-3.2-3B-4bit" / "snapshots" / "ab12"
+    shutil.copytree(folders["a"], snapshot)
+    assert model_source(snapshot) == "mlx-community/Llama-3.2-3B-4bit"
+    assert model_source("mlx-community/Qwen3_8B") == "mlx-community/Qwen3_8B"  # not on disk
+    assert model_source(folders["a"] / "config.json") == "a"  # a file: its folder's
+    assert model_source(tmp_path / "my model (final)!") == "my-model-final"
+    assert model_source(tmp_path / ("x" * 200)) == "x" * 48
+    assert model_source("/") == ""
+    digests = DigestCache(tmp_path / "digests.json")
+    by_repository = folder_identity(
+        snapshot, chat_template=None, digests=digests, source="mlx-community/Llama-3.2-3B-4bit"
+    )
+    assert by_repository.traits.endswith(",source=mlx-community/Llama-3.2-3B-4bit")
+    assert folder_identity(snapshot, chat_template=None, digests=digests).traits == (
+        by_repository.traits
+    )
 
 
 def test_other_weights_of_the_same_architecture_and_tokenizer_are_another_identity(
@@ -86,7 +114,7 @@ def test_traits_say_what_differs_and_leave_the_digest_as_it_was(
 ) -> None:
     plain = _identity(folders["a"], tmp_path)
     template = hashlib.blake2b(CHAT_TEMPLATE.encode(), digest_size=16).hexdigest()[:8]
-    assert plain.traits == f"kv=none,template={template},adapter=none"
+    assert plain.traits == f"kv=none,template={template},adapter=none,source=a"
     quantised = _identity(folders["a"], tmp_path, kv=KvQuantization(8, 64, 512))
     assert quantised.traits.startswith("kv=8bit-g64-from512,")
     assert _identity(folders["a"], tmp_path, kv=KvQuantization(4, 32)).traits.startswith(
@@ -94,14 +122,14 @@ def test_traits_say_what_differs_and_leave_the_digest_as_it_was(
     )
     digests = DigestCache(tmp_path / "digests.json")
     untemplated = folder_identity(folders["a"], chat_template=None, digests=digests)
-    assert untemplated.traits == "kv=none,template=none,adapter=none"
+    assert untemplated.traits == "kv=none,template=none,adapter=none,source=a"
     adapter = tmp_path / "my lora (v2)"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"rank": 8}))
     (adapter / "adapters.safetensors").write_bytes(b"lora weights")
     adapted = _identity(folders["a"], tmp_path, adapter_dir=adapter)
     # The folder's name, cut to what a trait holds, and the digest the namespace holds.
-    assert adapted.traits.endswith(f",adapter=my-lora-v2-{adapted.namespace[8:16]}")
+    assert adapted.traits.endswith(f",adapter=my-lora-v2-{adapted.namespace[8:16]},source=a")
     for identity in (plain, quantised, untemplated, adapted):
         wire = identity.to_protocol()
         assert wire.traits == identity.traits

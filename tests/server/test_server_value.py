@@ -1,18 +1,23 @@
 """What kvd is worth, as a real daemon and real kvd-mlx-lm-server processes (tiny model
 folders built here) tell it: lookups the server's own memory served are engine-held, not
 misses; a restarted server's restores are hits, and the prefill seconds they saved match
-them in the daemon's status and in the server's exit summary."""
+them in the daemon's status and in the server's exit summary; models are named by where they
+came from, and the README's ColdTier sample keys a model as the server does."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
+import mlx_lm
 import pytest
 from daemon_process import Daemon, kvctl
 from http_servers import chat, http_server, turn, wait_for_entry
+from kvd_client.client import Client
+from kvd_client.mlx_lm_cache import ColdTier
 from model_folders import build_model_folder, words
 
 Messages = list[dict[str, str]]
@@ -115,3 +120,73 @@ def test_a_restarted_servers_restores_are_hits_and_the_prefill_they_saved(
     tokens, seconds, per_token = int(summary[1]), float(summary[2]), float(summary[3])
     assert tokens == restored.cached_tokens
     assert seconds == pytest.approx(tokens * per_token / 1000, abs=0.01)
+
+
+@pytest.fixture(scope="module")
+def models(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """model; a copy of its folder elsewhere (the same files: the same identity); another."""
+    root = tmp_path_factory.mktemp("more-models")
+    copy = root / "elsewhere" / model.name
+    shutil.copytree(model, copy)
+    return {"model": model, "copy": copy, "other": build_model_folder(root / "Other-tiny", seed=1)}
+
+
+def test_models_are_named_by_their_source_in_status_list_show_metrics_and_the_log(
+    daemon: Daemon, models: dict[str, Path], tmp_path: Path
+) -> None:
+    logs = {name: tmp_path / f"{name}.log" for name in models}
+    messages = turn(seed=87, length=300)
+    with (
+        http_server(models["model"], logs["model"], kvd_socket=daemon.socket_path) as one,
+        http_server(models["other"], logs["other"], kvd_socket=daemon.socket_path) as other,
+    ):
+        for server in (one, other):
+            wait_for_entry(daemon.socket_path, chat(server, messages, stream=False).prompt_tokens)
+        status = _status(daemon)
+        shown = kvctl(daemon, "status").stdout
+        pids = {"model": one.process.pid, "other": other.process.pid}
+    with http_server(models["copy"], logs["copy"], kvd_socket=daemon.socket_path) as copy:
+        restored = chat(copy, messages, stream=False)  # the same files: the same entries
+        assert restored.cached_tokens == restored.prompt_tokens - 1
+    names = {i["name"]: i for i in _status(daemon)["identities"]}
+    assert sorted(names) == ["Llama-tiny", "Other-tiny"]
+    assert names["Llama-tiny"]["hits"] == 1
+    # Each server once among the clients, with the model it serves.
+    for name, source in (("model", "Llama-tiny"), ("other", "Other-tiny")):
+        (client,) = [c for c in status["clients"] if c["pid"] == pids[name]]
+        assert client["connections"] == 2  # its lookups' and its puts'
+        assert client["identities"] == [names[source]["identity"]]
+        assert re.search(rf"^kvd-mlx-lm-server +{source} +{pids[name]}$", shown, re.M), shown
+        model_id = names[source]["model_id"]
+        assert f"kvd: model {source} ({model_id}) is served from" in logs[name].read_text()
+    assert f"kvd: model Llama-tiny ({names['Llama-tiny']['model_id']})" in logs["copy"].read_text()
+    listed = json.loads(kvctl(daemon, "list", "--json").stdout)
+    assert sorted({e["name"] for e in listed}) == ["Llama-tiny", "Other-tiny"]
+    assert {line.split()[1] for line in kvctl(daemon, "list").stdout.splitlines()[1:]} == set(names)
+    entry = next(e for e in listed if e["name"] == "Other-tiny")
+    assert re.search(r"^name +Other-tiny$", kvctl(daemon, "show", entry["id"]).stdout, re.M)
+    assert json.loads(kvctl(daemon, "show", entry["id"], "--json").stdout)["name"] == "Other-tiny"
+    metrics = kvctl(daemon, "metrics").stdout
+    assert 'name="Llama-tiny"' in metrics
+    assert 'name="Other-tiny"' in metrics
+
+
+def test_the_readme_samples_identity_is_the_servers_for_the_same_model(
+    daemon: Daemon, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """`ColdTier(client, model, tokenizer)` keys by the folder's content, as the server does:
+    the same identity from the folder and from its copy, named by its source."""
+    with http_server(models["model"], tmp_path / "server.log", kvd_socket=daemon.socket_path) as s:
+        wait_for_entry(
+            daemon.socket_path, chat(s, turn(seed=88, length=200), stream=False).prompt_tokens
+        )
+    (served,) = _status(daemon)["identities"]
+    for folder in (models["model"], models["copy"]):
+        model, tokenizer = mlx_lm.load(str(folder))[:2]
+        with (
+            Client.connect(daemon.socket_path) as client,
+            ColdTier(client, model, tokenizer) as tier,
+        ):
+            identity = tier.identity.to_protocol()
+        assert identity.digest() == served["identity"]
+        assert identity.trait_map()["source"] == "Llama-tiny"
