@@ -82,7 +82,8 @@ def test_status_list_and_show_escape_what_clients_named(hostile: Daemon) -> None
 def test_watch_metrics_and_errors_escape_what_clients_named(hostile: Daemon) -> None:
     watched = kvctl(hostile, "status", "--watch", "--interval", "0.1", "--count", "2")
     assert watched.returncode == 0, watched.stderr
-    assert _human(watched).count(FIRST_NAME) == 2
+    # Twice a refresh: its identity's row, and its client's (the models that client serves).
+    assert _human(watched).count(FIRST_NAME) == 4
     metrics = kvctl(hostile, "metrics")
     assert metrics.returncode == 0, metrics.stderr
     # A label value: the escape's backslash is the exposition format's to escape in turn.

@@ -50,6 +50,8 @@ class Home:
             "HOME": str(self.home),
             "XDG_CONFIG_HOME": str(self.home / ".config"),
             "PATH": f"{fake_bin}:{os.environ['PATH']}",
+            # A checkout tested with another's virtualenv runs its own code.
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
         }
         self.units = self.home / ".config/systemd/user"
 

@@ -198,8 +198,10 @@ def test_a_miss_beside_the_entries_of_other_kv_bits_says_so_at_debug_and_names_b
     other, model_id, held, prompt, mine, bits = missed.groups()
     assert int(held) == int(prompt) - 1 == answer.prompt_tokens - 1
     identities = {i["identity"][:12]: i for i in _kvd_status(daemon)["identities"]}
-    assert identities[other]["name"] == f"{model_id},kv={bits}"
-    assert identities[mine]["name"] == f"{model_id},kv=none"
+    source = models["a"].name  # the folder's name: where the model came from
+    assert identities[other]["name"] == f"{source},kv={bits}"
+    assert identities[mine]["name"] == f"{source},kv=none"
+    assert identities[other]["model_id"] == identities[mine]["model_id"] == model_id
     assert identities[mine]["misses_by_reason"] == {"kv differs": 1}
 
 
