@@ -1,9 +1,10 @@
 """The sample outputs of docs/operations.md, made anew by a real run.
 
-A daemon in a temporary folder, two kvd-mlx-lm-server processes of one tiny model folder
-(built on the spot, random weights) - one plain, one with an 8-bit KV cache - each answering
-two chat requests (the second extends the first's conversation), then the kvctl commands
-whose output docs/operations.md shows. Each block between `<!-- sample: NAME -->` and
+A daemon in a temporary folder, kvd-mlx-lm-server processes of one tiny model folder (built
+on the spot, random weights) - plain, and with an 8-bit KV cache - each configuration
+answering three turns of one conversation (the first two on one process, the second from its
+memory; the third on a new process, restored from kvd), then the kvctl commands whose output
+docs/operations.md shows. Each block between `<!-- sample: NAME -->` and
 `<!-- /sample -->` there is replaced by the command and what it printed; the temporary
 folder is shown as $TMP.
 
@@ -31,26 +32,30 @@ from model_folders import build_model_folder, words  # noqa: E402
 
 MODEL_NAME = "Llama-tiny"  # the folder's name: the model as the server names it
 SERVERS = {"plain": (), "8-bit KV": ("--kv-bits", "8", "--kv-group-size", "32")}
-METRICS_SHOWN = "^kvd_(entries|bytes|hits|misses|identity_(entries|hits|misses|restore_seconds))"
+METRICS_SHOWN = (
+    "^kvd_(entries|bytes|hits|engine_held|misses|prefill_saved_seconds"
+    "|identity_(hits|engine_held|misses|prefill_saved_seconds|restore_duration_seconds_count))"
+)
 SAMPLE = re.compile(r"(<!-- sample: (?P<name>[\w-]+) -->\n).*?(<!-- /sample -->)", re.DOTALL)
 
 
 def conversation(logs: Path, daemon: Daemon, model: Path, extra: tuple[str, ...]) -> None:
-    """Two turns of one conversation, each through a server process of its own: the second
-    restores the first turn from kvd."""
+    """Three turns of one conversation: two on a server process (the second from its own
+    memory), the third on a new one, which restores the second turn from kvd."""
     messages = [
         {"role": "system", "content": words(300, seed=1)},
         {"role": "user", "content": words(200, seed=2)},
     ]
-    for turn in range(2):
-        log = logs.with_suffix(f".{turn}.log")
+    for process, turns in enumerate((2, 1)):
+        log = logs.with_suffix(f".{process}.log")
         with http_server(model, log, kvd_socket=daemon.socket_path, extra=extra) as server:
-            answer = chat(server, messages, stream=False)
+            for turn in range(turns):
+                answer = chat(server, messages, stream=False)
+                messages += [
+                    {"role": "assistant", "content": answer.text},
+                    {"role": "user", "content": words(40, seed=3 + process + turn)},
+                ]
             server.stop()  # SIGTERM: the snapshots still waiting are sent first
-        messages += [
-            {"role": "assistant", "content": answer.text},
-            {"role": "user", "content": words(40, seed=3 + turn)},
-        ]
 
 
 def kvctl_output(daemon: Daemon, tmp: Path) -> Callable[..., str]:

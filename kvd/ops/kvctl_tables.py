@@ -111,15 +111,16 @@ def _prefill_saved(status: Mapping[str, Any]) -> list[tuple[str, str]]:
         return []
     text = (
         f"{_seconds(status['prefill_saved_s'])} since start, "
-        f"{_seconds(status['prefill_saved_s_24h'])} in 24 h"
+        f"{_seconds(status['prefill_saved_s_24h'])} in 24 h: restored tokens x each model's "
+        "measured prefill cost"
     )
     estimated = status["prefill_saved_estimated_s"]
     if estimated:
         text += (
-            f" ({_seconds(estimated)} of it estimated: restores of models no engine measured, "
-            "at the others' mean cost or 1 ms a token)"
+            f"; {_seconds(estimated)} of it estimated (models no engine measured: at the "
+            "others' mean cost, else 1 ms a token)"
         )
-    return [("prefill saved", text + "; restored tokens x each model's measured prefill cost")]
+    return [("prefill saved", text)]
 
 
 def _saved_cell(identity: Mapping[str, Any]) -> str:
@@ -321,9 +322,8 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
             )
         lines += ["", *columns(header, table, left=2)]
         lines.append(
-            "hit %: of the lookups the engine's memory did not serve; saved s: restored tokens x "
-            "the model's measured prefill cost (~: estimated, not measured); restore ms: "
-            "percentiles estimated from buckets (within 12%)"
+            "hit %: hits of hits and misses; saved s: restored tokens x measured prefill cost "
+            "(~: estimated); restore ms: from buckets, within 12%"
         )
     left_out = status.get("identities_left_out", 0)  # absent from an older daemon's
     if left_out:
