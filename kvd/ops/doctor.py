@@ -32,6 +32,7 @@ from typing import Any, Final
 from kvd import __version__
 from kvd.config import Config, ConfigError, load_config
 from kvd.ops.doctor_daemon import running_daemons_config
+from kvd.ops.doctor_remote import add_remote_flag, check_remote
 from kvd.ops.kvctl_tables import size
 from kvd.serve.fd_limit import connections_for, descriptors_for, raise_open_file_limit
 from kvd.serve.launchd_socket import launchd_sockets
@@ -507,6 +508,7 @@ def add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="the tier directory (default: the running daemon's, else as kvd finds it)",
     )
     doctor.add_argument("--json", action="store_true", help="a list of objects, one per check")
+    add_remote_flag(doctor)
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -518,6 +520,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvctl: configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.try_remote:
+        return check_remote(config, whose, args.json)
     results = run_checks(config)
     if args.json:
         print(json.dumps([r.to_map() for r in results], indent=2))

@@ -137,7 +137,7 @@ def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreE
     if status >= 500:
         return StoreUnavailable(message)
     if status in (401, 403):
-        offset = clock_offset(response)
+        offset = _clock_offset_of(response)
         off = offset is not None and abs(offset) > SKEW_LIMIT_S
         if off or code == "RequestTimeTooSkewed":
             by = f" by {round(abs(offset))} s" if off and offset is not None else ""
@@ -149,10 +149,14 @@ def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreE
     return StoreRefused(message)
 
 
-def clock_offset(response: http.client.HTTPResponse) -> float | None:
+def _clock_offset_of(response: http.client.HTTPResponse) -> float | None:
     """The store's clock minus this machine's, in seconds, from the answer's Date (None
     without one); to the second, as the header is."""
-    date = response.getheader("date")
+    return _offset(response.getheader("date"), time.time())
+
+
+def _offset(date: str | None, at: float) -> float | None:
+    """The clock of a Date header, received at time.time() `at`, minus this machine's."""
     if date is None:
         return None
     try:
@@ -161,7 +165,7 @@ def clock_offset(response: http.client.HTTPResponse) -> float | None:
         return None
     if moment.tzinfo is None:
         return None
-    return moment.timestamp() - time.time()
+    return moment.timestamp() - at
 
 
 def _retry_after(response: http.client.HTTPResponse) -> float | None:
@@ -357,6 +361,12 @@ class S3Store:
         signed: tuple[Credentials, float] | None = getattr(self._local, "signed_with", None)
         return signed
 
+    def clock_offset(self) -> float | None:
+        """The store's clock minus this machine's, in seconds, by the Date of the last answer
+        this thread had (None: none, or without a Date)."""
+        date: tuple[str | None, float] | None = getattr(self._local, "date", None)
+        return None if date is None else _offset(*date)
+
     # The transport.
 
     def _signer_now(self) -> Signer:
@@ -455,7 +465,9 @@ class S3Store:
                     _send_file(connection, *file)
                 elif body:
                     connection.send(body)
-                return connection.getresponse()
+                response = connection.getresponse()
+                self._local.date = (response.getheader("date"), time.time())
+                return response
             except (OSError, http.client.HTTPException) as error:  # TLS refusals are OSErrors
                 connection.close()
                 again = retry and reused and not bound.interrupt.interrupted
