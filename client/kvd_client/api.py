@@ -97,6 +97,11 @@ class ClientApi(Generic[TicketT, LookupResultT]):
     def socket_path(self) -> str:
         return self._link.socket_path
 
+    def scoped(self, identity: Identity) -> Identity:
+        """identity as the daemon last connected to knows it: its namespace under this
+        client's tenant (its digest is the one the daemon's status lists)."""
+        return self._link.scope(identity)
+
     @property
     def breaker(self) -> Breaker | None:
         return self._link.breaker

@@ -69,7 +69,7 @@ from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
 from .identity import EngineIdentity
-from .link import MIN_MEASURED_PREFILL
+from .link import MIN_MEASURED_PREFILL, DaemonError, DaemonUnavailableError
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
@@ -165,8 +165,27 @@ class ServerTier:
     def _retire(self) -> None:
         if self._cold is not None:
             self._cold.close(CLOSE_SECONDS)
-            log.info("kvd: %s", _describe(self._cold.stats))
+            stats = self._cold.stats
+            measured = None
+            if stats.restored_tokens and not stats.prefill_seconds_per_token:
+                measured = self._daemons_cost(self._cold.identity)
+            log.info("kvd: %s", _describe(stats, measured))
         self._key, self._cold = None, None
+
+    def _daemons_cost(self, identity: EngineIdentity) -> float | None:
+        """Seconds a token of prefill costs the model as the daemon has it from the engines
+        that measured it (this server timed none); None when it has none or does not answer."""
+        digest = self.client.scoped(identity.to_protocol()).digest()
+        try:
+            status = self.client.status()
+        except (DaemonUnavailableError, DaemonError):
+            return None
+        rows = status.get("identities")
+        for row in rows if isinstance(rows, list) else []:
+            cost = row.get("prefill_ms_per_token") if isinstance(row, dict) else None
+            if row.get("identity") == digest and isinstance(cost, int | float) and cost > 0:
+                return float(cost) / 1000
+        return None
 
 
 class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
@@ -393,10 +412,12 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
         )
 
 
-def _describe(stats: ColdTierStats) -> str:
+def _describe(stats: ColdTierStats, daemons_cost: float | None = None) -> str:
+    """The exit summary; daemons_cost: the model's prefill cost a token as the daemon has it,
+    which values the restores when this server timed no prefill."""
     return (
         f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), "
-        + _described_saving(stats)
+        + _described_saving(stats, daemons_cost)
         + f"; {stats.fresh} lookups found nothing longer than memory "
         f"({stats.lookups_unavailable} with the daemon unavailable); {stats.stored} caches "
         f"stored, {stats.unavailable} skipped with the daemon unavailable, {stats.failed} "
@@ -408,17 +429,25 @@ def _describe(stats: ColdTierStats) -> str:
     )
 
 
-def _described_saving(stats: ColdTierStats) -> str:
-    """The prefill the restores saved, at this server's measured cost, or why it is unknown."""
+def _described_saving(stats: ColdTierStats, daemons_cost: float | None) -> str:
+    """The prefill the restores saved, at this server's measured cost, else at the one the
+    daemon has from the model's engines, or why it is unknown."""
     saved = stats.prefill_saved_seconds
-    if saved is None:
+    if not stats.restored_tokens:
+        return "no prefill saved"
+    if saved is not None:
         return (
-            "prefill saved not measured (this server timed no prefill of "
-            f"{MIN_MEASURED_PREFILL} tokens or more)"
+            f"prefill saved {saved:.2f} s (the tokens restored at the "
+            f"{stats.prefill_seconds_per_token * 1000:.3f} ms a token this server last measured)"
+        )
+    if daemons_cost is not None:
+        return (
+            f"prefill saved {stats.restored_tokens * daemons_cost:.2f} s (the tokens restored at "
+            f"the {daemons_cost * 1000:.3f} ms a token the daemon has from this model's engines)"
         )
     return (
-        f"prefill saved {saved:.2f} s (the tokens restored at the "
-        f"{stats.prefill_seconds_per_token * 1000:.3f} ms a token this server last measured)"
+        "prefill saved not measured (no prefill of this model timed: this server timed none of "
+        f"{MIN_MEASURED_PREFILL} tokens or more, the daemon has none)"
     )
 
 

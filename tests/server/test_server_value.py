@@ -77,13 +77,20 @@ def test_a_conversation_served_from_the_servers_memory_is_engine_held_not_missed
     assert re.search(row, shown, re.M), shown
 
 
+@pytest.mark.parametrize("own_prefill", [False, True], ids=["daemons-cost", "own-cost"])
 def test_a_restarted_servers_restores_are_hits_and_the_prefill_they_saved(
-    daemon: Daemon, model: Path, tmp_path: Path
+    daemon: Daemon, model: Path, tmp_path: Path, own_prefill: bool
 ) -> None:
+    """The exit summary values the restores at the prefill cost the server measured, or,
+    when it timed none (its restore left a few tokens to compute), at the daemon's."""
     messages = turn(seed=83, length=1200)
     with http_server(model, tmp_path / "first.log", kvd_socket=daemon.socket_path) as first:
         answer = chat(first, messages, stream=False)  # its prefill is measured
         assert first.stop() == 0
+    assert (
+        "kvd: 0 prompts restored (0 tokens), no prefill saved;"
+        in (tmp_path / "first.log").read_text()
+    )
     before = _only_identity(_status(daemon))
     cost_ms = before["prefill_ms_per_token"]
     assert cost_ms is not None
@@ -97,9 +104,9 @@ def test_a_restarted_servers_restores_are_hits_and_the_prefill_they_saved(
     with http_server(model, log, kvd_socket=daemon.socket_path) as second:
         restored = chat(second, messages, stream=False)
         assert restored.cached_tokens >= answer.prompt_tokens
-        # A conversation of its own, so that this server times a prefill too.
-        fresh = chat(second, turn(seed=85, length=600), stream=False)
-        wait_for_entry(daemon.socket_path, fresh.prompt_tokens)
+        if own_prefill:  # a conversation of its own, so that this server times a prefill too
+            fresh = chat(second, turn(seed=85, length=600), stream=False)
+            wait_for_entry(daemon.socket_path, fresh.prompt_tokens)
         assert second.stop() == 0
     status = _status(daemon)
     mine = _only_identity(status)
@@ -111,15 +118,21 @@ def test_a_restarted_servers_restores_are_hits_and_the_prefill_they_saved(
     assert mine["prefill_saved_estimated_s"] == 0
     shown = kvctl(daemon, "status").stdout
     assert re.search(rf"^prefill saved +{mine['prefill_saved_s']:.2f} s since start", shown, re.M)
+    whose = (
+        "this server last measured" if own_prefill else "the daemon has from this model's engines"
+    )
     summary = re.search(
         r"kvd: 1 prompts restored \((\d+) tokens\), prefill saved ([\d.]+) s \(the tokens "
-        r"restored at the ([\d.]+) ms a token this server last measured\)",
+        rf"restored at the ([\d.]+) ms a token {whose}\)",
         log.read_text(),
     )
     assert summary is not None, log.read_text()
     tokens, seconds, per_token = int(summary[1]), float(summary[2]), float(summary[3])
     assert tokens == restored.cached_tokens
     assert seconds == pytest.approx(tokens * per_token / 1000, abs=0.01)
+    if not own_prefill:  # the daemon's figure, as its status had it at the restore
+        assert per_token == pytest.approx(cost_ms, abs=1e-3)
+        assert seconds == pytest.approx(mine["prefill_saved_s"], abs=0.01)
 
 
 @pytest.fixture(scope="module")
