@@ -70,7 +70,7 @@ MINUTE: Final = 60
 IDENTITY_DAY_SLOT: Final = 600  # an identity's 24 h sums, by ten minutes: 144 slots at most
 PREFILL_REPORT_WEIGHT: Final = 0.2
 DEFAULT_PREFILL_COST: Final = 1e-3  # seconds per token: ~1k tokens/s, a mid-size model's prefill
-IDLE_IDENTITIES: Final = 1024  # identities with no entry whose telemetry is kept (~2.5 KB each)
+IDLE_IDENTITIES: Final = 1024  # identities with no entry whose telemetry is kept (~2.6 KB each)
 MISS_REASONS: Final = 16  # distinct miss reasons counted per identity, OTHER_REASON included
 OTHER_REASON: Final = "other"
 
@@ -173,6 +173,9 @@ class PrefillSaved:
         }
 
 
+NOTHING_SAVED: Final = PrefillSaved(IDENTITY_DAY_SLOT)  # the report of an identity never restored
+
+
 @dataclass
 class IdentityTelemetry:
     # The identity as a request or an entry's header named it last (its names for people);
@@ -194,7 +197,7 @@ class IdentityTelemetry:
     engine_dropped_bytes: int = 0
     prefill_checkpoint_hits: int = 0  # lookups answered with a prefill checkpoint
     prefill_checkpoint_restored_tokens: int = 0  # the prompt tokens those matched
-    saved: PrefillSaved = field(default_factory=lambda: PrefillSaved(IDENTITY_DAY_SLOT))
+    saved: PrefillSaved | None = None  # made at the first restore (most identities have none)
 
     @property
     def model_id(self) -> str:
@@ -229,7 +232,7 @@ class IdentityTelemetry:
             "prefill_ms_per_token": (
                 None if self.prefill_cost is None else round(self.prefill_cost * 1000, 6)
             ),
-            **self.saved.report(now),
+            **(self.saved or NOTHING_SAVED).report(now),
         }
 
 
@@ -362,6 +365,8 @@ class Telemetry:
         self.tokens_restored += report.tokens
         seconds = report.tokens * self.prefill_cost(digest)
         estimated = found.prefill_cost is None
+        if found.saved is None:
+            found.saved = PrefillSaved(IDENTITY_DAY_SLOT)
         found.saved.add(seconds, estimated=estimated, now=now)
         self.saved.add(seconds, estimated=estimated, now=now)
 
