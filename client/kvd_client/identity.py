@@ -24,8 +24,9 @@ from .restore import MLX_VERSION
 # The files of a tokenizer directory (Hugging Face layouts, sentencepiece, tiktoken).
 _TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "special_tokens_map*", "added_tokens*")
 _TOKENIZER_SUFFIXES = (".model", ".tiktoken")
-# A folder of a Hugging Face cache: hub/models--<org>--<name>/snapshots/<revision>.
-_HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+# A folder of a Hugging Face cache: hub/models--<org>--<name>/snapshots/<revision> (an id
+# without an org: models--<name>).
+_HUB_SNAPSHOT = re.compile(r"models--(?P<repository>[^/]+)/snapshots/[^/]+/?$")
 _REPOSITORY_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _NOT_IN_A_TRAIT = re.compile(r"[^A-Za-z0-9._:+@/_-]+")
 
@@ -149,7 +150,7 @@ def model_source(name_or_path: str | os.PathLike[str] | None) -> str:
     text = os.fspath(name_or_path)
     found = _HUB_SNAPSHOT.search(text)
     if found is not None:
-        named = f"{found['org']}/{found['name']}"
+        named = found["repository"].replace("--", "/")  # models--org--name: org/name
     elif _REPOSITORY_ID.fullmatch(text) and not os.path.exists(text):
         named = text
     else:

@@ -63,6 +63,7 @@ def test_the_source_is_the_repository_id_else_the_folders_name_never_a_path(
     snapshot = tmp_path / "hub" / "models--mlx-community--Llama-3.2-3B-4bit" / "snapshots" / "ab12"
     shutil.copytree(folders["a"], snapshot)
     assert model_source(snapshot) == "mlx-community/Llama-3.2-3B-4bit"
+    assert model_source(tmp_path / "hub" / "models--gpt2" / "snapshots" / "cd34") == "gpt2"
     assert model_source("mlx-community/Qwen3_8B") == "mlx-community/Qwen3_8B"  # not on disk
     assert model_source(folders["a"] / "config.json") == "a"  # a file: its folder's
     assert model_source(tmp_path / "my model (final)!") == "my-model-final"
