@@ -80,6 +80,7 @@ class ColdTierStats:
     restored: int = 0  # prompts that started from a restored prefix
     fresh: int = 0  # prompts for which the tier had no prefix (or none longer than asked)
     lookups_unavailable: int = 0  # of those, lookups the daemon did not answer (down, slow)
+    memory_held: int = 0  # of those, answered while the engine held part of the prompt already
     restored_tokens: int = 0  # prompt tokens restored instead of computed
     checkpoint_restores: int = 0  # of the prompts restored, those from a prefill checkpoint
     checkpoint_restored_tokens: int = 0  # the tokens those restored
@@ -176,7 +177,10 @@ class ColdTier:
         restored = self.client.get(self.identity, tokens, model=self.model, min_tokens=min_tokens)
         if restored is None:
             self.stats.fresh += 1
-            self.stats.lookups_unavailable += self.client.stats.failed_lookups > failed_lookups
+            unavailable = self.client.stats.failed_lookups > failed_lookups
+            self.stats.lookups_unavailable += unavailable
+            # The daemon counts these as engine-held: memory served as well as kvd could.
+            self.stats.memory_held += not unavailable and min_tokens > 1
         else:
             self.stats.restored += 1
             self.stats.restored_tokens += restored.matched

@@ -419,7 +419,8 @@ def _describe(stats: ColdTierStats, daemons_cost: float | None = None) -> str:
         f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), "
         + _described_saving(stats, daemons_cost)
         + f"; {stats.fresh} lookups found nothing longer than memory "
-        f"({stats.lookups_unavailable} with the daemon unavailable); {stats.stored} caches "
+        f"({stats.lookups_unavailable} with the daemon unavailable, {stats.memory_held} while "
+        f"memory held part of the prompt: engine-held); {stats.stored} caches "
         f"stored, {stats.unavailable} skipped with the daemon unavailable, {stats.failed} "
         f"failed, {stats.superseded} superseded before sending; "
         + _described_snapshots(stats)

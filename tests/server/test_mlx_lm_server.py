@@ -220,7 +220,8 @@ def test_with_no_daemon_the_server_answers_as_stock(
     # The tier's account at exit: the two lookups (the repeats hit memory) and every store
     # were skipped for want of a daemon.
     summary = re.search(
-        r"(\d+) lookups found nothing longer than memory \((\d+) with the daemon unavailable\); "
+        r"(\d+) lookups found nothing longer than memory \((\d+) with the daemon unavailable, "
+        r"0 while memory held part of the prompt: engine-held\); "
         r"0 caches stored, (\d+) skipped",
         (tmp_path / "server.log").read_text(),
     )

@@ -57,9 +57,15 @@ def _three_turns(server: Any, messages: Messages) -> Messages:
 def test_a_conversation_served_from_the_servers_memory_is_engine_held_not_missed(
     daemon: Daemon, model: Path, tmp_path: Path
 ) -> None:
-    with http_server(model, tmp_path / "server.log", kvd_socket=daemon.socket_path) as server:
+    log = tmp_path / "server.log"
+    with http_server(model, log, kvd_socket=daemon.socket_path) as server:
         _three_turns(server, turn(seed=81, length=300))
         assert server.stop() == 0
+    # The server's own account says the same.
+    assert (
+        "3 lookups found nothing longer than memory (0 with the daemon unavailable, 2 while "
+        "memory held part of the prompt: engine-held)"
+    ) in log.read_text()
     status = _status(daemon)
     mine = _only_identity(status)
     # The first turn found nothing anywhere; the next two, only what memory held already.
