@@ -123,12 +123,22 @@ def _prefill_saved(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [("prefill saved", text)]
 
 
+# Prefill saved since start and in 24 h, each with the part of it that is an estimate.
+SAVED_KEYS = (
+    ("prefill_saved_s", "prefill_saved_estimated_s"),
+    ("prefill_saved_s_24h", "prefill_saved_estimated_s_24h"),
+)
+
+
 def _saved_cell(identity: Mapping[str, Any]) -> str:
-    """An identity's prefill saved in seconds; `~` before an estimate."""
-    saved = identity.get("prefill_saved_s")
-    if saved is None:
+    """An identity's prefill saved in seconds, since start and in 24 h; `~` before a figure
+    that holds an estimate."""
+    if "prefill_saved_s" not in identity:
         return "-"
-    return ("~" if identity.get("prefill_saved_estimated_s") else "") + f"{saved:,.2f}"
+    return "/".join(
+        ("~" if identity[estimated] else "") + f"{identity[total]:,.2f}"
+        for total, estimated in SAVED_KEYS
+    )
 
 
 def _shared(status: Mapping[str, Any]) -> str:
@@ -299,8 +309,8 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
     lines = fields(rows)
     if status["identities"]:
         header = ["identity", "digest", "entries", "bytes", "hits", "engine-held", "misses"]
-        header += ["hit %", "saved s", "restore ms p50/p95/p99", "tokens restored", "written"]
-        header += ["top misses"]
+        header += ["hit %", "saved s start/24h", "restore ms p50/p95/p99", "tokens restored"]
+        header += ["written", "top misses"]
         table = []
         for i in status["identities"]:
             table.append(
@@ -323,7 +333,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         lines += ["", *columns(header, table, left=2)]
         lines.append(
             "hit %: hits of hits and misses; saved s: restored tokens x measured prefill cost "
-            "(~: estimated); restore ms: from buckets, within 12%"
+            "(~: holds an estimate); restore ms: from buckets, within 12%"
         )
     left_out = status.get("identities_left_out", 0)  # absent from an older daemon's
     if left_out:

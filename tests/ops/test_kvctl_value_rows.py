@@ -32,9 +32,13 @@ def _status(daemon: Daemon) -> dict[str, Any]:
 
 
 def test_an_estimate_is_said_in_the_total_and_marked_in_its_identitys_row(daemon: Daemon) -> None:
+    with Client.connect(daemon.socket_path, require=True) as client:
+        put_stored(client, variant(source="Llama-tiny"), range(32), 1)
     status = _status(daemon)
-    status |= {"prefill_saved_s": 90.0, "prefill_saved_s_24h": 30.0}
-    status |= {"prefill_saved_estimated_s": 6.0, "prefill_saved_estimated_s_24h": 0.0}
+    saved = {"prefill_saved_s": 90.0, "prefill_saved_s_24h": 30.0}
+    saved |= {"prefill_saved_estimated_s": 6.0, "prefill_saved_estimated_s_24h": 0.0}
+    status |= saved
+    status["identities"][0] |= saved
     shown = format_status(status)
     assert re.search(
         r"^prefill saved +90\.0 s since start, 30\.0 s in 24 h: restored tokens x each model's "
@@ -42,6 +46,9 @@ def test_an_estimate_is_said_in_the_total_and_marked_in_its_identitys_row(daemon
         shown,
         re.M,
     ), shown
+    assert "saved s start/24h" in shown
+    # Since start holds an estimate, the last 24 h none.
+    assert re.search(r"^Llama-tiny +\S+ +1 +.* ~90\.00/30\.00 ", shown, re.M), shown
 
 
 def test_a_daemon_that_predates_the_rows_is_shown_without_them(daemon: Daemon) -> None:
