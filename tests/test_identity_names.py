@@ -136,9 +136,12 @@ def test_an_identity_known_by_digest_only_is_named_by_it() -> None:
 _choices = st.sampled_from(["a", "b", "c"])
 
 
+_sources = st.sampled_from(["", "a", "org/b"])
+
+
 @given(
     st.lists(
-        st.tuples(_choices, _choices, _choices, _choices, _choices, st.booleans()),
+        st.tuples(_choices, _choices, _choices, _choices, _choices, st.booleans(), _sources),
         min_size=1,
         max_size=12,
     )
@@ -146,7 +149,7 @@ _choices = st.sampled_from(["a", "b", "c"])
 def test_names_are_unique_whatever_the_identities(rows: list[tuple[str, ...]]) -> None:
     identities = {
         identity.digest(): identity
-        for model, kv, template, runtime, namespace, says in rows
+        for model, kv, template, runtime, namespace, says, source in rows
         for identity in [
             variant(
                 kv,
@@ -155,13 +158,15 @@ def test_names_are_unique_whatever_the_identities(rows: list[tuple[str, ...]]) -
                 namespace=namespace,
                 model=model,
                 traits=bool(says),
+                source=source,
             )
         ]
     }
     found = names(identities)
     assert len(set(found.values())) == len(identities)
     for digest, name in found.items():
-        assert name.startswith(identities[digest].model_id)
+        identity = identities[digest]
+        assert name.startswith(identity.trait_map().get("source") or identity.model_id)
 
 
 def test_status_kvctl_and_metrics_name_each_identity_and_a_restart_keeps_the_names(
