@@ -559,6 +559,9 @@ class Tier:
         record = self.leases.release(owner, lease_id)
         if report is not None:
             self.telemetry.restored(record.digest, report, time.time())
+            if report.miss is not None:  # a hit the engine could not use: a miss, as per model
+                counters = self.catalog.counters
+                counters.hits, counters.misses = max(0, counters.hits - 1), counters.misses + 1
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:

@@ -43,6 +43,9 @@ def test_restores_misses_and_stores_are_counted_per_identity(daemon: Daemon) -> 
     assert status["bytes_written_24h"] == mine["bytes"]
     assert mine["hits"] == 1  # the one the engine used; the rejected one became a miss
     assert mine["misses_by_reason"] == {"no entry": 1, "model": 1}
+    # The tier's counts agree with the model's.
+    assert (status["hits"], status["misses"]) == (1, 2)
+    assert status["misses_by_reason"] == {"no entry": 1, "model": 1}
     assert (mine["restores"], mine["tokens_restored"]) == (1, 64)
     assert status["tokens_restored"] == 64
     p50 = mine["restore_ms"]["p50"]
