@@ -320,8 +320,14 @@ def status_metrics(status: Status) -> Iterator[Metric]:
     yield from _identity_metrics(status.get("identities", []), bounds)
     if isinstance(status.get("remote"), Mapping):
         yield from _remote_metrics(status["remote"])
-    if isinstance(status.get("clients"), list):
-        yield GaugeMetricFamily("kvd_clients", "connected clients", value=len(status["clients"]))
+    clients = status.get("clients")
+    if isinstance(clients, list):
+        yield GaugeMetricFamily("kvd_clients", "client processes connected", value=len(clients))
+        connections: list[Any] = [c.get("connections") for c in clients if isinstance(c, Mapping)]
+        if connections and all(_number(n) for n in connections):  # a daemon that counts them
+            yield GaugeMetricFamily(
+                "kvd_client_connections", "connections of the clients", value=sum(connections)
+            )
     daemon = status.get("daemon", {})
     if _number(daemon.get("rss_bytes")):
         yield GaugeMetricFamily(

@@ -186,6 +186,8 @@ def test_models_are_named_by_their_source_in_status_list_show_metrics_and_the_lo
     assert re.search(r"^name +Other-tiny$", kvctl(daemon, "show", entry["id"]).stdout, re.M)
     assert json.loads(kvctl(daemon, "show", entry["id"], "--json").stdout)["name"] == "Other-tiny"
     metrics = kvctl(daemon, "metrics").stdout
+    assert re.search(r"^kvd_clients 1\.0$", metrics, re.M)  # kvctl, the servers gone
+    assert re.search(r"^kvd_client_connections 1\.0$", metrics, re.M)
     assert 'name="Llama-tiny"' in metrics
     assert 'name="Other-tiny"' in metrics
 
