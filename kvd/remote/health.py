@@ -12,14 +12,16 @@ A probe retries with backoff, BACKOFF_FIRST_S doubling to BACKOFF_MAX_S; refused
 are retried every AUTH_RETRY_S, and at once when a credentials file changed (looked at every
 CREDENTIALS_LOOK_S). Going down is said once at warning, with the error; failures while down
 are not logged again unless their kind changes (the store unreachable, its credentials
-refused), and coming back is said at info. last_error is a short string with no secret in it
+refused), and coming back is said at info. A failure while up is said at info, at most once per
+LOG_EVERY_S (with the count left out): a store failing every other request does not flood
+the log. last_error is a short string with no secret in it
 (the client's errors hold none).
 
 A store that asks to slow down (429, 503 SlowDown: busy()) is not failing: it counts for no
 failure in a row, and every call waits (paced) until the pause it asked for has passed: its
 Retry-After, else BUSY_FIRST_S doubling to BUSY_MAX_S while it keeps asking, with jitter so that
 the daemons sharing a store do not come back at once. Said at warning, at most once per
-BUSY_LOG_S (with the count of the asks left out).
+LOG_EVERY_S (with the count of the asks left out).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ AUTH_RETRY_S: Final = 60.0
 CREDENTIALS_LOOK_S: Final = 1.0
 BUSY_FIRST_S: Final = 0.5
 BUSY_MAX_S: Final = 30.0
-BUSY_LOG_S: Final = 10.0
+LOG_EVERY_S: Final = 10.0
 
 
 class State(enum.Enum):
@@ -70,7 +72,7 @@ class Health:
         self._failed_at: float | None = None
         self._paused_until = 0.0  # clock(): no call before (the store asked to slow down)
         self._changed = anyio.Event()  # pulsed when the store goes down
-        self._busy_log = RateLimited(log, BUSY_LOG_S, clock)
+        self._limited = RateLimited(log, LOG_EVERY_S, clock)  # what the store may provoke
 
     @property
     def state(self) -> State:
@@ -108,7 +110,7 @@ class Health:
         else:
             pause = max(retry_after, BUSY_FIRST_S)  # a Retry-After of 0 would not slow down
         self._paused_until = now + pause
-        self._busy_log.warning("remote_slow_down", error=error, pause_s=round(pause, 2))
+        self._limited.warning("remote_slow_down", error=error, pause_s=round(pause, 2))
         return pause
 
     async def paced(self, until: float) -> bool:
@@ -132,7 +134,7 @@ class Health:
         if not self.up and (was_up or self.refused != was_refused):
             log.warning("remote_down", error=error, local_only=True)
         elif self.up:  # degraded: each failure said, for the operator who wonders why
-            log.info("remote_request_failed", error=error, failures=self.failures)
+            self._limited.info("remote_request_failed", error=error, failures=self.failures)
         if was_up and not self.up:
             self._changed.set()
             self._changed = anyio.Event()

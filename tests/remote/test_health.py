@@ -141,3 +141,17 @@ def test_paced_waits_out_the_pause_unless_it_ends_past_the_deadline() -> None:
         assert time.monotonic() - began >= 0.5
 
     anyio.run(scenario)
+
+
+def test_failures_while_up_are_said_at_a_bounded_rate() -> None:
+    """A store that fails every other request provokes a line per LOG_EVERY_S, not per
+    failure."""
+    clock = Clock()
+    health = Health(clock)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(100):
+            health.failed("GET k: HTTP 500 InternalError")
+            health.succeeded()
+            clock.now += 0.25
+    said = [e for e in logs if e["event"] == "remote_request_failed"]
+    assert [e.get("suppressed") for e in said] == [None, 39, 39]  # at 0, 10 and 20 s
