@@ -164,5 +164,7 @@ class Health:
             await anyio.sleep(seconds)
             return
         with anyio.move_on_after(seconds):
-            while not self._credentials_changed():
+            while True:  # a look a second, and a probe a second at most
                 await anyio.sleep(CREDENTIALS_LOOK_S)
+                if self._credentials_changed():
+                    return

@@ -155,3 +155,32 @@ def test_failures_while_up_are_said_at_a_bounded_rate() -> None:
             clock.now += 0.25
     said = [e for e in logs if e["event"] == "remote_request_failed"]
     assert [e.get("suppressed") for e in said] == [None, 39, 39]  # at 0, 10 and 20 s
+
+
+def test_refused_credentials_are_probed_again_once_a_file_changed() -> None:
+    """Not a minute later: within a look or two of the change (one a second)."""
+    changed = False
+    probes: list[float] = []
+
+    async def scenario() -> None:
+        health = Health(credentials_changed=lambda: changed)
+
+        async def probe() -> None:
+            probes.append(time.monotonic())
+            health.succeeded()
+
+        health.failed("LIST p: HTTP 403 InvalidAccessKeyId", refused=True)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(health.recover, probe)
+            await anyio.sleep(2.5)
+            assert probes == [], "nothing changed: the next probe is AUTH_RETRY_S away"
+            nonlocal changed
+            changed = True
+            began = time.monotonic()
+            with anyio.fail_after(AUTH_RETRY_S / 4):
+                while not probes:
+                    await anyio.sleep(0.05)
+            assert probes[0] - began < 5
+            tasks.cancel_scope.cancel()
+
+    anyio.run(scenario)
