@@ -4,28 +4,39 @@ A lookup whose prompt runs at least remote_min_tokens past the tier's best match
 fetch (or joins the one under way for the same prompt): a probe (probe.py) finds how many
 blocks the store holds, then the fetch begins a put of that prefix through the tier's own put
 path (blocks the tier holds are not fetched: the put holds them), downloads the others
-straight into the put's staging files, at most remote_requests at once, each bounded by the
+straight into the put's staging files, at most remote_requests at once and a window of
+DOWNLOAD_WINDOW staging files open at a time whatever the prompt's length, each bounded by the
 layout's block size, writes the manifest from the layout and commits. The commit checks it as
 any put's: chain hashes, headers, every checksum. Whatever goes wrong aborts the put (its
-staging files deleted) and is counted by reason; nothing remote touches a local entry. A block
-missing from the store, or of the wrong size, mid-chain: the blocks before it are fetched
-instead (a put of its own), when they reach remote_min_tokens past the local match.
+staging files deleted) and is counted by reason, without a traceback; nothing remote touches a
+local entry. A block missing from the store, or of the wrong size, mid-chain: the blocks
+before it are fetched instead (a put of its own), when they reach remote_min_tokens past the
+local match. A block found damaged (of the wrong size, or refused by the commit's checks) is
+remembered with the chain it ends (StoreLink.damaged, bounded): later probes stop before it,
+so it is downloaded at most once per memo lifetime.
 
 A lookup waits for the probe only briefly (PROBE_WAIT) and is told to ask again when the fetch
-is under way; a probe or fetch not done by then goes on (the next lookup finds it local). A
-fetch is aborted once remote_fetch_timeout has passed since its probe ended.
+is under way; a probe or fetch not done by then goes on (the next lookup finds it local). The
+probe and the fetch each have remote_fetch_timeout, and every store request within them at
+most what is left of it: at the deadline the fetch is cancelled, the requests under way are
+cut off (their connections shut down, their threads abandoned: link.py), the put aborted and
+the miss counted "timeout", so its slot (MAX_FETCHES) and request tokens are free at once.
+The lines a store's answers provoke (misses, cuts) are rate-limited.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import anyio
 import xxhash
 from anyio.abc import TaskGroup
+from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan
 from kvd_protocol.errors import ErrorCode, ProtocolError
@@ -33,23 +44,30 @@ from kvd_protocol.identity import Identity
 from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
 from kvd_protocol.tokens import TOKEN_BYTES
 
-from kvd.logs import get_logger
+from kvd.logs import RateLimited, get_logger
 from kvd.remote.layout import Layout, manifest_plan
 from kvd.remote.link import StoreLink
-from kvd.remote.lru import LruSet
 from kvd.remote.probe import FetchError, Prober, fewest_blocks
-from kvd.remote.s3 import ObjectTooLarge, StoreError
+from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError
 from kvd.store.staged_put import DeclaredBlocks, Put
 
 log = get_logger("kvd.remote.fetcher")
+limited = RateLimited(log)  # what the store's answers provoke at will
 
 FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
 PROBE_WAIT: Final = 0.05  # seconds a lookup waits for a probe: half an engine's 0.1 s deadline
 MAX_FETCHES: Final = 16  # probes and fetches under way at once; past it, lookups start none
-REFUSED_CHAINS: Final = 1024  # chains remembered as refused by a commit
 
 
 _PROBE_MISSES: Final = frozenset({"no_layout", "short"})
+
+T = TypeVar("T")
+
+
+def download_window(requests: int) -> int:
+    """Staging files a fetch holds open at once: twice the requests that may run, so the
+    next are ready as each ends; at most a put_blocks batch."""
+    return max(1, min(MAX_BLOCK_BATCH, 2 * requests))
 
 
 @dataclass(eq=False)
@@ -76,9 +94,7 @@ class Fetcher:
         self._prober = Prober(link)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
-        # Chains (identity, last block hash) whose fetch the commit refused: a block in the store
-        # is damaged, and stays so (never overwritten), so it is not downloaded again.
-        self._refused: LruSet[tuple[str, bytes]] = LruSet(REFUSED_CHAINS)
+        self._window = download_window(self._config.remote_requests)
 
     async def run(self) -> None:
         """Hold the fetches' tasks until cancelled (the daemon stops: fetches under way are
@@ -89,6 +105,10 @@ class Fetcher:
                 await anyio.sleep_forever()
             finally:
                 self._tasks = None
+
+    def memos(self) -> dict[str, dict[str, int]]:
+        """The sizes and caps of what the fetches remember (the status's figures)."""
+        return {"absent_layouts": self._prober.absent.figures()}
 
     def waits(self, lookup: Lookup, tenant: str) -> bool:
         """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
@@ -143,25 +163,34 @@ class Fetcher:
     ) -> None:
         started = time.perf_counter()
         timeout = self._config.remote_fetch_timeout
+        deadline = time.monotonic() + timeout
         try:
             with anyio.fail_after(timeout):
-                layout, blocks = await self._probe(identity, tokens)
+                layout, blocks = await self._probe(identity, tokens, deadline)
             fetch.blocks, fetch.deadline = blocks, time.monotonic() + timeout
+            deadline = fetch.deadline
             probe_ms = round((time.perf_counter() - started) * 1000, 1)
             fetch.probed.set()
             phases: dict[str, float] = {}
             with anyio.fail_after(timeout):
                 try:
-                    fetched = await self._fetch(identity, tokens, layout, blocks, phases)
+                    fetched = await self._fetch(
+                        identity, tokens, layout, blocks, phases, deadline=deadline
+                    )
                 except FetchError as hole:
                     blocks = self._cut(identity, tokens, layout, hole)
-                    fetched = await self._fetch(identity, tokens, layout, blocks, phases)
+                    fetched = await self._fetch(
+                        identity, tokens, layout, blocks, phases, deadline=deadline
+                    )
         except FetchError as exc:
             self._missed(identity, exc.reason, str(exc))
         except TimeoutError:
             self._missed(identity, "timeout", f"not done within {timeout:g} s")
-        except StoreError as exc:
-            self._missed(identity, "store_error", str(exc))
+        except StoreError as exc:  # one cut off by the fetch's own deadline is its timeout
+            late = time.monotonic() >= deadline
+            self._missed(identity, "timeout" if late else "store_error", str(exc))
+        except OSError as exc:  # the tier's disk, writing the manifest or a block
+            self._missed(identity, "refused", f"staging: {exc.strerror or exc}")
         else:
             if not fetched:
                 return  # the tier held it already (a put raced this fetch): no fetch at all
@@ -183,22 +212,24 @@ class Fetcher:
 
     def _missed(self, identity: Identity, reason: str, detail: str) -> None:
         self._counters.misses[reason] += 1
+        fields = {"identity": identity.digest(), "reason": reason, "detail": detail}
         # A probe that found nothing is the usual; a block that fails its checks is not.
-        say = (
-            log.debug
-            if reason in _PROBE_MISSES
-            else log.warning
-            if reason == "damaged"
-            else log.info
-        )
-        say("remote_miss", identity=identity.digest(), reason=reason, detail=detail)
+        if reason in _PROBE_MISSES:
+            log.debug("remote_miss", **fields)
+        elif reason == "damaged":
+            limited.warning("remote_miss", **fields)
+        else:
+            limited.info("remote_miss", **fields)
 
-    async def _probe(self, identity: Identity, tokens: bytes) -> tuple[Layout, int]:
+    async def _probe(
+        self, identity: Identity, tokens: bytes, deadline: float
+    ) -> tuple[Layout, int]:
         digest = identity.digest()
-        layout = await self._prober.layout(digest)
+        layout = await self._prober.layout(digest, deadline)
         local = self._tier.longest_match(identity, tokens)
         least = self._config.remote_min_tokens
-        return layout, await self._prober.extent(digest, layout, tokens, local, least)
+        extent = await self._prober.extent(digest, layout, tokens, local, least, deadline=deadline)
+        return layout, extent
 
     def _cut(self, identity: Identity, tokens: bytes, layout: Layout, hole: FetchError) -> int:
         """The blocks before hole, the first block the download found missing or damaged, to
@@ -208,7 +239,7 @@ class Fetcher:
         least = fewest_blocks(local, self._config.remote_min_tokens, layout.block_tokens)
         if hole.block is None or hole.block < least:
             raise hole
-        say = log.warning if hole.reason == "damaged" else log.info
+        say = limited.warning if hole.reason == "damaged" else limited.info
         say("remote_fetch_cut", identity=identity.digest(), blocks=hole.block, detail=str(hole))
         return hole.block
 
@@ -219,9 +250,12 @@ class Fetcher:
         layout: Layout,
         blocks: int,
         phases: dict[str, float],
+        *,
+        deadline: float,
     ) -> int:
-        """Put the first blocks of tokens from the store; the bytes of the entry committed.
-        phases: the milliseconds of each step (begin, download, commit), for the log."""
+        """Put the first blocks of tokens from the store, by deadline; the bytes of the entry
+        committed. phases: the milliseconds of each step (begin, download, commit), for the
+        log."""
         fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
         try:
             plan = manifest_plan(
@@ -229,9 +263,6 @@ class Fetcher:
             )
         except ValueError as exc:  # a layout this daemon cannot make an entry of
             raise FetchError("no_layout", str(exc)) from None
-        chain = (identity.digest(), plan.hashes[-1])
-        if chain in self._refused:
-            raise FetchError("damaged", "a block of this chain in the store was refused before")
         declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
         tier = self._tier
         mark = time.perf_counter()
@@ -245,7 +276,7 @@ class Fetcher:
             return 0  # the tier holds it already (a lookup raced this fetch)
         mark = _lap(phases, "begin", mark)
         try:
-            await self._write(put, fd, plan)
+            await self._write(put, fd, plan, deadline)
         except BaseException:
             tier.abort_put(FETCH_OWNER, put.id)
             raise
@@ -255,68 +286,122 @@ class Fetcher:
         except ProtocolError as exc:  # the commit removed its files
             if exc.code is not ErrorCode.INVALID_ENTRY:
                 raise FetchError("refused", exc.message) from None
-            self._refused.add(chain)
+            self._damaged(identity.digest(), plan.hashes, put.held_blocks, exc.message)
             raise FetchError("damaged", exc.message) from None
         _lap(phases, "commit", mark)
         return plan.entry.file_size + blocks * plan.block_size
 
-    async def _write(self, put: Put, fd: int, plan: ManifestPlan) -> None:
-        """The manifest (every layer blocked: its tails are empty) and the blocks not held."""
+    def _damaged(self, digest: str, hashes: Sequence[bytes], first: int, message: str) -> None:
+        """Remember the block the commit refused (the one its message names, else the last:
+        the chain as a whole), so no later probe goes as far as it."""
+        named = (h for h in hashes[first:] if message.startswith(block_name(h) + ":"))
+        self._link.damaged.add((digest, next(named, hashes[-1])))
+
+    async def _write(self, put: Put, fd: int, plan: ManifestPlan, deadline: float) -> None:
+        """The manifest (every layer blocked: its tails are empty) and the blocks not held,
+        a window of staging files open at a time. The first store failure, else the first
+        block found missing or damaged, is raised alone, the downloads under way cancelled."""
         try:
             empty = [checksum(b"")] * len(plan.entry.slots)
             os.pwrite(fd, plan.entry.head(empty), 0)
         finally:
             os.close(fd)
-        wanted = range(put.held_blocks, len(plan.hashes))
-        fds: list[int] = []
-        try:
-            for first in range(put.held_blocks, len(plan.hashes), MAX_BLOCK_BATCH):
-                count = min(MAX_BLOCK_BATCH, len(plan.hashes) - first)
-                fds += await self._tier.put_blocks(FETCH_OWNER, put.id, first, count)
-            holes: list[FetchError] = []  # blocks missing or damaged in the store
-            failures: list[StoreError] = []
-            async with anyio.create_task_group() as downloads:
+        holes: list[FetchError] = []  # blocks missing or damaged in the store
+        failures: list[Exception] = []  # the store failing, no room for a staging file
+        window = anyio.Semaphore(self._window)
+        async with anyio.create_task_group() as downloads:
 
-                async def download(index: int, block_fd: int) -> None:
+            async def download(index: int) -> None:
+                try:
+                    (block_fd,) = await self._tier.put_blocks(FETCH_OWNER, put.id, index, 1)
                     try:
-                        await self._download(put, plan, index, block_fd)
-                    except FetchError as exc:
-                        holes.append(exc)
-                        downloads.cancel_scope.cancel()  # the others are in vain
-                    except StoreError as exc:
-                        failures.append(exc)
-                        downloads.cancel_scope.cancel()
+                        await self._download(put, plan, index, block_fd, deadline)
+                    finally:
+                        os.close(block_fd)
+                except FetchError as exc:
+                    holes.append(exc)
+                    downloads.cancel_scope.cancel()  # the others are in vain
+                except ProtocolError as exc:
+                    failures.append(FetchError("refused", exc.message))
+                    downloads.cancel_scope.cancel()
+                except (StoreError, OSError) as exc:
+                    failures.append(exc)
+                    downloads.cancel_scope.cancel()
+                finally:
+                    window.release()
 
-                for index, block_fd in zip(wanted, fds, strict=True):
-                    downloads.start_soon(download, index, block_fd)
-            if failures:
-                raise failures[0]
-            if holes:  # the first of them: the blocks before it may be worth a fetch
-                raise min(holes, key=lambda hole: hole.block or 0)
-        finally:
-            for block_fd in fds:
-                os.close(block_fd)
+            for index in range(put.held_blocks, len(plan.hashes)):
+                await window.acquire()
+                downloads.start_soon(download, index)
+        if failures:
+            raise failures[0]
+        if holes:  # the first of them: the blocks before it may be worth a fetch
+            raise min(holes, key=lambda hole: hole.block or 0)
 
-    async def _download(self, put: Put, plan: ManifestPlan, index: int, fd: int) -> None:
-        """Block index of the put into fd, whole and of the layout's size."""
+    async def _download(
+        self, put: Put, plan: ManifestPlan, index: int, fd: int, deadline: float
+    ) -> None:
+        """Block index of the put into fd, whole and of the layout's size, by deadline."""
         digest, block = put.identity.digest(), plan.hashes[index]
         key, size = self._link.block_key(digest, block), plan.block_size
+        handed = _HandedFd(fd)
         try:
             got = await self._link.call(
-                lambda store, by: store.get_to_file(key, fd, size, deadline=by)
+                handed.running(
+                    lambda store, by, own: store.get_to_file(key, own, size, deadline=by)
+                ),
+                deadline,
             )
         except ObjectTooLarge as exc:
+            self._link.damaged.add((digest, block))
             raise FetchError("damaged", f"block {index}: {exc}", index) from None
+        finally:
+            handed.let_go()
         if got is None:
             self._link.known.discard((digest, block))
             raise FetchError("missing", f"block {index} ({key}) is not in the store", index)
         if got != size:
+            self._link.damaged.add((digest, block))
             raise FetchError(
                 "damaged", f"block {index} ({key}) holds {got} bytes, not {size}", index
             )
         self._link.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size
+
+
+class _HandedFd:
+    """A copy (dup) of a staging file's descriptor for the worker thread that downloads into
+    it, closed by whichever of the event loop and the thread lets go of it last: a thread
+    abandoned mid-download (its fetch out of time) never writes through a descriptor number
+    the loop closed, and another file may have been given since."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = os.dup(fd)
+        self._holders = 1  # the loop
+        self._lock = threading.Lock()
+
+    def running(self, request: Callable[[S3Store, float, int], T]) -> Callable[[S3Store, float], T]:
+        """request(store, deadline, fd) holding the copy while it runs (in the thread)."""
+
+        def run(store: S3Store, deadline: float) -> T:
+            with self._lock:
+                if not self._holders:  # the loop let go before the thread began
+                    raise StoreError("the download was abandoned before it began")
+                self._holders += 1
+            try:
+                return request(store, deadline, self._fd)
+            finally:
+                self.let_go()
+
+        return run
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = not self._holders
+        if last:
+            os.close(self._fd)
 
 
 def _lap(phases: dict[str, float], phase: str, since: float) -> float:

@@ -10,6 +10,11 @@ at commit as any put is.
 
 Only entries whose every layer is blocked share (plain and quantized KV): a hybrid's
 recurrent state is not in its blocks. Checkpoints never leave the machine.
+
+A layout read from the store holds what the store sent: decode_layout refuses one with more
+maps and lists than the format needs (most_containers: the layout's own, each layer's map,
+meta, slot list and meta nested to META_MAX_DEPTH, each slot's map and shape) as it decodes,
+so what it builds is bounded by its limits (msgpack bounds the nesting), whatever the bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from kvd_protocol.entry import (
     state_map,
     with_rows,
 )
-from kvd_protocol.entry_model import StateValue
+from kvd_protocol.entry_model import META_MAX_DEPTH, StateValue
 from kvd_protocol.identity import TRAITS_META, Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.tokens import TOKEN_BYTES
@@ -142,12 +147,34 @@ def encode_layout(layout: Layout) -> bytes:
     return packed
 
 
+def most_containers(limits: Limits) -> int:
+    """The most maps and lists a layout within limits holds."""
+    return 3 + limits.max_layers * (3 + META_MAX_DEPTH) + 2 * limits.max_slots
+
+
 def decode_layout(data: bytes, digest: str, limits: Limits = DEFAULT_LIMITS) -> Layout:
     """The layout in a store object that should be identity digest's; LayoutError for
-    anything else (bytes of another kind, another identity, a shape no entry has)."""
+    anything else (bytes of another kind, another identity, a shape no entry has, more maps
+    and lists than a layout holds: refused as soon as they are decoded)."""
+    most = most_containers(limits)
+    made = 0
+
+    def counted(container: Any) -> Any:
+        nonlocal made
+        made += 1
+        if made > most:
+            raise LayoutError(f"more than {most} maps and lists")
+        return container
+
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:  # ExtraData, FormatError, ...
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            list_hook=counted,
+            object_pairs_hook=lambda pairs: counted(dict(pairs)),
+        )
+    except (ValueError, msgpack.UnpackException) as exc:  # ExtraData, StackError, ...
         raise LayoutError(f"not a layout: {exc}") from None
     try:
         layout = _layout(raw, limits)

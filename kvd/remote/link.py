@@ -2,15 +2,21 @@
 the fetches share.
 
 Every store call goes through call(): a worker thread under one limiter (remote_requests at
-once for the whole daemon), within a deadline on its whole duration (remote_request_timeout
-by default; a fetch gives what is left of its own), its outcome told to the health. A call
-whose caller is cancelled (a fetch out of time, the daemon stopping) is not waited for: its
-connection is shut down at once (s3.Interrupt), its thread abandoned and counted, its limiter
-token given back. A store that asks to slow down (StoreBusy) is asked again once the health's
-pause has passed, within the caller's deadline when it gave one, else up to BUSY_PATIENCE_S;
-one that refuses the credentials is asked again at once if reading them again gave others (a
-key rotated, a session token renewed). The identities' layouts read or written, and the blocks
-known to be in the store (a bounded LRU), are kept here: both paths learn them.
+once for the whole daemon), within a deadline on its whole duration (remote_request_timeout,
+or less: a fetch gives what is left of its own), its outcome told to the health. A call whose
+caller is cancelled (a fetch out of time, the daemon stopping) is not waited for: its
+connection is shut down at once (deadlines.Interrupt), its thread abandoned and counted, its
+limiter token given back. A store that asks to slow down (StoreBusy) is asked again once the
+health's pause has passed, within the caller's deadline when it gave one, else up to
+BUSY_PATIENCE_S; one that refuses the credentials is asked again at once if reading them again
+gave others (a key rotated, a session token renewed).
+
+What both paths learn of the store is kept here, each in a bounded LRU (lru.py), whatever the
+store serves and however many identities clients name: the identities' layouts read or
+written (capped in bytes), the layouts refused (not downloaded again for a while), the blocks
+known to be in the store and the blocks found damaged (with the chain each ends). A layout is
+at most LAYOUT_LIMIT bytes, decoded in a worker thread, one at a time (layout.py bounds what
+it may hold), never on the event loop.
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from typing import Final, TypeVar
 import anyio
 
 from kvd.config import Config
-from kvd.logs import get_logger
+from kvd.logs import RateLimited, get_logger
 from kvd.remote import keys
 from kvd.remote.credential_source import CredentialSource
 from kvd.remote.deadlines import Interrupt
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
-from kvd.remote.lru import LruSet
+from kvd.remote.lru import LruMap, LruSet
 from kvd.remote.s3 import (
     ObjectTooLarge,
     S3Store,
@@ -45,6 +51,7 @@ from kvd.remote.s3 import (
 from kvd.store.tier import Tier
 
 log = get_logger("kvd.remote")
+limited = RateLimited(log)  # what the store's objects provoke at will
 
 T = TypeVar("T")
 
@@ -53,6 +60,10 @@ RATES_KEPT: Final = 256  # fetch rates the p50 is taken over, the newest
 KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
 KNOWN_MAX_AGE: Final = 3600.0  # seconds: far shorter than any lifecycle expiry (days)
 BUSY_PATIENCE_S: Final = 120.0  # a call without a deadline, asked to slow down for longer, fails
+LAYOUT_BYTES_KEPT: Final = 8 << 20  # layouts kept, by their size in the store (~2 KiB each)
+REFUSED_LAYOUTS: Final = 1024  # identities whose layout was refused, not read again for
+REFUSED_LAYOUT_SECONDS: Final = 600.0  # (a layout never changes: written once)
+DAMAGED_BLOCKS: Final = 1024  # blocks found damaged, each ending a chain no probe passes
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -93,23 +104,29 @@ class StoreLink:
         self.health = Health(credentials_changed=self.credentials.changed)
         self.limiter = anyio.CapacityLimiter(config.remote_requests)
         self.counters = RemoteCounters()
-        self.layouts: dict[str, Layout] = {}  # identity digest -> the layout in the store
+        # identity digest -> the layout in the store, weighed by its bytes there
+        self.layouts: LruMap[str, Layout] = LruMap(LAYOUT_BYTES_KEPT)
+        self.refused_layouts: LruSet[str] = LruSet(REFUSED_LAYOUTS, REFUSED_LAYOUT_SECONDS)
         # (digest, block hash) of blocks known to be in the store; forgotten after a while, so
         # that a block the store expired (a lifecycle rule) is sent again.
         self.known: LruSet[tuple[str, bytes]] = LruSet(KNOWN_BLOCKS, KNOWN_MAX_AGE)
+        # (digest, block hash) of blocks found damaged in the store: a block is never
+        # overwritten, so it stays damaged until the store expires it.
+        self.damaged: LruSet[tuple[str, bytes]] = LruSet(DAMAGED_BLOCKS, KNOWN_MAX_AGE)
         self.store: S3Store | None = None  # made by the first call (credentials read then)
+        self._decoding = anyio.CapacityLimiter(1)  # layouts decoded at once: one's memory
 
     async def call(
         self, request: Callable[[S3Store, float], T], deadline: float | None = None
     ) -> T:
         """request(store, deadline) in a worker thread under the limiter, its outcome told to
         the health: StoreError as the client raises it (a StoreAuthError when no credentials
-        can be had; StoreUnavailable past deadline, by default remote_request_timeout from
-        now). ObjectTooLarge is the store's answer, not its failure. Cancelled, it returns
-        at once: the call's connection is shut down and its thread left to end by itself.
-        Asked to slow down, it waits out the health's pause and asks again while the pause
-        ends before deadline (none given: BUSY_PATIENCE_S from now), else raises StoreBusy:
-        never a failure of the store."""
+        can be had; StoreUnavailable past its deadline: remote_request_timeout from now, or
+        deadline if sooner, when the health is not told). ObjectTooLarge is the store's
+        answer, not its failure. Cancelled, it returns at once: the call's connection is shut
+        down and its thread left to end by itself. Asked to slow down, it waits out the
+        health's pause and asks again while the pause ends before deadline (none given:
+        BUSY_PATIENCE_S from now), else raises StoreBusy: never a failure of the store."""
         give_up = time.monotonic() + BUSY_PATIENCE_S if deadline is None else deadline
         busy: StoreBusy | None = None
         while True:
@@ -123,8 +140,8 @@ class StoreLink:
 
     async def _attempt(self, request: Callable[[S3Store, float], T], deadline: float | None) -> T:
         """One request, as call() says."""
-        if deadline is None:
-            deadline = time.monotonic() + self.config.remote_request_timeout
+        longest = time.monotonic() + self.config.remote_request_timeout
+        deadline = longest if deadline is None else min(deadline, longest)
         interrupt = Interrupt()
         started = ended = False
 
@@ -151,7 +168,10 @@ class StoreLink:
             self.health.failed(str(exc), refused=True)
             raise
         except StoreError as exc:
-            self.health.failed(str(exc))
+            # One the caller's own deadline cut off (a fetch out of time) is the caller's to
+            # count, not a failure of the store's: a fetch's downloads all end at once.
+            if not (deadline < longest and time.monotonic() >= deadline):
+                self.health.failed(str(exc))
             raise
         finally:
             if not ended:  # cancelled: a thread not started yet will not use its connection
@@ -189,6 +209,15 @@ class StoreLink:
         with contextlib.suppress(StoreError):  # the health has it
             await self.call(lambda store, by: store.list(root, 1, deadline=by))
 
+    def memos(self) -> dict[str, dict[str, int]]:
+        """The sizes and caps of what the link remembers (the status's figures)."""
+        return {
+            "layouts": self.layouts.figures(),
+            "refused_layouts": self.refused_layouts.figures(),
+            "known_blocks": self.known.figures(),
+            "damaged_blocks": self.damaged.figures(),
+        }
+
     def block_key(self, digest: str, block_hash: bytes) -> str:
         return keys.block_key(self.prefix, digest, block_hash)
 
@@ -197,27 +226,26 @@ class StoreLink:
 
     async def stored_layout(self, digest: str, deadline: float | None = None) -> Layout | None:
         """The identity's layout in the store (kept once read); None when there is none, or
-        one that is not a layout (said at warning). StoreError as call() raises it, within
-        deadline as call()'s."""
+        one that is not a layout (said at warning, rate-limited, and not read again for
+        REFUSED_LAYOUT_SECONDS). StoreError as call() raises it, within deadline as call()'s."""
         found = self.layouts.get(digest)
-        if found is not None:
+        if found is not None or digest in self.refused_layouts:
             return found
         key = self.layout_key(digest)
         try:
             data = await self.call(
                 lambda store, by: store.get(key, LAYOUT_LIMIT, deadline=by), deadline
             )
-        except ObjectTooLarge as exc:
-            log.warning("remote_layout_refused", identity=digest, error=str(exc))
+            if data is None:
+                return None
+            found = await anyio.to_thread.run_sync(
+                decode_layout, data, digest, self.tier.limits, limiter=self._decoding
+            )
+        except (ObjectTooLarge, LayoutError) as exc:
+            self.refused_layouts.add(digest)
+            limited.warning("remote_layout_refused", identity=digest, error=str(exc))
             return None
-        if data is None:
-            return None
-        try:
-            found = decode_layout(data, digest, self.tier.limits)
-        except LayoutError as exc:
-            log.warning("remote_layout_refused", identity=digest, error=str(exc))
-            return None
-        self.layouts[digest] = found
+        self.layouts.set(digest, found, len(data))
         return found
 
     async def write_layout(self, layout: Layout) -> Layout | None:
@@ -227,7 +255,7 @@ class StoreLink:
         key = self.layout_key(layout.identity)
         data = encode_layout(layout)
         if await self.call(lambda store, by: store.put_if_absent(key, data, deadline=by)):
-            self.layouts[layout.identity] = layout
+            self.layouts.set(layout.identity, layout, len(data))
             return layout
         return await self.stored_layout(layout.identity)
 

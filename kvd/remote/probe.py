@@ -1,17 +1,19 @@
 """The probe: how much of a prompt, past what the tier holds, the store holds as blocks.
 
 First the identity's layout (its block size and layers: an identity without one has nothing to
-fetch); then the block hashes of the prompt, and a search in rounds of parallel HEADs over those
-past the local match for the last block the store holds. Blocks are uploaded as whole chains, so
-a chain in the store is a prefix; one with a hole (a block expired) is found by the fetch, which
-takes the blocks before it if they are worth it. Blocks known to be in the store (the uploads'
-memo, which the probes feed too) are not asked about again, so the probes of prompts that share
-a prefix ask about it once.
+fetch, asked again after ABSENT_SECONDS; the negative answers are a bounded memo); then the
+block hashes of the prompt, and a search in rounds of parallel HEADs over those past the local
+match, and before the first block known damaged (StoreLink.damaged), for the last block the
+store holds. Blocks are uploaded as whole chains, so a chain in the store is a prefix; one with
+a hole (a block expired) is found by the fetch, which takes the blocks before it if they are
+worth it. Blocks known to be in the store (the uploads' memo, which the probes feed too) are
+not asked about again, so the probes of prompts that share a prefix ask about it once. Every
+request is within the caller's deadline; a round's requests that fail raise the first failure
+alone (the others cancelled), never a group of them.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Final
 
 import anyio
@@ -19,8 +21,11 @@ from kvd_protocol.blocks import block_hashes
 
 from kvd.remote.layout import Layout
 from kvd.remote.link import StoreLink
+from kvd.remote.lru import LruSet
+from kvd.remote.s3 import StoreError
 
 ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the store is asked again after
+ABSENT_IDENTITIES: Final = 1024  # identities remembered without a layout (over a second: all)
 # Why a lookup that could have fetched did not (the status's remote misses).
 MISS_REASONS: Final = (
     "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
@@ -56,34 +61,39 @@ class Prober:
 
     def __init__(self, link: StoreLink) -> None:
         self._link = link
-        self._absent: dict[str, float] = {}  # digest -> when its layout was found absent
+        # identities whose layout was found absent (or refused), asked again after a second
+        self.absent: LruSet[str] = LruSet(ABSENT_IDENTITIES, ABSENT_SECONDS)
 
-    async def layout(self, digest: str) -> Layout:
+    async def layout(self, digest: str, deadline: float) -> Layout:
         """The identity's layout; FetchError "no_layout" without one (or a bad one)."""
-        absent = self._absent.get(digest)
-        if absent is None or time.monotonic() - absent >= ABSENT_SECONDS:
-            layout = await self._link.stored_layout(digest)
+        if digest not in self.absent:
+            layout = await self._link.stored_layout(digest, deadline)
             if layout is not None:
-                self._absent.pop(digest, None)
                 return layout
-            self._absent[digest] = time.monotonic()
+            self.absent.add(digest)
         raise FetchError("no_layout", f"the store holds no layout of identity {digest}")
 
     async def extent(
-        self, digest: str, layout: Layout, tokens: bytes, local: int, least: int
+        self, digest: str, layout: Layout, tokens: bytes, local: int, least: int, *, deadline: float
     ) -> int:
-        """How many whole blocks of tokens, from the first, the store holds: at least enough
-        to reach least tokens past local (the local match), else FetchError "short". A search
-        in rounds of up to remote_requests HEADs at once: a round trip or two for a prompt of
-        a few blocks, log base remote_requests + 1 of them for a long one."""
+        """How many whole blocks of tokens, from the first, the store holds before the first
+        known damaged: at least enough to reach least tokens past local (the local match),
+        else FetchError "short" ("damaged" when a damaged block is what cut it short). A
+        search in rounds of up to remote_requests HEADs at once: a round trip or two for a
+        prompt of a few blocks, log base remote_requests + 1 of them for a long one."""
         size = layout.block_tokens
         hashes = block_hashes(tokens, size)
         need = fewest_blocks(local, least, size)
-        low, high = need - 1, len(hashes)  # the store holds low blocks or more; not past high
+        damaged = self._link.damaged
+        usable = next((i for i, h in enumerate(hashes) if (digest, h) in damaged), len(hashes))
+        if usable < need <= len(hashes):
+            raise FetchError("damaged", f"block {usable} of this prompt was found damaged before")
+        low, high = need - 1, usable  # the store holds low blocks or more; not past high
         width = max(1, self._link.config.remote_requests)
         while low < high:
             counts = _spread(low + 1, high, width)
-            held = await self._hold_all(digest, [hashes[count - 1] for count in counts])
+            asked = [hashes[count - 1] for count in counts]
+            held = await self._hold_all(digest, asked, deadline)
             if not held[0] and low < need:
                 break
             low = max([low, *(c for c, h in zip(counts, held, strict=True) if h)])
@@ -94,24 +104,31 @@ class Prober:
             )
         return low
 
-    async def _hold_all(self, digest: str, blocks: list[bytes]) -> list[bool]:
-        """Whether the store holds each block, asked at once."""
+    async def _hold_all(self, digest: str, blocks: list[bytes], deadline: float) -> list[bool]:
+        """Whether the store holds each block, asked at once; the first StoreError alone."""
         held = [False] * len(blocks)
+        failures: list[StoreError] = []
 
         async def ask(index: int) -> None:
-            held[index] = await self._holds(digest, blocks[index])
+            try:
+                held[index] = await self._holds(digest, blocks[index], deadline)
+            except StoreError as exc:
+                failures.append(exc)
+                asking.cancel_scope.cancel()  # the round is in vain
 
         async with anyio.create_task_group() as asking:
             for index in range(len(blocks)):
                 asking.start_soon(ask, index)
+        if failures:
+            raise failures[0]
         return held
 
-    async def _holds(self, digest: str, block: bytes) -> bool:
+    async def _holds(self, digest: str, block: bytes, deadline: float) -> bool:
         known = self._link.known
         if (digest, block) in known:
             return True
         key = self._link.block_key(digest, block)
-        if await self._link.call(lambda store, by: store.head(key, deadline=by)) is None:
+        if await self._link.call(lambda store, by: store.head(key, deadline=by), deadline) is None:
             return False
         known.add((digest, block))
         return True

@@ -58,14 +58,15 @@ class Remote:
     # --- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """For the daemon's life: a first probe (a daemon whose credentials are refused says
-        so now, once), then the health's recovery, the uploads and the fetches."""
+        """For the daemon's life: the fetches (a lookup may start one from the first), a
+        first probe (a daemon whose credentials are refused says so now, once), then the
+        health's recovery and the uploads."""
         link = self.link
-        await link.probe()
         async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self.fetcher.run)
+            await link.probe()
             tasks.start_soon(link.health.recover, link.probe)
             tasks.start_soon(self.uploader.run)
-            tasks.start_soon(self.fetcher.run)
 
     def lookup_waits(self, lookup: Lookup, tenant: str) -> bool:
         """Whether a lookup is answered after the fetch it may wait for (Fetcher.waits)."""
@@ -128,4 +129,5 @@ class Remote:
             "misses_by_reason": dict(counters.misses),
             "restore_gbps_p50": counters.fetch_gbps_p50(),
             "abandoned_requests": counters.abandoned_requests,
+            "memos": self.link.memos() | self.fetcher.memos(),
         }

@@ -31,6 +31,7 @@ from kvd.remote.layout import (
     encode_layout,
     layout_of,
     manifest_plan,
+    most_containers,
 )
 
 B = 16
@@ -203,3 +204,33 @@ def test_a_layout_over_the_limits_is_refused() -> None:
     with pytest.raises(LayoutError, match="over the limit"):
         decode_layout(data, IDENTITY.digest(), tight)
     assert isinstance(decode_layout(data, IDENTITY.digest()), Layout)
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        # A million empty maps in a MiB: more than any layout holds.
+        (b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x80" * ((1 << 20) - 5), "maps and lists"),
+        # Lists nested a hundred thousand deep.
+        (b"\x91" * 100_000 + b"\x00", "not a layout"),
+    ],
+    ids=["many maps", "deep"],
+)
+def test_what_a_layout_may_hold_is_bounded_as_it_is_decoded(data: bytes, why: str) -> None:
+    """Refused part-way, in far less work than decoding it whole would take."""
+    started = time.perf_counter()
+    with pytest.raises(LayoutError, match=why):
+        decode_layout(data, IDENTITY.digest())
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_largest_layout_the_limits_allow_is_within_the_bound() -> None:
+    """most_containers is what a layout of max_layers layers holding max_slots slots needs."""
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_layers=64, max_slots=256)
+    layer = {"kind": "kv", "meta": {"a": {"b": [1]}}, "trimmable": True}
+    slot = {"dtype": "float16", "shape": [1, 2, 0, 8]}
+    layers = [{**layer, "slots": [slot] * 4} for _ in range(64)]
+    found = {**msgpack.unpackb(_encoded()), "layers": layers}
+    layout = decode_layout(msgpack.packb(found), IDENTITY.digest(), limits)
+    assert len(layout.layers) == 64
+    assert most_containers(limits) >= 3 + 64 * 5 + 2 * 256
