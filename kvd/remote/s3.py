@@ -19,7 +19,8 @@ change, expire or are refused: credential_source.py), or fixed ones.
 Failures come as StoreError subclasses whose messages name the call and the cause, never a
 secret:
     StoreUnavailable  no connection, a reset, a timeout, TLS refused, 5xx
-      StoreBusy       the store asks to slow down: 429, 503 SlowDown, a 503 with Retry-After
+      StoreBusy       the store asks to slow down: 429, 503 SlowDown, a 503 with Retry-After,
+                      a 503 to a HEAD (which has no body to say SlowDown in)
     StoreAuthError    no credentials, or the store refused them (401/403)
       StoreClockSkewed  a refusal for the clock: RequestTimeTooSkewed, or the answer's Date
                       more than SKEW_LIMIT_S from this machine's ("clock off by N s")
@@ -132,7 +133,9 @@ def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreE
     status = response.status
     message = f"{what}: HTTP {status}" + (f" {code}" if code else "")
     retry_after = _retry_after(response)
-    if status == 429 or (status == 503 and (code == "SlowDown" or retry_after is not None)):
+    # A HEAD's answer has no body, so no Code: S3 answers a HEAD it would slow down 503 alone.
+    asked = code == "SlowDown" or retry_after is not None or what.startswith("HEAD ")
+    if status == 429 or (status == 503 and asked):
         return StoreBusy(f"{message}: the store asks for fewer requests", retry_after)
     if status >= 500:
         return StoreUnavailable(message)

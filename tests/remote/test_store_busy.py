@@ -10,11 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from blocks_e2e import BLOCK_TOKENS, look_up, put_v2
 from daemon_e2e import IDENTITY, RawPeer, wait_until
 from daemon_process import Daemon, running_daemon
-from fake_bucket import FakeBucket, every_request, running_bucket, status
+from fake_bucket import Answer, FakeBucket, every_request, running_bucket, status
 from remote_e2e import flush_remote, logged, remote_status
+
+from kvd.remote.credentials import Credentials
+from kvd.remote.s3 import S3Store, StoreBusy, StoreUnavailable
 
 STORM_S = 4.0
 LOOKUP_BOUND_S = 1.0  # a lookup answers far within this whatever the store says
@@ -138,3 +142,25 @@ def test_a_fetch_waits_out_a_short_storm_and_completes(tmp_path: Path) -> None:
             assert fetched["downloaded_blocks"] == 4
             assert fetched["state"] == "degraded"
             assert look_up(peer, IDENTITY, tokens) is not None
+
+
+@pytest.mark.parametrize(
+    ("call", "answer", "busy"),
+    [
+        ("get", status(503, "SlowDown"), True),
+        ("get", status(503, "", headers={"Retry-After": "0"}), True),
+        ("get", status(429, "TooManyRequests"), True),
+        ("head", status(503), True),  # a HEAD's answer has no body to say SlowDown in
+        ("get", status(503, "ServiceUnavailable"), False),
+        ("get", status(503), False),  # a proxy's or a load balancer's 503: the store failing
+        ("get", status(500, "InternalError"), False),
+    ],
+)
+def test_which_answers_ask_to_slow_down(call: str, answer: Answer, busy: bool) -> None:
+    with running_bucket() as bucket:
+        bucket.on(every_request, answer)
+        client = S3Store(bucket.endpoint, bucket.bucket, Credentials("K", "s"), timeout=2.0)
+        with pytest.raises(StoreUnavailable) as raised:
+            client.head("k") if call == "head" else client.get("k", 10)
+        client.close()
+    assert isinstance(raised.value, StoreBusy) is busy, raised.value
