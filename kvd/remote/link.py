@@ -13,10 +13,10 @@ gave others (a key rotated, a session token renewed).
 
 What both paths learn of the store is kept here, each in a bounded LRU (lru.py), whatever the
 store serves and however many identities clients name: the identities' layouts read or
-written (capped in bytes), the layouts refused (not downloaded again for a while), the blocks
-known to be in the store and the blocks found damaged (with the chain each ends). A layout is
-at most LAYOUT_LIMIT bytes, decoded in a worker thread, one at a time (layout.py bounds what
-it may hold), never on the event loop.
+written (capped by the memory they take), the layouts refused (not downloaded again for a
+while), the blocks known to be in the store and the blocks found damaged (with the chain each
+ends). A layout is at most LAYOUT_LIMIT bytes, decoded in a worker thread, one at a time
+(layout.py bounds what it may hold), never on the event loop.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ RATES_KEPT: Final = 256  # fetch rates the p50 is taken over, the newest
 KNOWN_BLOCKS: Final = 1 << 16  # block keys remembered as in the store (~150 bytes each)
 KNOWN_MAX_AGE: Final = 3600.0  # seconds: far shorter than any lifecycle expiry (days)
 BUSY_PATIENCE_S: Final = 120.0  # a call without a deadline, asked to slow down for longer, fails
-LAYOUT_BYTES_KEPT: Final = 8 << 20  # layouts kept, by their size in the store (~2 KiB each)
+LAYOUT_MEMORY: Final = 32 << 20  # bytes the layouts kept may take, estimated (~50 KiB each)
+DECODED_PER_BYTE: Final = 16  # a decoded layout takes 8 to 15 times its size in the store
 REFUSED_LAYOUTS: Final = 1024  # identities whose layout was refused, not read again for
 REFUSED_LAYOUT_SECONDS: Final = 600.0  # (a layout never changes: written once)
 DAMAGED_BLOCKS: Final = 1024  # blocks found damaged, each ending a chain no probe passes
@@ -104,8 +105,8 @@ class StoreLink:
         self.health = Health(credentials_changed=self.credentials.changed)
         self.limiter = anyio.CapacityLimiter(config.remote_requests)
         self.counters = RemoteCounters()
-        # identity digest -> the layout in the store, weighed by its bytes there
-        self.layouts: LruMap[str, Layout] = LruMap(LAYOUT_BYTES_KEPT)
+        # identity digest -> the layout in the store, weighed by the memory it takes
+        self.layouts: LruMap[str, Layout] = LruMap(LAYOUT_MEMORY)
         self.refused_layouts: LruSet[str] = LruSet(REFUSED_LAYOUTS, REFUSED_LAYOUT_SECONDS)
         # (digest, block hash) of blocks known to be in the store; forgotten after a while, so
         # that a block the store expired (a lifecycle rule) is sent again.
@@ -245,7 +246,7 @@ class StoreLink:
             self.refused_layouts.add(digest)
             limited.warning("remote_layout_refused", identity=digest, error=str(exc))
             return None
-        self.layouts.set(digest, found, len(data))
+        self.layouts.set(digest, found, len(data) * DECODED_PER_BYTE)
         return found
 
     async def write_layout(self, layout: Layout) -> Layout | None:
@@ -255,7 +256,7 @@ class StoreLink:
         key = self.layout_key(layout.identity)
         data = encode_layout(layout)
         if await self.call(lambda store, by: store.put_if_absent(key, data, deadline=by)):
-            self.layouts.set(layout.identity, layout, len(data))
+            self.layouts.set(layout.identity, layout, len(data) * DECODED_PER_BYTE)
             return layout
         return await self.stored_layout(layout.identity)
 

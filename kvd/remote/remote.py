@@ -129,5 +129,5 @@ class Remote:
             "misses_by_reason": dict(counters.misses),
             "restore_gbps_p50": counters.fetch_gbps_p50(),
             "abandoned_requests": counters.abandoned_requests,
-            "memos": self.link.memos() | self.fetcher.memos(),
+            "memos": self.link.memos() | self.fetcher.memos() | self.uploader.memos(),
         }

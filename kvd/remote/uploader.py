@@ -114,13 +114,21 @@ class Uploader:
         self._unresumed = dict(found.pending)  # the journal's, not offered again yet
         self._resuming = anyio.Event()  # set once they are
         self._offered: LruSet[str] = LruSet(OFFERED)
-        self._mismatched: set[str] = set()  # identities whose stored layout does not fit
+        # identities whose stored layout does not fit (the first of them, past OFFERED)
+        self._mismatched: LruSet[str] = LruSet(OFFERED)
         self._rate = TokenBucket(config.remote_upload_rate)
         self._sends = max(1, config.remote_requests // 2)
         self._reported_drops = 0  # queue.dropped when the last flush answered
         self.reported_at = time.time()  # when the last flush answered (or the start)
         self._work = anyio.Event()  # pulsed when an upload is queued
         self._changed = anyio.Event()  # pulsed when an upload leaves the queue
+
+    def memos(self) -> dict[str, dict[str, int]]:
+        """The sizes and caps of what the uploads remember (the status's figures)."""
+        return {
+            "offered_entries": self._offered.figures(),
+            "mismatched_identities": self._mismatched.figures(),
+        }
 
     # --- the tier's notices (on the event loop: only queue) ---------------------------------
 
