@@ -11,8 +11,9 @@ go through the hostile bucket; what it restores must equal what was seeded), one
 and then the fetched entries are evicted, so that fetches keep coming.
 
 At the end, the bucket honest again: the daemon is still up; no ping and no lookup waited past
-PING_LIMIT; every seeded prompt is fetched again and restores exactly (nothing the store did
-kept a fetch slot or a request token); its counts equal the directory, nothing is left in
+PING_LIMIT; seeded prompts no one asked for during the run are fetched and restore exactly
+(nothing the store did kept a fetch slot or a request token), the others restore exactly or
+miss (a chain found damaged is remembered); its counts equal the directory, nothing is left in
 staging; every local entry restores exactly; SIGTERM ends it with 0 within its shutdown deadline
 and a margin; its log holds no error and no traceback. Prints a table: the store's answers by
 kind, the honest engines' outcomes, the remote's misses by reason, ping and lookup times, the
@@ -57,7 +58,8 @@ import fake_bucket as fb
 PREFIX: Final = "run"
 REMOTE: Final = identity("remote")  # the seeded prompts, fetched through the hostile bucket
 LOCAL: Final = identity("local")  # the honest engine's own entries
-SEEDED: Final = 8  # prompts the seeding daemon uploads
+SEEDED: Final = 8  # prompts the seeding daemon uploads, looked up during the run
+UNTOUCHED: Final = 4  # seeded prompts first looked up once the store is honest again
 SEEDED_BLOCKS: Final = 6  # whole blocks each (and a tail of 3 tokens)
 PING_LIMIT: Final = 1.0  # seconds: no answer may take this long, whatever the store does
 DEADLINE: Final = 0.1  # an engine's lookup deadline: the table counts answers slower
@@ -200,7 +202,8 @@ class Times:
 @dataclass
 class Engines:
     socket_path: str
-    seeded: list[list[int]]
+    seeded: list[list[int]]  # looked up during the run
+    untouched: list[list[int]]  # looked up at the end only
     tally: Tally = field(default_factory=Tally)
     times: Times = field(default_factory=Times)
     local: set[bytes] = field(default_factory=set)  # LOCAL's entries stored
@@ -325,7 +328,7 @@ def seed_bucket(bucket: fb.FakeBucket, folder: Path, rng: random.Random) -> list
     """The seeded prompts, put on a daemon of their own and uploaded to the (honest) bucket."""
     prompts = [
         [rng.randrange(1, 50_000) for _ in range(SEEDED_BLOCKS * BLOCK_TOKENS + 3)]
-        for _ in range(SEEDED)
+        for _ in range(SEEDED + UNTOUCHED)
     ]
     with socket_folder() as sockets:
         seeder = Daemon(
@@ -354,7 +357,7 @@ def run(folder: Path, seconds: float, seed: int, *, rate: float, kinds: list[str
         prompts = seed_bucket(bucket, folder, random.Random(seed))
         hostility = Hostility(bucket, kinds, rate, seed)
         with socket_folder() as sockets:
-            engines = Engines(os.path.join(sockets, "kvd.sock"), prompts)
+            engines = Engines(os.path.join(sockets, "kvd.sock"), prompts[:SEEDED], prompts[SEEDED:])
             result = Result(engines, hostility)
             daemon = Daemon(
                 folder / "tier", engines.socket_path, folder / "log", _remote_flags(bucket, folder)
@@ -401,15 +404,21 @@ def run(folder: Path, seconds: float, seed: int, *, rate: float, kinds: list[str
 
 
 def _check_the_end(daemon: Daemon, result: Result) -> None:
-    """The store honest again: every seeded prompt fetched again exactly; then, the fetches
-    ended, counts against the directory and every local entry restored exactly."""
+    """The store honest again: the untouched prompts fetched exactly, the others exact or
+    missed; then, the fetches ended, counts against the directory and every local entry
+    restored exactly."""
     engines, tally = result.engines, result.engines.tally
     with RawPeer(engines.socket_path) as peer:
-        for prompt in engines.seeded:
+        for prompt in engines.untouched:
             outcome = _fetched_again(engines, peer, prompt)
-            result.final[f"fetched: {outcome}"] += 1
+            result.final[f"untouched, fetched: {outcome}"] += 1
             if outcome != "exact":
-                tally.problem(f"a seeded prompt, the store honest again: {outcome}")
+                tally.problem(f"a prompt first asked for once the store is honest: {outcome}")
+        for prompt in engines.seeded:  # a chain found damaged is remembered: a miss is fair
+            outcome = timed_lookup(engines, peer, REMOTE, [*prompt, 1])
+            result.final[f"seeded, at the end: {outcome}"] += 1
+            if outcome in {"wrong", "refused"}:
+                tally.problem(f"a seeded prompt at the end: {outcome}")
         settle = time.monotonic() + 30
         while os.listdir(daemon.tier / "staging") and time.monotonic() < settle:
             time.sleep(0.2)  # the fetches and puts under way end
@@ -430,7 +439,7 @@ def _check_the_end(daemon: Daemon, result: Result) -> None:
 
 
 def _fetched_again(engines: Engines, peer: RawPeer, prompt: list[int]) -> str:
-    """The seeded prompt looked up until a fetch brings it in exactly (the store is honest
+    """The prompt looked up until a fetch brings it in exactly (the store is honest
     again: the daemon's health comes back within its backoff, and no fetch slot or request
     token was kept by the misbehaviours); the last outcome within RECOVERY_SECONDS."""
     deadline = time.monotonic() + RECOVERY_SECONDS
