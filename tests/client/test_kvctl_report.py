@@ -39,12 +39,13 @@ def test_status_names_each_model_with_its_hit_ratio_and_restore_times(daemon: Da
     (row,) = [line for line in shown.stdout.splitlines() if line.startswith("tiny/report")]
     cells = row.split()
     # name (the model's only identity: its model id), digest, entries, bytes (2 cells), hits,
-    # misses, hit %, p50/p95/p99, tokens...
+    # engine-held, misses, hit %, prefill saved start/24h, p50/p95/p99, tokens...
     assert cells[:2] == ["tiny/report", IDENTITY.to_protocol().digest()[:12]]
     assert cells[2] == "2"
-    assert (cells[5], cells[6], cells[7]) == ("2", "1", "66.7%")
-    assert re.fullmatch(r"\d+\.\d/\d+\.\d/\d+\.\d", cells[8])
-    assert cells[9] == "98"  # the whole 49-token entry, restored twice
+    assert (cells[5], cells[6], cells[7], cells[8]) == ("2", "0", "1", "66.7%")
+    assert re.fullmatch(r"~\d+\.\d\d/~\d+\.\d\d", cells[9])  # an estimate: no cost measured
+    assert re.fullmatch(r"\d+\.\d/\d+\.\d/\d+\.\d", cells[10])
+    assert cells[11] == "98"  # the whole 49-token entry, restored twice
     assert "98 prompt tokens not computed" in shown.stdout
 
 
@@ -84,5 +85,9 @@ def test_show_gives_the_header_layers_and_checksums(daemon: Daemon) -> None:
     assert all(len(s["xxh3_64"]) == 16 for layer in layers for s in layer["slots"])
     for slot in layers[0]["slots"]:
         assert slot["xxh3_64"] in shown.stdout
-    missing = kvctl(daemon, "show", "no-such-entry")
-    assert (missing.returncode, missing.stderr.strip()) == (1, "kvctl: no entry no-such-entry")
+    missing = kvctl(daemon, "show", "0" * 32)
+    assert missing.returncode == 1
+    assert (
+        missing.stderr.strip()
+        == f"kvctl: no entry's id is or begins {'0' * 32}: `kvctl list` shows them"
+    )
