@@ -80,6 +80,8 @@ HOOKS: Final = (
         "kv_bits=None, kv_group_size=64, quantized_kv_start=5000, "
         "prompt_progress_callback=None, input_embeddings=None)",
     ),
+    # A fresh cache (what stock makes on a miss) is told by its layers holding nothing.
+    Hook("mlx_lm.models.cache", "_BaseCache", "empty", "(self)"),
     # The batched path's prefill checkpoints (batch_checkpoints.py).
     Hook(
         "mlx_lm.generate",

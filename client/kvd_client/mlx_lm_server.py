@@ -50,8 +50,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -92,14 +91,15 @@ mlx_lm_utils: Any = _utils
 CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
 
 
-@dataclass(frozen=True)
-class Fetched:
-    """The prompt a lookup of the prompt cache was for, and what it left to compute: the
-    single-request path calls stream_generate with that rest next."""
+class RequestCache(list[Any]):
+    """The caches the prompt cache returns for a request: mlx_lm.server passes them on as its
+    generation's prompt_cache, so they carry what the generation continues (the request's
+    tokens, of which the caches hold the first start) and nothing is matched across calls."""
 
-    tokens: list[int]
-    rest: int  # how many of the last tokens the cache returned does not hold
-    cache: int  # the id of the cache returned (not the cache: the batch takes its buffers)
+    def __init__(self, layers: Iterable[Any], tokens: list[int], start: int) -> None:
+        super().__init__(layers)
+        self.tokens = tokens
+        self.start = start
 
 
 class ServerTier:
@@ -118,7 +118,6 @@ class ServerTier:
         self.namespace = namespace
         self.backlog_bytes = backlog_bytes
         self.checkpoints = checkpoints
-        self.fetched: Fetched | None = None  # the last lookup's, until stream_generate takes it
         self._key: object = None
         self._cold: ColdTier | None = None
 
@@ -197,9 +196,10 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = self._nearest(model, tokens)
+        if cache is None or self.tier.cold_tier(model) is None:
+            return cache, rest
         # A copy: the single-request path appends the tokens it generates to the list.
-        self.tier.fetched = Fetched(list(tokens), len(rest), id(cache))
-        return cache, rest
+        return RequestCache(cache, list(tokens), len(tokens) - len(rest)), rest
 
     def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -232,7 +232,8 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
             # a prompt are prefixes of the request's finished turn.
             kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
             cold.store(tokens, prompt_cache, kind=kind)
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        # The layers alone: memory keeps no request's tokens beside them.
+        super().insert_cache(model, tokens, list(prompt_cache), cache_type=cache_type)
 
 
 def tiered_stream_generate(
@@ -245,37 +246,38 @@ def tiered_stream_generate(
     tier: ServerTier,
     **kwargs: Any,
 ) -> Iterator[Any]:
-    """mlx-lm's stream_generate as mlx_lm.server's single-request path calls it, right after
-    its lookup of the prompt cache (tier.fetched) with the rest of that prompt: for a model
-    the tier serves, its prefill stores prefill checkpoints and the prompt boundary, as the
-    batched path does, and its prefill rate is measured. Anything else (a draft model, input
-    embeddings, a prompt that is not the lookup's rest) is stock's own."""
-    fetched, tier.fetched = tier.fetched, None
+    """mlx-lm's stream_generate as mlx_lm.server's single-request path calls it, with the
+    rest of the prompt and the caches its lookup of the prompt cache returned (a RequestCache)
+    or a fresh one: for a model the tier serves, its prefill stores prefill checkpoints and
+    the prompt boundary, as the batched path does, and its prefill rate is measured. Anything
+    else (a draft model, input embeddings, a prompt that is not the request's rest) is
+    stock's own."""
     cold = tier.serving(model)
-    cache = kwargs.get("prompt_cache")
-    if (
-        cold is None
-        or fetched is None
-        or cache is None
-        or draft_model is not None
-        or kwargs.get("input_embeddings") is not None
-        or not _continues(fetched, prompt, cache)
-    ):
+    cache: Any = kwargs.get("prompt_cache")
+    plain = draft_model is None and kwargs.get("input_embeddings") is None
+    request = _request(prompt, cache) if cold is not None and plain else None
+    if cold is None or request is None:
         return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)
-    start = len(fetched.tokens) - len(prompt)
+    tokens, start = request
     called, kwargs["prompt_progress_callback"] = cold.prefill_hooks(
-        fetched.tokens, start, cache, kwargs.get("prompt_progress_callback")
+        tokens, start, cache, kwargs.get("prompt_progress_callback")
     )
     return _measured(cold, mlx_lm.stream_generate(called, tokenizer, prompt, max_tokens, **kwargs))
 
 
-def _continues(fetched: Fetched, prompt: Any, cache: Any) -> bool:
-    """Whether prompt is what fetched left to compute, into its cache (or a fresh one)."""
-    if not isinstance(prompt, list) or not prompt or not _storable(fetched.tokens):
-        return False
-    start = len(fetched.tokens) - len(prompt)
-    fresh = start == 0 and fetched.rest == len(prompt)
-    return fetched.tokens[start:] == prompt and (id(cache) == fetched.cache or fresh)
+def _request(prompt: Any, cache: Any) -> tuple[list[int], int] | None:
+    """The tokens of the request whose rest prompt is, and how many of them cache holds: a
+    cache the lookup returned knows its request; a fresh one (holding nothing) is prefilled
+    with the whole of it. None when prompt is not that rest or the tokens are not kvd's."""
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if isinstance(cache, RequestCache):
+        tokens, start = cache.tokens, cache.start
+    elif isinstance(cache, list) and all(layer.empty() for layer in cache):
+        tokens, start = prompt, 0
+    else:
+        return None
+    return (tokens, start) if _storable(tokens) and tokens[start:] == prompt else None
 
 
 def _measured(cold: ColdTier, responses: Iterator[Any]) -> Iterator[Any]:
