@@ -4,21 +4,23 @@ Blocking and thread-safe: each thread keeps one connection (keep-alive) to the e
 call has a deadline on its whole duration (connect, send, the answer's head and body; by
 default the request timeout from now): a watchdog thread shuts down the connection of a call
 still under way at its deadline, so a store that trickles its answer a byte at a time cannot
-hold a call past it. Another thread may end a call at once the same way (Interrupt: the
-daemon's event loop, for a call it no longer waits for). Bodies are read into the caller's file
-or buffer and never past the caller's limit, so a hostile or broken store cannot make the
-daemon hold more than it asked for. Requests are signed with SigV4 in
-the Authorization header; over plain http a body's sha256 is signed too (the store refuses a
-body changed on the way), over https TLS already protects it and the body goes unsigned (no
-hash pass over every block uploaded). Addressing is path-style (bucket in the path), which
-every S3-compatible server takes; AWS's own endpoint gets the bucket in the host name.
+hold a call past it. Another thread may end a call at once the same way (deadlines.Interrupt,
+bound to the calling thread by interruptible(): the daemon's event loop, for a call it no
+longer waits for). Bodies are read into the caller's file or buffer and never past the
+caller's limit, so a hostile or broken store cannot make the daemon hold more than it asked
+for. Requests are signed with SigV4 in the Authorization header; over plain http a body's
+sha256 is signed too (the store refuses a body changed on the way), over https TLS already
+protects it and the body goes unsigned (no hash pass over every block uploaded). Addressing
+is path-style (bucket in the path), which every S3-compatible server takes; AWS's own
+endpoint gets the bucket in the host name.
 
 The credentials are a CredentialSource's, as they are at each request (read again when they
 change, expire or are refused: credential_source.py), or fixed ones.
 
 Failures come as StoreError subclasses whose messages name the call and the cause, never a
 secret:
-    StoreUnavailable  no connection, a reset, a timeout, TLS refused, 5xx
+    StoreUnavailable  no connection, a reset, not done by its deadline ("not done within N
+                      s"), interrupted, TLS refused, 5xx
       StoreBusy       the store asks to slow down: 429, 503 SlowDown, a 503 with Retry-After,
                       a 503 to a HEAD (which has no body to say SlowDown in)
     StoreAuthError    no credentials, or the store refused them (401/403)
