@@ -81,11 +81,14 @@ FLAGS: Final = [
 
 
 def _flip(data: bytes) -> bytes:
-    """The same size, one byte changed: only the commit's checksums can tell."""
+    """The same size, a byte in every KiB changed: only the commit's checksums can tell (one
+    byte alone may fall in padding no checksum covers)."""
     if not data:
         return b"x"
-    middle = len(data) // 2
-    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+    flipped = bytearray(data)
+    for offset in range(len(flipped) // 2 % 1024, len(flipped), 1024):
+        flipped[offset] ^= 0xFF
+    return bytes(flipped)
 
 
 def _deep_layout() -> bytes:

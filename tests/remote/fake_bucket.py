@@ -19,6 +19,7 @@ close() ends every connection, hung ones included.
 from __future__ import annotations
 
 import io
+import os
 import socket
 import struct
 import threading
@@ -346,7 +347,8 @@ def hang(bucket: FakeBucket) -> Answer:
 def reset(connection: socket.socket, request: Request) -> None:
     """The connection reset (RST) before any answer."""
     connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    connection.close()
+    # Closed by its descriptor: the server's reader holds the socket object open.
+    os.close(connection.detach())
 
 
 def key_has(part: str, method: str | None = None) -> Match:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fake_bucket import FakeBucket, hang, key_has, running_bucket, status
+from fake_bucket import FakeBucket, hang, key_has, reset, running_bucket, status
 
 from kvd.remote.credentials import Credentials
 from kvd.remote.s3 import S3Store, StoreUnavailable
@@ -64,3 +64,14 @@ def test_close_ends_hung_answers(bucket: FakeBucket, client: S3Store) -> None:
     assert time.monotonic() - began < 5
     bucket.close()
     assert bucket.closed.is_set()
+
+
+def test_reset_resets_the_connection(bucket: FakeBucket) -> None:
+    """A reset, not a silence: the client learns of it long before its deadline."""
+    patient = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=60)
+    bucket.on(key_has("k"), reset, times=1)
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"reset"):
+        patient.get("k", 10)
+    assert time.monotonic() - began < 30
+    patient.close()
