@@ -22,7 +22,6 @@ from kvd_protocol.entry import (
     EntryHeader,
     EntryPlan,
     LayerSpec,
-    ManifestPlan,
     MetaValue,
     TensorSpec,
     plan_entry,
@@ -254,69 +253,99 @@ def put_entry(
     daemon says how many leading blocks it holds already, and only the others are written.
     A cut tensor may come as a block_io.CutCopy that leaves out blocks taken to be held: a
     daemon that holds fewer has the put aborted, raising block_io.BlocksNotHeld."""
-    started = time.perf_counter()
-    named = link.scope(identity)  # the header names it as the daemon does
     packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    plan: EntryPlan | ManifestPlan
-    hashes, block_size = b"", 0  # put_begin's block fields: none for a version 1 entry
-    if _blocks_for(link, packed, layers):
-        plan = plan_manifest(
-            named,
-            packed,
-            layers,
-            block_tokens=link.block_tokens,
-            created=created,
-            min_reuse=min_reuse,
-            checkpoint=checkpoint,
-            meta=meta,
-            limits=link.limits,
-        )
-        writer = block_io.BlockWriter(plan, block_io.sources(_whole_slots(layers), tensors))
-        write: Callable[[int], None] = writer.write_manifest
-        size, hashes, block_size = plan.entry.file_size, b"".join(plan.hashes), plan.block_size
-    else:
-        plan = plan_entry(
-            named,
-            packed,
-            layers,
-            created=created,
-            min_reuse=min_reuse,
-            checkpoint=checkpoint,
-            meta=meta,
-            limits=link.limits,
-        )
-        views = _whole_views(link, plan, layers, tensors)
-        write = partial(entry_io.write_entry, plan=plan, views=views)
-        size = plan.file_size
-    if link.breaker is not None and link.breaker.skip_put():
-        return _not_begun(link, DaemonUnavailableError(SKIPPED))
-    if link.server is None:  # planned without the daemon's word (its tenant and features)
-        try:
+    content = _PutContent(identity, packed, layers, tensors, created, min_reuse, checkpoint, meta)
+    while True:  # twice at most: planned again once the daemon has first answered
+        started = time.perf_counter()
+        planned = content.planned(link)
+        if link.breaker is not None and link.breaker.skip_put():
+            return _not_begun(link, DaemonUnavailableError(SKIPPED))
+        if link.server is not None:
+            return (yield from _send_put(link, planned, started, dropped))
+        try:  # its word: the tenant the header names the identity under, its features
             yield from scoped(link, identity)
         except (DaemonUnavailableError, DaemonError) as exc:
             return _not_begun(link, exc)
-        again = put_entry(
-            link,
-            identity,
-            packed,
-            layers,
-            tensors,
-            created=created,
-            min_reuse=min_reuse,
-            checkpoint=checkpoint,
-            meta=meta,
-            dropped=dropped,
+
+
+@dataclass(frozen=True)
+class _PlannedPut:
+    """A put laid out for the daemon as the link knows it: what put_begin asks for, and how
+    the staging file and the blocks are written."""
+
+    identity: Identity  # as the daemon names it: the header says it so
+    tokens: bytes
+    size: int  # of the staging file
+    write: Callable[[int], None]  # the staging file's bytes, into its descriptor
+    blocks: block_io.BlockWriter | None  # a manifest's blocks; None for a version 1 entry
+
+
+@dataclass(frozen=True)
+class _PutContent:
+    """What a put stores, as the engine gave it: planned for the daemon as the link knows it."""
+
+    identity: Identity
+    tokens: bytes
+    layers: Sequence[LayerSpec]
+    tensors: Sequence[TensorData]
+    created: float
+    min_reuse: int
+    checkpoint: Checkpoint | None
+    meta: Mapping[str, MetaValue] | None
+
+    def planned(self, link: Link) -> _PlannedPut:
+        """The put's layout: cut into blocks when _blocks_for says so, else a version 1
+        entry. Raises ValueError (the planner's) or TensorLayoutError for a caller's mistake."""
+        named = link.scope(self.identity)
+        if not _blocks_for(link, self.tokens, self.layers):
+            plan = plan_entry(
+                named,
+                self.tokens,
+                self.layers,
+                created=self.created,
+                min_reuse=self.min_reuse,
+                checkpoint=self.checkpoint,
+                meta=self.meta,
+                limits=link.limits,
+            )
+            views = _whole_views(link, plan, self.layers, self.tensors)
+            write = partial(entry_io.write_entry, plan=plan, views=views)
+            return _PlannedPut(named, self.tokens, plan.file_size, write, None)
+        manifest = plan_manifest(
+            named,
+            self.tokens,
+            self.layers,
+            block_tokens=link.block_tokens,
+            created=self.created,
+            min_reuse=self.min_reuse,
+            checkpoint=self.checkpoint,
+            meta=self.meta,
+            limits=link.limits,
         )
-        return (yield from again)
+        sources = block_io.sources(_whole_slots(self.layers), self.tensors)
+        writer = block_io.BlockWriter(manifest, sources)
+        return _PlannedPut(
+            named, self.tokens, manifest.entry.file_size, writer.write_manifest, writer
+        )
+
+
+def _send_put(
+    link: Link, put: _PlannedPut, started: float, dropped: DropReport | None
+) -> Call[PutOutcome]:
+    """Begin the planned put, write its blocks the daemon does not hold and its staging file,
+    commit; given up (aborted) on any failure. started: when it was planned (perf_counter),
+    for the commit's store_ms."""
+    writer = put.blocks
+    hashes = b"".join(writer.plan.hashes) if writer is not None else b""
     request = PutBegin(
         id=link.next_id(),
-        identity=named,
-        tokens=packed,
-        size=size,
+        identity=put.identity,
+        tokens=put.tokens,
+        size=put.size,
         prefill_cost=link.prefill_cost if link.offers(PREFILL_COST_FEATURE) else 0.0,
         blocks=hashes,
         block_tokens=link.block_tokens if hashes else 0,
-        block_size=block_size,
+        block_size=writer.plan.block_size if writer is not None else 0,
     )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)
@@ -329,11 +358,11 @@ def put_entry(
     staging = Descriptors([begin.fd])
     try:
         try:
-            if isinstance(plan, ManifestPlan):
+            if writer is not None:
                 link.stats.blocks_held += begin.held
                 yield from put_blocks(link, begin.put, epoch, begin.held, writer)
-            yield Blocking(staging.lent(partial(write, begin.fd)))
-            link.stats.bytes_written += size
+            yield Blocking(staging.lent(partial(put.write, begin.fd)))
+            link.stats.bytes_written += put.size
         finally:
             staging.release()  # a put given up mid-write: closed when the write ends
         took = (time.perf_counter() - started) * 1000

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from . import schema
-from .blocks import ZERO_HASH, block_hashes, check_block_tokens
+from .blocks import ZERO_HASH, block_hashes
 from .checksum import CHECKSUM_BYTES
 from .dtypes import tensor_nbytes
 from .entry_model import (
@@ -167,10 +167,42 @@ def plan_entry(
 ) -> EntryPlan:
     """Lay out a version 1 entry (every tensor whole; LayerSpec.blocked is not looked at);
     raises ValueError for anything a reader would reject."""
+    return _plan(
+        identity,
+        tokens,
+        layers,
+        None,
+        created=created,
+        min_reuse=min_reuse,
+        checkpoint=checkpoint,
+        meta=meta,
+        limits=limits,
+    )
+
+
+def _plan(
+    identity: Identity,
+    tokens: bytes,
+    layers: Sequence[LayerSpec],
+    block_tokens: int | None,
+    *,
+    created: float,
+    min_reuse: int,
+    checkpoint: Checkpoint | None,
+    meta: Mapping[str, MetaValue] | None,
+    limits: Limits,
+) -> EntryPlan:
+    """The plan of a version 1 entry (block_tokens None) or of a version 2 manifest whose
+    blocked layers keep the rows past the whole blocks of block_tokens (0: none)."""
     _check_entry(
         identity, tokens, layers, min_reuse=min_reuse, checkpoint=checkpoint, limits=limits
     )
-    shapes = [tuple(tensor.shape for tensor in spec.tensors) for spec in layers]
+    hashes: tuple[bytes, ...] = ()
+    if block_tokens is None:
+        version, shapes = FORMAT_VERSION, [tuple(t.shape for t in spec.tensors) for spec in layers]
+    else:
+        hashes = block_hashes(tokens, block_tokens) if block_tokens else ()
+        version, shapes = MANIFEST_VERSION, _manifest_shapes(layers, tokens, block_tokens)
     draft = _draft(
         identity,
         tokens,
@@ -181,6 +213,9 @@ def plan_entry(
         checkpoint=checkpoint,
         meta=meta,
         limits=limits,
+        block_tokens=block_tokens or 0,
+        block_hashes=hashes,
+        version=version,
     )
     return _placed_plan(draft, limits)
 
@@ -368,16 +403,38 @@ def plan_manifest(
     (axis 2) go to block i, for the n = T // B whole blocks; the manifest holds the tail rows
     [n*B, T) and every other layer whole. block_tokens 0, or no blocked layer, plans a
     manifest without blocks. Raises ValueError for anything a reader would reject."""
-    _check_entry(
-        identity, tokens, layers, min_reuse=min_reuse, checkpoint=checkpoint, limits=limits
-    )
-    count = len(tokens) // TOKEN_BYTES
     if not any(spec.blocked for spec in layers):
         block_tokens = 0
-    if block_tokens:
-        check_block_tokens(block_tokens)
-    hashes = block_hashes(tokens, block_tokens) if block_tokens else ()
-    tail = count - len(hashes) * block_tokens
+    entry = _plan(
+        identity,
+        tokens,
+        layers,
+        block_tokens,
+        created=created,
+        min_reuse=min_reuse,
+        checkpoint=checkpoint,
+        meta=meta,
+        limits=limits,
+    )
+    hashes = entry.header.block_hashes
+    blocked = [spec for spec in layers if spec.blocked]
+    flat = [spec.blocked for spec in layers for _ in spec.tensors]
+    return _block_plan(entry, hashes, blocked, [i for i, cut in enumerate(flat) if cut])
+
+
+def with_rows(shape: Sequence[int], rows: int) -> tuple[int, ...]:
+    """shape with rows on the token axis: a cut tensor's whole shape from its tail (or
+    block) slot's, and back."""
+    return (*shape[:TOKEN_AXIS], rows, *shape[TOKEN_AXIS + 1 :])
+
+
+def _manifest_shapes(
+    layers: Sequence[LayerSpec], tokens: bytes, block_tokens: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """Each layer's tensor shapes in a manifest: a blocked layer's the rows past the whole
+    blocks of block_tokens (0: all of them), which its tensors must have on the token axis."""
+    count = len(tokens) // TOKEN_BYTES
+    tail = count % block_tokens if block_tokens else count
     shapes: list[tuple[tuple[int, ...], ...]] = []
     for i, spec in enumerate(layers):
         if not spec.blocked:
@@ -390,30 +447,7 @@ def plan_manifest(
                     f"have the {count} tokens on axis {TOKEN_AXIS}"
                 )
         shapes.append(tuple(with_rows(tensor.shape, tail) for tensor in spec.tensors))
-    draft = _draft(
-        identity,
-        tokens,
-        layers,
-        shapes,
-        created=created,
-        min_reuse=min_reuse,
-        checkpoint=checkpoint,
-        meta=meta,
-        limits=limits,
-        block_tokens=block_tokens,
-        block_hashes=hashes,
-        version=MANIFEST_VERSION,
-    )
-    entry = _placed_plan(draft, limits)
-    blocked = [spec for spec in layers if spec.blocked]
-    flat = [spec.blocked for spec in layers for _ in spec.tensors]
-    return _block_plan(entry, hashes, blocked, [i for i, cut in enumerate(flat) if cut])
-
-
-def with_rows(shape: Sequence[int], rows: int) -> tuple[int, ...]:
-    """shape with rows on the token axis: a cut tensor's whole shape from its tail (or
-    block) slot's, and back."""
-    return (*shape[:TOKEN_AXIS], rows, *shape[TOKEN_AXIS + 1 :])
+    return shapes
 
 
 def _block_plan(
