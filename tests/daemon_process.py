@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailableError
+from kvd_protocol.errors import DaemonUnavailableError
 
 START_SECONDS = 20.0  # bound on waiting for a starting daemon to answer ping
 STOP_SECONDS = 30.0

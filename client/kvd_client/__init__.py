@@ -10,10 +10,12 @@ import warnings
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from kvd_protocol.errors import DaemonUnavailableError
+
 from kvd_client.async_client import AsyncClient, AsyncLookupResult, AsyncTicket
 from kvd_client.client import Client, LookupResult, Ticket
 from kvd_client.entry_io import TensorLayoutError
-from kvd_client.link import Backoff, ClientStats, DaemonError, DaemonUnavailableError
+from kvd_client.link import Backoff, ClientStats, DaemonError
 from kvd_client.results import Evicted, TicketState
 
 if TYPE_CHECKING:

@@ -15,14 +15,14 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from kvd_protocol.blocks import BLOCK_TOKENS
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import DaemonUnavailableError, ProtocolError
 from kvd_protocol.messages import Reply
 
 from . import calls
 from .api import ClientApi, LookupResultApi, TicketApi
 from .calls import Call, Exchange
 from .client import new_link
-from .link import DEFAULT_BACKOFF, DEFAULT_LOOKUP_TIMEOUT, Backoff, DaemonUnavailableError, Link
+from .link import DEFAULT_BACKOFF, DEFAULT_LOOKUP_TIMEOUT, Backoff, Link
 from .operations import AsyncRunner
 from .results import LookupHit, PutOutcome
 from .transport import AsyncTransport, TransportClosed

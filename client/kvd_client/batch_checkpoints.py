@@ -22,7 +22,7 @@ from .mlx_lm_cache import ColdTier
 
 @dataclass
 class _Cuts:
-    cached: int  # the tokens the sequence's cache held when it was inserted
+    cached: int  # the tokens the sequence's cache had when it was inserted
     at: deque[int]  # the checkpoint positions its prefill has still to reach
 
 

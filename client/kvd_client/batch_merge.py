@@ -1,11 +1,11 @@
 """Restored KV caches join mlx-lm's batched generation without a copy.
 
 mlx-lm's BatchGenerator takes a request's caches into its batch with the caches' `merge`
-(`KVCache.merge` is `BatchKVCache.merge`): a new buffer of exactly the tokens held, zeroed,
+(`KVCache.merge` is `BatchKVCache.merge`): a new buffer of exactly the cache's tokens, zeroed,
 then every layer copied in, and the first token the batch appends finds no room, so it copies
 the whole cache again. For a restored cache both copies are waste: its buffers are fresh, the
 cache's alone, and have room for the next tokens (restore.with_room). A layer marked here
-becomes the batch's cache of one sequence as is: the same buffers, the tokens held as the
+becomes the batch's cache of one sequence as is: the same buffers, its tokens as the
 batch counts them, the room beyond for the appends.
 
 This changes no value: MLX writes into a buffer in place only when no other array holds it,
@@ -50,8 +50,8 @@ def _merged(layer: Any, caches: list[Any]) -> Any:
     if len(caches) != 1 or caches[0] is not layer:
         return mlc.BatchKVCache.merge(caches)
     batch = mlc.BatchKVCache([0])  # one sequence, no left padding
-    # keys, values, each sequence's offset, the left padding, and the tokens held (the rest
-    # of the buffers is room)
+    # keys, values, each sequence's offset, the left padding, and the tokens in the buffers
+    # (the rest of them is room)
     batch.state = (
         layer.keys,
         layer.values,
@@ -73,12 +73,12 @@ def _agrees_with_mlx_lm() -> bool:
         for layer in (ours, theirs):
             layer.update_and_fetch(rows, rows + 1)
         token = mx.ones((1, 2, 1, 4))
-        held = []
+        states = []
         ours.merge = partial(_merged, ours)  # as merge_in_place marks it
         for batch in (ours.merge([ours]), mlc.BatchKVCache.merge([theirs])):
             before = batch.keys_and_values()
-            held.append([*before, *batch.update_and_fetch(token, token), *batch.state[2:]])
-        if any(not bool(mx.array_equal(a, b).item()) for a, b in zip(*held, strict=True)):
+            states.append([*before, *batch.update_and_fetch(token, token), *batch.state[2:]])
+        if any(not bool(mx.array_equal(a, b).item()) for a, b in zip(*states, strict=True)):
             problem = "its merge holds other values"
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"

@@ -27,7 +27,13 @@ from kvd_protocol.entry import (
     plan_entry,
     plan_manifest,
 )
-from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
+from kvd_protocol.errors import (
+    DaemonUnavailableError,
+    EntryFormatError,
+    ErrorCode,
+    ProtocolError,
+    Rule,
+)
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import (
     BLOCKS_FEATURE,
@@ -78,7 +84,7 @@ from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 
 from . import block_io, entry_io
 from .entry_io import TensorData
-from .link import DaemonError, DaemonUnavailableError, Link
+from .link import DaemonError, Link
 from .results import Evicted, LookupHit, PutOutcome, TicketBase, TicketState
 from .transport import TransportClosed
 from .workers import Descriptors

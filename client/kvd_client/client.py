@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from kvd_protocol.blocks import BLOCK_TOKENS
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import DaemonUnavailableError, ProtocolError
 from kvd_protocol.messages import Reply
 
 from . import calls
@@ -24,7 +24,6 @@ from .link import (
     DEFAULT_BACKOFF,
     DEFAULT_LOOKUP_TIMEOUT,
     Backoff,
-    DaemonUnavailableError,
     Link,
     default_client_name,
     default_socket_path,

@@ -99,7 +99,7 @@ def tensor_pieces(array: mx.array) -> list[memoryview]:
     writing the runs costs. An array whose runs are shorter than MIN_RUN is copied first.
 
     The views hold the buffer through an array of their own: while they live, MLX writes
-    the cache's next tokens into a copy of it (no donation) rather than in place. Held by
+    the cache's next tokens into a copy of it (no donation) rather than in place. Kept by
     the cache's own array object instead, they would see in-place writes (mlx-lm assigns
     into its buffers: a slice assignment replaces the object's array and donates the old
     buffer to it)."""

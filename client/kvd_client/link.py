@@ -19,7 +19,7 @@ from typing import Final
 
 from kvd_protocol.blocks import BLOCK_TOKENS, check_block_tokens
 from kvd_protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
-from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.errors import DaemonUnavailableError, ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity, older_traits
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
@@ -37,11 +37,6 @@ from kvd_protocol.messages import (
 from kvd_protocol.paths import default_paths
 
 from .breaker import Breaker
-
-
-class DaemonUnavailableError(ConnectionError):
-    """The daemon cannot be reached: not running, not answering in time, or the connection
-    broke. Put and lookup never raise it; operator calls (ping, status, flush...) do."""
 
 
 class DaemonError(Exception):

@@ -57,6 +57,7 @@ from types import FrameType
 from typing import Any, Final, NoReturn
 
 import mlx_lm
+from kvd_protocol.errors import DaemonUnavailableError
 from kvd_protocol.identity import SOURCE_TRAIT
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
@@ -68,7 +69,7 @@ from .batch_merge import merge_in_place
 from .breaker import BreakerStats
 from .client import Client
 from .identity import EngineIdentity
-from .link import MIN_MEASURED_PREFILL, DaemonError, DaemonUnavailableError
+from .link import MIN_MEASURED_PREFILL, DaemonError
 from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity

@@ -24,7 +24,7 @@ one block. An interval given as a setting replaces the rule; 0 turns checkpoints
 
 S is measured: once per model by a one-token forward on a scratch cache (for the positions a
 prompt's prefill is cut at before any checkpoint of it is taken), then as the largest state
-a snapshot of the model's caches held (a sliding window grows to its size).
+a snapshot of the model's caches took (a sliding window grows to its size).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Final
 import mlx.core as mx
 import mlx_lm
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
-from kvd_protocol.errors import EntryFormatError
+from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError
 from kvd_protocol.messages import MAX_BLOCK_BATCH
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -31,7 +31,7 @@ from .block_io import BlockReads
 from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
 from .identity import EngineIdentity
-from .link import DaemonError, DaemonUnavailableError, Link
+from .link import DaemonError, Link
 from .restore import Fill, Filling, Reading, TensorSource, dtype_name
 from .results import LookupHit, PutOutcome
 
@@ -82,7 +82,7 @@ def encode(
 
     copy: the tensors copied into arrays of their own first (mx.array: mx.contiguous hands an
     already contiguous array back uncopied, a full sliding window's ring), for a put that
-    is written after the engine goes on decoding. Held that long, views of the caches'
+    is written after the engine goes on decoding. Kept that long, views of the caches'
     buffers would make the engine's next step copy every buffer whole instead: 0.9-1.1 s at
     4,000 tokens of 512 MiB on the CPU build, against 0.3-0.4 s for this copy."""
     layers, arrays = snapshot_layers(cache, token_count)
@@ -319,34 +319,34 @@ def _restore(
 def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
     """decode, and for a manifest listing blocks, its blocks read into the buffers once all
     are allocated, a block per read on the reader threads, each batch of descriptors asked
-    for while the one before is read: a restore holds at most two batches of them whatever
-    the entry's length."""
+    for while the one before is read: a restore keeps at most two batches of them open
+    whatever the entry's length."""
     header = hit.entry.header
     fills = hit.entry.fills(verify=link.verify)
     if not header.block_hashes:
         return decode(header, fills, hit.matched, model)
     codecs = _codecs(header, hit.matched, model)
     blocks = BlockReads(header, verify=link.verify, limits=link.limits)
-    held: list[tuple[int, ...]] = []  # the descriptors of the batches held, oldest first
+    open_batches: list[tuple[int, ...]] = []  # the descriptors of each, oldest first
     reading: list[Reading] = []  # their reads
     try:
         with _as_miss(), Filling() as filling:
             for first in range(0, len(header.block_hashes), MAX_BLOCK_BATCH):
-                if len(held) == 2:
+                if len(open_batches) == 2:
                     # Closed only once read: a failure, or the call closed at this yield
                     # (cancelled), leaves them to the finally, after Filling waited for them.
                     yield Blocking(reading[0].wait)
                     reading.pop(0)
-                    _close(held.pop(0))
+                    _close(open_batches.pop(0))
                 count = min(MAX_BLOCK_BATCH, len(header.block_hashes) - first)
                 fds = yield from _open_blocks(link, hit, first, count)
-                held.append(fds)
+                open_batches.append(fds)
                 if not first:  # the first batch is had before anything is allocated
                     caches = _loaded(header, codecs, fills, filling, blocks)
                 reads = [partial(blocks.read_block, first + k, fd) for k, fd in enumerate(fds)]
                 reading.append(filling.started(reads))
     finally:  # once every read of them has ended (leaving Filling waits for them)
-        for fds in held:
+        for fds in open_batches:
             _close(fds)
     return _trimmed(caches, header.token_count - hit.matched)
 

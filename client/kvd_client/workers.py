@@ -42,14 +42,14 @@ class Descriptors:
         self.fds = tuple(fds)
         self._lock = threading.Lock()
         self._users = 1  # the holder
-        self._held = True
+        self._released = False  # by the holder
 
     def lent(self, job: Callable[[], T]) -> Callable[[], T]:
         """job, run as a user of the descriptors (on any thread)."""
 
         def run() -> T:
             with self._lock:
-                if not self._held:
+                if self._released:
                     raise OSError(f"descriptors {list(self.fds)} were given up before the write")
                 self._users += 1
             try:
@@ -62,9 +62,9 @@ class Descriptors:
     def release(self) -> None:
         """The holder is done (again: nothing): close now, or when the last job ends."""
         with self._lock:
-            if not self._held:
+            if self._released:
                 return
-            self._held = False
+            self._released = True
         self._leave()
 
     def __enter__(self) -> Descriptors:

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvd_protocol import messages as m
 from kvd_protocol.connection import NEED_DATA, Connection, Role
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import DaemonUnavailableError, ProtocolError
 
 from kvd.config import Config, env_var
 
@@ -22,10 +22,6 @@ HOW_TO_START = (
     "start one with `kvd serve` (`make run` in a checkout), or point at a running one with "
     f"--socket PATH or {env_var('socket')}"
 )
-
-
-class DaemonUnavailableError(Exception):
-    """The daemon does not answer on the socket, or the connection to it failed."""
 
 
 def socket_source(args: argparse.Namespace, environ: Mapping[str, str], config: Config) -> str:
@@ -80,6 +76,8 @@ class Control:
             event = self._exchange(request(id=next(self._ids), **fields))
         except TimeoutError:
             raise DaemonUnavailableError("the daemon did not answer in time") from None
+        except DaemonUnavailableError:  # a ConnectionError too, said as it is
+            raise
         except OSError as exc:
             raise DaemonUnavailableError(f"the connection to the daemon failed: {exc}") from None
         if isinstance(event, m.ErrorReply):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvd_protocol import messages as m
-from kvd_protocol.errors import ProtocolError
+from kvd_protocol.errors import DaemonUnavailableError, ProtocolError
 
 from kvd.config import Config, with_settings
-from kvd.ops.control import Control, DaemonUnavailableError
+from kvd.ops.control import Control
 
 
 def running_daemons_config(

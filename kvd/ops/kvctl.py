@@ -19,7 +19,13 @@ from typing import Any
 
 from kvd_protocol import messages as m
 from kvd_protocol.entry import EntryHeader
-from kvd_protocol.errors import EntryFormatError, ErrorCode, LocalProtocolError, ProtocolError
+from kvd_protocol.errors import (
+    DaemonUnavailableError,
+    EntryFormatError,
+    ErrorCode,
+    LocalProtocolError,
+    ProtocolError,
+)
 from kvd_protocol.limits import DEFAULT_LIMITS
 
 from kvd.config import ConfigError, env_var, load_config
@@ -28,7 +34,6 @@ from kvd.identity_names import CANDIDATES_SHOWN, IdentityNameError, resolve
 from kvd.ops.control import (
     HOW_TO_START,
     Control,
-    DaemonUnavailableError,
     socket_source,
 )
 from kvd.ops.doctor import add_doctor_parser, run_doctor

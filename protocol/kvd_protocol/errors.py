@@ -1,4 +1,5 @@
-"""The error types of kvd_protocol: one for the wire (with its two kinds), one for entry files."""
+"""The error types of kvd_protocol: one for the wire (with its two kinds), one for entry files,
+and one for a daemon that cannot be reached, which kvctl and the engine library both raise."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ class ProtocolError(Exception):
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+
+
+class DaemonUnavailableError(ConnectionError):
+    """The daemon cannot be reached: not running, not answering in time, or the connection to
+    it broke. kvctl's requests raise it, and the engine library's operator calls (ping, status,
+    flush...); the engine's puts and lookups never do."""
 
 
 class LocalProtocolError(ProtocolError):

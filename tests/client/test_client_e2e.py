@@ -12,9 +12,9 @@ import pytest
 from daemon_process import START_SECONDS, Daemon
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailableError
 from kvd_client.results import TicketState
 from kvd_protocol.entry import LayerSpec, TensorSpec
+from kvd_protocol.errors import DaemonUnavailableError
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens, unpack_tokens
 

@@ -20,10 +20,10 @@ from kvd_client import entry_io
 from kvd_client.async_client import AsyncClient
 from kvd_client.client import Client
 from kvd_client.entry_io import TensorLayoutError
-from kvd_client.link import Backoff, DaemonUnavailableError
+from kvd_client.link import Backoff
 from kvd_protocol.entry import ALIGNMENT, EntryPlan, LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.entry_reader import parse_head, verify_slot
-from kvd_protocol.errors import EntryFormatError, Rule
+from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 import pytest
@@ -129,18 +129,26 @@ def test_no_daemon_names_the_socket_and_how_to_start_one(tmp_path: os.PathLike[s
         assert way in result.stderr
 
 
-def test_another_program_on_the_socket_is_no_daemon() -> None:
-    """Something that answers the hello with what is not kvd's protocol (an HTTP server)."""
+def _status_against(
+    answer: Callable[[socket.socket], None],
+) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """`kvctl status` on a socket whose listener answers its connection with answer."""
     with socket_folder() as folder:
         path = os.path.join(folder, "kvd.sock")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(path)
             listener.listen()
-            answering = threading.Thread(target=_answer_http, args=(listener,), daemon=True)
+            answering = threading.Thread(target=answer, args=(listener,), daemon=True)
             answering.start()
             result = _kvctl("--socket", path, "status")
             answering.join(SETTLE_SECONDS)
     _quiet(result)
+    return path, result
+
+
+def test_another_program_on_the_socket_is_no_daemon() -> None:
+    """Something that answers the hello with what is not kvd's protocol (an HTTP server)."""
+    path, result = _status_against(_answer_http)
     assert result.returncode == NO_DAEMON
     assert f"what answers on {path} did not take kvctl's hello" in result.stderr
 
@@ -150,6 +158,20 @@ def _answer_http(listener: socket.socket) -> None:
     with connection:
         connection.recv(4096)
         connection.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+def test_a_listener_that_hangs_up_after_the_hello_is_no_daemon() -> None:
+    """Something that takes kvctl's hello and closes without a word: said as such, once."""
+    _, result = _status_against(_hang_up)
+    assert result.returncode == NO_DAEMON
+    assert result.stderr.strip().endswith("the daemon closed the connection")
+    assert "failed" not in result.stderr
+
+
+def _hang_up(listener: socket.socket) -> None:
+    connection, _ = listener.accept()
+    with connection:
+        connection.recv(4096)
 
 
 def _closed_output(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:

@@ -30,11 +30,10 @@ from daemon_e2e import (
 )
 from daemon_process import Daemon, running_daemon
 from kvd_client.client import Client
-from kvd_client.link import DaemonUnavailableError
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
 from kvd_protocol.entry import LayerSpec, TensorSpec
-from kvd_protocol.errors import ErrorCode
+from kvd_protocol.errors import DaemonUnavailableError, ErrorCode
 from kvd_protocol.framing import FrameReader
 from kvd_protocol.tokens import pack_tokens
 
