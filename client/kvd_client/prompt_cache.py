@@ -1,10 +1,14 @@
 """Put and get of mlx-lm prompt caches (a list of cache objects, one per layer) through the
 daemon: snapshot by the codec table, restore from a looked-up entry, trim to the match.
 
-encode() and decode() are the whole of it; put, get and get_checkpoint are calls (calls.py)
-that wrap the raw ones around them, run by Client and AsyncClient alike. A get never raises
-and never returns a half-built cache: anything wrong with an entry is a miss, counted by
-reason in the client's stats.
+put, get and get_checkpoint are calls (calls.py), run by Client and AsyncClient alike. A put
+is encode() (the caches' layers, byte views of their tensors, the meta) handed to the raw
+put; the cold tier's puts take snapshot_layers() alone and copy only what is new
+(snapshots.py). A get looks up and restores through _decoded: an entry stored whole is
+decode() of its one file; a manifest that lists blocks has its buffers allocated once the
+first batch of block descriptors is open, then its blocks read into them, batch by batch.
+A get never raises and never returns a half-built cache: anything wrong with an entry is a
+miss, counted by reason in the client's stats.
 """
 
 from __future__ import annotations
