@@ -100,6 +100,11 @@ CHANGES = {
         "caches=None, all_tokens=None, samplers=None, logits_processors=None, "
         "stop_sequences=None, prefill_only=False), not ",
     ),
+    "a cache layer tells no more whether it is empty": (
+        '    def empty(self):\n        """\n        Return if the cache is empty or not.',
+        '    def is_empty(self):\n        """\n        Return if the cache is empty or not.',
+        "mlx_lm.models.cache._BaseCache.empty is missing",
+    ),
     "--kv-bits renamed": (
         '"--kv-bits",\n        type=int,\n        default=None,',  # the server's, not generate's
         '"--kv-quant-bits",\n        type=int,\n        default=None,',
