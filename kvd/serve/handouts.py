@@ -18,14 +18,6 @@ from kvd.serve import socket_io
 MAX_UNREAD_DESCRIPTORS = 4 * m.MAX_BLOCK_BATCH
 
 
-def descriptors_asked(request: m.Request) -> int:
-    """The most descriptors the reply to request may carry (0 for most requests)."""
-    op = request.op
-    if op in ("open_blocks", "put_blocks"):
-        return request.count  # type: ignore[attr-defined, no-any-return]
-    return 1 if op in ("lookup", "find_checkpoint", "put_begin") else 0
-
-
 class Handouts:
     """One connection's descriptors for replies not out yet (unsent), and out but maybe unread
     (sent), kept within MAX_UNREAD_DESCRIPTORS."""

@@ -33,6 +33,7 @@ from kvd.logs import get_logger
 from kvd.remote.remote import Remote
 from kvd.serve.fd_limit import connections_for, raise_open_file_limit
 from kvd.serve.frame_budget import FrameBudget
+from kvd.serve.handlers import Context, op_table
 from kvd.serve.listener import bind_socket, inherited_socket
 from kvd.serve.metrics_http import metrics_listener, serve_metrics
 from kvd.serve.peer import Peer, tenant_of
@@ -66,6 +67,7 @@ class Server:
         self.config = config
         self.tier = Tier(config, limits)
         self.remote = Remote(config, self.tier) if config.remote else None
+        self.ops = op_table(self.remote)
         self.peers: dict[int, Peer] = {}
         self.max_connections = config.max_connections
         self._sessions = itertools.count(1)
@@ -104,9 +106,8 @@ class Server:
                 peer = Peer(session_id, credentials, admin=admin, tenant=tenant)
                 self.peers[session_id] = peer
                 try:
-                    await Session(
-                        self.tier, stream, peer, self.status, self.frames, remote=self.remote
-                    ).run()
+                    context = Context(self.tier, self.remote, peer, self.status)
+                    await Session(context, self.ops, stream, self.frames).run()
                 finally:
                     del self.peers[session_id]
         except Exception:

@@ -1,0 +1,376 @@
+"""The op table: each request's handler, once, and what its answer may wait for.
+
+A handler takes its connection's Context and its request, and returns the reply there and
+then, or what to await for it (a Later), which the session runs as the request's row says
+(Waits). The session is the pump (kvd.serve.session): it hands each request to its row and
+sends what comes back. A daemon with a remote tier wraps the lookup's handler (fetching), so
+that a lookup that may wait for a fetch waits in a task of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Final
+
+from kvd_protocol import messages as m
+from kvd_protocol.errors import ErrorCode, ProtocolError
+
+from kvd import __version__
+from kvd.logs import RateLimited, get_logger
+from kvd.remote.remote import Remote
+from kvd.serve.peer import Peer
+from kvd.serve.status import tenant_report
+from kvd.serve.tenant_bounds import check_digest, check_identity, refused
+from kvd.store.miss_reasons import Miss
+from kvd.store.staged_put import DeclaredBlocks
+from kvd.store.tier import Tier, summary
+
+log = get_logger("kvd.serve.handlers")
+broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
+
+FEATURES = (
+    "put",
+    "lookup",
+    "leases",
+    "flush",
+    "evict",
+    "list",
+    "lookup_min_tokens",
+    "verify",
+    "release_damaged",
+    "restore_report",
+    m.PREFILL_COST_FEATURE,
+    m.BLOCKS_FEATURE,
+    m.IDENTITY_TRAITS_FEATURE,
+    m.IDENTITY_SOURCE_FEATURE,
+    m.LOOKUP_MISS_FEATURE,
+    m.ENGINE_DROPS_FEATURE,
+    m.REMOTE_FLUSH_FEATURE,
+)
+REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What one connection's requests are answered from."""
+
+    tier: Tier
+    remote: Remote | None  # the remote tier, when `remote` is set
+    peer: Peer
+    status: Callable[[], dict[str, object]]  # the daemon's status report
+
+
+Later = Callable[[], Awaitable[m.Reply]]  # what a handler hands back to await for its reply
+Handler = Callable[[Context, Any], m.Reply | Later]
+
+
+class Waits(enum.Enum):
+    """What a request's answer may wait for, and so where the session runs it."""
+
+    # Nothing: answered in the reader callback, without a task switch.
+    NOTHING = "nothing"
+    # What it hands back to await runs as a task of its own: the connection's other requests
+    # are answered meanwhile.
+    TASK = "task"
+    # What it hands back to await runs as a task with the connection's reading paused until
+    # its reply is out, so that the reply keeps its place among the others.
+    TASK_IN_ORDER = "task_in_order"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """A request's row in the op table."""
+
+    handler: Handler
+    waits: Waits = Waits.NOTHING
+    # Run once its reply is sent (or fails to be): what only counts the request, so that the
+    # reply goes first.
+    after_reply: Callable[[Context], None] | None = None
+
+
+def awaited(handler: Callable[[Context, Any], Awaitable[m.Reply]]) -> Handler:
+    """The handler of a request that may always wait: all of it is awaited (Waits.TASK)."""
+
+    def later(context: Context, request: m.Request) -> Later:
+        return lambda: handler(context, request)
+
+    return later
+
+
+def failed(request: m.Request, exc: Exception) -> m.ErrorReply:
+    """The reply to a request whose handler raised exc: a ProtocolError's code, else (a daemon
+    bug or a failed file operation: this request only) internal, logged. A bound of the
+    connection's that the request broke (over_limit) is logged too, at most every so often."""
+    if isinstance(exc, ProtocolError):
+        if exc.code is ErrorCode.OVER_LIMIT:
+            broken_rules.warning("request_over_limit", op=request.op, error=exc.message)
+        return m.ErrorReply(id=request.id, code=exc.code, message=exc.message)
+    log.exception("request_failed", op=request.op)
+    return m.ErrorReply(id=request.id, code=ErrorCode.INTERNAL, message=str(exc))
+
+
+# --- the connection -----------------------------------------------------------------------
+
+
+def hello(c: Context, request: m.Hello) -> m.HelloReply:
+    if request.protocol != m.PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"this daemon speaks protocol {m.PROTOCOL_VERSION}, not {request.protocol}",
+        )
+    c.peer.name = request.client
+    return m.HelloReply(
+        id=request.id,
+        protocol=m.PROTOCOL_VERSION,
+        server=__version__,
+        limits=c.tier.limits,
+        features=FEATURES if c.remote is None else REMOTE_FEATURES,
+        tenant=c.peer.tenant,
+    )
+
+
+def ping(c: Context, request: m.Ping) -> m.PingReply:
+    return m.PingReply(id=request.id)
+
+
+def status(c: Context, request: m.Status) -> m.StatusReply:
+    report = c.status()
+    if c.peer.tenant:  # another user's: its own part of it
+        known = {d: t.identity for d, t in c.tier.telemetry.identities.items()}
+        report = tenant_report(report, c.peer, known)
+    return m.StatusReply(id=request.id, status=report)
+
+
+# --- puts ---------------------------------------------------------------------------------
+
+
+async def put_begin(c: Context, request: m.PutBegin) -> m.PutBeginReply:
+    if c.peer.tenant:
+        check_identity(c.peer, request, request.identity)
+    c.peer.named(request.identity.digest())
+    put, skip, fd = await c.tier.begin_put(
+        c.peer.session,
+        request.identity,
+        request.tokens,
+        request.size,
+        DeclaredBlocks(request.hashes, request.block_tokens, request.block_size),
+        prefill_cost=request.prefill_cost,
+    )
+    return m.PutBeginReply(
+        id=request.id,
+        put=put.id if put else 0,
+        skip=skip,
+        fd=fd,
+        held=put.held_blocks if put else 0,
+    )
+
+
+async def put_blocks(c: Context, request: m.PutBlocks) -> m.PutBlocksReply:
+    fds = await c.tier.put_blocks(c.peer.session, request.put, request.first, request.count)
+    return m.PutBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
+
+
+async def put_commit(c: Context, request: m.PutCommit) -> m.PutCommitReply:
+    ticket = await c.tier.commit_put(c.peer.session, request.put, request.store_ms, request.dropped)
+    return m.PutCommitReply(id=request.id, ticket=ticket)
+
+
+def put_abort(c: Context, request: m.PutAbort) -> m.PutAbortReply:
+    c.tier.abort_put(c.peer.session, request.put)
+    return m.PutAbortReply(id=request.id)
+
+
+async def ticket(c: Context, request: m.WaitTicket) -> m.TicketReply:
+    state = await c.tier.wait_ticket(request.ticket, request.timeout)
+    return m.TicketReply(
+        id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
+    )
+
+
+async def flush(c: Context, request: m.Flush) -> m.FlushReply:
+    if not request.remote:
+        durable, pending = await c.tier.flush(request.timeout)
+        return m.FlushReply(id=request.id, durable=durable, pending=pending)
+    if c.remote is None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "this kvd has no remote tier (`remote`)")
+    flushed = await c.remote.flush(request.timeout)
+    return m.FlushReply(
+        id=request.id,
+        durable=flushed.done,
+        pending=flushed.pending,
+        remote_pending=flushed.uploads,
+        remote_pending_bytes=flushed.upload_bytes,
+        remote_dropped=flushed.dropped,
+        remote_dropped_for=flushed.dropped_for,
+        remote_down=flushed.down,
+    )
+
+
+# --- reads ----------------------------------------------------------------------------------
+
+
+def lookup(c: Context, request: m.Lookup) -> m.LookupReply:
+    if c.peer.tenant:
+        check_identity(c.peer, request, request.identity)
+    c.peer.named(request.identity.digest())
+    found = c.tier.lookup(
+        c.peer.session, request.identity, request.tokens, request.min_tokens, c.peer.tenant
+    )
+    if isinstance(found, Miss):
+        told = request.explain  # a client that predates the reasons is told none
+        return m.LookupReply(
+            id=request.id,
+            matched=0,
+            entry=None,
+            lease=None,
+            miss=found.reason if told else None,
+            detail=found.detail if told else None,
+        )
+    match, lease, fd = found
+    return m.LookupReply(
+        id=request.id, matched=match.matched, entry=summary(match.record), lease=lease, fd=fd
+    )
+
+
+def book_lookups(c: Context) -> None:
+    """What a lookup only counts (Tier.lookup), once its reply is sent."""
+    c.tier.book_lookups()
+
+
+def fetching(lookup: Callable[[Context, m.Lookup], m.LookupReply]) -> Handler:
+    """lookup, wrapped by the remote tier: a lookup that may wait for a fetch
+    (Remote.lookup_waits) is answered once the fetch is done (or out of time), or told to ask
+    again after it (fetching: the seconds the fetch has left); the others at once."""
+
+    def handler(c: Context, request: m.Lookup) -> m.LookupReply | Later:
+        remote = c.remote
+        assert remote is not None
+        if not remote.lookup_waits(request, c.peer.tenant):
+            return lookup(c, request)
+
+        async def fetched() -> m.LookupReply:
+            if c.peer.tenant:
+                check_identity(c.peer, request, request.identity)
+            if (left := await remote.fetch_for(request)) is not None:
+                return m.LookupReply(
+                    id=request.id, matched=0, entry=None, lease=None, fetching=left
+                )
+            return lookup(c, request)
+
+        return fetched
+
+    return handler
+
+
+def open_blocks(c: Context, request: m.OpenBlocks) -> m.OpenBlocksReply:
+    fds = c.tier.open_blocks(c.peer.session, request.lease, request.first, request.count)
+    return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
+
+
+def find_checkpoint(c: Context, request: m.FindCheckpoint) -> m.FindCheckpointReply:
+    if c.peer.tenant:
+        check_identity(c.peer, request, request.identity)
+    found = c.tier.find_checkpoint(c.peer.session, request.identity, request.key, request.prompt)
+    if found is None:
+        return m.FindCheckpointReply(id=request.id, matched=0, entry=None, lease=None)
+    record, lease, fd = found
+    return m.FindCheckpointReply(
+        id=request.id, matched=record.token_count, entry=summary(record), lease=lease, fd=fd
+    )
+
+
+def forget_checkpoint(c: Context, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
+    if c.peer.tenant:
+        check_identity(c.peer, request, request.identity)
+    removed = c.tier.forget_checkpoint(request.identity, request.key)
+    return m.ForgetCheckpointReply(id=request.id, removed=removed)
+
+
+def release(c: Context, request: m.Release) -> m.ReleaseReply | Later:
+    """Ends the lease. A release that reports damage is answered once the entry's file is
+    checked (Waits.TASK_IN_ORDER, so that its answer keeps its place among the others)."""
+    record = c.tier.end_lease(c.peer.session, request.lease, request.report)
+    damaged = request.damaged
+    if damaged is None:
+        return m.ReleaseReply(id=request.id)
+
+    async def checked() -> m.ReleaseReply:
+        await c.tier.check_reported(c.peer.session, record, damaged)
+        return m.ReleaseReply(id=request.id)
+
+    return checked
+
+
+# --- administration ---------------------------------------------------------------------------
+
+
+def list_entries(c: Context, request: m.ListEntries) -> m.ListEntriesReply:
+    if c.peer.tenant:
+        if request.identity is None:
+            # Picking a tenant's entries out of every identity's would cost a page a walk
+            # of the tier: a tenant lists its identities one at a time.
+            raise refused(
+                c.peer, request, "every identity", "list one identity of yours (its digest)"
+            )
+        check_digest(c.tier, c.peer, request, request.identity)
+    entries, more = c.tier.list_entries(request.identity, request.limit, request.after)
+    return m.ListEntriesReply(id=request.id, entries=tuple(entries), more=more)
+
+
+def evict(c: Context, request: m.Evict) -> m.EvictReply:
+    if not c.peer.admin:
+        raise ProtocolError(
+            ErrorCode.PERMISSION_DENIED, "evict needs the daemon's own user or root"
+        )
+    count, freed = c.tier.evict(request.entry, request.identity, request.all)
+    return m.EvictReply(id=request.id, evicted=count, bytes=freed)
+
+
+async def verify(c: Context, request: m.Verify) -> m.VerifyReply:
+    if request.repair and not c.peer.admin:
+        raise ProtocolError(
+            ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
+        )
+    if c.peer.tenant and (digest := c.tier.identity_of(request.entry)):
+        check_digest(c.tier, c.peer, request, digest)
+    problem, quarantined = await c.tier.verify(c.peer.session, request.entry, request.repair)
+    return m.VerifyReply(id=request.id, problem=problem, quarantined=quarantined)
+
+
+# --- the table ------------------------------------------------------------------------------
+
+OPS: Final[Mapping[str, Op]] = MappingProxyType(
+    {
+        "hello": Op(hello),
+        "ping": Op(ping),
+        "status": Op(status),
+        "put_begin": Op(awaited(put_begin), Waits.TASK),
+        "put_blocks": Op(awaited(put_blocks), Waits.TASK),
+        "put_commit": Op(awaited(put_commit), Waits.TASK),
+        "put_abort": Op(put_abort),
+        "ticket": Op(awaited(ticket), Waits.TASK),
+        "flush": Op(awaited(flush), Waits.TASK),
+        "lookup": Op(lookup, after_reply=book_lookups),
+        "open_blocks": Op(open_blocks),
+        "find_checkpoint": Op(find_checkpoint),
+        "forget_checkpoint": Op(forget_checkpoint),
+        # At once, unless it reports damage: then once the entry's file is checked.
+        "release": Op(release, Waits.TASK_IN_ORDER),
+        "list": Op(list_entries),
+        "evict": Op(evict),
+        "verify": Op(awaited(verify), Waits.TASK),
+    }
+)
+
+
+def op_table(remote: Remote | None) -> Mapping[str, Op]:
+    """The daemon's op table: OPS, with the lookup's handler wrapped by the remote tier's
+    fetch when there is one (a lookup may then wait for it, in a task of its own)."""
+    if remote is None:
+        return OPS
+    local = OPS["lookup"]
+    wrapped = replace(local, handler=fetching(lookup), waits=Waits.TASK)
+    return MappingProxyType({**OPS, "lookup": wrapped})
