@@ -174,10 +174,10 @@ def _imports(module: str, is_package: bool, tree: ast.Module) -> set[tuple[str, 
     return names
 
 
-def import_graph(package: ModuleType) -> dict[str, set[str]]:
-    """Each module of package and the modules of the same package it imports."""
+def module_sources(package: ModuleType) -> dict[str, Path]:
+    """Each module of package (its __init__ included) and its source file."""
     root = Path(package.__file__ or "").parent
-    sources = {
+    return {
         package.__name__: root / "__init__.py",
         **{
             m.name: Path(root, *m.name.split(".")[1:]).with_suffix(".py")
@@ -185,6 +185,11 @@ def import_graph(package: ModuleType) -> dict[str, set[str]]:
             if not m.ispkg
         },
     }
+
+
+def import_graph(package: ModuleType) -> dict[str, set[str]]:
+    """Each module of package and the modules of the same package it imports."""
+    sources = module_sources(package)
     graph = {}
     for name, path in sources.items():
         imports = _imports(name, name == package.__name__, ast.parse(path.read_text()))

@@ -1,12 +1,17 @@
 """kvd's parts import one way (docs/design.md, "Inside the daemon"): ops, then serve, then
 remote, then store, then the modules every part shares at the top of kvd/. Only the entry
-points reach into any part, and no module but an entry point imports one."""
+points reach into any part, and no module but an entry point imports one. A request is
+dispatched by the op table alone (docs/design.md, "The daemon's shape")."""
 
 from __future__ import annotations
 
-from test_packaging import import_graph
+import ast
+
+from kvd_protocol import messages
+from test_packaging import import_graph, module_sources
 
 import kvd
+from kvd.serve import handlers
 
 TOP = "top"
 ENTRY_POINTS = {"kvd.__main__", "kvd.cli"}
@@ -50,3 +55,106 @@ def test_no_module_imports_an_entry_point() -> None:
         for target in sorted(targets & ENTRY_POINTS)
     ]
     assert not importers
+
+
+OP_TABLE = "kvd.serve.handlers"
+REQUEST_OPS = frozenset(messages.OPS)
+REQUEST_TYPES = frozenset(op.request.__name__ for op in messages.OPS.values())
+
+
+def _name(node: ast.AST) -> str | None:
+    """What an expression names, as `x` or `m.x` do (None for anything else)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _handler_table(node: ast.AST) -> list[str]:
+    """The op names a mapping display (or dict(...) call) keys to something not constant."""
+    if isinstance(node, ast.Dict):
+        pairs = [
+            (k.value if isinstance(k, ast.Constant) else None, v)
+            for k, v in zip(node.keys, node.values, strict=True)
+        ]
+    elif isinstance(node, ast.Call) and _name(node.func) == "dict":
+        pairs = [(k.arg, k.value) for k in node.keywords]
+    else:
+        return []
+    return [k for k, v in pairs if k in REQUEST_OPS and not isinstance(v, ast.Constant)]
+
+
+def _op_compared(node: ast.AST) -> list[str]:
+    """The op names an `op` (a request's, or a variable so named) is compared with."""
+    if not isinstance(node, ast.Compare):
+        return []
+    sides = [node.left, *node.comparators]
+    if not any(_name(side) == "op" for side in sides):
+        return []
+    return sorted(
+        {
+            n.value
+            for side in sides
+            for n in ast.walk(side)
+            if isinstance(n, ast.Constant) and n.value in REQUEST_OPS
+        }
+    )
+
+
+def _type_compared(node: ast.AST) -> list[str]:
+    """The request classes a type is compared with (`is`, `==`, isinstance)."""
+    if isinstance(node, ast.Compare):
+        if not any(isinstance(o, ast.Is | ast.IsNot | ast.Eq | ast.NotEq) for o in node.ops):
+            return []
+    elif not (isinstance(node, ast.Call) and _name(node.func) == "isinstance"):
+        return []
+    return sorted({name for n in ast.walk(node) if (name := _name(n)) in REQUEST_TYPES})
+
+
+def dispatches(source: str) -> list[str]:
+    """The places in source that pick code by a request's op or type: a mapping keyed by two
+    op names or more to something other than constants (handlers), a comparison of an `op`
+    with a name, or of a type with a request's class."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if len(table := _handler_table(node)) >= 2:
+            found.append(f"line {line}: a table of {table}")
+        if ops := _op_compared(node):
+            found.append(f"line {line}: op compared with {ops}")
+        if types := _type_compared(node):
+            found.append(f"line {line}: a type compared with {types}")
+    return found
+
+
+def test_the_dispatch_finder_finds_each_kind() -> None:
+    source = """
+table = {"ping": self._ping, "lookup": self._lookup}
+other = dict(put_begin=put_begin, verify=verify)
+if request.op in ("open_blocks", "put_blocks"): pass
+op = request.op; big = op == "verify"
+if type(asked) is m.Lookup: pass
+if isinstance(asked, m.Release): pass
+exit_codes = {"ping": "refused", "list": "refused"}
+"""
+    assert [place.split(":")[0] for place in dispatches(source)] == [
+        "line 2",
+        "line 3",
+        "line 4",
+        "line 5",
+        "line 6",
+        "line 7",
+    ]
+
+
+def test_the_op_table_answers_every_request() -> None:
+    assert set(handlers.OPS) == REQUEST_OPS
+    assert handlers.op_table(None) is handlers.OPS
+
+
+def test_the_op_table_is_the_only_dispatch() -> None:
+    elsewhere = {
+        module: places
+        for module, path in sorted(module_sources(kvd).items())
+        if module != OP_TABLE and (places := dispatches(path.read_text()))
+    }
+    assert not elsewhere, f"requests dispatched outside the op table: {elsewhere}"
