@@ -33,9 +33,10 @@ from kvd.logs import get_logger
 from kvd.remote.remote import Remote
 from kvd.serve.fd_limit import connections_for, raise_open_file_limit
 from kvd.serve.frame_budget import FrameBudget
-from kvd.serve.handlers import Context, op_table
+from kvd.serve.handlers import op_table
 from kvd.serve.listener import bind_socket, inherited_socket
 from kvd.serve.metrics_http import metrics_listener, serve_metrics
+from kvd.serve.op_row import Context
 from kvd.serve.peer import Peer, tenant_of
 from kvd.serve.peercred import peer_credentials
 from kvd.serve.sd_notify import Notifier, watchdog_interval

@@ -30,8 +30,8 @@ from kvd_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, Re
 from kvd.logs import RateLimited, get_logger
 from kvd.serve import socket_io
 from kvd.serve.frame_budget import SMALL_FRAME_BYTES, FrameBudget
-from kvd.serve.handlers import Context, Later, Op, Waits, failed
 from kvd.serve.handouts import Handouts
+from kvd.serve.op_row import Context, Later, Op, Waits, failed
 
 log = get_logger("kvd.serve.session")
 broken_rules = RateLimited(log)  # a client may break a rule as often as it likes
