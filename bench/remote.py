@@ -86,7 +86,7 @@ from restore import (
 from ttft import blas_in_use, prefill, use_openblas
 
 from kvd.remote import keys
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "client"))
 from tiny_models import tiny_llama  # the tests' tiny model
@@ -181,7 +181,7 @@ def fetched_events(log: Path) -> list[Fetched]:
     return found
 
 
-def outside_get(store: S3Store, digest: str, prompt: Prompt, requests: int, folder: Path) -> float:
+def outside_get(store: Bucket, digest: str, prompt: Prompt, requests: int, folder: Path) -> float:
     """Seconds the S3 client, outside any daemon, takes to GET the prompt's blocks from the
     same store into files, requests at once: what the store allows the fetch's downloads."""
     hashes = block_hashes(pack_tokens(prompt.tokens), BLOCK_TOKENS)

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "remote"))
 from seaweed import ACCESS_KEY, SECRET_KEY, Seaweed, running_seaweed  # the tests' harness
 
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 MiB = 1 << 20
 
@@ -102,7 +102,7 @@ def curl_rates(
 
 
 def run_size(
-    store: S3Store, folder: Path, size: int, *, objects: int, threads: int, repeat: int
+    store: Bucket, folder: Path, size: int, *, objects: int, threads: int, repeat: int
 ) -> list[tuple[str, list[float], list[float]]]:
     """(operation, MiB/s of each repeat, client CPU share of each repeat) for PUT and GET."""
     body = os.urandom(size)

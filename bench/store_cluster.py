@@ -1,6 +1,6 @@
 """What a store cluster changes, as far as one machine shows it: SeaweedFS as `weed mini` (one
 process) against a cluster of a master, 1 or 3 volume servers and a filer with its S3
-gateway (a process each), all on loopback, through kvd's own S3 client (kvd/remote/s3.py).
+gateway (a process each), all on loopback, through kvd's own S3 client (kvd/remote/bucket.py).
 
 Per store, --repeat runs of:
 - PUT and GET of --objects objects of --object-mib MiB, --parallel requests at once (a
@@ -49,8 +49,8 @@ from _seaweed import (
     weed_binary,
 )
 
+from kvd.remote.bucket import Bucket, BucketError
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreError
 from kvd.remote.sigv4 import Signer, canonical_query
 
 START_TIMEOUT = 60.0
@@ -95,8 +95,8 @@ class Cluster:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3}"
 
-    def store(self, timeout: float = 30.0) -> S3Store:
-        return S3Store(self.endpoint, BUCKET, CREDENTIALS, timeout=timeout)
+    def store(self, timeout: float = 30.0) -> Bucket:
+        return Bucket(self.endpoint, BUCKET, CREDENTIALS, timeout=timeout)
 
     def commands(self) -> list[list[str]]:
         master = f"-master=127.0.0.1:{self.master}.{self.master_grpc}"  # HTTP.gRPC ports
@@ -150,7 +150,7 @@ class Cluster:
                 try:
                     probe.put_if_absent("ready", b"")
                     return
-                except StoreError as error:
+                except BucketError as error:
                     exited = any(p.poll() is not None for p in self.processes)
                     if exited or time.monotonic() > deadline:
                         self.stop()
@@ -182,7 +182,7 @@ def running_cluster(folder: Path, volumes: int) -> Iterator[Cluster]:
 
 
 def parallel(
-    client: S3Store, keys: Sequence[str], call: Callable[[str], object], width: int
+    client: Bucket, keys: Sequence[str], call: Callable[[str], object], width: int
 ) -> float:
     """Seconds to run call on every key, width at once (a thread and connection each)."""
     with ThreadPoolExecutor(width) as pool:
@@ -203,18 +203,18 @@ class Run:
     listing: float
 
 
-def put_objects(client: S3Store, keys: Sequence[str], size: int, width: int) -> float:
+def put_objects(client: Bucket, keys: Sequence[str], size: int, width: int) -> float:
     body = os.urandom(size)
     return parallel(client, keys, lambda key: client.put_if_absent(key, body), width)
 
 
-def small_objects(client: S3Store, keys: int, width: int) -> float:
+def small_objects(client: Bucket, keys: int, width: int) -> float:
     """One-byte objects under small/, made once: PUTs a second (a request's own cost)."""
     names = [f"small/{n:06d}" for n in range(keys)]
     return keys / parallel(client, names, lambda key: client.put_if_absent(key, b"x"), width)
 
 
-def run_once(client: S3Store, rep: str, args: argparse.Namespace) -> Run:
+def run_once(client: Bucket, rep: str, args: argparse.Namespace) -> Run:
     size, width = args.object_mib << 20, args.parallel
     big = [f"{rep}/big/{n:04d}" for n in range(args.objects)]
     put = put_objects(client, big, size, width)
@@ -237,7 +237,7 @@ def run_once(client: S3Store, rep: str, args: argparse.Namespace) -> Run:
 def bucket_request(
     endpoint: str, method: str, query: dict[str, str], body: bytes = b""
 ) -> tuple[int, bytes]:
-    """A signed request on the bucket itself (S3Store has none: kvd never configures a bucket)."""
+    """A signed request on the bucket itself (Bucket has none: kvd never configures a bucket)."""
     parts = urlsplit(endpoint)
     headers = {"content-md5": base64.b64encode(hashlib.md5(body).digest()).decode()} if body else {}
     signed = Signer(CREDENTIALS, "us-east-1").headers(
@@ -257,7 +257,7 @@ def bucket_request(
         connection.close()
 
 
-def lifecycle(endpoint: str, client: S3Store, wait: float) -> str:
+def lifecycle(endpoint: str, client: Bucket, wait: float) -> str:
     """Whether the store accepts a lifecycle rule, keeps it, and enforces it within wait s."""
     client.put_if_absent(LIFECYCLE_PREFIX + "expired", b"x")
     status, _ = bucket_request(endpoint, "PUT", {"lifecycle": ""}, LIFECYCLE_RULE)
@@ -280,7 +280,7 @@ def lifecycle(endpoint: str, client: S3Store, wait: float) -> str:
 
 
 @contextmanager
-def started(kind: str, folder: Path) -> Iterator[tuple[str, S3Store]]:
+def started(kind: str, folder: Path) -> Iterator[tuple[str, Bucket]]:
     """The store named kind ("mini", "1 volume", "3 volumes") and a client of it."""
     if kind == "mini":
         with running_seaweed(folder) as mini:

@@ -364,7 +364,8 @@ class Config:
         metadata=setting(
             values.positive_count,
             "N",
-            "requests to the store at once; fetches come before uploads, which take at most half",
+            "requests to the bucket at once, fetches and uploads in the order asked; an upload "
+            "takes at most half",
         ),
     )
     remote_upload: str = field(

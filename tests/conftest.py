@@ -11,7 +11,7 @@ import pytest
 from daemon_process import Daemon, running_daemon
 from seaweed import Seaweed, running_seaweed, weed_binary
 
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
 
 
 @pytest.fixture
-def s3_store(seaweed: Seaweed) -> Iterator[S3Store]:
+def s3_store(seaweed: Seaweed) -> Iterator[Bucket]:
     """A client of the test store's bucket, closed after the test."""
     if seaweed.process is None:  # a test before killed it and failed before restarting it
         seaweed.start()

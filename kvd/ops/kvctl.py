@@ -65,7 +65,7 @@ EXIT_CODES = {
     "status": "the daemon refused",
     "ping": "the daemon refused",
     "flush": "not done: puts not durable when --wait ran out; with --remote also uploads "
-    "pending or dropped, or the remote store down (each said)",
+    "pending or dropped, or the remote bucket down (each said)",
     "list": "the daemon refused",
     "show": "no entry has that id, or its file cannot be read here",
     "evict": "the daemon refused (evict needs the daemon's own user or root)",
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote",
         action="store_true",
         dest="uploads",  # not `remote`: that names the setting kvctl's config reads
-        help="and until the uploads to the remote store are sent",
+        help="and until the uploads to the remote bucket are sent",
     )
     listing = command("list", "list entries")
     listing.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
@@ -356,7 +356,7 @@ def _verify(control: Control, digest: str | None, repair: bool) -> int:
 
 def _flush(control: Control, wait: float | None, remote: bool) -> int:
     """Wait until the accepted puts are durable (and, remote, uploaded); 1 when not done,
-    saying what was not: puts, uploads pending or dropped, the store down."""
+    saying what was not: puts, uploads pending or dropped, the bucket down."""
     if remote and m.REMOTE_FLUSH_FEATURE not in control.features:
         _say("this kvd predates flush --remote")
         return 2
@@ -377,7 +377,7 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
             f"({since} ago)"
         )
         if reply.remote_down is not None:
-            print(f"the remote store is down: {printable(reply.remote_down)}")
+            print(f"the remote bucket is down: {printable(reply.remote_down)}")
     return 0 if reply.durable else 1
 
 

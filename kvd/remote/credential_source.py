@@ -1,4 +1,4 @@
-"""Which credentials the store is signed with, and when they are read again.
+"""Which credentials the bucket is signed with, and when they are read again.
 
 The sources, the first that has credentials (load_credentials):
 
@@ -13,7 +13,7 @@ The profile is AWS_PROFILE's, else "default".
 A CredentialSource reads them when first asked and again, at the next request, when they may
 have changed: the files it watches changed (checked at most every AGAIN_S), the credentials
 near their Expiration (REFRESH_BEFORE_S before it, or half their life when that is shorter),
-or the store refused them (renew). Never more often than every AGAIN_S, but for a refusal,
+or the bucket refused them (renew). Never more often than every AGAIN_S, but for a refusal,
 which reads again unless a read came after the refused request was signed: the requests refused
 at once cost one read. A refresh ahead of expiry that
 fails keeps the credentials it would have replaced until they expire. The environment is read
@@ -75,7 +75,7 @@ def load_credentials(
     if no_profile is not None:
         raise no_profile
     raise CredentialsError(
-        "no credentials for the remote store: set remote_credentials_file, or "
+        "no credentials for the remote bucket: set remote_credentials_file, or "
         f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or write {shared}, or give the "
         f"profile [{profile}] a credential_process in {config}"
     )
@@ -114,7 +114,7 @@ class CredentialSource:
         self._lock = threading.Lock()  # one read at a time: a process is run once, not per thread
         self._credentials: Credentials | None = None
         self._error = CredentialsError("the credentials were not read yet")
-        self._refused = False  # the store refused the current ones
+        self._refused = False  # the bucket refused the current ones
         self._read_at = -math.inf  # clock() of the last read
         self._looked_at = -math.inf  # clock() of the last look at the files
         self._refresh_at = math.inf  # wall() after which expiring credentials are replaced
@@ -134,7 +134,7 @@ class CredentialSource:
             return self._credentials
 
     def renew(self, refused: Credentials, signed_at: float) -> bool:
-        """The store refused `refused`, signed at clock() time signed_at: read again now,
+        """The bucket refused `refused`, signed at clock() time signed_at: read again now,
         unless they were read since (another refused request of the same moment did); whether
         that gave other credentials to try."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""The store's credentials, and the INI files that hold them (credential_source.py says
+"""The bucket's credentials, and the INI files that hold them (credential_source.py says
 which source is read, and when again).
 
 A file named by the operator (`remote_credentials_file`) must belong to the daemon's user and be

@@ -1,6 +1,6 @@
-"""A blocking store call's deadline on its whole duration, and its end from another thread.
+"""A blocking bucket call's deadline on its whole duration, and its end from another thread.
 
-A socket timeout bounds each read, not a call: a store that sends its answer a byte at a time,
+A socket timeout bounds each read, not a call: a bucket that sends its answer a byte at a time,
 each within the timeout, would hold the call for ever. So each call has an Interrupt: the
 calling thread tells it which socket it uses (watch), and interrupt() shuts that socket down
 from any thread, which makes the blocking connect, send or read return at once; the call then

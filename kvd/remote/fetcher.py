@@ -1,27 +1,27 @@
-"""The read path: a prompt's blocks fetched from the store into the tier, as an ordinary put.
+"""The read path: a prompt's blocks fetched from the bucket into the tier, as an ordinary put.
 
 A lookup whose prompt runs at least remote_min_tokens past the tier's best match starts a
 fetch (or joins the one under way for the same prompt): a probe (probe.py) finds how many
-blocks the store holds, then the fetch begins a put of that prefix through the tier's own put
+blocks the bucket holds, then the fetch begins a put of that prefix through the tier's own put
 path (blocks the tier holds are not fetched: the put holds them), downloads the others
 straight into the put's staging files, at most remote_requests at once and a window of
 DOWNLOAD_WINDOW staging files open at a time whatever the prompt's length, each bounded by the
 layout's block size, writes the manifest from the layout and commits. The commit checks it as
 any put's: chain hashes, headers, every checksum. Whatever goes wrong aborts the put (its
 staging files deleted) and is counted by reason, without a traceback; nothing remote touches a
-local entry. A block missing from the store, or of the wrong size, mid-chain: the blocks
+local entry. A block missing from the bucket, or of the wrong size, mid-chain: the blocks
 before it are fetched instead (a put of its own), when they reach remote_min_tokens past the
 local match. A block found damaged (of the wrong size, or refused by the commit's checks) is
-remembered with the chain it ends (StoreLink.damaged, bounded): later probes stop before it,
+remembered with the chain it ends (RemoteContext.damaged, bounded): later probes stop before it,
 so it is downloaded at most once per memo lifetime.
 
 A lookup waits for the probe only briefly (PROBE_WAIT) and is told to ask again when the fetch
 is under way; a probe or fetch not done by then goes on (the next lookup finds it local). The
-probe and the fetch each have remote_fetch_timeout, and every store request within them at
+probe and the fetch each have remote_fetch_timeout, and every bucket request within them at
 most what is left of it: at the deadline the fetch is cancelled, the requests under way are
-cut off (their connections shut down, their threads abandoned: link.py), the put aborted and
+cut off (their connections shut down, their threads abandoned: context.py), the put aborted and
 the miss counted "timeout", so its slot (MAX_FETCHES) and request tokens are free at once.
-The lines a store's answers provoke (misses, cuts) are rate-limited.
+The lines a bucket's answers provoke (misses, cuts) are rate-limited.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
 from kvd_protocol.tokens import TOKEN_BYTES
 
 from kvd.logs import RateLimited, get_logger
+from kvd.remote.bucket import Bucket, BucketError, ObjectTooLarge
+from kvd.remote.context import RemoteContext
 from kvd.remote.layout import Layout, manifest_plan
-from kvd.remote.link import StoreLink
 from kvd.remote.probe import FetchError, Prober, fewest_blocks
-from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError
 from kvd.store.staged_put import DeclaredBlocks, Put
 
 log = get_logger("kvd.remote.fetcher")
-limited = RateLimited(log)  # what the store's answers provoke at will
+limited = RateLimited(log)  # what the bucket's answers provoke at will
 
 FETCH_OWNER: Final = 0  # the owner of the fetches' puts: sessions are numbered from 1
 PROBE_WAIT: Final = 0.05  # seconds a lookup waits for a probe: half an engine's 0.1 s deadline
@@ -86,12 +86,12 @@ class Fetch:
 class Fetcher:
     """The remote tier's fetches under way, by prompt; counted in the remote's counters."""
 
-    def __init__(self, link: StoreLink) -> None:
-        self._link = link
-        self._config = link.config
-        self._tier = link.tier
-        self._counters = link.counters
-        self._prober = Prober(link)
+    def __init__(self, context: RemoteContext) -> None:
+        self._context = context
+        self._config = context.config
+        self._tier = context.tier
+        self._counters = context.counters
+        self._prober = Prober(context)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
         self._window = download_window(self._config.remote_requests)
@@ -113,13 +113,13 @@ class Fetcher:
     def waits(self, lookup: Lookup, tenant: str) -> bool:
         """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
         asked again after a fetch, or one that may wait and whose prompt runs at least
-        remote_min_tokens past the tier's best match, while the store is not down. A lookup
+        remote_min_tokens past the tier's best match, while the bucket is not down. A lookup
         that may not wait (a client that predates the field) is answered at once, and the
         fetch it warrants starts meanwhile: its next lookup finds the blocks local. One naming
         an identity outside the peer's tenant (a refusal) starts none."""
         if lookup.fetch == "fetched":
             return True
-        if self._tasks is None or not self._link.health.up:
+        if self._tasks is None or not self._context.health.up:
             return False
         if not lookup.identity.namespace.startswith(tenant):
             return False  # refused at once
@@ -186,7 +186,7 @@ class Fetcher:
             self._missed(identity, exc.reason, str(exc))
         except TimeoutError:
             self._missed(identity, "timeout", f"not done within {timeout:g} s")
-        except StoreError as exc:  # one cut off by the fetch's own deadline is its timeout
+        except BucketError as exc:  # one cut off by the fetch's own deadline is its timeout
             late = time.monotonic() >= deadline
             self._missed(identity, "timeout" if late else "store_error", str(exc))
         except OSError as exc:  # the tier's disk, writing the manifest or a block
@@ -253,7 +253,7 @@ class Fetcher:
         *,
         deadline: float,
     ) -> int:
-        """Put the first blocks of tokens from the store, by deadline; the bytes of the entry
+        """Put the first blocks of tokens from the bucket, by deadline; the bytes of the entry
         committed. phases: the milliseconds of each step (begin, download, commit), for the
         log."""
         fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
@@ -295,19 +295,19 @@ class Fetcher:
         """Remember the block the commit refused (the one its message names, else the last:
         the chain as a whole), so no later probe goes as far as it."""
         named = (h for h in hashes[first:] if message.startswith(block_name(h) + ":"))
-        self._link.damaged.add((digest, next(named, hashes[-1])))
+        self._context.damaged.add((digest, next(named, hashes[-1])))
 
     async def _write(self, put: Put, fd: int, plan: ManifestPlan, deadline: float) -> None:
         """The manifest (every layer blocked: its tails are empty) and the blocks not held,
-        a window of staging files open at a time. The first store failure, else the first
+        a window of staging files open at a time. The first bucket failure, else the first
         block found missing or damaged, is raised alone, the downloads under way cancelled."""
         try:
             empty = [checksum(b"")] * len(plan.entry.slots)
             os.pwrite(fd, plan.entry.head(empty), 0)
         finally:
             os.close(fd)
-        holes: list[FetchError] = []  # blocks missing or damaged in the store
-        failures: list[Exception] = []  # the store failing, no room for a staging file
+        holes: list[FetchError] = []  # blocks missing or damaged in the bucket
+        failures: list[Exception] = []  # the bucket failing, no room for a staging file
         window = anyio.Semaphore(self._window)
         async with anyio.create_task_group() as downloads:
 
@@ -324,7 +324,7 @@ class Fetcher:
                 except ProtocolError as exc:
                     failures.append(FetchError("refused", exc.message))
                     downloads.cancel_scope.cancel()
-                except (StoreError, OSError) as exc:
+                except (BucketError, OSError) as exc:
                     failures.append(exc)
                     downloads.cancel_scope.cancel()
                 finally:
@@ -343,29 +343,29 @@ class Fetcher:
     ) -> None:
         """Block index of the put into fd, whole and of the layout's size, by deadline."""
         digest, block = put.identity.digest(), plan.hashes[index]
-        key, size = self._link.block_key(digest, block), plan.block_size
+        key, size = self._context.block_key(digest, block), plan.block_size
         handed = _HandedFd(fd)
         try:
-            got = await self._link.call(
+            got = await self._context.call(
                 handed.running(
-                    lambda store, by, own: store.get_to_file(key, own, size, deadline=by)
+                    lambda bucket, by, own: bucket.get_to_file(key, own, size, deadline=by)
                 ),
                 deadline,
             )
         except ObjectTooLarge as exc:
-            self._link.damaged.add((digest, block))
+            self._context.damaged.add((digest, block))
             raise FetchError("damaged", f"block {index}: {exc}", index) from None
         finally:
             handed.let_go()
         if got is None:
-            self._link.known.discard((digest, block))
-            raise FetchError("missing", f"block {index} ({key}) is not in the store", index)
+            self._context.known.discard((digest, block))
+            raise FetchError("missing", f"block {index} ({key}) is not in the bucket", index)
         if got != size:
-            self._link.damaged.add((digest, block))
+            self._context.damaged.add((digest, block))
             raise FetchError(
                 "damaged", f"block {index} ({key}) holds {got} bytes, not {size}", index
             )
-        self._link.known.add((digest, block))  # so the entry's upload skips it
+        self._context.known.add((digest, block))  # so the entry's upload skips it
         self._counters.downloaded_blocks += 1
         self._counters.downloaded_bytes += size
 
@@ -381,16 +381,16 @@ class _HandedFd:
         self._holders = 1  # the loop
         self._lock = threading.Lock()
 
-    def running(self, request: Callable[[S3Store, float, int], T]) -> Callable[[S3Store, float], T]:
-        """request(store, deadline, fd) holding the copy while it runs (in the thread)."""
+    def running(self, request: Callable[[Bucket, float, int], T]) -> Callable[[Bucket, float], T]:
+        """request(bucket, deadline, fd) holding the copy while it runs (in the thread)."""
 
-        def run(store: S3Store, deadline: float) -> T:
+        def run(bucket: Bucket, deadline: float) -> T:
             with self._lock:
                 if not self._holders:  # the loop let go before the thread began
-                    raise StoreError("the download was abandoned before it began")
+                    raise BucketError("the download was abandoned before it began")
                 self._holders += 1
             try:
-                return request(store, deadline, self._fd)
+                return request(bucket, deadline, self._fd)
             finally:
                 self.let_go()
 

@@ -1,26 +1,26 @@
-"""The store's health: a circuit breaker every store call reports to.
+"""The bucket's health: a circuit breaker every bucket call reports to.
 
     ok        no request failed lately
-    degraded  a request failed, or the store asked to slow down, within RECENT_S, the last
+    degraded  a request failed, or the bucket asked to slow down, within RECENT_S, the last
               ones not all failed
     down      FAILURES_TO_DOWN failed in a row, or the credentials were refused (or the
-              clock, which the store refuses alike): nothing on a lookup asks the store and
+              clock, which the bucket refuses alike): nothing on a lookup asks the bucket and
               uploads are dropped (counted) until a probe in the background (recover) gets an
               answer again
 
 A probe retries with backoff, BACKOFF_FIRST_S doubling to BACKOFF_MAX_S; refused credentials
 are retried every AUTH_RETRY_S, and at once when a credentials file changed (looked at every
 CREDENTIALS_LOOK_S). Going down is said once at warning, with the error; failures while down
-are not logged again unless their kind changes (the store unreachable, its credentials
+are not logged again unless their kind changes (the bucket unreachable, its credentials
 refused), and coming back is said at info. A failure while up is said at info, at most once per
-LOG_EVERY_S (with the count left out): a store failing every other request does not flood
+LOG_EVERY_S (with the count left out): a bucket failing every other request does not flood
 the log. last_error is a short string with no secret in it
 (the client's errors hold none).
 
-A store that asks to slow down (429, 503 SlowDown: busy()) is not failing: it counts for no
+A bucket that asks to slow down (429, 503 SlowDown: busy()) is not failing: it counts for no
 failure in a row, and every call waits (paced) until the pause it asked for has passed: its
 Retry-After, else BUSY_FIRST_S doubling to BUSY_MAX_S while it keeps asking, with jitter so that
-the daemons sharing a store do not come back at once. Said at warning, at most once per
+the daemons sharing a bucket do not come back at once. Said at warning, at most once per
 LOG_EVERY_S (with the count of the asks left out).
 """
 
@@ -68,11 +68,11 @@ class Health:
         self.last_error = ""
         self.failures = 0  # in a row
         self.refused = False  # the last failure was the credentials refused
-        self.busy_asks = 0  # the store's asks to slow down since its last answer
+        self.busy_asks = 0  # the bucket's asks to slow down since its last answer
         self._failed_at: float | None = None
-        self._paused_until = 0.0  # clock(): no call before (the store asked to slow down)
-        self._changed = anyio.Event()  # pulsed when the store goes down
-        self._limited = RateLimited(log, LOG_EVERY_S, clock)  # what the store may provoke
+        self._paused_until = 0.0  # clock(): no call before (the bucket asked to slow down)
+        self._changed = anyio.Event()  # pulsed when the bucket goes down
+        self._limited = RateLimited(log, LOG_EVERY_S, clock)  # what the bucket may provoke
 
     @property
     def state(self) -> State:
@@ -84,11 +84,11 @@ class Health:
 
     @property
     def up(self) -> bool:
-        """Whether the store may be asked (not down)."""
+        """Whether the bucket may be asked (not down)."""
         return self.state is not State.DOWN
 
     def succeeded(self) -> None:
-        """A store call got its answer (a 404 or a 412 is one)."""
+        """A bucket call got its answer (a 404 or a 412 is one)."""
         if self.state is State.DOWN:  # the outage is over: ok, not degraded by it
             log.info("remote_up", after=self.last_error)
             self._failed_at = None
@@ -97,7 +97,7 @@ class Health:
         self.busy_asks = 0
 
     def busy(self, error: str, retry_after: float | None) -> float:
-        """The store asked to slow down (error: its answer); the seconds every call now
+        """The bucket asked to slow down (error: its answer); the seconds every call now
         waits (paced): retry_after if it said, else the backoff of its asks in a row."""
         self.last_error = error
         self._failed_at = now = self._clock()
@@ -114,7 +114,7 @@ class Health:
         return pause
 
     async def paced(self, until: float) -> bool:
-        """Waits out the pause the store last asked for; False at once, without waiting, when
+        """Waits out the pause the bucket last asked for; False at once, without waiting, when
         it ends after until (a clock() time: a caller's deadline)."""
         if self._paused_until > until:
             return False
@@ -123,7 +123,7 @@ class Health:
         return True
 
     def failed(self, error: str, *, refused: bool = False) -> None:
-        """A store call failed (error: why, no secret); refused: the credentials were."""
+        """A bucket call failed (error: why, no secret); refused: the credentials were."""
         was_up, was_refused = self.up, self.refused
         self.failures += 1
         if refused:  # down at once, and stays down through failures of another kind
@@ -146,7 +146,7 @@ class Health:
         return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**attempt))
 
     async def recover(self, probe: Callable[[], Awaitable[None]]) -> None:
-        """Runs for the daemon's life: whenever the store is down, probe it with backoff until
+        """Runs for the daemon's life: whenever the bucket is down, probe it with backoff until
         it answers. probe reports to this object itself (succeeded, failed)."""
         while True:
             if self.up:

@@ -1,4 +1,4 @@
-"""Where things live in the store (docs/remote.md, "Keys").
+"""Where things live in the bucket (docs/remote.md, "Keys").
 
     <prefix>/v2/<identity digest>/layout                the identity's layers, for manifests
     <prefix>/v2/<identity digest>/b/<block hash>.kvb    a block file, byte for byte

@@ -1,4 +1,4 @@
-"""An identity's layout in the store: what a daemon needs, beside the blocks, to make a local
+"""An identity's layout in the bucket: what a daemon needs, beside the blocks, to make a local
 entry of a prompt's first blocks (protocol/FORMAT.md, "Remote layout").
 
 Manifests are not shared: each holds one daemon's tail and times. The layout is what every
@@ -11,7 +11,7 @@ at commit as any put is.
 Only entries whose every layer is blocked share (plain and quantized KV): a hybrid's
 recurrent state is not in its blocks. Checkpoints never leave the machine.
 
-A layout read from the store holds what the store sent: decode_layout refuses one with more
+A layout read from the bucket holds what the bucket sent: decode_layout refuses one with more
 maps and lists than the format needs (most_containers: the layout's own, each layer's map,
 meta, slot list and meta nested to META_MAX_DEPTH, each slot's map and shape) as it decodes,
 so what it builds is bounded by its limits (msgpack bounds the nesting), whatever the bytes.
@@ -57,11 +57,11 @@ _SLOT_KEYS: Final = frozenset({"dtype", "shape"})
 
 
 class LayoutError(ValueError):
-    """A layout from the store that is not one: never trusted, never used."""
+    """A layout from the bucket that is not one: never trusted, never used."""
 
 
 class NotShareable(ValueError):  # noqa: N818 - reads as what the entry is
-    """An entry whose blocks do not go to the store; its message says why."""
+    """An entry whose blocks do not go to the bucket; its message says why."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class LayoutLayer:
 
 @dataclass(frozen=True)
 class Layout:
-    identity: str  # the identity digest
+    digest: str  # the identity digest (encoded under "identity")
     block_tokens: int
     min_reuse: int
     layers: tuple[LayoutLayer, ...]
@@ -89,8 +89,8 @@ class Layout:
     def fits(self, other: Layout) -> bool:
         """Whether entries of other's layout can share blocks with this one's: the same
         identity, block size and layers (min_reuse and meta are each entry's own)."""
-        return (self.identity, self.block_tokens, self.layers) == (
-            other.identity,
+        return (self.digest, self.block_tokens, self.layers) == (
+            other.digest,
             other.block_tokens,
             other.layers,
         )
@@ -117,7 +117,7 @@ def layout_of(header: EntryHeader) -> Layout:
         for layer in header.layers
     )
     return Layout(
-        identity=header.identity.digest(),
+        digest=header.identity.digest(),
         block_tokens=header.block_tokens,
         min_reuse=header.min_reuse,
         layers=layers,
@@ -129,7 +129,7 @@ def encode_layout(layout: Layout) -> bytes:
     """The layout object's bytes (msgpack)."""
     found: dict[str, Any] = {
         "version": LAYOUT_VERSION,
-        "identity": layout.identity,
+        "identity": layout.digest,
         "block_tokens": layout.block_tokens,
         "min_reuse": layout.min_reuse,
         "layers": [
@@ -153,7 +153,7 @@ def most_containers(limits: Limits) -> int:
 
 
 def decode_layout(data: bytes, digest: str, limits: Limits = DEFAULT_LIMITS) -> Layout:
-    """The layout in a store object that should be identity digest's; LayoutError for
+    """The layout in a bucket object that should be identity digest's; LayoutError for
     anything else (bytes of another kind, another identity, a shape no entry has, more maps
     and lists than a layout holds: refused as soon as they are decoded)."""
     most = most_containers(limits)
@@ -180,8 +180,8 @@ def decode_layout(data: bytes, digest: str, limits: Limits = DEFAULT_LIMITS) -> 
         layout = _layout(raw, limits)
     except (schema.SchemaError, ValueError) as exc:
         raise LayoutError(f"layout: {exc}") from None
-    if layout.identity != digest:
-        raise LayoutError(f"layout of identity {layout.identity}, not {digest}")
+    if layout.digest != digest:
+        raise LayoutError(f"layout of identity {layout.digest}, not {digest}")
     return layout
 
 
@@ -204,7 +204,7 @@ def _layout(raw: object, limits: Limits) -> Layout:
     if _PRIVATE_META & meta.keys():
         raise LayoutError(f"meta holds {sorted(_PRIVATE_META & meta.keys())}")
     return Layout(
-        identity=identity,
+        digest=identity,
         block_tokens=check_block_tokens(found["block_tokens"]),
         min_reuse=schema.integer(found["min_reuse"], "min_reuse", hi=limits.max_tokens),
         layers=layers,
@@ -252,10 +252,10 @@ def manifest_plan(
     limits: Limits = DEFAULT_LIMITS,
 ) -> ManifestPlan:
     """The plan of the entry of exactly tokens (whole blocks: k*B packed tokens) whose blocks
-    are the store's: each layer's rows and its meta's row count k*B, tails of 0 rows. Raises
+    are the bucket's: each layer's rows and its meta's row count k*B, tails of 0 rows. Raises
     ValueError (LayoutError) for tokens that are not whole blocks, or another identity."""
-    if identity.digest() != layout.identity:
-        raise LayoutError(f"layout of identity {layout.identity}, not {identity.digest()}")
+    if identity.digest() != layout.digest:
+        raise LayoutError(f"layout of identity {layout.digest}, not {identity.digest()}")
     rows, left = divmod(len(tokens) // TOKEN_BYTES, layout.block_tokens)
     if left or len(tokens) % TOKEN_BYTES or not rows:
         raise LayoutError(

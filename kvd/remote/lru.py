@@ -1,7 +1,7 @@
 """Maps and sets that forget their least recently used members past a capacity, and any member
-older than a maximum age: what the remote tier remembers of the store (blocks known there,
+older than a maximum age: what the remote tier remembers of the bucket (blocks known there,
 layouts, negative answers, damaged chains, entries offered) in bounded memory, whatever the
-store serves and however many identities clients name, and for a bounded time (a store may
+bucket serves and however many identities clients name, and for a bounded time (a bucket may
 expire objects by age).
 
 The capacity counts weight: one a member unless the caller weighs it (a layout by its bytes).

@@ -1,12 +1,12 @@
-"""The probe: how much of a prompt, past what the tier holds, the store holds as blocks.
+"""The probe: how much of a prompt, past what the tier holds, the bucket holds as blocks.
 
 First the identity's layout (its block size and layers: an identity without one has nothing to
 fetch, asked again after ABSENT_SECONDS; the negative answers are a bounded memo); then the
 block hashes of the prompt, and a search in rounds of parallel HEADs over those past the local
-match, and before the first block known damaged (StoreLink.damaged), for the last block the
-store holds. Blocks are uploaded as whole chains, so a chain in the store is a prefix; one with
+match, and before the first block known damaged (RemoteContext.damaged), for the last block the
+bucket holds. Blocks are uploaded as whole chains, so a chain in the bucket is a prefix; one with
 a hole (a block expired) is found by the fetch, which takes the blocks before it if they are
-worth it. Blocks known to be in the store (the uploads' memo, which the probes feed too) are
+worth it. Blocks known to be in the bucket (the uploads' memo, which the probes feed too) are
 not asked about again, so the probes of prompts that share a prefix ask about it once. Every
 request is within the caller's deadline; a round's requests that fail raise the first failure
 alone (the others cancelled), never a group of them.
@@ -19,21 +19,21 @@ from typing import Final
 import anyio
 from kvd_protocol.blocks import block_hashes
 
+from kvd.remote.bucket import BucketError
+from kvd.remote.context import RemoteContext
 from kvd.remote.layout import Layout
-from kvd.remote.link import StoreLink
 from kvd.remote.lru import LruSet
-from kvd.remote.s3 import StoreError
 
-ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the store is asked again after
+ABSENT_SECONDS: Final = 1.0  # an identity without a layout in the bucket is asked again after
 ABSENT_IDENTITIES: Final = 1024  # identities remembered without a layout (over a second: all)
 # Why a lookup that could have fetched did not (the status's remote misses).
 MISS_REASONS: Final = (
-    "no_layout",  # the store holds no layout of the identity (or one kvd cannot read)
-    "short",  # the store holds less than remote_min_tokens past the local match
+    "no_layout",  # the bucket holds no layout of the identity (or one kvd cannot read)
+    "short",  # the bucket holds less than remote_min_tokens past the local match
     "missing",  # a block the probe found was gone when fetched
     "damaged",  # a block of another size, or that failed the commit's checks
     "timeout",  # not committed within remote_fetch_timeout
-    "store_error",  # the store failed a request (unreachable, refused, 5xx)
+    "store_error",  # the bucket failed a request (unreachable, refused, 5xx)
     "refused",  # the tier refused the put (no room, its admission policy)
 )
 
@@ -57,26 +57,26 @@ def fewest_blocks(local: int, least: int, block_tokens: int) -> int:
 
 
 class Prober:
-    """Asks the store what it holds of a prompt; shared by every fetch."""
+    """Asks the bucket what it holds of a prompt; shared by every fetch."""
 
-    def __init__(self, link: StoreLink) -> None:
-        self._link = link
+    def __init__(self, context: RemoteContext) -> None:
+        self._context = context
         # identities whose layout was found absent (or refused), asked again after a second
         self.absent: LruSet[str] = LruSet(ABSENT_IDENTITIES, ABSENT_SECONDS)
 
     async def layout(self, digest: str, deadline: float) -> Layout:
         """The identity's layout; FetchError "no_layout" without one (or a bad one)."""
         if digest not in self.absent:
-            layout = await self._link.stored_layout(digest, deadline)
+            layout = await self._context.stored_layout(digest, deadline)
             if layout is not None:
                 return layout
             self.absent.add(digest)
-        raise FetchError("no_layout", f"the store holds no layout of identity {digest}")
+        raise FetchError("no_layout", f"the bucket holds no layout of identity {digest}")
 
     async def extent(
         self, digest: str, layout: Layout, tokens: bytes, local: int, least: int, *, deadline: float
     ) -> int:
-        """How many whole blocks of tokens, from the first, the store holds before the first
+        """How many whole blocks of tokens, from the first, the bucket holds before the first
         known damaged: at least enough to reach least tokens past local (the local match),
         else FetchError "short" ("damaged" when a damaged block is what cut it short). A
         search in rounds of up to remote_requests HEADs at once: a round trip or two for a
@@ -84,12 +84,12 @@ class Prober:
         size = layout.block_tokens
         hashes = block_hashes(tokens, size)
         need = fewest_blocks(local, least, size)
-        damaged = self._link.damaged
+        damaged = self._context.damaged
         usable = next((i for i, h in enumerate(hashes) if (digest, h) in damaged), len(hashes))
         if usable < need <= len(hashes):
             raise FetchError("damaged", f"block {usable} of this prompt was found damaged before")
-        low, high = need - 1, usable  # the store holds low blocks or more; not past high
-        width = max(1, self._link.config.remote_requests)
+        low, high = need - 1, usable  # the bucket holds low blocks or more; not past high
+        width = max(1, self._context.config.remote_requests)
         while low < high:
             counts = _spread(low + 1, high, width)
             asked = [hashes[count - 1] for count in counts]
@@ -100,19 +100,19 @@ class Prober:
             high = min([high, *(c - 1 for c, h in zip(counts, held, strict=True) if not h)])
         if low < need:
             raise FetchError(
-                "short", f"the store holds less than {least} tokens past the {local} local"
+                "short", f"the bucket holds less than {least} tokens past the {local} local"
             )
         return low
 
     async def _hold_all(self, digest: str, blocks: list[bytes], deadline: float) -> list[bool]:
-        """Whether the store holds each block, asked at once; the first StoreError alone."""
+        """Whether the bucket holds each block, asked at once; the first BucketError alone."""
         held = [False] * len(blocks)
-        failures: list[StoreError] = []
+        failures: list[BucketError] = []
 
         async def ask(index: int) -> None:
             try:
                 held[index] = await self._holds(digest, blocks[index], deadline)
-            except StoreError as exc:
+            except BucketError as exc:
                 failures.append(exc)
                 asking.cancel_scope.cancel()  # the round is in vain
 
@@ -124,11 +124,14 @@ class Prober:
         return held
 
     async def _holds(self, digest: str, block: bytes, deadline: float) -> bool:
-        known = self._link.known
+        known = self._context.known
         if (digest, block) in known:
             return True
-        key = self._link.block_key(digest, block)
-        if await self._link.call(lambda store, by: store.head(key, deadline=by), deadline) is None:
+        key = self._context.block_key(digest, block)
+        if (
+            await self._context.call(lambda bucket, by: bucket.head(key, deadline=by), deadline)
+            is None
+        ):
             return False
         known.add((digest, block))
         return True

@@ -1,8 +1,8 @@
-"""The remote tier of one daemon, behind one façade: the link to the store (link.py: the
+"""The remote tier of one daemon, behind one façade: the context to the bucket (context.py: the
 client, its health, the figures), the uploads (uploader.py) and the fetches.
 
 While the health is down, the uploads are dropped (counted) and lookups do not ask the
-store; the health's probe brings it back. The upload queue is journaled in the tier folder
+bucket; the health's probe brings it back. The upload queue is journaled in the tier folder
 (upload_journal): a restart offers again what a stop cut off. The server builds one when
 `remote` is set and runs run() for the daemon's life.
 """
@@ -17,8 +17,8 @@ import anyio
 from kvd_protocol.messages import Lookup
 
 from kvd.config import Config
+from kvd.remote.context import RemoteContext
 from kvd.remote.fetcher import Fetcher
-from kvd.remote.link import StoreLink
 from kvd.remote.upload_journal import UploadJournal
 from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
@@ -32,14 +32,14 @@ class RemoteFlush:
     durable: bool  # every put accepted before it is durable
     pending: int  # puts not durable yet
     uploads: int  # uploads still pending (the restart's not offered again yet included)
-    upload_bytes: int  # their bytes not known to be in the store
+    upload_bytes: int  # their bytes not known to be in the bucket
     dropped: int  # uploads dropped since the last flush answered
     dropped_for: float  # seconds since then (or since the daemon started)
-    down: str | None  # the store is down: why (its last error); None when it is not
+    down: str | None  # the bucket is down: why (its last error); None when it is not
 
     @property
     def done(self) -> bool:
-        """Every put durable, every upload sent, none dropped, the store not down."""
+        """Every put durable, every upload sent, none dropped, the bucket not down."""
         return self.durable and not self.uploads and not self.dropped and self.down is None
 
 
@@ -49,9 +49,9 @@ class Remote:
     def __init__(self, config: Config, tier: Tier) -> None:
         self.config = config
         self.tier = tier
-        self.link = StoreLink(config, tier)
-        self.uploader = Uploader(self.link, UploadJournal(tier.dirs.upload_journal))
-        self.fetcher = Fetcher(self.link)
+        self.context = RemoteContext(config, tier)
+        self.uploader = Uploader(self.context, UploadJournal(tier.dirs.upload_journal))
+        self.fetcher = Fetcher(self.context)
         tier.notices.stored.append(self.uploader.stored)
         tier.notices.hit.append(self.uploader.hit)
 
@@ -61,11 +61,11 @@ class Remote:
         """For the daemon's life: the fetches (a lookup may start one from the first), a
         first probe (a daemon whose credentials are refused says so now, once), then the
         health's recovery and the uploads."""
-        link = self.link
+        context = self.context
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(self.fetcher.run)
-            await link.probe()
-            tasks.start_soon(link.health.recover, link.probe)
+            await context.probe()
+            tasks.start_soon(context.health.recover, context.probe)
             tasks.start_soon(self.uploader.run)
 
     def lookup_waits(self, lookup: Lookup, tenant: str) -> bool:
@@ -86,7 +86,7 @@ class Remote:
         durable, pending = await self.tier.flush(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
         uploads, nbytes, dropped, since = await self.uploader.flush(mark, left)
-        health = self.link.health
+        health = self.context.health
         down = None if health.up else health.last_error or "down"
         return RemoteFlush(
             durable, pending, uploads, nbytes, dropped, max(0.0, time.time() - since), down
@@ -94,11 +94,11 @@ class Remote:
 
     def close(self) -> None:
         self.uploader.journal.close()
-        self.link.close()
+        self.context.close()
 
     def status(self) -> dict[str, Any]:
         """The status report's `remote` section: no credential in it."""
-        counters, health = self.link.counters, self.link.health
+        counters, health = self.context.counters, self.context.health
         uploader = self.uploader
         queue, journal, resumed = uploader.queue, uploader.journal, uploader.resumed
         return {
@@ -129,5 +129,5 @@ class Remote:
             "misses_by_reason": dict(counters.misses),
             "restore_gbps_p50": counters.fetch_gbps_p50(),
             "abandoned_requests": counters.abandoned_requests,
-            "memos": self.link.memos() | self.fetcher.memos() | self.uploader.memos(),
+            "memos": self.context.memos() | self.fetcher.memos() | self.uploader.memos(),
         }

@@ -1,7 +1,7 @@
-"""The upload queue: stored entries whose blocks go to the store, capped in bytes.
+"""The upload queue: stored entries whose blocks go to the bucket, capped in bytes.
 
-A pure state machine, like the write-behind queue (kvd/store/writeback.py): the uploader does
-the sending. An upload joins with the blocks of its entry not known to be in the store, and
+A pure state machine, like the write-behind queue (kvd/bucket/writeback.py): the uploader does
+the sending. An upload joins with the blocks of its entry not known to be in the bucket, and
 its bytes count until each block is known to be there (sent, or found there already); the
 uploader takes one upload at a time, oldest first (next), and reports each block (sent) and
 the end (done: sent whole, or dropped).
@@ -10,7 +10,7 @@ Over the cap the oldest queued uploads are dropped (counted, with their bytes); 
 flight and the one just added never are, so one upload larger than the cap still goes. Uploads
 leave in the order they came (dropped oldest first, or taken oldest first), so "every upload
 added up to this one has left" is a comparison of sequence numbers (a Mark: flush --remote).
-An upload the uploader drops before it could join (the store down) is counted here too
+An upload the uploader drops before it could join (the bucket down) is counted here too
 (drop_at_once).
 """
 
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 @dataclass(eq=False, slots=True)
 class Upload:
-    """One entry's blocks to send: those not known to be in the store when it was added."""
+    """One entry's blocks to send: those not known to be in the bucket when it was added."""
 
     entry: str  # the entry's id
     digest: str  # its identity's digest
     block_hashes: tuple[bytes, ...]  # in the entry's order
     block_size: int  # each block file's size
     seq: int = 0  # its place in the queue's order
-    left: int = 0  # bytes of its blocks not known to be in the store yet
+    left: int = 0  # bytes of its blocks not known to be in the bucket yet
 
 
 @dataclass(eq=False, slots=True)
@@ -101,7 +101,7 @@ class UploadQueue:
         return self.in_flight
 
     def sent(self, upload: Upload, nbytes: int) -> None:
-        """nbytes of the upload in flight are known to be in the store now."""
+        """nbytes of the upload in flight are known to be in the bucket now."""
         if upload is not self.in_flight:
             raise ValueError(f"the upload of entry {upload.entry} is not in flight")
         nbytes = min(nbytes, upload.left)
@@ -110,7 +110,7 @@ class UploadQueue:
 
     def done(self, upload: Upload, *, dropped: bool) -> None:
         """The uploader is finished with the upload in flight: sent whole, or dropped (the
-        store down, a failure, the entry gone), its bytes left counted as dropped."""
+        bucket down, a failure, the entry gone), its bytes left counted as dropped."""
         if upload is not self.in_flight:
             raise ValueError(f"the upload of entry {upload.entry} is not in flight")
         self.in_flight = None

@@ -1,4 +1,4 @@
-"""Uploads: durable local entries' blocks written behind to the store, never on an engine's
+"""Uploads: durable local entries' blocks written behind to the bucket, never on an engine's
 path.
 
 The tier tells of entries stored and entries a lookup hit (kvd.store.notices); the upload
@@ -10,11 +10,11 @@ byte-capped, drop-oldest): `always` when stored, `second-hit` when a lookup firs
 One upload at a time: the uploader leases the entry (the tier's reader path: files opened
 read-only, checked by size), reads its manifest's header for the identity's layout, writes
 the layout once per identity (the first written wins; an entry that does not fit the one in
-the store uploads nothing, said once at warning, counted), then sends each block not known
-to be in the store (a HEAD first: a block another daemon sent is not sent again) with a
+the bucket uploads nothing, said once at warning, counted), then sends each block not known
+to be in the bucket (a HEAD first: a block another daemon sent is not sent again) with a
 conditional create (412: already there, counted, not an error), at most half of
-remote_requests at once, at remote_upload_rate. What the store is known to hold
-is remembered (a bounded LRU of block keys), so a block is asked about once. The store down:
+remote_requests at once, at remote_upload_rate. What the bucket is known to hold
+is remembered (a bounded LRU of block keys), so a block is asked about once. The bucket down:
 uploads are dropped and counted, the health says why.
 
 The queue is journaled (upload_journal): each upload that joins it and leaves it (sent whole,
@@ -24,7 +24,7 @@ holds are offered again, oldest first, without waiting for the policy's event (u
 policy `never` they are counted dropped); those whose entry is gone meanwhile are counted
 dropped (why: gone). A journal found damaged keeps what it could read, and the newest
 shareable entries, as many as the queue's cap holds, are offered again besides. A flush
-waits for the resume. What the store's answers provoke again and again is logged
+waits for the resume. What the bucket's answers provoke again and again is logged
 rate-limited (kvd.logs.RateLimited).
 """
 
@@ -42,11 +42,11 @@ import anyio
 from kvd_protocol.errors import EntryFormatError, ProtocolError
 
 from kvd.logs import RateLimited, get_logger
+from kvd.remote.bucket import BucketError
+from kvd.remote.context import RemoteContext
 from kvd.remote.layout import Layout, NotShareable, layout_of
-from kvd.remote.link import StoreLink
 from kvd.remote.lru import LruSet
 from kvd.remote.rate_limit import TokenBucket
-from kvd.remote.s3 import StoreError
 from kvd.remote.upload_journal import UploadJournal
 from kvd.remote.upload_queue import Mark, Upload, UploadQueue
 from kvd.store import entry_files
@@ -54,7 +54,7 @@ from kvd.store.blocks import Block
 from kvd.store.records import EntryRecord
 
 log = get_logger("kvd.remote.uploader")
-limited = RateLimited(log)  # what the store's answers (and the entries') provoke at will
+limited = RateLimited(log)  # what the bucket's answers (and the entries') provoke at will
 
 OWNER: Final = 0  # the uploads' leases in the tier (connections count from 1)
 BLOCK_BATCH: Final = 16  # block files of one upload open at once
@@ -87,7 +87,7 @@ UPLOAD_POLICIES: Final[Mapping[str, UploadPolicy]] = {
 
 
 def shareable(record: EntryRecord) -> bool:
-    """Whether an entry's blocks may go to the store: whole blocks of an entry that is not a
+    """Whether an entry's blocks may go to the bucket: whole blocks of an entry that is not a
     checkpoint and whose every layer is blocked (trimmable)."""
     return (
         bool(record.block_hashes)
@@ -101,13 +101,13 @@ class Uploader:
     """The upload queue, its journal and the task that drains it (run), fed by the tier's
     notices."""
 
-    def __init__(self, link: StoreLink, journal: UploadJournal) -> None:
-        config = link.config
-        self.link = link
+    def __init__(self, context: RemoteContext, journal: UploadJournal) -> None:
+        config = context.config
+        self.context = context
         self.journal = journal
         self.policy = UPLOAD_POLICIES[config.remote_upload]
         self.queue = UploadQueue(config.remote_upload_bytes)
-        self.known = link.known  # (identity, block hash) of blocks known in the store
+        self.known = context.known  # (identity, block hash) of blocks known in the bucket
         found = journal.load()
         self.damaged = found.damage  # what ended the journal's reading at start
         self.resumed = Resumed(pending=len(found.pending))
@@ -141,12 +141,12 @@ class Uploader:
             self._offer(record)
 
     def _offer(self, record: EntryRecord) -> bool:
-        """Queue the entry's blocks not known to be in the store, once per entry; whether
+        """Queue the entry's blocks not known to be in the bucket, once per entry; whether
         it joined the queue (or is in it)."""
         if record.id in self._offered:
             return self.queue.holds(record.id)
         self._offered.add(record.id)
-        counters = self.link.counters
+        counters = self.context.counters
         if not shareable(record):
             counters.not_shareable += 1
             return False
@@ -154,9 +154,9 @@ class Uploader:
             counters.layout_mismatch += 1
             return False
         blocks = tuple(h for h in record.block_hashes if (record.digest, h) not in self.known)
-        if not blocks and record.digest in self.link.layouts:
+        if not blocks and record.digest in self.context.layouts:
             return False  # all there already
-        if not self.link.health.up:  # the health said why, once
+        if not self.context.health.up:  # the health said why, once
             self.queue.drop_at_once(len(blocks) * record.block_size)
             return False
         dropped = self.queue.add(record.id, record.digest, blocks, record.block_size)
@@ -178,20 +178,20 @@ class Uploader:
     async def resume(self) -> None:
         """Offer again the uploads the journal held at start (see the module's docstring),
         once the tier has listed its directory; said at info when there were any."""
-        await self.link.tier.wait_settled()
+        await self.context.tier.wait_settled()
         resumed = self.resumed
         uploads = self.policy.when_stored or self.policy.when_hit
         while self._unresumed:
             entry = next(iter(self._unresumed))
             nbytes = self._unresumed.pop(entry)
-            record = self.link.tier.entry(entry)
+            record = self.context.tier.entry(entry)
             if record is None or not uploads:
                 self.queue.drop_at_once(nbytes)
                 resumed.gone += record is None
                 self._dropped(entry, nbytes, "gone" if record is None else "policy never")
             elif self._offer(record):
                 resumed.reoffered += 1
-            else:  # not shareable now, all in the store already, or the store down (counted)
+            else:  # not shareable now, all in the bucket already, or the bucket down (counted)
                 self.journal.left(entry)
         if self.damaged is not None and uploads:
             self._offer_newest()
@@ -207,9 +207,9 @@ class Uploader:
 
     def _offer_newest(self) -> None:
         """A damaged journal: the newest shareable entries, as many as the queue's cap holds,
-        offered again (a block the store holds costs a HEAD, not its bytes)."""
+        offered again (a block the bucket holds costs a HEAD, not its bytes)."""
         room = self.queue.cap_bytes - self.queue.pending_bytes
-        newest = sorted(self.link.tier.stored_entries(), key=lambda r: r.created, reverse=True)
+        newest = sorted(self.context.tier.stored_entries(), key=lambda r: r.created, reverse=True)
         chosen = []
         for record in newest:
             nbytes = len(record.block_hashes) * record.block_size
@@ -261,18 +261,18 @@ class Uploader:
 
     async def _send(self, upload: Upload) -> str | None:
         """One entry's layout and blocks, under a lease on the entry; None when sent, else
-        why it was dropped (the store down or failing, the entry gone before its turn)."""
-        link = self.link
-        if not link.health.up:
+        why it was dropped (the bucket down or failing, the entry gone before its turn)."""
+        context = self.context
+        if not context.health.up:
             return "store down"
-        leased = link.tier.lease_entry(OWNER, upload.entry)
+        leased = context.tier.lease_entry(OWNER, upload.entry)
         if leased is None:
             return "gone"
         record, lease, fd = leased
         try:
             try:
                 header = await anyio.to_thread.run_sync(
-                    entry_files.entry_head, fd, record.id, link.tier.limits
+                    entry_files.entry_head, fd, record.id, context.tier.limits
                 )
             finally:
                 os.close(fd)
@@ -281,23 +281,23 @@ class Uploader:
                 await self._send_blocks(upload, record, lease)
         except NotShareable as exc:
             limited.info("remote_not_shareable", entry=record.id, why=str(exc))
-            link.counters.not_shareable += 1
-        except StoreError:
-            return "store failed"  # the health has the store's failure
+            context.counters.not_shareable += 1
+        except BucketError:
+            return "store failed"  # the health has the bucket's failure
         except (OSError, ValueError, EntryFormatError, ProtocolError) as exc:
             limited.warning("remote_upload_failed", entry=record.id, error=str(exc))
             return "failed"
         finally:
             with contextlib.suppress(ProtocolError):  # expired (lease_max_age) meanwhile
-                link.tier.end_lease(OWNER, lease)
+                context.tier.end_lease(OWNER, lease)
         return None
 
     async def _fits(self, layout: Layout) -> bool:
-        """Whether the identity's layout in the store is this one's (writing it if there is
+        """Whether the identity's layout in the bucket is this one's (writing it if there is
         none); said once at warning per identity when not."""
-        digest = layout.identity
+        digest = layout.digest
         if digest not in self._mismatched:
-            stored = self.link.layouts.get(digest) or await self.link.write_layout(layout)
+            stored = self.context.layouts.get(digest) or await self.context.write_layout(layout)
             if stored is not None and stored.fits(layout):
                 return True
             self._mismatched.add(digest)
@@ -306,16 +306,16 @@ class Uploader:
                 identity=digest,
                 block_tokens=layout.block_tokens,
                 stored_block_tokens=None if stored is None else stored.block_tokens,
-                why="the store's layout for this identity has other blocks or layers: its "
+                why="the bucket's layout for this identity has other blocks or layers: its "
                 "entries stay local",
             )
-        self.link.counters.layout_mismatch += 1
+        self.context.counters.layout_mismatch += 1
         return False
 
     async def _send_blocks(self, upload: Upload, record: EntryRecord, lease: int) -> None:
-        """The upload's blocks, BLOCK_BATCH files open at a time; StoreError at the first
+        """The upload's blocks, BLOCK_BATCH files open at a time; BucketError at the first
         failure (the sends under way end first)."""
-        tier, digest = self.link.tier, record.digest
+        tier, digest = self.context.tier, record.digest
         wanted = set(upload.block_hashes)
         blocks = tier.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
@@ -353,22 +353,24 @@ class Uploader:
         """One block: a HEAD first (another daemon of the identity may have sent it: its
         bytes need not go again), else a conditional create. A failure is kept in failures
         (and the block is not sent when one came before)."""
-        link, digest, block_hash, size = self.link, upload.digest, block.hash, block.size
-        key = link.block_key(digest, block_hash)
+        context, digest, block_hash, size = self.context, upload.digest, block.hash, block.size
+        key = context.block_key(digest, block_hash)
         async with limiter:
             if failures:
                 return
             try:
-                created = await link.call(lambda store, by: store.head(key, deadline=by)) is None
+                created = (
+                    await context.call(lambda bucket, by: bucket.head(key, deadline=by)) is None
+                )
                 if created:
                     await self._rate.wait_for(size)
-                    created = await link.call(
-                        lambda store, by: store.put_file_if_absent(key, fd, size, deadline=by)
+                    created = await context.call(
+                        lambda bucket, by: bucket.put_file_if_absent(key, fd, size, deadline=by)
                     )
-            except (StoreError, OSError, ValueError) as exc:
+            except (BucketError, OSError, ValueError) as exc:
                 failures.append(exc)
                 return
-        counters = link.counters
+        counters = context.counters
         if created:
             counters.uploaded_blocks += 1
             counters.uploaded_bytes += size

@@ -18,7 +18,7 @@ from remote_e2e import stored
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
 from test_kvctl_doctor import doctor
 
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 CHECKS = ["store", "credentials", "write", "conditional create", "read back", "clock", "delete"]
 
@@ -55,7 +55,7 @@ def marks(result: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]
 
 
 def test_an_honest_store_passes_and_keeps_nothing(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path, sockets: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path, sockets: Path
 ) -> None:
     env = settings(f"s3://{BUCKET}/{s3_prefix}", seaweed.endpoint, credentials(tmp_path))
     result = remote_doctor(sockets, env)
@@ -114,7 +114,7 @@ def test_the_clock_is_compared_with_the_stores(
         assert result.returncode == exit_status, result.stdout
         found = marks(result)
         assert found["clock"][0] == mark
-        said = re.search(r"is (\d+) s (behind|ahead of) the store's", found["clock"][1])
+        said = re.search(r"is (\d+) s (behind|ahead of) the bucket's", found["clock"][1])
         assert said, found["clock"]
         assert abs(int(said.group(1)) - abs(offset)) <= 2, "the Date is to the second"
         if offset:
@@ -134,7 +134,7 @@ def test_a_proxy_variable_is_said_to_be_ignored_and_is(tmp_path: Path, sockets: 
         found = marks(result)
         assert found["proxy"] == (
             "warning",
-            "HTTPS_PROXY, HTTP_PROXY set, and ignored: kvd connects to the store directly",
+            "HTTPS_PROXY, HTTP_PROXY set, and ignored: kvd connects to the bucket directly",
         )
         assert found["write"][0] == "ok"
         assert bucket.asked("PUT") == 2
@@ -147,7 +147,7 @@ def test_no_credentials_and_no_remote_fail_before_any_request(
         env = settings(f"s3://{bucket.bucket}/team", bucket.endpoint, None)
         found = marks(remote_doctor(sockets, env, "--json"))
         assert found["credentials"][0] == "NO"
-        assert "no credentials for the remote store" in found["credentials"][1]
+        assert "no credentials for the remote bucket" in found["credentials"][1]
         assert "write" not in found
         assert sum(bucket.requests.values()) == 0
     nothing = remote_doctor(sockets, {})

@@ -20,7 +20,7 @@ from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan, Slot
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed
 
-from kvd.remote.s3 import S3Store, StoreError
+from kvd.remote.bucket import Bucket, BucketError
 
 WRITABLE_S = 60.0
 WARM_BYTES = 64 << 10
@@ -72,7 +72,7 @@ def restart(seaweed: Seaweed) -> None:
                 # Bytes enough to need a volume (a tiny object lives in the filer's metadata).
                 client.put_if_absent(f"warm/{time.monotonic_ns()}", bytes(WARM_BYTES))
                 return
-            except StoreError as error:
+            except BucketError as error:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"no write within {WRITABLE_S:g} s: {error}") from None
     finally:
@@ -127,7 +127,7 @@ def dropped_since(count: int) -> str:
     return f"{count} dropped since the last flush --remote or the start"
 
 
-def stored(store: S3Store, prefix: str) -> dict[str, int]:
+def stored(store: Bucket, prefix: str) -> dict[str, int]:
     """Every object under the prefix: key (after the prefix) -> size."""
     return {key.removeprefix(prefix + "/"): size for key, size in store.list(prefix + "/", 10_000)}
 

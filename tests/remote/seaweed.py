@@ -27,8 +27,8 @@ from typing import Final
 
 from certificates import Certificates
 
+from kvd.remote.bucket import Bucket, BucketError
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreError
 
 ACCESS_KEY: Final = "kvdtestaccess"
 SECRET_KEY: Final = "kvd-test-secret-3f9a1c"  # the tests look for it in logs and errors
@@ -111,10 +111,10 @@ class Seaweed:
             command += [f"-s3.cert.file={self.tls.certificate}", f"-s3.key.file={self.tls.key}"]
         return command
 
-    def store(self, secret_key: str = SECRET_KEY, **options: object) -> S3Store:
-        """A client of the bucket (`options`: S3Store's keywords)."""
+    def store(self, secret_key: str = SECRET_KEY, **options: object) -> Bucket:
+        """A client of the bucket (`options`: Bucket's keywords)."""
         credentials = Credentials(ACCESS_KEY, secret_key, source="test")
-        return S3Store(self.endpoint, BUCKET, credentials, **options)  # type: ignore[arg-type]
+        return Bucket(self.endpoint, BUCKET, credentials, **options)  # type: ignore[arg-type]
 
     def start(self) -> None:
         """Starts the server and returns once the bucket stores and serves an object."""
@@ -144,7 +144,7 @@ class Seaweed:
                     if self._serves_objects(probe):
                         return
                     problem = "an object written was not read back"
-                except StoreError as error:
+                except BucketError as error:
                     problem = str(error)
                 if time.monotonic() > deadline:
                     raise RuntimeError(
@@ -159,7 +159,7 @@ class Seaweed:
             probe.close()
 
     @staticmethod
-    def _serves_objects(probe: S3Store) -> bool:
+    def _serves_objects(probe: Bucket) -> bool:
         """Whether an object can be written and read back: a listing answers before the
         volume server has registered, and a read of a stored object would then fail."""
         probe.put_if_absent(READY_KEY, b"ready")

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvd.config import Config
-from kvd.remote.s3 import S3Store, endpoint_for
+from kvd.remote.bucket import Bucket, endpoint_for
 
 
 def test_a_configured_endpoint_is_path_style() -> None:
@@ -24,7 +24,7 @@ def test_aws_is_virtual_host_but_for_a_bucket_with_a_dot() -> None:
 
 def test_the_settings_choose_it(tmp_path: Path) -> None:
     config = Config(dir=tmp_path, socket=tmp_path / "kvd.sock", remote="s3://kvd/team")
-    aws = S3Store.from_config(replace(config, remote_region="us-west-2"), {})
+    aws = Bucket.from_config(replace(config, remote_region="us-west-2"), {})
     assert aws.endpoint == "https://kvd.s3.us-west-2.amazonaws.com"
-    local = S3Store.from_config(replace(config, remote_endpoint="http://127.0.0.1:8333"), {})
+    local = Bucket.from_config(replace(config, remote_endpoint="http://127.0.0.1:8333"), {})
     assert local.endpoint == "http://127.0.0.1:8333"

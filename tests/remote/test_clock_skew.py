@@ -26,8 +26,8 @@ from fake_bucket import (
 )
 from remote_e2e import logged, wait_remote
 
+from kvd.remote.bucket import Bucket, BucketAuthError, BucketClockSkewed
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreAuthError, StoreClockSkewed
 
 
 def refused_with_date(bucket: FakeBucket, code: str) -> None:
@@ -47,8 +47,8 @@ def bucket() -> Iterator[FakeBucket]:
 
 
 @pytest.fixture
-def client(bucket: FakeBucket) -> Iterator[S3Store]:
-    store = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "s"), timeout=2.0)
+def client(bucket: FakeBucket) -> Iterator[Bucket]:
+    store = Bucket(bucket.endpoint, bucket.bucket, Credentials("AKID", "s"), timeout=2.0)
     yield store
     store.close()
 
@@ -59,10 +59,10 @@ def off_by(message: str) -> int:
     return int(found.group(1))
 
 
-def test_request_time_too_skewed_says_by_how_much(bucket: FakeBucket, client: S3Store) -> None:
+def test_request_time_too_skewed_says_by_how_much(bucket: FakeBucket, client: Bucket) -> None:
     bucket.date_offset = -3600.0  # the store an hour behind: this machine an hour ahead
     bucket.on(every_request, skewed(bucket))
-    with pytest.raises(StoreClockSkewed) as raised:
+    with pytest.raises(BucketClockSkewed) as raised:
         client.head("k")
     message = str(raised.value)
     assert abs(off_by(message) - 3600) <= 2
@@ -73,26 +73,26 @@ def test_request_time_too_skewed_says_by_how_much(bucket: FakeBucket, client: S3
 
 
 def test_a_plain_refusal_with_a_far_date_is_put_to_the_clock(
-    bucket: FakeBucket, client: S3Store
+    bucket: FakeBucket, client: Bucket
 ) -> None:
     bucket.date_offset = 1200.0
     refused_with_date(bucket, "AccessDenied")
-    with pytest.raises(StoreClockSkewed) as raised:
+    with pytest.raises(BucketClockSkewed) as raised:
         client.list("p/", 1)
     assert abs(off_by(str(raised.value)) - 1200) <= 2
     assert "(behind)" in str(raised.value)
 
 
-def test_a_refusal_with_a_near_date_is_the_credentials(bucket: FakeBucket, client: S3Store) -> None:
+def test_a_refusal_with_a_near_date_is_the_credentials(bucket: FakeBucket, client: Bucket) -> None:
     bucket.date_offset = 30.0  # off, but within what a store takes
     refused_with_date(bucket, "SignatureDoesNotMatch")
-    with pytest.raises(StoreAuthError) as raised:
+    with pytest.raises(BucketAuthError) as raised:
         client.get("k", 10)
-    assert not isinstance(raised.value, StoreClockSkewed)
+    assert not isinstance(raised.value, BucketClockSkewed)
     assert str(raised.value) == "GET k: HTTP 403 SignatureDoesNotMatch: credentials refused"
     bucket.clear()
     bucket.on(every_request, status(403, "RequestTimeTooSkewed"))  # the store's word alone
-    with pytest.raises(StoreClockSkewed, match="this machine's clock is off from the store's"):
+    with pytest.raises(BucketClockSkewed, match="this machine's clock is off from the bucket's"):
         client.get("k", 10)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.remote.bucket import Bucket
 from kvd.remote.credential_process import OUTPUT_LIMIT, PROCESS_TIMEOUT_S, run_process
 from kvd.remote.credential_source import (
     AGAIN_S,
@@ -21,7 +22,6 @@ from kvd.remote.credential_source import (
     load_credentials,
 )
 from kvd.remote.credentials import Credentials, CredentialsError
-from kvd.remote.s3 import S3Store
 from kvd.remote.sigv4 import Signer
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRET"
@@ -117,13 +117,13 @@ def test_the_shared_file_comes_last(tmp_path: Path) -> None:
 
 def test_no_source_at_all_is_refused(tmp_path: Path) -> None:
     message = refusal(None, {}, tmp_path)
-    assert "no credentials for the remote store" in message
+    assert "no credentials for the remote bucket" in message
     assert str(tmp_path / ".aws" / "credentials") in message
 
 
 def test_the_secret_is_in_no_repr(tmp_path: Path) -> None:
     credentials = Credentials("AKID", SECRET, TOKEN, "test")
-    store = S3Store("http://127.0.0.1:9", "bucket", credentials)
+    store = Bucket("http://127.0.0.1:9", "bucket", credentials)
     for shown in (credentials, store, Signer(credentials, "us-east-1")):
         assert SECRET not in repr(shown)
         assert TOKEN not in repr(shown)
@@ -216,7 +216,7 @@ def test_the_config_file_names_the_process_of_the_profile(tmp_path: Path) -> Non
         f"[default]\nregion = x\n\n[profile ops]\ncredential_process = {argv[0]} '{argv[1]}'\n"
     )
     assert load_credentials(None, {"AWS_PROFILE": "ops"}, tmp_path).access_key == "FROMCFG"
-    assert "no credentials for the remote store" in refusal(None, {}, tmp_path)
+    assert "no credentials for the remote bucket" in refusal(None, {}, tmp_path)
     other = tmp_path / "other-config"
     other.write_text(f"[default]\ncredential_process = {argv[0]} {argv[1]}\n")
     environ = {"AWS_CONFIG_FILE": str(other)}

@@ -22,7 +22,7 @@ from fake_bucket import status as answer_status
 from remote_e2e import flush_remote, logged, remote_flags, remote_status, stored, wait_remote
 from seaweed import SECRET_KEY, Seaweed
 
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 RENEWED_S = 15.0  # a fixed file brings the remote up within this (a refusal's retry is 60 s)
 PROCESS = """#!{python}
@@ -93,7 +93,7 @@ class Refusals:
 
 
 def test_a_fixed_credentials_file_brings_the_remote_up_without_a_restart(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     wrong = "not-the-secret-77b1"
     flags = remote_flags(seaweed, tmp_path, s3_prefix, secret=wrong)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from fake_bucket import FakeBucket, hang, key_has, reset, running_bucket, status
 
+from kvd.remote.bucket import Bucket, BucketUnavailable
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreUnavailable
 
 
 @pytest.fixture
@@ -20,13 +20,13 @@ def bucket() -> Iterator[FakeBucket]:
 
 
 @pytest.fixture
-def client(bucket: FakeBucket) -> Iterator[S3Store]:
-    store = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=1.0)
+def client(bucket: FakeBucket) -> Iterator[Bucket]:
+    store = Bucket(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=1.0)
     yield store
     store.close()
 
 
-def test_honest_calls(bucket: FakeBucket, client: S3Store) -> None:
+def test_honest_calls(bucket: FakeBucket, client: Bucket) -> None:
     assert client.head("a/x") is None
     assert client.put_if_absent("a/x", b"hello")
     assert not client.put_if_absent("a/x", b"other")  # If-None-Match: * honoured
@@ -41,25 +41,25 @@ def test_honest_calls(bucket: FakeBucket, client: S3Store) -> None:
     assert bucket.asked("PUT", "a/x") == 2
 
 
-def test_ignoring_if_none_match_overwrites(client: S3Store, bucket: FakeBucket) -> None:
+def test_ignoring_if_none_match_overwrites(client: Bucket, bucket: FakeBucket) -> None:
     bucket.ignore_if_none_match = True
     assert client.put_if_absent("k", b"1")
     assert client.put_if_absent("k", b"2")
     assert bucket.objects["k"] == b"2"
 
 
-def test_rules_fire_newest_first_and_expire(bucket: FakeBucket, client: S3Store) -> None:
+def test_rules_fire_newest_first_and_expire(bucket: FakeBucket, client: Bucket) -> None:
     bucket.objects["k"] = b"v"
     bucket.on(key_has("k"), status(503, "SlowDown"), times=1)
-    with pytest.raises(StoreUnavailable, match="503 SlowDown"):
+    with pytest.raises(BucketUnavailable, match="503 SlowDown"):
         client.get("k", 10)
     assert client.get("k", 10) == b"v"  # the rule fired its one time
 
 
-def test_close_ends_hung_answers(bucket: FakeBucket, client: S3Store) -> None:
+def test_close_ends_hung_answers(bucket: FakeBucket, client: Bucket) -> None:
     bucket.on(key_has("k"), hang(bucket))
     began = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="not done within"):
+    with pytest.raises(BucketUnavailable, match="not done within"):
         client.get("k", 10)
     assert time.monotonic() - began < 5
     bucket.close()
@@ -68,10 +68,10 @@ def test_close_ends_hung_answers(bucket: FakeBucket, client: S3Store) -> None:
 
 def test_reset_resets_the_connection(bucket: FakeBucket) -> None:
     """A reset, not a silence: the client learns of it long before its deadline."""
-    patient = S3Store(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=60)
+    patient = Bucket(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=60)
     bucket.on(key_has("k"), reset, times=1)
     began = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=r"reset"):
+    with pytest.raises(BucketUnavailable, match=r"reset"):
         patient.get("k", 10)
     assert time.monotonic() - began < 30
     patient.close()

@@ -37,8 +37,8 @@ from kvd_protocol.tokens import pack_tokens
 from remote_e2e import remote_flags, remote_status
 
 from kvd.remote import keys
+from kvd.remote.context import DAMAGED_BLOCKS, REFUSED_LAYOUTS
 from kvd.remote.layout import encode_layout, layout_of
-from kvd.remote.link import DAMAGED_BLOCKS, REFUSED_LAYOUTS
 from kvd.remote.probe import ABSENT_IDENTITIES
 
 PREFIX = "team"

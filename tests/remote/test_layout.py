@@ -80,7 +80,7 @@ def sums(plan: ManifestPlan, index: int) -> list[bytes]:
 
 def test_a_layout_round_trips_and_keeps_no_private_meta() -> None:
     layout = layout_of(kv_manifest().entry.header)
-    assert layout.identity == IDENTITY.digest()
+    assert layout.digest == IDENTITY.digest()
     assert layout.block_tokens == B
     assert layout.min_reuse == 2
     assert [layer.kind for layer in layout.layers] == ["kv", "quantized_kv"]

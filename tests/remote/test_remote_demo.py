@@ -18,8 +18,8 @@ from typing import IO
 import psutil
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
 
+from kvd.remote.bucket import Bucket, BucketError
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "remote_demo.py"
 READY_SECONDS = 180.0  # the store and two daemons on a loaded machine
@@ -60,11 +60,11 @@ def _demo(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 def _bucket_answers(endpoint: str, bucket: str) -> bool:
-    store = S3Store(endpoint, bucket, Credentials(ACCESS_KEY, SECRET_KEY, source="test"))
+    store = Bucket(endpoint, bucket, Credentials(ACCESS_KEY, SECRET_KEY, source="test"))
     try:
         store.list("demo/", 1)
         return True
-    except StoreError:
+    except BucketError:
         return False
     finally:
         store.close()

@@ -39,7 +39,7 @@ from remote_e2e import remote_flags, remote_status, restart, stored
 from seaweed import Seaweed
 
 from kvd.remote import keys
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 BLOCK = 16  # tokens per block: a tiny prompt spans several
 MIN_TOKENS = 32  # remote_min_tokens: two blocks
@@ -58,7 +58,7 @@ def model() -> Any:
 
 @pytest.fixture
 def two_macs(
-    tmp_path: Path, seaweed: Seaweed, s3_store: S3Store, s3_prefix: str
+    tmp_path: Path, seaweed: Seaweed, s3_store: Bucket, s3_prefix: str
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Daemons A and B on tiers of their own, sharing the store under the test's prefix."""
     flags = remote_flags(
@@ -98,7 +98,7 @@ def put_on(daemon: Daemon, identity: EngineIdentity, tokens: list[int], model: A
         assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
 
 
-def uploaded(store: S3Store, prefix: str, identity: EngineIdentity, blocks: int) -> None:
+def uploaded(store: Bucket, prefix: str, identity: EngineIdentity, blocks: int) -> None:
     """Wait until the store holds the identity's layout and blocks (A's uploads)."""
     folder = keys.identity_key(prefix, identity.to_protocol().digest())
 
@@ -137,7 +137,7 @@ def entry_files(tier: Path) -> list[Path]:
 
 
 def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
-    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/shared", "cfg", "tok")
@@ -214,7 +214,7 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
 def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
     two_macs: tuple[Daemon, Daemon],
     seaweed: Seaweed,
-    s3_store: S3Store,
+    s3_store: Bucket,
     s3_prefix: str,
     model: Any,
 ) -> None:
@@ -244,7 +244,7 @@ def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
         assert client.stats.remote_fetches == 0
 
 
-def _damage(store: S3Store, key: str, name: str) -> None:
+def _damage(store: Bucket, key: str, name: str) -> None:
     """One bit of a key in the block object (as a failing disk or a hostile writer would)."""
     data = bytearray(store.get(key, 1 << 26) or b"")
     block = parse_block_head(name, data, len(data))
@@ -254,7 +254,7 @@ def _damage(store: S3Store, key: str, name: str) -> None:
 
 
 def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
-    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/damaged", "cfg", "tok")
@@ -278,7 +278,7 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
 
 
 def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_worth_it(
-    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     """Block 3 of 6 gone from the store (expired, say): B commits blocks 0-2, 48 tokens, at
     least remote_min_tokens (32) past its empty tier. Block 2 gone where B holds blocks 0-1:
@@ -318,7 +318,7 @@ def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_wort
 
 
 def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetched(
-    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/short", "cfg", "tok")
@@ -344,7 +344,7 @@ def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetch
 
 
 def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes_on(
-    two_macs: tuple[Daemon, Daemon], s3_store: S3Store, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/old-client", "cfg", "tok").to_protocol()
@@ -378,7 +378,7 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
 
 
 def test_another_prefix_is_another_tenant(
-    tmp_path: Path, seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, model: Any
+    tmp_path: Path, seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, model: Any
 ) -> None:
     """A daemon pointed at another prefix of the same bucket (another tenant) never finds
     what A uploaded: its get is a miss, it asks the store for nothing under A's prefix, and

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from seaweed import Seaweed
 
-from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError
+from kvd.remote.bucket import Bucket, BucketError, ObjectTooLarge
 
 
-def test_a_missing_object_is_none_for_head_and_get(s3_store: S3Store, s3_prefix: str) -> None:
+def test_a_missing_object_is_none_for_head_and_get(s3_store: Bucket, s3_prefix: str) -> None:
     assert s3_store.head(f"{s3_prefix}/absent") is None
     assert s3_store.get(f"{s3_prefix}/absent", 1024) is None
     assert s3_store.get_to_file(f"{s3_prefix}/absent", 0, 1024) is None
 
 
-def test_put_if_absent_creates_once(s3_store: S3Store, s3_prefix: str) -> None:
+def test_put_if_absent_creates_once(s3_store: Bucket, s3_prefix: str) -> None:
     key = f"{s3_prefix}/layout"
     assert s3_store.put_if_absent(key, b"first") is True
     assert s3_store.put_if_absent(key, b"second") is False  # 412: the first stays
@@ -27,7 +27,7 @@ def test_put_if_absent_creates_once(s3_store: S3Store, s3_prefix: str) -> None:
     assert s3_store.get(key, 5) == b"first"
 
 
-def test_get_past_the_limit_is_refused(s3_store: S3Store, s3_prefix: str) -> None:
+def test_get_past_the_limit_is_refused(s3_store: Bucket, s3_prefix: str) -> None:
     key = f"{s3_prefix}/object"
     s3_store.put_if_absent(key, b"x" * 1000)
     assert s3_store.get(key, 1000) == b"x" * 1000
@@ -37,7 +37,7 @@ def test_get_past_the_limit_is_refused(s3_store: S3Store, s3_prefix: str) -> Non
 
 
 def test_a_file_goes_up_and_comes_down_byte_for_byte(
-    s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     body = os.urandom(5 << 20 | 12345)  # over SeaweedFS's 4 MiB chunk, not a multiple
     source = tmp_path / "block"
@@ -59,7 +59,7 @@ def test_a_file_goes_up_and_comes_down_byte_for_byte(
 
 
 def test_a_file_shorter_than_said_is_not_sent(
-    s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     source = tmp_path / "short"
     source.write_bytes(b"y" * 100)
@@ -69,7 +69,7 @@ def test_a_file_shorter_than_said_is_not_sent(
 
 
 def test_a_local_write_error_is_not_a_store_error(
-    s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A staging file that cannot be written (here: opened read-only; a full disk alike)
     raises the OSError itself, so it never counts against the s3_store's health."""
@@ -80,11 +80,11 @@ def test_a_local_write_error_is_not_a_store_error(
         pytest.raises(OSError, match="Bad file descriptor") as raised,
     ):
         s3_store.get_to_file(f"{s3_prefix}/k", file.fileno(), 3000)
-    assert not isinstance(raised.value, StoreError)
+    assert not isinstance(raised.value, BucketError)
     assert s3_store.get(f"{s3_prefix}/k", 3000) == b"v" * 3000
 
 
-def test_delete_removes_and_tolerates_absent(s3_store: S3Store, s3_prefix: str) -> None:
+def test_delete_removes_and_tolerates_absent(s3_store: Bucket, s3_prefix: str) -> None:
     key = f"{s3_prefix}/gone"
     s3_store.put_if_absent(key, b"1")
     s3_store.delete(key)
@@ -92,7 +92,7 @@ def test_delete_removes_and_tolerates_absent(s3_store: S3Store, s3_prefix: str) 
     s3_store.delete(key)
 
 
-def test_list_pages_through_keys_in_order(s3_store: S3Store, s3_prefix: str) -> None:
+def test_list_pages_through_keys_in_order(s3_store: Bucket, s3_prefix: str) -> None:
     keys = [f"{s3_prefix}/b/{n:04d}.kvb" for n in range(25)]
     for key in keys:
         s3_store.put_if_absent(key, key.encode())
@@ -103,14 +103,14 @@ def test_list_pages_through_keys_in_order(s3_store: S3Store, s3_prefix: str) -> 
     assert s3_store.list(f"{s3_prefix}/none/", 10) == []
 
 
-def test_keys_with_characters_that_need_escaping(s3_store: S3Store, s3_prefix: str) -> None:
+def test_keys_with_characters_that_need_escaping(s3_store: Bucket, s3_prefix: str) -> None:
     key = f"{s3_prefix}/a b+c=d&e~f%g/ü.kvb"
     assert s3_store.put_if_absent(key, b"odd") is True
     assert s3_store.get(key, 3) == b"odd"
     assert s3_store.list(f"{s3_prefix}/a b+c", 10) == [(key, 3)]
 
 
-def test_threads_share_one_client(s3_store: S3Store, s3_prefix: str) -> None:
+def test_threads_share_one_client(s3_store: Bucket, s3_prefix: str) -> None:
     """Each thread keeps a connection of its own; all calls of all threads succeed."""
     failures: list[BaseException] = []
 
@@ -131,7 +131,7 @@ def test_threads_share_one_client(s3_store: S3Store, s3_prefix: str) -> None:
     assert failures == []
 
 
-def test_connections_are_reused(s3_store: S3Store, s3_prefix: str) -> None:
+def test_connections_are_reused(s3_store: Bucket, s3_prefix: str) -> None:
     s3_store.put_if_absent(f"{s3_prefix}/k", b"v")
     connection = s3_store._connection()
     sock = connection.sock
@@ -143,7 +143,7 @@ def test_connections_are_reused(s3_store: S3Store, s3_prefix: str) -> None:
 
 
 def test_the_client_reconnects_after_the_store_restarts(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str
 ) -> None:
     """A kept connection the s3_store closed is replaced without failing the call."""
     s3_store.put_if_absent(f"{s3_prefix}/k", b"v")

@@ -15,17 +15,17 @@ from certificates import Certificates, make_certificates
 from seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed, free_ports, running_seaweed
 
 from kvd.config import Config
-from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import (
-    S3Store,
-    StoreAuthError,
-    StoreError,
-    StoreRefused,
-    StoreUnavailable,
+from kvd.remote.bucket import (
+    Bucket,
+    BucketAuthError,
+    BucketError,
+    BucketRefused,
+    BucketUnavailable,
 )
+from kvd.remote.credentials import Credentials
 
 
-def calls(store: S3Store, key: str, fd: int) -> list[tuple[str, Callable[[], object]]]:
+def calls(store: Bucket, key: str, fd: int) -> list[tuple[str, Callable[[], object]]]:
     """Every call of the client, ready to run (the file ones on `fd`, 100 bytes)."""
     return [
         ("head", lambda: store.head(key)),
@@ -39,7 +39,7 @@ def calls(store: S3Store, key: str, fd: int) -> list[tuple[str, Callable[[], obj
 
 
 def assert_every_call_raises(
-    store: S3Store, error: type[StoreError], tmp_path: Path, skip: tuple[str, ...] = ()
+    store: Bucket, error: type[BucketError], tmp_path: Path, skip: tuple[str, ...] = ()
 ) -> list[str]:
     body = tmp_path / "body"
     body.write_bytes(b"z" * 100)
@@ -58,34 +58,34 @@ def assert_every_call_raises(
 
 def test_a_wrong_secret_is_an_auth_error(seaweed: Seaweed, tmp_path: Path) -> None:
     store = seaweed.store(secret_key="not-" + SECRET_KEY)
-    messages = assert_every_call_raises(store, StoreAuthError, tmp_path)
+    messages = assert_every_call_raises(store, BucketAuthError, tmp_path)
     assert "HTTP 403 SignatureDoesNotMatch" in messages[1]  # from the GET's error body
     assert "HTTP 403" in messages[0]  # a HEAD's answer has no body
 
 
 def test_an_unknown_access_key_is_an_auth_error(seaweed: Seaweed, tmp_path: Path) -> None:
     credentials = Credentials("nosuchkey", SECRET_KEY)
-    store = S3Store(seaweed.endpoint, BUCKET, credentials)
-    messages = assert_every_call_raises(store, StoreAuthError, tmp_path)
+    store = Bucket(seaweed.endpoint, BUCKET, credentials)
+    messages = assert_every_call_raises(store, BucketAuthError, tmp_path)
     assert "InvalidAccessKeyId" in messages[1]
 
 
 def test_a_missing_bucket_is_a_refusal(seaweed: Seaweed, tmp_path: Path) -> None:
     """Every call but HEAD says NoSuchBucket; a HEAD's 404 has no body to tell a missing
     bucket from a missing key, so it answers None (the layout's GET tells them apart)."""
-    store = S3Store(seaweed.endpoint, "no-such-bucket", Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, StoreRefused, tmp_path, skip=("head",))
+    store = Bucket(seaweed.endpoint, "no-such-bucket", Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(store, BucketRefused, tmp_path, skip=("head",))
     assert all("NoSuchBucket" in message for message in messages)
     assert store.head("t/errors/key") is None
 
 
 def test_a_killed_store_is_unavailable_and_recovers(
-    seaweed: Seaweed, s3_store: S3Store, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, tmp_path: Path
 ) -> None:
     s3_store.put_if_absent("t/killed/k", b"kept")
     seaweed.kill()
     try:
-        messages = assert_every_call_raises(s3_store, StoreUnavailable, tmp_path)
+        messages = assert_every_call_raises(s3_store, BucketUnavailable, tmp_path)
         assert "Connection refused" in messages[0]
     finally:
         seaweed.start()
@@ -94,8 +94,8 @@ def test_a_killed_store_is_unavailable_and_recovers(
 
 def test_a_port_nothing_listens_on_is_unavailable(tmp_path: Path) -> None:
     (port,) = free_ports(1)
-    store = S3Store(f"http://127.0.0.1:{port}", BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, StoreUnavailable, tmp_path)
+    store = Bucket(f"http://127.0.0.1:{port}", BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
     assert all("Connection refused" in message for message in messages)
 
 
@@ -109,9 +109,9 @@ def silent_listener() -> Iterator[str]:
 
 
 def test_a_store_that_never_answers_times_out(silent_listener: str, tmp_path: Path) -> None:
-    store = S3Store(silent_listener, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY), timeout=0.3)
+    store = Bucket(silent_listener, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY), timeout=0.3)
     started = time.monotonic()
-    messages = assert_every_call_raises(store, StoreUnavailable, tmp_path)
+    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
     elapsed = time.monotonic() - started
     assert all("not done within 0.3 s" in message for message in messages)
     assert elapsed < len(messages) * 0.3 + 2.0  # one timeout each: a timeout is not retried
@@ -144,7 +144,7 @@ def test_an_https_endpoint_works_with_its_ca_from_aws_ca_bundle(
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         "AWS_CA_BUNDLE": str(certificates.ca),
     }
-    store = S3Store.from_config(config, environ)
+    store = Bucket.from_config(config, environ)
     body = tmp_path / "block"
     body.write_bytes(b"b" * (1 << 20))
     with body.open("rb") as file:  # unsigned payload over TLS, sent through the TLS socket
@@ -156,16 +156,16 @@ def test_an_https_endpoint_works_with_its_ca_from_aws_ca_bundle(
 
 def test_an_untrusted_certificate_is_unavailable(tls_seaweed: Seaweed, tmp_path: Path) -> None:
     """Without the CA the system's roots do not vouch for the store: the client refuses it
-    (StoreUnavailable: TLS failed), as for any endpoint whose certificate does not verify."""
-    store = S3Store(tls_seaweed.endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, StoreUnavailable, tmp_path)
+    (BucketUnavailable: TLS failed), as for any endpoint whose certificate does not verify."""
+    store = Bucket(tls_seaweed.endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
     assert all("TLS: " in message for message in messages)
 
 
 def test_plain_http_to_a_tls_port_is_not_a_success(tls_seaweed: Seaweed, tmp_path: Path) -> None:
     endpoint = tls_seaweed.endpoint.replace("https://", "http://")
-    store = S3Store(endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
-    with pytest.raises(StoreRefused, match="HTTP 400"):
+    store = Bucket(endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    with pytest.raises(BucketRefused, match="HTTP 400"):
         store.get("t/tls/block", 10)
 
 
@@ -175,9 +175,9 @@ def test_from_config_uses_the_configured_endpoint_bucket_and_timeout(
     config = Config(dir=tmp_path, socket=tmp_path / "kvd.sock", remote=f"s3://{BUCKET}/p/q")
     config = replace(config, remote_endpoint=seaweed.endpoint, remote_request_timeout=2.5)
     environ = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-    store = S3Store.from_config(config, environ)
-    assert (store.endpoint, store.bucket, store.timeout) == (seaweed.endpoint, BUCKET, 2.5)
+    store = Bucket.from_config(config, environ)
+    assert (store.endpoint, store.name, store.timeout) == (seaweed.endpoint, BUCKET, 2.5)
     assert store.head("t/config/absent") is None
-    without = S3Store.from_config(config, {"HOME": str(tmp_path)})
-    with pytest.raises(StoreAuthError, match="no credentials"):
+    without = Bucket.from_config(config, {"HOME": str(tmp_path)})
+    with pytest.raises(BucketAuthError, match="no credentials"):
         without.head("t/config/absent")  # read at the first request, as at every later one

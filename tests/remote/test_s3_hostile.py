@@ -1,6 +1,6 @@
 """The client against a store that misbehaves on purpose (a loopback server sending what each
 test scripts): bodies past the limit, bodies cut short, trickles, floods of error text,
-broken listings and headers. Every case is a StoreError, in bounded time and memory, and the
+broken listings and headers. Every case is a BucketError, in bounded time and memory, and the
 client goes on working after it."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvd.remote.bucket import Bucket, BucketError, BucketUnavailable, ObjectTooLarge
 from kvd.remote.credentials import Credentials
 from kvd.remote.deadlines import Interrupt
-from kvd.remote.s3 import ObjectTooLarge, S3Store, StoreError, StoreUnavailable
 
 Script = Callable[[socket.socket, bytes], None]  # answers one request (its head given)
 LIMIT = 1 << 20
@@ -73,19 +73,19 @@ def hostile() -> Iterator[HostileStore]:
 
 
 @pytest.fixture
-def store(hostile: HostileStore) -> Iterator[S3Store]:
-    client = S3Store(hostile.endpoint, "kvd", Credentials("AKID", SECRET), timeout=0.5)
+def store(hostile: HostileStore) -> Iterator[Bucket]:
+    client = Bucket(hostile.endpoint, "kvd", Credentials("AKID", SECRET), timeout=0.5)
     yield client
     client.close()
 
 
-def still_works(hostile: HostileStore, store: S3Store) -> None:
+def still_works(hostile: HostileStore, store: Bucket) -> None:
     hostile.script = ok
     assert store.get("k", 2) == b"ok"
 
 
 def test_a_declared_length_past_the_limit_is_refused_unread(
-    hostile: HostileStore, store: S3Store, tmp_path: Path
+    hostile: HostileStore, store: Bucket, tmp_path: Path
 ) -> None:
     def huge(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10737418240\r\n\r\n")
@@ -102,7 +102,7 @@ def test_a_declared_length_past_the_limit_is_refused_unread(
 
 
 def test_an_endless_chunked_body_stops_at_the_limit(
-    hostile: HostileStore, store: S3Store, tmp_path: Path
+    hostile: HostileStore, store: Bucket, tmp_path: Path
 ) -> None:
     chunk = b"x" * 65536
     framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
@@ -122,23 +122,23 @@ def test_an_endless_chunked_body_stops_at_the_limit(
 
 
 def test_a_body_cut_short_is_the_store_failing(
-    hostile: HostileStore, store: S3Store, tmp_path: Path
+    hostile: HostileStore, store: Bucket, tmp_path: Path
 ) -> None:
     def short(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 600)
         connection.shutdown(socket.SHUT_WR)
 
     hostile.script = short
-    with pytest.raises(StoreUnavailable, match="ended at 600 of 1000 bytes"):
+    with pytest.raises(BucketUnavailable, match="ended at 600 of 1000 bytes"):
         store.get("k", LIMIT)
-    with (tmp_path / "staging").open("w+b") as file, pytest.raises(StoreUnavailable):
+    with (tmp_path / "staging").open("w+b") as file, pytest.raises(BucketUnavailable):
         store.get_to_file("k", file.fileno(), LIMIT)
     still_works(hostile, store)
 
 
 @pytest.mark.parametrize("part", ["stall", "body", "head"])
 def test_a_slow_answer_ends_at_the_calls_deadline(
-    hostile: HostileStore, store: S3Store, part: str
+    hostile: HostileStore, store: Bucket, part: str
 ) -> None:
     """A body that stalls, or a body or head sent a byte at a time, each well within the
     read timeout (0.5 s): the call ends at its deadline, the request timeout from its start
@@ -158,17 +158,17 @@ def test_a_slow_answer_ends_at_the_calls_deadline(
 
     hostile.script = slow
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=r"not done within 0.5 s"):
+    with pytest.raises(BucketUnavailable, match=r"not done within 0.5 s"):
         store.get("k", LIMIT)
     assert time.monotonic() - started < 1.5
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=r"not done within 2 s"):
+    with pytest.raises(BucketUnavailable, match=r"not done within 2 s"):
         store.get("k", LIMIT, deadline=time.monotonic() + 2.0)
     assert 1.5 < time.monotonic() - started < 3.0
     still_works(hostile, store)
 
 
-def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store: S3Store) -> None:
+def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store: Bucket) -> None:
     def hang(connection: socket.socket, request: bytes) -> None:
         time.sleep(5.0)
 
@@ -180,7 +180,7 @@ def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store
         with store.interruptible(interrupt):
             try:
                 store.get("k", LIMIT, deadline=time.monotonic() + 30.0)
-            except StoreError as error:
+            except BucketError as error:
                 failures.append(error)
 
     thread = threading.Thread(target=call)
@@ -194,7 +194,7 @@ def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store
     still_works(hostile, store)
 
 
-def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileStore, store: S3Store) -> None:
+def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileStore, store: Bucket) -> None:
     def flood(connection: socket.socket, head: bytes) -> None:
         body = b"<Error><Code>SlowDown</Code>" + b"<Message>" + b"z" * (64 << 20)
         connection.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n" % len(body))
@@ -202,21 +202,21 @@ def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileStore, store: S
 
     hostile.script = flood
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="HTTP 503 SlowDown"):
+    with pytest.raises(BucketUnavailable, match="HTTP 503 SlowDown"):
         store.put_if_absent("k", b"v")
     assert time.monotonic() - started < 2.0
     still_works(hostile, store)
 
 
 def test_an_error_code_is_shown_only_when_it_is_a_code(
-    hostile: HostileStore, store: S3Store
+    hostile: HostileStore, store: Bucket
 ) -> None:
     def odd(connection: socket.socket, head: bytes) -> None:
         body = f"<Code>Denied {SECRET}\x1b[2J</Code>".encode()
         connection.sendall(b"HTTP/1.1 403 No\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
 
     hostile.script = odd
-    with pytest.raises(StoreError) as raised:
+    with pytest.raises(BucketError) as raised:
         store.get("k", LIMIT)
     assert str(raised.value) == "GET k: HTTP 403: credentials refused"
 
@@ -231,21 +231,21 @@ def test_an_error_code_is_shown_only_when_it_is_a_code(
     ids=["status line", "too many headers", "header too long"],
 )
 def test_a_broken_answer_is_the_store_failing(
-    hostile: HostileStore, store: S3Store, answer: bytes
+    hostile: HostileStore, store: Bucket, answer: bytes
 ) -> None:
     def broken(connection: socket.socket, head: bytes) -> None:
         connection.sendall(answer)
         connection.shutdown(socket.SHUT_WR)
 
     hostile.script = broken
-    with pytest.raises(StoreUnavailable):
+    with pytest.raises(BucketUnavailable):
         store.get("k", LIMIT)
     still_works(hostile, store)
 
 
-def test_a_head_without_a_size_is_the_store_failing(hostile: HostileStore, store: S3Store) -> None:
+def test_a_head_without_a_size_is_the_store_failing(hostile: HostileStore, store: Bucket) -> None:
     hostile.script = lambda connection, head: connection.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
-    with pytest.raises(StoreUnavailable, match="no Content-Length"):
+    with pytest.raises(BucketUnavailable, match="no Content-Length"):
         store.head("k")
 
 
@@ -265,18 +265,18 @@ def test_a_head_without_a_size_is_the_store_failing(hostile: HostileStore, store
     ids=["truncated", "bad size", "entity expansion"],
 )
 def test_a_broken_listing_is_the_store_failing(
-    hostile: HostileStore, store: S3Store, listing: bytes, expected: str
+    hostile: HostileStore, store: Bucket, listing: bytes, expected: str
 ) -> None:
     def answer(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(listing))
         connection.sendall(listing)
 
     hostile.script = answer
-    with pytest.raises(StoreUnavailable, match=expected):
+    with pytest.raises(BucketUnavailable, match=expected):
         store.list("p/", 10)
 
 
-def test_a_listing_that_never_ends_stops(hostile: HostileStore, store: S3Store) -> None:
+def test_a_listing_that_never_ends_stops(hostile: HostileStore, store: Bucket) -> None:
     """Pages that say more follow, with no keys (or the same keys), end at the caller's
     limit or at the first empty page."""
     page = (

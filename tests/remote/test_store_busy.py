@@ -17,8 +17,8 @@ from daemon_process import Daemon, running_daemon
 from fake_bucket import Answer, FakeBucket, every_request, running_bucket, status
 from remote_e2e import flush_remote, logged, remote_status
 
+from kvd.remote.bucket import Bucket, BucketBusy, BucketUnavailable
 from kvd.remote.credentials import Credentials
-from kvd.remote.s3 import S3Store, StoreBusy, StoreUnavailable
 
 STORM_S = 4.0
 LOOKUP_BOUND_S = 1.0  # a lookup answers far within this whatever the store says
@@ -87,7 +87,7 @@ def test_a_slow_down_storm_slows_uploads_and_never_takes_the_store_down(tmp_path
         assert "down" not in seen
         assert "degraded" in seen
         assert now["state"] == "degraded", "the storm was within 30 s"
-        assert "503 SlowDown: the store asks for fewer requests" in now["last_error"]
+        assert "503 SlowDown: the bucket asks for fewer requests" in now["last_error"]
         # Backing off 0.5 s doubling (and jittered), a few rounds of at most a few requests;
         # asked again at once, it would have been hundreds.
         assert asked < 40, asked
@@ -159,8 +159,8 @@ def test_a_fetch_waits_out_a_short_storm_and_completes(tmp_path: Path) -> None:
 def test_which_answers_ask_to_slow_down(call: str, answer: Answer, busy: bool) -> None:
     with running_bucket() as bucket:
         bucket.on(every_request, answer)
-        client = S3Store(bucket.endpoint, bucket.bucket, Credentials("K", "s"), timeout=2.0)
-        with pytest.raises(StoreUnavailable) as raised:
+        client = Bucket(bucket.endpoint, bucket.bucket, Credentials("K", "s"), timeout=2.0)
+        with pytest.raises(BucketUnavailable) as raised:
             client.head("k") if call == "head" else client.get("k", 10)
         client.close()
-    assert isinstance(raised.value, StoreBusy) is busy, raised.value
+    assert isinstance(raised.value, BucketBusy) is busy, raised.value

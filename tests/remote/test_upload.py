@@ -19,8 +19,8 @@ from remote_e2e import flush_remote, put_plan, remote_flags, remote_status, stor
 from seaweed import BUCKET, SECRET_KEY, Seaweed
 
 from kvd.remote import keys
+from kvd.remote.bucket import Bucket
 from kvd.remote.layout import encode_layout, layout_of
-from kvd.remote.s3 import S3Store
 from kvd.store.tier_dir import TierDir
 
 SHARED = list(range(1000, 1000 + 4 * BLOCK_TOKENS))  # four whole blocks the entries share
@@ -33,7 +33,7 @@ def conversation(n: int, own_blocks: int = 1) -> list[int]:
 
 
 def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_new_blocks(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     with (
         running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
@@ -67,7 +67,7 @@ def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_ne
 
 
 def test_a_block_the_store_holds_is_not_sent_again(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A second daemon (its own tier: another Mac) stores the same conversation: every
     conditional create finds the block there (412), counted, nothing rewritten."""
@@ -88,7 +88,7 @@ def test_a_block_the_store_holds_is_not_sent_again(
 
 
 def test_checkpoints_and_hybrids_upload_nothing(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     def kv(count: int) -> LayerSpec:
         spec = TensorSpec("float16", (1, 2, count, 8))
@@ -121,7 +121,7 @@ def test_checkpoints_and_hybrids_upload_nothing(
 
 
 def test_never_uploads_nothing(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="never")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -138,7 +138,7 @@ def test_never_uploads_nothing(
 
 
 def test_second_hit_uploads_once_a_lookup_hits_the_entry(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="second-hit")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -155,7 +155,7 @@ def test_second_hit_uploads_once_a_lookup_hits_the_entry(
 
 
 def test_kvctl_shows_the_remote_tier_and_never_its_secret(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     with (
         running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
@@ -197,7 +197,7 @@ def test_a_daemon_without_a_remote_tier_says_so(daemon: Daemon) -> None:
 
 
 def test_entries_unlike_the_stored_layout_upload_nothing_and_say_so_once(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """Daemon A's entries fix the identity's layout; daemon B's engine writes the same
     identity's KV with other shapes: B keeps its blocks local, warns once, counts each."""

@@ -29,7 +29,7 @@ from remote_e2e import (
 from seaweed import SECRET_KEY, Seaweed
 
 from kvd.remote import keys
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 
 DIGEST = IDENTITY.digest()
 LOOKUP_BOUND_S = 1.0  # a lookup with the store gone answers far within this (it never asks)
@@ -75,7 +75,7 @@ def store_paused(seaweed: Seaweed) -> Iterator[None]:
 
 
 def test_over_its_cap_the_queue_drops_the_oldest_never_the_one_in_flight(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """At one block a second, the first entry's five blocks take seconds to go; three more
     come meanwhile into a queue of one block's bytes: the two older ones are dropped."""
@@ -103,7 +103,7 @@ def test_over_its_cap_the_queue_drops_the_oldest_never_the_one_in_flight(
 
 
 def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_killed(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix)
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -132,7 +132,7 @@ def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_kil
 
 
 def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it_is_back(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix)
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -161,7 +161,7 @@ def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it
 
 
 def test_wrong_credentials_run_local_only_and_say_so_once_without_the_secret(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     wrong = "not-the-secret-0f3c9"
     flags = remote_flags(seaweed, tmp_path, s3_prefix, secret=wrong)
@@ -187,7 +187,7 @@ def test_wrong_credentials_run_local_only_and_say_so_once_without_the_secret(
 
 
 def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_send(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """Nothing queued, nothing dropped: with the store down (credentials refused), `flush
     --remote` still says what it could not do, and exits 1."""
@@ -200,13 +200,13 @@ def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_s
         assert first == (
             f"not done: 0 puts not durable, 0 uploads (0 B) still pending, {dropped_since(0)}"
         )
-        assert down.startswith("the remote store is down: ")
+        assert down.startswith("the remote bucket is down: ")
         assert "403" in down
         assert "durable and uploaded" not in said.stdout
 
 
 def test_drops_a_slow_store_provokes_are_logged_once_a_period_with_the_count_left_out(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """One block a second into a queue of one block's bytes: every entry put meanwhile drops
     the one queued before it. Five drops in a moment are one line; the next drop, a period

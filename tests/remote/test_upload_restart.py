@@ -23,7 +23,7 @@ from remote_e2e import (
 from seaweed import Seaweed
 
 from kvd.remote import journal_format, keys
-from kvd.remote.s3 import S3Store
+from kvd.remote.bucket import Bucket
 from kvd.store.tier_dir import TierDir
 
 DIGEST = IDENTITY.digest()
@@ -37,7 +37,7 @@ def prompt(n: int, blocks: int) -> list[int]:
 BLOCK_SIZE = manifest_plan(IDENTITY, prompt(0, 1)).block_size
 
 
-def missing_blocks(store: S3Store, prefix: str, entries: list[Begun]) -> list[str]:
+def missing_blocks(store: Bucket, prefix: str, entries: list[Begun]) -> list[str]:
     objects = stored(store, prefix)
     return [
         key
@@ -65,7 +65,7 @@ def queue_slowly(daemon: Daemon, peer: RawPeer, count: int) -> list[Begun]:
 
 
 def test_uploads_a_kill_cut_off_are_offered_again_at_the_next_start_and_all_arrive(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -91,7 +91,7 @@ def test_uploads_a_kill_cut_off_are_offered_again_at_the_next_start_and_all_arri
 
 
 def test_uploads_a_sigterm_cut_off_are_offered_again_at_the_next_start(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -107,7 +107,7 @@ def test_uploads_a_sigterm_cut_off_are_offered_again_at_the_next_start(
 
 
 def test_second_hit_uploads_a_kill_cut_off_go_without_another_hit(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE, upload="second-hit")
     with running_daemon(tmp_path, slow) as daemon:
@@ -129,7 +129,7 @@ def test_second_hit_uploads_a_kill_cut_off_go_without_another_hit(
 
 
 def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -172,7 +172,7 @@ def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
 
 
 def test_a_damaged_journal_is_a_warning_and_the_newest_entries_are_offered_again(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -196,7 +196,7 @@ def test_a_damaged_journal_is_a_warning_and_the_newest_entries_are_offered_again
 
 
 def test_the_journal_stays_small_however_many_uploads_pass(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """Every upload is two records (joined, left); the journal is compacted when the records
     left behind dominate, so after 300 uploads it holds at most the smallest journal worth
@@ -216,7 +216,7 @@ def test_the_journal_stays_small_however_many_uploads_pass(
 
 
 def test_a_journal_that_cannot_be_read_or_written_is_said_and_the_uploads_go_on(
-    seaweed: Seaweed, s3_store: S3Store, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A folder where the journal's file should be: start-up says it cannot read it, every
     write says it cannot write it (once), and the uploads reach the store all the same."""

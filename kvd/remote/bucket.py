@@ -3,13 +3,13 @@
 Blocking and thread-safe: each thread keeps one connection (keep-alive) to the endpoint. Every
 call has a deadline on its whole duration (connect, send, the answer's head and body; by
 default the request timeout from now): a watchdog thread shuts down the connection of a call
-still under way at its deadline, so a store that trickles its answer a byte at a time cannot
+still under way at its deadline, so a bucket that trickles its answer a byte at a time cannot
 hold a call past it. Another thread may end a call at once the same way (deadlines.Interrupt,
 bound to the calling thread by interruptible(): the daemon's event loop, for a call it no
 longer waits for). Bodies are read into the caller's file or buffer and never past the
-caller's limit, so a hostile or broken store cannot make the daemon hold more than it asked
+caller's limit, so a hostile or broken bucket cannot make the daemon hold more than it asked
 for. Requests are signed with SigV4 in the Authorization header; over plain http a body's
-sha256 is signed too (the store refuses a body changed on the way), over https TLS already
+sha256 is signed too (the bucket refuses a body changed on the way), over https TLS already
 protects it and the body goes unsigned (no hash pass over every block uploaded). Addressing
 is path-style (bucket in the path), which every S3-compatible server takes; AWS's own
 endpoint gets the bucket in the host name.
@@ -17,16 +17,16 @@ endpoint gets the bucket in the host name.
 The credentials are a CredentialSource's, as they are at each request (read again when they
 change, expire or are refused: credential_source.py), or fixed ones.
 
-Failures come as StoreError subclasses whose messages name the call and the cause, never a
+Failures come as BucketError subclasses whose messages name the call and the cause, never a
 secret:
-    StoreUnavailable  no connection, a reset, not done by its deadline ("not done within N
+    BucketUnavailable  no connection, a reset, not done by its deadline ("not done within N
                       s"), interrupted, TLS refused, 5xx
-      StoreBusy       the store asks to slow down: 429, 503 SlowDown, a 503 with Retry-After,
+      BucketBusy       the bucket asks to slow down: 429, 503 SlowDown, a 503 with Retry-After,
                       a 503 to a HEAD (which has no body to say SlowDown in)
-    StoreAuthError    no credentials, or the store refused them (401/403)
-      StoreClockSkewed  a refusal for the clock: RequestTimeTooSkewed, or the answer's Date
+    BucketAuthError    no credentials, or the bucket refused them (401/403)
+      BucketClockSkewed  a refusal for the clock: RequestTimeTooSkewed, or the answer's Date
                       more than SKEW_LIMIT_S from this machine's ("clock off by N s")
-    StoreRefused      any other refusal (4xx: NoSuchBucket, InvalidRequest, ...)
+    BucketRefused      any other refusal (4xx: NoSuchBucket, InvalidRequest, ...)
     ObjectTooLarge    an object longer than the caller's limit
 """
 
@@ -64,16 +64,16 @@ SKEW_LIMIT_S: Final = 300.0  # a refusal whose answer's Date is further off is p
 BUSY_WAIT_MAX_S: Final = 60.0  # a Retry-After is honoured up to this
 
 
-class StoreError(Exception):
-    """A call to the store failed; the message never holds a secret."""
+class BucketError(Exception):
+    """A call to the bucket failed; the message never holds a secret."""
 
 
-class StoreUnavailable(StoreError):  # noqa: N818 - reads as the state the health takes
-    """The store did not answer, or answered that it cannot now (5xx)."""
+class BucketUnavailable(BucketError):  # noqa: N818 - reads as the state the health takes
+    """The bucket did not answer, or answered that it cannot now (5xx)."""
 
 
-class StoreBusy(StoreUnavailable):
-    """The store asks for fewer requests (429, 503 SlowDown): it is there, and answers again
+class BucketBusy(BucketUnavailable):
+    """The bucket asks for fewer requests (429, 503 SlowDown): it is there, and answers again
     after a while; retry_after, the seconds it asked for (Retry-After), if it said."""
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
@@ -81,24 +81,24 @@ class StoreBusy(StoreUnavailable):
         self.retry_after = retry_after
 
 
-class StoreAuthError(StoreError):
-    """No credentials, or the store refused them."""
+class BucketAuthError(BucketError):
+    """No credentials, or the bucket refused them."""
 
 
-class StoreClockSkewed(StoreAuthError):  # noqa: N818 - reads as the store's answer
-    """The store refused the request for this machine's clock, not its credentials; offset,
-    the store's clock minus this machine's in seconds, when its answer had a Date."""
+class BucketClockSkewed(BucketAuthError):  # noqa: N818 - reads as the bucket's answer
+    """The bucket refused the request for this machine's clock, not its credentials; offset,
+    the bucket's clock minus this machine's in seconds, when its answer had a Date."""
 
     def __init__(self, message: str, offset: float | None) -> None:
         super().__init__(message)
         self.offset = offset
 
 
-class StoreRefused(StoreError):  # noqa: N818 - reads as the store's answer
-    """The store refused the request itself (a 4xx other than auth)."""
+class BucketRefused(BucketError):  # noqa: N818 - reads as the bucket's answer
+    """The bucket refused the request itself (a 4xx other than auth)."""
 
 
-class ObjectTooLarge(StoreError):  # noqa: N818 - reads as what the store holds
+class ObjectTooLarge(BucketError):  # noqa: N818 - reads as what the bucket holds
     """An object is longer than the caller would read."""
 
 
@@ -130,7 +130,7 @@ def _describe(error: BaseException, bound: Bound) -> str:
     return type(error).__name__
 
 
-def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreError:
+def _failure(what: str, response: http.client.HTTPResponse, code: str) -> BucketError:
     """The error an answer means; `code` is S3's error Code if the body had one."""
     status = response.status
     message = f"{what}: HTTP {status}" + (f" {code}" if code else "")
@@ -138,24 +138,24 @@ def _failure(what: str, response: http.client.HTTPResponse, code: str) -> StoreE
     # A HEAD's answer has no body, so no Code: S3 answers a HEAD it would slow down 503 alone.
     asked = code == "SlowDown" or retry_after is not None or what.startswith("HEAD ")
     if status == 429 or (status == 503 and asked):
-        return StoreBusy(f"{message}: the store asks for fewer requests", retry_after)
+        return BucketBusy(f"{message}: the bucket asks for fewer requests", retry_after)
     if status >= 500:
-        return StoreUnavailable(message)
+        return BucketUnavailable(message)
     if status in (401, 403):
         offset = _clock_offset_of(response)
         off = offset is not None and abs(offset) > SKEW_LIMIT_S
         if off or code == "RequestTimeTooSkewed":
             by = f" by {round(abs(offset))} s" if off and offset is not None else ""
             side = "" if not by else " (behind)" if offset and offset > 0 else " (ahead)"
-            return StoreClockSkewed(
-                f"{message}: this machine's clock is off{by}{side} from the store's", offset
+            return BucketClockSkewed(
+                f"{message}: this machine's clock is off{by}{side} from the bucket's", offset
             )
-        return StoreAuthError(f"{message}: credentials refused")
-    return StoreRefused(message)
+        return BucketAuthError(f"{message}: credentials refused")
+    return BucketRefused(message)
 
 
 def _clock_offset_of(response: http.client.HTTPResponse) -> float | None:
-    """The store's clock minus this machine's, in seconds, from the answer's Date (None
+    """The bucket's clock minus this machine's, in seconds, from the answer's Date (None
     without one); to the second, as the header is."""
     return _offset(response.getheader("date"), time.time())
 
@@ -181,7 +181,7 @@ def _retry_after(response: http.client.HTTPResponse) -> float | None:
     return min(float(value), BUSY_WAIT_MAX_S)
 
 
-class S3Store:
+class Bucket:
     """One bucket of an S3-compatible store; keys are relative to the bucket."""
 
     def __init__(
@@ -199,7 +199,7 @@ class S3Store:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url!r} is not http(s)://HOST[:PORT]")
         self.endpoint = url
-        self.bucket = bucket
+        self.name = bucket
         self.timeout = timeout
         self._tls = parts.scheme == "https"
         self._host = parts.hostname
@@ -221,13 +221,13 @@ class S3Store:
         environ: Mapping[str, str] | None = None,
         *,
         credentials: CredentialSource | None = None,
-    ) -> S3Store:
-        """The store `config.remote` names, signed with the credentials `credentials` reads
-        (by default a source of config and environ's): every call raises StoreAuthError while
+    ) -> Bucket:
+        """The bucket `config.remote` names, signed with the credentials `credentials` reads
+        (by default a source of config and environ's): every call raises BucketAuthError while
         there are none, or they cannot be read (a file that is not 0600, ...). A CA bundle for
         a private TLS endpoint comes from AWS_CA_BUNDLE, as for AWS's own tools."""
         if not config.remote:
-            raise ValueError("the remote setting is empty: there is no store")
+            raise ValueError("the remote setting is empty: there is no bucket")
         environ = os.environ if environ is None else environ
         bucket = config.remote.removeprefix("s3://").partition("/")[0]
         if credentials is None:
@@ -243,7 +243,7 @@ class S3Store:
         )
 
     def __repr__(self) -> str:
-        return f"S3Store({self.endpoint!r}, bucket={self.bucket!r})"
+        return f"Bucket({self.endpoint!r}, name={self.name!r})"
 
     # The calls.
 
@@ -258,7 +258,7 @@ class S3Store:
                 raise _failure(f"HEAD {key}", response, "")
             size = _content_length(response)
             if size is None:
-                raise StoreUnavailable(f"HEAD {key}: the answer has no Content-Length")
+                raise BucketUnavailable(f"HEAD {key}: the answer has no Content-Length")
             return size
 
     def get(self, key: str, limit: int, *, deadline: float | None = None) -> bytes | None:
@@ -301,7 +301,7 @@ class S3Store:
     ) -> bool:
         """As put_if_absent, the body the first `size` bytes of `fd` (sent with sendfile over
         http; the fd's offset moves). ValueError if the file is shorter; the file's own read
-        errors are OSErrors, not StoreErrors (sent through TLS, the store's and the file's
+        errors are OSErrors, not BucketErrors (sent through TLS, the bucket's and the file's
         cannot be told apart)."""
         if os.fstat(fd).st_size < size:
             raise ValueError(f"the file ended at {os.fstat(fd).st_size} of {size} bytes")
@@ -367,7 +367,7 @@ class S3Store:
         return signed
 
     def clock_offset(self) -> float | None:
-        """The store's clock minus this machine's, in seconds, by the Date of the last answer
+        """The bucket's clock minus this machine's, in seconds, by the Date of the last answer
         this thread had (None: none, or without a Date)."""
         date: tuple[str | None, float] | None = getattr(self._local, "date", None)
         return None if date is None else _offset(*date)
@@ -381,7 +381,7 @@ class S3Store:
             try:
                 credentials = self._source.current()
             except CredentialsError as error:
-                raise StoreAuthError(str(error)) from None
+                raise BucketAuthError(str(error)) from None
             if signer is None or signer.credentials is not credentials:
                 signer = self._signer = Signer(credentials, self._region)
         assert signer is not None  # fixed credentials have their signer from the start
@@ -430,9 +430,9 @@ class S3Store:
         file: tuple[int, int] | None = None,
     ) -> http.client.HTTPResponse:
         """Sends one signed request and returns the response, its body unread. A connection
-        kept from an earlier call that turns out closed by the store (its idle timeout, a
+        kept from an earlier call that turns out closed by the bucket (its idle timeout, a
         restart) is replaced once; a conditional PUT sent twice that way answers 412 the
-        second time if the first reached the store, which reads as "already there": true.
+        second time if the first reached the bucket, which reads as "already there": true.
         Every step is within bound: its connect and sends by their socket timeout, the
         whole by the watchdog (bound's Interrupt shuts the socket down)."""
         path = uri_path(self._root + "/" + key) if key is not None else self._root or "/"
@@ -477,7 +477,7 @@ class S3Store:
                 connection.close()
                 again = retry and reused and not bound.interrupt.interrupted
                 if not again or isinstance(error, TimeoutError):
-                    raise StoreUnavailable(f"{what}: {_describe(error, bound)}") from None
+                    raise BucketUnavailable(f"{what}: {_describe(error, bound)}") from None
                 retry = False
             except ValueError:  # the caller's file is shorter than it said
                 connection.close()
@@ -493,7 +493,7 @@ class S3Store:
     ) -> int:
         """Reads the body into `sink(chunk, offset)`, never more than limit + 1 bytes; the
         size read. A body that ends before its Content-Length, or not by bound's deadline
-        (the watchdog shut its socket: it looks ended), is the store failing; the sink's own
+        (the watchdog shut its socket: it looks ended), is the bucket failing; the sink's own
         errors (a full disk) are the caller's, raised as they are."""
         declared = _content_length(response)
         if declared is not None and declared > limit:
@@ -506,7 +506,7 @@ class S3Store:
                 count = response.readinto(buffer[: min(len(buffer), limit + 1 - total)])
             except (OSError, http.client.HTTPException) as error:
                 self._drop(response)
-                raise StoreUnavailable(f"{what}: {_describe(error, bound)}") from None
+                raise BucketUnavailable(f"{what}: {_describe(error, bound)}") from None
             if not count:
                 break
             if total + count > limit:
@@ -520,10 +520,10 @@ class S3Store:
             total += count
         if bound.interrupt.interrupted:
             self._drop(response)
-            raise StoreUnavailable(f"{what}: {_describe(TimeoutError(), bound)}")
+            raise BucketUnavailable(f"{what}: {_describe(TimeoutError(), bound)}")
         if declared is not None and total != declared:
             self._drop(response)
-            raise StoreUnavailable(f"{what}: the body ended at {total} of {declared} bytes")
+            raise BucketUnavailable(f"{what}: the body ended at {total} of {declared} bytes")
         return total
 
     def _read_all(
@@ -557,7 +557,7 @@ class S3Store:
         return match.group(1).decode() if match else ""
 
     def _check(self, response: http.client.HTTPResponse, what: str) -> None:
-        """Raises the StoreError a status other than 2xx means."""
+        """Raises the BucketError a status other than 2xx means."""
         if not 200 <= response.status < 300:
             raise _failure(what, response, self._error_code(response))
 
@@ -621,7 +621,7 @@ def _parse_list(page: bytes, what: str) -> tuple[list[tuple[str, int]], str]:
     try:
         root = ET.fromstring(page)
     except ET.ParseError:
-        raise StoreUnavailable(f"{what}: the listing is not XML") from None
+        raise BucketUnavailable(f"{what}: the listing is not XML") from None
     entries = []
     token = ""
     truncated = False
@@ -631,7 +631,7 @@ def _parse_list(page: bytes, what: str) -> tuple[list[tuple[str, int]], str]:
             fields = {child.tag.rpartition("}")[2]: child.text or "" for child in element}
             size = fields.get("Size", "")
             if "Key" not in fields or not size.isdigit():
-                raise StoreUnavailable(f"{what}: a listed object without key or size")
+                raise BucketUnavailable(f"{what}: a listed object without key or size")
             entries.append((fields["Key"], int(size)))
         elif tag == "IsTruncated":
             truncated = (element.text or "").strip() == "true"
