@@ -81,7 +81,7 @@ DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one res
 DEFAULT_LEASE_MAX_AGE = 300.0
 # Partial frames of all connections together: 32 frames of the largest size at once.
 DEFAULT_FRAME_BUFFER_BYTES = 256 << 20
-# A get waits this long at most for blocks only the remote store holds: a 32k-token prefix of
+# A get waits this long at most for blocks only the remote bucket holds: a 32k-token prefix of
 # an 8B-shaped model is ~4 GiB, a few seconds over 10 GbE, while its prefill takes minutes.
 DEFAULT_REMOTE_FETCH_TIMEOUT = 5.0
 DEFAULT_REMOTE_MIN_TOKENS = 256  # fewer tokens recompute faster than a round trip pays
@@ -355,8 +355,8 @@ class Config:
         metadata=setting(
             quantities.duration,
             "SECONDS",
-            "a request to the store not done within this (connect, send, the whole answer) "
-            "fails, and counts against the store's health",
+            "a request to the bucket not done within this (connect, send, the whole answer) "
+            "fails, and counts against the bucket's health",
         ),
     )
     remote_requests: int = field(

@@ -163,7 +163,7 @@ def get_logger(name: str) -> FilteringBoundLogger:
 
 
 class RateLimited:
-    """Lines a client or the remote store can provoke at will, at most one line per event
+    """Lines a client or the remote bucket can provoke at will, at most one line per event
     every `every` seconds: the next line says how many were left out meanwhile (`suppressed`)."""
 
     def __init__(

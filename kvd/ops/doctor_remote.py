@@ -78,7 +78,7 @@ def remote_lines(config: Config, environ: dict[str, str]) -> list[Line]:
     source = CredentialSource(config.remote_credentials_file, environ)
     bucket = Bucket.from_config(config, environ, credentials=source)
     try:
-        lines = [_store_line(config, bucket), *_proxy_lines(environ)]
+        lines = [_bucket_line(config, bucket), *_proxy_lines(environ)]
         try:
             credentials = source.current()
         except CredentialsError as error:
@@ -89,7 +89,7 @@ def remote_lines(config: Config, environ: dict[str, str]) -> list[Line]:
         bucket.close()
 
 
-def _store_line(config: Config, bucket: Bucket) -> Line:
+def _bucket_line(config: Config, bucket: Bucket) -> Line:
     style = "path-style" if config.remote_endpoint else "virtual-host"
     if not config.remote_endpoint and "." in bucket.name:
         style = "path-style (a bucket name with a dot)"

@@ -131,16 +131,16 @@ REMOTE_GAUGES = (
     ("restart_gone", "kvd_remote_restart_gone", "of them, dropped: their entry gone"),
 )
 REMOTE_COUNTERS = (
-    ("uploaded_blocks", "kvd_remote_uploaded_blocks", "blocks written to the remote store"),
-    ("uploaded_bytes", "kvd_remote_uploaded_bytes", "bytes written to the remote store"),
-    ("already_there_blocks", "kvd_remote_already_there_blocks", "blocks the store held already"),
+    ("uploaded_blocks", "kvd_remote_uploaded_blocks", "blocks written to the remote bucket"),
+    ("uploaded_bytes", "kvd_remote_uploaded_bytes", "bytes written to the remote bucket"),
+    ("already_there_blocks", "kvd_remote_already_there_blocks", "blocks the bucket held already"),
     ("upload_drops", "kvd_remote_upload_drops", "uploads dropped: queue cap, store down, error"),
     ("upload_dropped_bytes", "kvd_remote_upload_dropped_bytes", "bytes of the uploads dropped"),
     ("not_shareable", "kvd_remote_not_shareable", "entries kept local: checkpoints, hybrids"),
     ("layout_mismatch", "kvd_remote_layout_mismatch", "entries unlike their stored layout"),
-    ("downloaded_blocks", "kvd_remote_downloaded_blocks", "blocks fetched from the store"),
-    ("downloaded_bytes", "kvd_remote_downloaded_bytes", "bytes fetched from the store"),
-    ("hits", "kvd_remote_hits", "fetches from the store committed"),
+    ("downloaded_blocks", "kvd_remote_downloaded_blocks", "blocks fetched from the bucket"),
+    ("downloaded_bytes", "kvd_remote_downloaded_bytes", "bytes fetched from the bucket"),
+    ("hits", "kvd_remote_hits", "fetches from the bucket committed"),
     ("abandoned_requests", "kvd_remote_abandoned_requests", "store requests cut off mid-way"),
 )
 REMOTE_STATES = ("ok", "degraded", "down")
@@ -273,7 +273,7 @@ def _remote_metrics(remote: Mapping[str, Any]) -> Iterator[Metric]:
     by reason and its fetch rate."""
     yield from _flat(remote, REMOTE_GAUGES, REMOTE_COUNTERS)
     state = GaugeMetricFamily(
-        "kvd_remote_state", "the remote store's health (1: the state it is in)", labels=["state"]
+        "kvd_remote_state", "the remote bucket's health (1: the state it is in)", labels=["state"]
     )
     for name in REMOTE_STATES:
         state.add_metric([name], float(remote.get("state") == name))
@@ -288,7 +288,7 @@ def _remote_metrics(remote: Mapping[str, Any]) -> Iterator[Metric]:
     if _number(remote.get("restore_gbps_p50")):
         yield GaugeMetricFamily(
             "kvd_remote_restore_bytes_per_second",
-            "median speed of the recent fetches from the store (probe to commit)",
+            "median speed of the recent fetches from the bucket (probe to commit)",
             value=remote["restore_gbps_p50"] * 1e9,
         )
 
