@@ -17,7 +17,7 @@ from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import BLOCKS_FEATURE, DropReport, EntrySummary
 
-from . import calls
+from . import calls, put_calls
 from .breaker import Breaker
 from .calls import Call
 from .entry_io import TensorData
@@ -174,7 +174,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
         """Hand an entry to the daemon: one copy of each tensor into the staging file.
         dropped: snapshots of this identity the engine dropped since it last told, told with
         the commit to a daemon that offers "engine_drops" (a ticket with an id: committed)."""
-        outcome = yield from calls.put_entry(
+        outcome = yield from put_calls.put_entry(
             self._link,
             identity,
             tokens,

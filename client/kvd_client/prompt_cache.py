@@ -30,7 +30,7 @@ from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError
 from kvd_protocol.messages import MAX_BLOCK_BATCH
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import calls
+from . import calls, put_calls
 from .block_io import BlockReads
 from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
@@ -134,7 +134,7 @@ def put(
     asked for a cache without a codec."""
     layers, tensors, entry_meta = encode(cache, len(tokens), meta)
     return (
-        yield from calls.put_entry(
+        yield from put_calls.put_entry(
             link,
             identity.to_protocol(),
             tokens,

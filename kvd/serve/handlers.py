@@ -23,8 +23,8 @@ from kvd.serve.op_row import Context, Handler, Later, Op, Waits, awaited
 from kvd.serve.status import tenant_report
 from kvd.serve.tenant_bounds import check_digest, check_identity, refused
 from kvd.store.miss_reasons import Miss
+from kvd.store.records import summary
 from kvd.store.staged_put import DeclaredBlocks
-from kvd.store.tier import summary
 
 FEATURES = (
     "put",

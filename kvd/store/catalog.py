@@ -52,6 +52,10 @@ class Counters:
     abandoned: int = 0
     bytes_written: int = 0
 
+    def hit_unused(self) -> None:
+        """A hit the engine could not use (its restore report says why): a miss, as per model."""
+        self.hits, self.misses = max(0, self.hits - 1), self.misses + 1
+
 
 @dataclass
 class IdentityCounts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvd_protocol.entry import EntryHeader
+from kvd_protocol.messages import EntrySummary
 from kvd_protocol.tokens import TOKEN_BYTES
 
 # Packed little-endian u32 token ids: a new entry's own bytes, or, for an entry loaded from the
@@ -82,4 +83,20 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
         checkpoint_key=header.checkpoint.key if header.checkpoint else None,
         block_hashes=header.block_hashes,
         prefill_checkpoint=header.prefill_checkpoint,
+    )
+
+
+def summary(record: EntryRecord) -> EntrySummary:
+    """An entry as a lookup or a list page shows it."""
+    return EntrySummary(
+        id=record.id,
+        identity=record.digest,
+        tokens=record.token_count,
+        bytes=record.logical_bytes,  # what restoring it reads: its file and its blocks
+        trimmable=record.trimmable,
+        created=record.created,
+        durable=record.durable,
+        used=record.used_at or None,
+        leases=record.leases,
+        prefill_checkpoint=record.prefill_checkpoint,
     )

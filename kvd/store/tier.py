@@ -47,7 +47,7 @@ from kvd.store.notices import Notices
 from kvd.store.prefix_index import Match, PrefixIndex
 from kvd.store.puts import HANDOUTS_PER_BLOCK, Puts
 from kvd.store.quarantine import Quarantine
-from kvd.store.records import EntryRecord
+from kvd.store.records import EntryRecord, summary
 from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.store.telemetry import Telemetry
 from kvd.store.tickets import TicketAnswer, Tickets
@@ -559,9 +559,8 @@ class Tier:
         record = self.leases.release(owner, lease_id)
         if report is not None:
             self.telemetry.restored(record.digest, report, time.time())
-            if report.miss is not None:  # a hit the engine could not use: a miss, as per model
-                counters = self.catalog.counters
-                counters.hits, counters.misses = max(0, counters.hits - 1), counters.misses + 1
+            if report.miss is not None:
+                self.catalog.counters.hit_unused()
         return record
 
     async def check_reported(self, owner: int, record: EntryRecord, damaged: str) -> None:
@@ -646,19 +645,3 @@ class Tier:
             count += 1
             freed += self.catalog.evicted(record)
         return count, freed
-
-
-def summary(record: EntryRecord) -> EntrySummary:
-    """An entry as a lookup or a list page shows it."""
-    return EntrySummary(
-        id=record.id,
-        identity=record.digest,
-        tokens=record.token_count,
-        bytes=record.logical_bytes,  # what restoring it reads: its file and its blocks
-        trimmable=record.trimmable,
-        created=record.created,
-        durable=record.durable,
-        used=record.used_at or None,
-        leases=record.leases,
-        prefill_checkpoint=record.prefill_checkpoint,
-    )
