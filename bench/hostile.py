@@ -352,7 +352,6 @@ def _row(key: str, count: int | str) -> None:
 
 def print_table(result: Result, seconds: float, seed: int, kinds: list[str]) -> None:
     tally, samples = result.shared.tally, result.samples
-    mib = 1 << 20
     print(f"hostile run: {seconds:g} s, seed {seed}, kinds on: {', '.join(kinds)}")
     sections = {
         "hostile action": sorted(tally.requests.items()),
@@ -369,14 +368,21 @@ def print_table(result: Result, seconds: float, seed: int, kinds: list[str]) -> 
         _row(title, "count")
         for key, count in rows:
             _row(key, count)
-    if samples.rss:
-        print(f"\n{'daemon':<12}{'start':>10}{'peak':>10}{'end':>10}")
-        rss = [samples.rss[0] / mib, max(samples.rss) / mib, samples.rss[-1] / mib]
-        print(f"{'RSS MiB':<12}" + "".join(f"{value:>10.1f}" for value in rss))
-        print(f"{'open fds':<12}{samples.fds[0]:>10}{max(samples.fds):>10}{samples.fds[-1]:>10}")
+    print_samples(samples)
     print(f"\nexit code on SIGTERM: {result.exit_code}")
     for problem in result.problems:
         print(f"PROBLEM: {problem}")
+
+
+def print_samples(samples: Samples) -> None:
+    """The daemon's RSS and descriptors at start, peak and end of a run."""
+    if not samples.rss:
+        return
+    mib = 1 << 20
+    print(f"\n{'daemon':<12}{'start':>10}{'peak':>10}{'end':>10}")
+    rss = [samples.rss[0] / mib, max(samples.rss) / mib, samples.rss[-1] / mib]
+    print(f"{'RSS MiB':<12}" + "".join(f"{value:>10.1f}" for value in rss))
+    print(f"{'open fds':<12}{samples.fds[0]:>10}{max(samples.fds):>10}{samples.fds[-1]:>10}")
 
 
 def main() -> None:

@@ -395,13 +395,18 @@ KINDS: dict[str, Kind] = {
 }
 
 
-def chosen_kinds(spec: str) -> list[str]:
+def chosen(spec: str, known: list[str], default: list[str]) -> list[str]:
+    """The kinds a --kinds value names: "default", "all", or names separated by commas."""
     if spec == "default":
-        return [name for name, kind in KINDS.items() if kind.default]
+        return default
     if spec == "all":
-        return list(KINDS)
+        return known
     names = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in names if name not in KINDS]
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise SystemExit(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
+        raise SystemExit(f"unknown kinds {unknown}; known: {', '.join(known)}")
     return names
+
+
+def chosen_kinds(spec: str) -> list[str]:
+    return chosen(spec, list(KINDS), [name for name, kind in KINDS.items() if kind.default])

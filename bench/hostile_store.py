@@ -46,7 +46,8 @@ import psutil
 from _daemon import Daemon, DaemonProcessError, socket_folder
 from blocks_e2e import BLOCK_TOKENS, look_up, put_v2, put_v2_settled
 from daemon_e2e import RawPeer
-from hostile import accounting_problems, shared_restores_exactly
+from hostile import Samples, accounting_problems, print_samples, shared_restores_exactly
+from hostile_kinds import chosen
 from hostile_liar import Tally, identity
 from kvd_protocol import messages as m
 from kvd_protocol.identity import Identity
@@ -156,15 +157,8 @@ STORE_KINDS: Final[dict[str, StoreKind]] = {
 
 
 def chosen_kinds(spec: str) -> list[str]:
-    if spec == "default":
-        return [name for name, kind in STORE_KINDS.items() if kind.on]
-    if spec == "all":
-        return list(STORE_KINDS)
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STORE_KINDS]
-    if unknown:
-        raise SystemExit(f"unknown kinds: {', '.join(unknown)}; known: {', '.join(STORE_KINDS)}")
-    return names
+    on = [name for name, kind in STORE_KINDS.items() if kind.on]
+    return chosen(spec, list(STORE_KINDS), on)
 
 
 class Hostility:
@@ -283,16 +277,6 @@ def _engine(run: Callable[[Engines, random.Random], None], engines: Engines, see
 
 
 # --- the run -------------------------------------------------------------------------------
-
-
-@dataclass
-class Samples:
-    rss: list[int] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)
-
-    def take(self, process: psutil.Process) -> None:
-        self.rss.append(process.memory_info().rss)
-        self.fds.append(process.num_fds())
 
 
 @dataclass
@@ -512,12 +496,7 @@ def print_table(result: Result, seconds: float, seed: int, rate: float, kinds: l
     _row(f"lookups ({len(times.lookups)})", _ms(times.lookups))
     slow = sum(t > DEADLINE for t in times.pings + times.lookups)
     _row(f"answers past an engine's {DEADLINE:g} s deadline", slow)
-    if samples.rss:
-        mib = 1 << 20
-        print(f"\n{'daemon':<12}{'start':>10}{'peak':>10}{'end':>10}")
-        rss = [samples.rss[0] / mib, max(samples.rss) / mib, samples.rss[-1] / mib]
-        print(f"{'RSS MiB':<12}" + "".join(f"{value:>10.1f}" for value in rss))
-        print(f"{'open fds':<12}{samples.fds[0]:>10}{max(samples.fds):>10}{samples.fds[-1]:>10}")
+    print_samples(samples)
     stop = "-" if result.stop_seconds is None else f"{result.stop_seconds:.2f} s"
     print(f"\nlog lines: {result.log_lines}; SIGTERM: exit {result.exit_code} in {stop}")
     for problem in result.problems:

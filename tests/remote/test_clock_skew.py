@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Iterator
 from email.utils import formatdate
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from fake_bucket import (
 from remote_e2e import logged, wait_remote
 
 from kvd.remote.bucket import Bucket, BucketAuthError, BucketClockSkewed
-from kvd.remote.credentials import Credentials
 
 
 def refused_with_date(bucket: FakeBucket, code: str) -> None:
@@ -38,19 +36,6 @@ def refused_with_date(bucket: FakeBucket, code: str) -> None:
         send(connection, 403, error_xml(code), date=date, head=request)
 
     bucket.on(every_request, answer)
-
-
-@pytest.fixture
-def bucket() -> Iterator[FakeBucket]:
-    with running_bucket() as fake:
-        yield fake
-
-
-@pytest.fixture
-def client(bucket: FakeBucket) -> Iterator[Bucket]:
-    store = Bucket(bucket.endpoint, bucket.bucket, Credentials("AKID", "s"), timeout=2.0)
-    yield store
-    store.close()
 
 
 def off_by(message: str) -> int:

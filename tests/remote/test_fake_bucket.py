@@ -4,26 +4,12 @@ calls all answered as S3 would), hostile where a rule says, and closed whole."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-from fake_bucket import FakeBucket, hang, key_has, reset, running_bucket, status
+from fake_bucket import FakeBucket, hang, key_has, reset, status
 
 from kvd.remote.bucket import Bucket, BucketUnavailable
 from kvd.remote.credentials import Credentials
-
-
-@pytest.fixture
-def bucket() -> Iterator[FakeBucket]:
-    with running_bucket() as fake:
-        yield fake
-
-
-@pytest.fixture
-def client(bucket: FakeBucket) -> Iterator[Bucket]:
-    store = Bucket(bucket.endpoint, bucket.bucket, Credentials("AKID", "secret"), timeout=1.0)
-    yield store
-    store.close()
 
 
 def test_honest_calls(bucket: FakeBucket, client: Bucket) -> None:
