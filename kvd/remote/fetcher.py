@@ -39,7 +39,7 @@ from anyio.abc import TaskGroup
 from kvd_protocol.blocks import block_name
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan
-from kvd_protocol.errors import ErrorCode, ProtocolError
+from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import MAX_BLOCK_BATCH, Lookup
 from kvd_protocol.tokens import TOKEN_BYTES
@@ -286,15 +286,17 @@ class Fetcher:
         except ProtocolError as exc:  # the commit removed its files
             if exc.code is not ErrorCode.INVALID_ENTRY:
                 raise FetchError("refused", exc.message) from None
-            self._damaged(identity.digest(), plan.hashes, put.held_blocks, exc.message)
+            refused = exc.__cause__
+            name = refused.name if isinstance(refused, EntryFormatError) else ""
+            self._damaged(identity.digest(), plan.hashes, put.held_blocks, name)
             raise FetchError("damaged", exc.message) from None
         _lap(phases, "commit", mark)
         return plan.entry.file_size + blocks * plan.block_size
 
-    def _damaged(self, digest: str, hashes: Sequence[bytes], first: int, message: str) -> None:
-        """Remember the block the commit refused (the one its message names, else the last:
-        the chain as a whole), so no later probe goes as far as it."""
-        named = (h for h in hashes[first:] if message.startswith(block_name(h) + ":"))
+    def _damaged(self, digest: str, hashes: Sequence[bytes], first: int, refused: str) -> None:
+        """Remember the block the commit refused (refused: the file it named; the last block,
+        the chain as a whole, when that is none of them), so no later probe goes as far."""
+        named = (h for h in hashes[first:] if block_name(h) == refused)
         self._context.damaged.add((digest, next(named, hashes[-1])))
 
     async def _write(self, put: Put, fd: int, plan: ManifestPlan, deadline: float) -> None:

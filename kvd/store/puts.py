@@ -469,7 +469,8 @@ class Puts:
         except EntryFormatError as exc:
             self.refused_at_commit += 1
             broken_rules.warning("put_refused", put=put.id, owner=put.owner, reason=str(exc))
-            raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from None
+            # The cause stays: it names the file refused (a fetch remembers that block).
+            raise ProtocolError(ErrorCode.INVALID_ENTRY, str(exc)) from exc
         except OSError as exc:  # a copy that found no room, say: the engine is told so
             raise _staging_error(exc, put.reserved) from None
         finally:
