@@ -9,9 +9,11 @@ from pathlib import Path
 import daemon_process
 import pytest
 from daemon_process import Daemon, running_daemon
+from fake_bucket import FakeBucket, running_bucket
 from seaweed import Seaweed, running_seaweed, weed_binary
 
 from kvd.remote.bucket import Bucket
+from kvd.remote.credentials import Credentials
 
 
 @pytest.fixture(autouse=True)
@@ -82,3 +84,20 @@ def s3_prefix(request: pytest.FixtureRequest) -> str:
     """A key prefix of the test's own, so tests sharing a store do not see each other's
     objects."""
     return f"t/{request.node.name}"
+
+
+@pytest.fixture
+def fake_bucket() -> Iterator[FakeBucket]:
+    """A fake bucket on loopback (tests/remote/fake_bucket.py), honest until a test scripts it."""
+    with running_bucket() as fake:
+        yield fake
+
+
+@pytest.fixture
+def bucket_client(fake_bucket: FakeBucket) -> Iterator[Bucket]:
+    """The S3 client on the fake bucket, each call bounded by 2 s."""
+    store = Bucket(
+        fake_bucket.endpoint, fake_bucket.bucket, Credentials("AKID", "secret"), timeout=2.0
+    )
+    yield store
+    store.close()
