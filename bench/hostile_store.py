@@ -68,6 +68,7 @@ STOP_MARGIN: Final = 5.0  # seconds a stop may take past shutdown_deadline
 SHUTDOWN_DEADLINE: Final = 5.0
 SAMPLE_SECONDS: Final = 0.1
 EVICT_EVERY: Final = 1.5  # seconds between evictions of the fetched entries
+SETTLE_SECONDS: Final = 30.0  # for the fetches under way at the end to commit or abort
 RECOVERY_SECONDS: Final = 70.0  # the health's longest backoff (60 s) and a fetch
 FLAGS: Final = [
     "--remote-min-tokens", str(2 * BLOCK_TOKENS),
@@ -392,8 +393,8 @@ def run(folder: Path, seconds: float, seed: int, *, rate: float, kinds: list[str
 
 def _check_the_end(daemon: Daemon, result: Result) -> None:
     """The store honest again: the untouched prompts fetched exactly, the others exact or
-    missed; then, the fetches ended, counts against the directory and every local entry
-    restored exactly."""
+    missed; then counts against the directory (once the fetches those lookups started ended)
+    and every local entry restored exactly."""
     engines, tally = result.engines, result.engines.tally
     with RawPeer(engines.socket_path) as peer:
         for prompt in engines.untouched:
@@ -406,15 +407,12 @@ def _check_the_end(daemon: Daemon, result: Result) -> None:
             result.final[f"seeded, at the end: {outcome}"] += 1
             if outcome in {"wrong", "refused"}:
                 tally.problem(f"a seeded prompt at the end: {outcome}")
-        settle = time.monotonic() + 30
-        while os.listdir(daemon.tier / "staging") and time.monotonic() < settle:
-            time.sleep(0.2)  # the fetches and puts under way end
         reply = peer.call(m.Flush(id=peer.next_id(), timeout=30.0, remote=False))
         if not isinstance(reply, m.FlushReply) or not reply.durable:
             tally.problem(f"the flush did not make everything durable: {reply}")
-        result.remote = dict(_status(peer).get("remote") or {})
-        for problem in accounting_problems(peer, daemon.tier):
+        for problem in _settled_accounting(peer, daemon):
             tally.problem(problem)
+        result.remote = dict(_status(peer).get("remote") or {})
         for tokens in sorted(engines.local):
             outcome = shared_restores_exactly(peer, LOCAL, tokens)
             result.final[f"local: {outcome}"] += 1
@@ -423,6 +421,18 @@ def _check_the_end(daemon: Daemon, result: Result) -> None:
     slowest = max(engines.times.pings + engines.times.lookups, default=0.0)
     if slowest > PING_LIMIT:
         tally.problem(f"an answer took {slowest:.2f} s (limit {PING_LIMIT:g} s)")
+
+
+def _settled_accounting(peer: RawPeer, daemon: Daemon) -> list[str]:
+    """Where the counts differ from the directory once the fetches the last lookups started
+    in the background have ended (each commits, or aborts, within the fetch timeout): asked
+    again until none differs, SETTLE_SECONDS at most; the last answer."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        problems = accounting_problems(peer, daemon.tier)
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(0.2)
 
 
 def _fetched_again(engines: Engines, peer: RawPeer, prompt: list[int]) -> str:
