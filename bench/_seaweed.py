@@ -51,7 +51,7 @@ class LinkedSeaweed(Seaweed):
 
 
 def credentials_file(folder: Path) -> Path:
-    """The store's credentials as a daemon reads them (`remote_credentials_file`, 0600)."""
+    """The bucket's credentials as a daemon reads them (`remote_credentials_file`, 0600)."""
     path = folder / "credentials"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as file:

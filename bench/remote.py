@@ -5,14 +5,14 @@ Per link (loopback; then, where the machine allows, the emulated 1 and 10 Gbit/s
 bench/_netem.py, each measured by a transfer through it first), a `weed mini` runs on the
 link's far end and two daemons on this side, each on a tier of its own ("two Macs"):
 - A stores, per block count N (--blocks) and cache, a prompt cache of N blocks of 256 tokens
-  (Client.put); its uploads go to the store, waited for (uploads uncapped);
+  (Client.put); its uploads go to the bucket, waited for (uploads uncapped);
 - per remote_requests R (--requests) and rep (--repeat), B starts afresh (empty tier, that
   remote_requests, no uploads) and each prompt is asked of it once by Client.get: lookup,
-  probe of the store, fetch of the N blocks, check, commit and restore, timed around the call
+  probe of the bucket, fetch of the N blocks, check, commit and restore, timed around the call
   ("remote"); a get that restores less, or without a fetch, fails the run. Of that, B's own
   fetch (probe to commit) and its downloads, from its `remote_fetched` events ("fetch",
   "downloads"); then the same GETs of the same blocks by the same S3 client outside any
-  daemon, R at once, into files ("same GETs outside"): what the store gives the downloads
+  daemon, R at once, into files ("same GETs outside"): what the bucket gives the downloads
   at that moment, so "downloads ÷ outside" near 1 says the fetch path is not the bound;
 - anchors in the same run: the same get on B again once its files left the page cache
   ("local cold": sync and drop_caches as root, else posix_fadvise DONTNEED of each file;
@@ -25,7 +25,7 @@ block), the bandwidth figures; and "tiny", the tests' tiny llama's own cache (2 
 comparison (the prefill runs on OpenBLAS where installed, as in bench/ttft.py). The
 break-even prompt length is where remote and recompute cross (interpolated between block
 counts, at R = the largest of --requests); the restores of fewer than remote_min_tokens (256)
-past the local match never ask the store.
+past the local match never ask the bucket.
 
 A get whose probe outlasts the lookup's wait (30 ms) misses at once, as designed: the fetch
 goes on, and the engine's next get waits for it or finds the prefix local. The bench asks
@@ -181,9 +181,9 @@ def fetched_events(log: Path) -> list[Fetched]:
     return found
 
 
-def outside_get(store: Bucket, digest: str, prompt: Prompt, requests: int, folder: Path) -> float:
+def outside_get(bucket: Bucket, digest: str, prompt: Prompt, requests: int, folder: Path) -> float:
     """Seconds the S3 client, outside any daemon, takes to GET the prompt's blocks from the
-    same store into files, requests at once: what the store allows the fetch's downloads."""
+    same bucket into files, requests at once: what the bucket allows the fetch's downloads."""
     hashes = block_hashes(pack_tokens(prompt.tokens), BLOCK_TOKENS)
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -191,8 +191,8 @@ def outside_get(store: Bucket, digest: str, prompt: Prompt, requests: int, folde
         fd = os.open(folder / str(index), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             key = keys.block_key(PREFIX, digest, hashes[index])
-            if store.get_to_file(key, fd, 1 << 40) is None:
-                raise RuntimeError(f"{key} is not in the store")
+            if bucket.get_to_file(key, fd, 1 << 40) is None:
+                raise RuntimeError(f"{key} is not in the bucket")
         finally:
             os.close(fd)
 
@@ -256,7 +256,7 @@ def local_get(client: Client, prompt: Prompt) -> float:
 
 
 def remote_get(client: Client, prompt: Prompt) -> tuple[float, bool]:
-    """Seconds until a Client.get of a prompt only the store holds restored it, and whether
+    """Seconds until a Client.get of a prompt only the bucket holds restored it, and whether
     the first get missed: its probe was not done within the lookup's wait, so the engine
     would recompute, and the fetch goes on (the next get waits for it or finds it local)."""
     started = time.perf_counter()
@@ -300,7 +300,7 @@ def run_link(
     rows: dict[tuple[str, int, int], Row] = {}
     server = LinkedSeaweed(folder / "store", link)
     server.start()
-    store = server.store()
+    bucket = server.bucket()
     try:
         flags = remote_flags(server.endpoint, credentials_file(folder))
         with running_daemon(folder / "a", [*flags, "--remote-upload-rate", "0"]) as a:
@@ -328,7 +328,7 @@ def run_link(
                         row.fetch.append(event.seconds)
                         row.download.append(event.download)
                         row.outside.append(
-                            outside_get(store, event.identity, prompt, requests, folder / "got")
+                            outside_get(bucket, event.identity, prompt, requests, folder / "got")
                         )
                     client.flush(SETTLE_SECONDS)
                     drop_files(b.tier)  # once untimed: the first drop evicts code pages too
@@ -338,7 +338,7 @@ def run_link(
                         row = rows[(prompt.kind, prompt.blocks, requests)]
                         row.cold.append(local_get(client, prompt))
     finally:
-        store.close()
+        bucket.close()
         server.stop()
     return rows
 
@@ -407,7 +407,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS))
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, raise_exit)  # the store and daemons stopped on the way out
+    signal.signal(signal.SIGTERM, raise_exit)  # the bucket and daemons stopped on the way out
     use_openblas()  # as bench/ttft.py: the prefill on the BLAS an engine here would use
     made, recompute = prompts(sorted(args.blocks), args.repeat)
     unavailable = link_unavailable()

@@ -1,5 +1,5 @@
 """Uploads to the remote tier: how fast a daemon's uploader sends stored entries' blocks to
-the store, against the S3 client sending the same block files itself (the anchor: what the
+the bucket, against the S3 client sending the same block files itself (the anchor: what the
 store and the client allow on this machine), and what a second daemon pays for blocks the
 store holds already (a HEAD each, no body).
 
@@ -94,18 +94,18 @@ def one_daemon(
 
 def anchor(seaweed: Seaweed, files: list[Path], prefix: str, threads: int) -> float:
     """Seconds for the S3 client to PUT the files itself, threads at once."""
-    store = seaweed.store(timeout=60.0)
+    bucket = seaweed.bucket(timeout=60.0)
 
     def send(path: Path) -> None:
         with path.open("rb") as file:
             key = f"{prefix}/{path.name}"
-            assert store.put_file_if_absent(key, file.fileno(), path.stat().st_size)
+            assert bucket.put_file_if_absent(key, file.fileno(), path.stat().st_size)
 
     began = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(send, files))
     seconds = time.perf_counter() - began
-    store.close()
+    bucket.close()
     return seconds
 
 

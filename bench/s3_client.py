@@ -1,5 +1,5 @@
 """The S3 client's GET and PUT throughput on loopback against a real SeaweedFS (`weed mini`),
-so that the remote tier's benchmarks know whether the client or the store sets the pace.
+so that the remote tier's benchmarks know whether the client or the bucket sets the pace.
 
     .venv/bin/python bench/s3_client.py [--sizes 4 16] [--objects 32] [--threads 1 4]
                                         [--repeat 3] [--dir PATH]
@@ -8,10 +8,10 @@ Each row moves `--objects` MiB-sized objects with `--threads` threads (one conne
 PUT is put_file_if_absent of a file (sendfile; the body's sha256 signed, as over plain http),
 GET is get_to_file into a file (pwrite). Printed as a markdown table: MiB/s (median of the
 repeats, then min-max), the client's CPU time per second of wall time (the rest is the
-store's, on the same 2 cores), and the ratios to two anchors measured in the same run: curl
+bucket's, on the same 2 cores), and the ratios to two anchors measured in the same run: curl
 (libcurl's C client, --aws-sigv4) moving the same objects one at a time against the same
 store (where curl is installed), and the same bytes through a loopback TCP socket by one
-thread (no HTTP, no store), what no client could beat here. sha256 MiB/s shows what
+thread (no HTTP, no bucket), what no client could beat here. sha256 MiB/s shows what
 signing a body costs a PUT.
 """
 
@@ -102,7 +102,7 @@ def curl_rates(
 
 
 def run_size(
-    store: Bucket, folder: Path, size: int, *, objects: int, threads: int, repeat: int
+    bucket: Bucket, folder: Path, size: int, *, objects: int, threads: int, repeat: int
 ) -> list[tuple[str, list[float], list[float]]]:
     """(operation, MiB/s of each repeat, client CPU share of each repeat) for PUT and GET."""
     body = os.urandom(size)
@@ -115,12 +115,12 @@ def run_size(
 
         def put(key: str) -> None:
             with source.open("rb") as file:
-                assert store.put_file_if_absent(key, file.fileno(), size)
+                assert bucket.put_file_if_absent(key, file.fileno(), size)
 
         def get(key: str) -> None:
             fd = os.open(folder / f"target-{threading.get_ident()}", os.O_RDWR | os.O_CREAT)
             try:
-                assert store.get_to_file(key, fd, size) == size
+                assert bucket.get_to_file(key, fd, size) == size
             finally:
                 os.close(fd)
 
@@ -128,7 +128,7 @@ def run_size(
             puts.append(timed(lambda: list(pool.map(put, keys))))  # noqa: B023 - run at once
             gets.append(timed(lambda: list(pool.map(get, keys))))  # noqa: B023 - run at once
         for key in keys:
-            store.delete(key)
+            bucket.delete(key)
     total = size * objects / MiB
     return [
         (name, [total / wall for wall, _ in runs], [cpu / wall for wall, cpu in runs])
@@ -142,12 +142,12 @@ def main() -> None:
     parser.add_argument("--objects", type=int, default=32, help="objects per row")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", help="where the store and the files live (default: a temp dir)")
+    parser.add_argument("--dir", help="where the bucket and the files live (default: a temp dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
         with running_seaweed(folder / "store") as seaweed:
-            store = seaweed.store()
+            bucket = seaweed.bucket()
             print(
                 "| object | threads | op | MiB/s (min-max) | client CPU/wall "
                 "| × curl | × loopback TCP |"
@@ -171,7 +171,7 @@ def main() -> None:
                     )
                 for threads in args.threads:
                     rows = run_size(
-                        store,
+                        bucket,
                         folder,
                         size,
                         objects=args.objects,
@@ -187,7 +187,7 @@ def main() -> None:
                             f"{statistics.median(shares):.2f} | {against_curl} "
                             f"| {median / tcp:.3f} |"
                         )
-            store.close()
+            bucket.close()
 
 
 if __name__ == "__main__":

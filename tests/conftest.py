@@ -62,7 +62,7 @@ def _tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
-    """A real S3 store (SeaweedFS `weed mini` on loopback, tests/remote/seaweed.py), one for a
+    """A real S3 bucket (SeaweedFS `weed mini` on loopback, tests/remote/seaweed.py), one for a
     test module: it takes 1-3 s to start. A test that kills it starts it again."""
     assert weed_binary().exists(), f"{weed_binary()} is missing: install the dev extras"
     with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server:
@@ -70,18 +70,18 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
 
 
 @pytest.fixture
-def s3_store(seaweed: Seaweed) -> Iterator[Bucket]:
-    """A client of the test store's bucket, closed after the test."""
+def seaweed_bucket(seaweed: Seaweed) -> Iterator[Bucket]:
+    """A client of the test bucket, closed after the test."""
     if seaweed.process is None:  # a test before killed it and failed before restarting it
         seaweed.start()
-    client = seaweed.store(timeout=5.0)
+    client = seaweed.bucket(timeout=5.0)
     yield client
     client.close()
 
 
 @pytest.fixture
 def s3_prefix(request: pytest.FixtureRequest) -> str:
-    """A key prefix of the test's own, so tests sharing a store do not see each other's
+    """A key prefix of the test's own, so tests sharing a bucket do not see each other's
     objects."""
     return f"t/{request.node.name}"
 
@@ -96,8 +96,8 @@ def fake_bucket() -> Iterator[FakeBucket]:
 @pytest.fixture
 def bucket_client(fake_bucket: FakeBucket) -> Iterator[Bucket]:
     """The S3 client on the fake bucket, each call bounded by 2 s."""
-    store = Bucket(
+    bucket = Bucket(
         fake_bucket.endpoint, fake_bucket.bucket, Credentials("AKID", "secret"), timeout=2.0
     )
-    yield store
-    store.close()
+    yield bucket
+    bucket.close()

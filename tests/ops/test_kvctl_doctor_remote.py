@@ -1,4 +1,4 @@
-"""`kvctl doctor --remote` run for real against SeaweedFS and the fake bucket: a store that
+"""`kvctl doctor --remote` run for real against SeaweedFS and the fake bucket: a bucket that
 honours If-None-Match passes, one that ignores it fails, a clock off is a warning or a failure,
 the probe object is deleted every time, a proxy variable is said to be ignored (and is), and a
 running daemon's settings are the ones tried."""
@@ -54,8 +54,8 @@ def marks(result: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]
     return {each["check"]: (each["result"], each["detail"]) for each in json.loads(result.stdout)}
 
 
-def test_an_honest_store_passes_and_keeps_nothing(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path, sockets: Path
+def test_an_honest_bucket_passes_and_keeps_nothing(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path, sockets: Path
 ) -> None:
     env = settings(f"s3://{BUCKET}/{s3_prefix}", seaweed.endpoint, credentials(tmp_path))
     result = remote_doctor(sockets, env)
@@ -66,7 +66,7 @@ def test_an_honest_store_passes_and_keeps_nothing(
     assert "path-style" in lines[1]
     assert "a second write with If-None-Match: * refused" in result.stdout
     assert SECRET_KEY not in result.stdout
-    assert stored(s3_store, s3_prefix) == {}, "the probe object deleted"
+    assert stored(seaweed_bucket, s3_prefix) == {}, "the probe object deleted"
 
 
 def test_a_wrong_secret_fails_at_the_write(
@@ -90,7 +90,7 @@ def fake(bucket: FakeBucket, tmp_path: Path) -> dict[str, str]:
     return settings(f"s3://{bucket.bucket}/team", bucket.endpoint, credentials(tmp_path))
 
 
-def test_a_store_that_ignores_if_none_match_fails(tmp_path: Path, sockets: Path) -> None:
+def test_a_bucket_that_ignores_if_none_match_fails(tmp_path: Path, sockets: Path) -> None:
     with running_bucket(ignore_if_none_match=True) as bucket:
         result = remote_doctor(sockets, fake(bucket, tmp_path), "--json")
         assert result.returncode == 1

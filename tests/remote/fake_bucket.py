@@ -4,7 +4,7 @@ scripts otherwise.
 
 A test turns it hostile by rules: `bucket.on(match, answer)` makes every request that match(request)
 accepts get answer(connection, request) instead of the honest answer (the newest rule first;
-`times=` limits how often a rule fires). The answers below are the misbehaviours of a store that
+`times=` limits how often a rule fires). The answers below are the misbehaviours of a bucket that
 is faulty, overloaded or hostile: an error status (503 SlowDown, 429, 403 with any S3 code), a
 clock refusal (`skewed`), a body trickled a few bytes at a time, a head or body that never comes
 (`hang`), a reset, a body other than the object's, a page of HTML. `requests` counts what was
@@ -65,7 +65,7 @@ class FakeBucket:
 
     bucket: str = BUCKET
     ignore_if_none_match: bool = False
-    date_offset: float = 0.0  # seconds added to the Date header (a store whose clock is off)
+    date_offset: float = 0.0  # seconds added to the Date header (a bucket whose clock is off)
     objects: dict[str, bytes] = field(default_factory=dict)
     requests: Counter[tuple[str, str | None]] = field(default_factory=Counter)
     _rules: list[Rule] = field(default_factory=list)

@@ -1,5 +1,5 @@
-"""What the remote tier's end-to-end tests share: a daemon's flags for the test store, its
-`remote` status, a put of any planned v2 entry, the store's objects."""
+"""What the remote tier's end-to-end tests share: a daemon's flags for the test bucket, its
+`remote` status, a put of any planned v2 entry, the bucket's objects."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ WRITABLE_S = 60.0
 WARM_BYTES = 64 << 10
 
 
-class Store(Protocol):
-    """A test store a daemon can be pointed at: SeaweedFS (seaweed.py), the fake bucket
+class BucketServer(Protocol):
+    """A test bucket a daemon can be pointed at: SeaweedFS (seaweed.py), the fake bucket
     (fake_bucket.py)."""
 
     @property
@@ -35,9 +35,9 @@ class Store(Protocol):
 
 
 def remote_flags(
-    store: Store, folder: Path, prefix: str, *, secret: str = SECRET_KEY, **settings: object
+    bucket: BucketServer, folder: Path, prefix: str, *, secret: str = SECRET_KEY, **settings: object
 ) -> list[str]:
-    """A daemon's flags for the test store under prefix (its bucket `kvd`): its credentials
+    """A daemon's flags for the test bucket under prefix (its bucket `kvd`): its credentials
     in a 0600 file (secret: the one written there), settings as `remote_*` flags
     (upload_rate=... gives --remote-upload-rate)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def remote_flags(
         "--remote",
         f"s3://{BUCKET}/{prefix}",
         "--remote-endpoint",
-        store.endpoint,
+        bucket.endpoint,
         "--remote-credentials-file",
         str(credentials),
     ]
@@ -60,11 +60,11 @@ def remote_flags(
 
 
 def restart(seaweed: Seaweed) -> None:
-    """Start the killed store again, and wait until it takes a write: after a kill, weed
+    """Start the killed bucket again, and wait until it takes a write: after a kill, weed
     mini's first writes can wait seconds for a volume (seen up to 15 s), longer than a test
     should take to learn that uploads resume."""
     seaweed.start()
-    client = seaweed.store(timeout=5.0)
+    client = seaweed.bucket(timeout=5.0)
     deadline = time.monotonic() + WRITABLE_S
     try:
         while True:
@@ -127,9 +127,9 @@ def dropped_since(count: int) -> str:
     return f"{count} dropped since the last flush --remote or the start"
 
 
-def stored(store: Bucket, prefix: str) -> dict[str, int]:
+def stored(bucket: Bucket, prefix: str) -> dict[str, int]:
     """Every object under the prefix: key (after the prefix) -> size."""
-    return {key.removeprefix(prefix + "/"): size for key, size in store.list(prefix + "/", 10_000)}
+    return {key.removeprefix(prefix + "/"): size for key, size in bucket.list(prefix + "/", 10_000)}
 
 
 def _fill(fd: int, slots: tuple[Slot, ...], seed: int) -> list[bytes]:

@@ -1,13 +1,13 @@
-"""A real S3 store for the tests: SeaweedFS's `weed mini` (master, volume, filer and S3 in one
+"""A real S3 bucket for the tests: SeaweedFS's `weed mini` (master, volume, filer and S3 in one
 process) on loopback, in a folder of its own.
 
 Every port it binds is chosen here, each a random free one below the kernel's ephemeral range
-(so an outgoing connection of another test cannot take it while the store is down and
+(so an outgoing connection of another test cannot take it while the bucket is down and
 restarting on the same ports); the gRPC ports would otherwise be HTTP + 10000. Its S3
 identity comes from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in its environment at start:
 with them it checks every signature (without them it takes any, which would hide a signing
 bug). Bucket auto-creation on upload is off, so that a missing bucket is a refusal as on any
-real store. `kill()` plays "the store is down"; `start()` again brings it back on the same
+real bucket. `kill()` plays "the bucket is down"; `start()` again brings it back on the same
 ports and data.
 """
 
@@ -111,7 +111,7 @@ class Seaweed:
             command += [f"-s3.cert.file={self.tls.certificate}", f"-s3.key.file={self.tls.key}"]
         return command
 
-    def store(self, secret_key: str = SECRET_KEY, **options: object) -> Bucket:
+    def bucket(self, secret_key: str = SECRET_KEY, **options: object) -> Bucket:
         """A client of the bucket (`options`: Bucket's keywords)."""
         credentials = Credentials(ACCESS_KEY, secret_key, source="test")
         return Bucket(self.endpoint, BUCKET, credentials, **options)  # type: ignore[arg-type]
@@ -134,7 +134,7 @@ class Seaweed:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C of the tests does not reach it first
             )
-        probe = self.store(timeout=2.0, ca_file=self.tls.ca if self.tls else None)
+        probe = self.bucket(timeout=2.0, ca_file=self.tls.ca if self.tls else None)
         deadline = time.monotonic() + START_TIMEOUT
         try:
             while True:
@@ -172,7 +172,7 @@ class Seaweed:
         self._end(signal.SIGTERM, grace=10.0)
 
     def kill(self) -> None:
-        """Kills the server at once: the store is down, mid-request or not."""
+        """Kills the server at once: the bucket is down, mid-request or not."""
         self._end(signal.SIGKILL, grace=0.0)
 
     def _end(self, sig: signal.Signals, grace: float) -> None:

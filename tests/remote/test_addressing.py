@@ -1,4 +1,4 @@
-"""Which URL a store is asked at: path-style for a configured endpoint, virtual-host for AWS
+"""Which URL a bucket is asked at: path-style for a configured endpoint, virtual-host for AWS
 (path-style for a bucket name with a dot), as docs/remote.md says."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A refusal for the clock is said as one: "clock is off by N s", not "credentials refused", in
-the client's error, the health's last_error and the log, whether the store says
+the client's error, the health's last_error and the log, whether the bucket says
 RequestTimeTooSkewed or only answers 403 with a Date far from this machine's."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def off_by(message: str) -> int:
 def test_request_time_too_skewed_says_by_how_much(
     fake_bucket: FakeBucket, bucket_client: Bucket
 ) -> None:
-    fake_bucket.date_offset = -3600.0  # the store an hour behind: this machine an hour ahead
+    fake_bucket.date_offset = -3600.0  # the bucket an hour behind: this machine an hour ahead
     fake_bucket.on(every_request, skewed(fake_bucket))
     with pytest.raises(BucketClockSkewed) as raised:
         bucket_client.head("k")
@@ -73,14 +73,14 @@ def test_a_plain_refusal_with_a_far_date_is_put_to_the_clock(
 def test_a_refusal_with_a_near_date_is_the_credentials(
     fake_bucket: FakeBucket, bucket_client: Bucket
 ) -> None:
-    fake_bucket.date_offset = 30.0  # off, but within what a store takes
+    fake_bucket.date_offset = 30.0  # off, but within what a bucket takes
     refused_with_date(fake_bucket, "SignatureDoesNotMatch")
     with pytest.raises(BucketAuthError) as raised:
         bucket_client.get("k", 10)
     assert not isinstance(raised.value, BucketClockSkewed)
     assert str(raised.value) == "GET k: HTTP 403 SignatureDoesNotMatch: credentials refused"
     fake_bucket.clear()
-    fake_bucket.on(every_request, status(403, "RequestTimeTooSkewed"))  # the store's word alone
+    fake_bucket.on(every_request, status(403, "RequestTimeTooSkewed"))  # the bucket's word alone
     with pytest.raises(BucketClockSkewed, match="this machine's clock is off from the bucket's"):
         bucket_client.get("k", 10)
 

@@ -1,4 +1,4 @@
-"""Where the store's credentials come from, which files are refused, and that a secret never
+"""Where the bucket's credentials come from, which files are refused, and that a secret never
 shows in a repr or an error."""
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def test_no_source_at_all_is_refused(tmp_path: Path) -> None:
 
 def test_the_secret_is_in_no_repr(tmp_path: Path) -> None:
     credentials = Credentials("AKID", SECRET, TOKEN, "test")
-    store = Bucket("http://127.0.0.1:9", "bucket", credentials)
-    for shown in (credentials, store, Signer(credentials, "us-east-1")):
+    bucket = Bucket("http://127.0.0.1:9", "bucket", credentials)
+    for shown in (credentials, bucket, Signer(credentials, "us-east-1")):
         assert SECRET not in repr(shown)
         assert TOKEN not in repr(shown)
     assert "AKID" in repr(credentials)

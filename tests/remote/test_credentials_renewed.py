@@ -1,5 +1,5 @@
 """Credentials read again by a running daemon: a credentials file fixed or rotated, a session
-about to expire, a key the store stopped taking, a credential_process that fails and is fixed.
+about to expire, a key the bucket stopped taking, a credential_process that fails and is fixed.
 No restart in any of them; no secret in the log or the status."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def runs_of(runs: Path) -> int:
 
 
 class Refusals:
-    """The store refusing an access key (403 InvalidAccessKeyId), counting what it refused."""
+    """The bucket refusing an access key (403 InvalidAccessKeyId), counting what it refused."""
 
     def __init__(self, bucket: FakeBucket, access_key: str) -> None:
         self.count = 0
@@ -93,7 +93,7 @@ class Refusals:
 
 
 def test_a_fixed_credentials_file_brings_the_remote_up_without_a_restart(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     wrong = "not-the-secret-77b1"
     flags = remote_flags(seaweed, tmp_path, s3_prefix, secret=wrong)
@@ -110,7 +110,7 @@ def test_a_fixed_credentials_file_brings_the_remote_up_without_a_restart(
         assert done.returncode == 0, done.stdout + done.stderr
         assert remote_status(peer)["uploaded_blocks"] == 2
         logs = daemon.logs()
-    assert len(stored(s3_store, s3_prefix)) == 3  # the layout and two blocks
+    assert len(stored(seaweed_bucket, s3_prefix)) == 3  # the layout and two blocks
     assert wrong not in logs
     assert SECRET_KEY not in logs
 
@@ -141,7 +141,7 @@ def test_a_key_rotated_in_the_file_is_used_at_the_next_request(tmp_path: Path) -
 
 
 def test_a_session_is_renewed_before_it_expires(tmp_path: Path) -> None:
-    """Credentials of 8 s: run again past half their life, before the store would refuse
+    """Credentials of 8 s: run again past half their life, before the bucket would refuse
     them (here it refuses KEY1 from then on)."""
     runs = credential_process(tmp_path, lifetime=8)
     with running_bucket() as bucket, fake_remote_daemon(tmp_path, bucket) as daemon:
@@ -164,9 +164,9 @@ def test_a_session_is_renewed_before_it_expires(tmp_path: Path) -> None:
         assert "token-1" not in text
 
 
-def test_a_key_the_store_refuses_mid_life_is_read_again_at_once(tmp_path: Path) -> None:
-    """The store stops taking KEY1 long before its Expiration: the refused request makes the
-    daemon run the process again, and goes again with KEY2; the store is never down."""
+def test_a_key_the_bucket_refuses_mid_life_is_read_again_at_once(tmp_path: Path) -> None:
+    """The bucket stops taking KEY1 long before its Expiration: the refused request makes the
+    daemon run the process again, and goes again with KEY2; the bucket is never down."""
     runs = credential_process(tmp_path, lifetime=3600)
     with running_bucket() as bucket, fake_remote_daemon(tmp_path, bucket) as daemon:
         with RawPeer(daemon.socket_path) as peer:

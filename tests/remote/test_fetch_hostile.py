@@ -1,10 +1,10 @@
-"""The read path against a store that misbehaves on purpose (the fake bucket on loopback,
-scripted per test), with a real daemon: the store is trusted with bytes, never with time,
+"""The read path against a bucket that misbehaves on purpose (the fake bucket on loopback,
+scripted per test), with a real daemon: the bucket is trusted with bytes, never with time,
 memory or the event loop.
 
 A body trickled a byte at a time ends its fetch at remote_fetch_timeout (put aborted, staging
 files gone, the miss counted "timeout"), and sixteen such prompts do not stop a later honest
-fetch; a store failing while a probe's HEADs are under way is one "store_error", without a
+fetch; a bucket failing while a probe's HEADs are under way is one "store_error", without a
 traceback; a layout that is not one is read once, not every second, and refused in bounded
 work; thousands of identities keep the memos at their caps; a long fetch holds a bounded
 number of descriptors; a damaged block is downloaded once across lookups; a storm of damaged
@@ -77,7 +77,7 @@ def daemon_on(bucket: FakeBucket, folder: Path, **settings: Any) -> Iterator[Dae
     settings = {"min_tokens": MIN_TOKENS, "fetch_timeout": FETCH_TIMEOUT, **settings}
     flags = remote_flags(bucket, folder / "config", PREFIX, **settings)
     with running_daemon(folder / "tier", flags) as daemon:
-        # Its first probe (a listing) reached the store: its fetches run.
+        # Its first probe (a listing) reached the bucket: its fetches run.
         wait_until(lambda: bucket.asked("GET"), "the daemon's first probe")
         yield daemon
 
@@ -202,10 +202,10 @@ def failing_after(seconds: float) -> Answer:
     return answer
 
 
-def test_a_store_failing_while_a_lookup_probes_is_one_store_error_without_a_traceback(
+def test_a_bucket_failing_while_a_lookup_probes_is_one_bucket_error_without_a_traceback(
     tmp_path: Path,
 ) -> None:
-    """The store fails every HEAD (500) while a probe's round of four is under way: the fetch is
+    """The bucket fails every HEAD (500) while a probe's round of four is under way: the fetch is
     a miss counted "store_error", logged without a traceback, and the daemon goes on."""
     with running_bucket() as bucket, daemon_on(bucket, tmp_path, requests=4) as daemon:
         tokens = prompt(1, 6)
@@ -245,7 +245,7 @@ def test_a_layout_that_is_not_one_is_read_once_and_refused_in_bounded_work(
 def test_a_client_naming_thousands_of_identities_keeps_the_memos_at_their_caps(
     tmp_path: Path,
 ) -> None:
-    """Each lookup names an identity of its own, none with a layout in the store: the
+    """Each lookup names an identity of its own, none with a layout in the bucket: the
     negative answers stay at their cap, as status says."""
     names = ABSENT_IDENTITIES + 500
     with running_bucket() as bucket, daemon_on(bucket, tmp_path) as daemon:
@@ -296,7 +296,7 @@ def test_a_long_fetch_holds_a_bounded_number_of_descriptors(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("damage", ["size", "checksum"])
 def test_a_damaged_block_is_downloaded_once_across_lookups(tmp_path: Path, damage: str) -> None:
-    """Block 3 of 8 damaged in the store (cut short, or one byte changed: only the commit's
+    """Block 3 of 8 damaged in the bucket (cut short, or one byte changed: only the commit's
     checksums tell): a lookup of 6 blocks finds it, and neither the lookups of the 8 blocks
     that follow nor those of the 6 again download it, or anything past it."""
     with running_bucket() as bucket, daemon_on(bucket, tmp_path) as daemon:

@@ -1,4 +1,4 @@
-"""The store's health: ok, degraded after a failure, down after failures in a row or at once
+"""The bucket's health: ok, degraded after a failure, down after failures in a row or at once
 when the credentials are refused; back to ok at the first answer; the probe's pace; the
 warning said once per outage."""
 
@@ -92,7 +92,7 @@ def test_going_down_is_warned_once_per_outage_and_kind() -> None:
     assert [e["event"] for e in logs].count("remote_up") == 1
 
 
-def test_a_store_that_asks_to_slow_down_is_degraded_never_down() -> None:
+def test_a_bucket_that_asks_to_slow_down_is_degraded_never_down() -> None:
     clock = Clock()
     health = Health(clock)
     for _ in range(FAILURES_TO_DOWN * 3):
@@ -144,7 +144,7 @@ def test_paced_waits_out_the_pause_unless_it_ends_past_the_deadline() -> None:
 
 
 def test_failures_while_up_are_said_at_a_bounded_rate() -> None:
-    """A store that fails every other request provokes a line per LOG_EVERY_S, not per
+    """A bucket that fails every other request provokes a line per LOG_EVERY_S, not per
     failure."""
     clock = Clock()
     health = Health(clock)

@@ -1,4 +1,4 @@
-"""The layout in the store: made from a stored manifest, read back only when well formed, and
+"""The layout in the bucket: made from a stored manifest, read back only when well formed, and
 enough to plan the manifest of a prompt's first k blocks whose block files are the ones the
 first daemon wrote, byte for byte (so the fetched files check against it at commit)."""
 

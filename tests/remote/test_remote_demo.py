@@ -22,7 +22,7 @@ from kvd.remote.bucket import Bucket, BucketError
 from kvd.remote.credentials import Credentials
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "remote_demo.py"
-READY_SECONDS = 180.0  # the store and two daemons on a loaded machine
+READY_SECONDS = 180.0  # the bucket and two daemons on a loaded machine
 STOP_SECONDS = 60.0
 LAST_LINE = "Ctrl-C here stops"
 
@@ -59,15 +59,15 @@ def _demo(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             process.wait()
 
 
-def _bucket_answers(endpoint: str, bucket: str) -> bool:
-    store = Bucket(endpoint, bucket, Credentials(ACCESS_KEY, SECRET_KEY, source="test"))
+def _bucket_answers(endpoint: str, name: str) -> bool:
+    bucket = Bucket(endpoint, name, Credentials(ACCESS_KEY, SECRET_KEY, source="test"))
     try:
-        store.list("demo/", 1)
+        bucket.list("demo/", 1)
         return True
     except BucketError:
         return False
     finally:
-        store.close()
+        bucket.close()
 
 
 def _remote_status(socket_path: str) -> dict[str, object]:
@@ -83,7 +83,7 @@ def _remote_status(socket_path: str) -> dict[str, object]:
     return remote
 
 
-def test_the_demo_runs_a_store_and_two_daemons_sharing_it_then_stops_them_all() -> None:
+def test_the_demo_runs_a_bucket_and_two_daemons_sharing_it_then_stops_them_all() -> None:
     with _demo() as (process, printed):
         endpoint = re.search(r"SeaweedFS \(weed mini\) at (\S+),", printed)
         sockets = dict(re.findall(r"daemon (a|b): socket (\S+),", printed))

@@ -1,10 +1,10 @@
 """The read path end to end: two daemons on two tier folders ("two Macs") and one real SeaweedFS.
 
-A prompt cache put on A goes to the store (A's uploads); B restores it exactly (its blocks
-byte for byte A's) and generation continues token for token; with the store killed B
-answers lookups within its usual time and stores locally, and with the store hung a get is
-a miss in its usual time (the fetch goes on once the store answers); a block damaged in the
-store is refused on B and leaves its tier as it was; a block missing mid-chain leaves the
+A prompt cache put on A goes to the bucket (A's uploads); B restores it exactly (its blocks
+byte for byte A's) and generation continues token for token; with the bucket killed B
+answers lookups within its usual time and stores locally, and with the bucket hung a get is
+a miss in its usual time (the fetch goes on once the bucket answers); a block damaged in the
+bucket is refused on B and leaves its tier as it was; a block missing mid-chain leaves the
 blocks before it fetched when they reach remote_min_tokens past what is local; a prefix
 shorter than remote_min_tokens past what is local is not fetched; a client that predates the
 fetch field is answered at once (and the fetch goes on: its next lookup finds the entry
@@ -58,9 +58,9 @@ def model() -> Any:
 
 @pytest.fixture
 def two_macs(
-    tmp_path: Path, seaweed: Seaweed, s3_store: Bucket, s3_prefix: str
+    tmp_path: Path, seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str
 ) -> Iterator[tuple[Daemon, Daemon]]:
-    """Daemons A and B on tiers of their own, sharing the store under the test's prefix."""
+    """Daemons A and B on tiers of their own, sharing the bucket under the test's prefix."""
     flags = remote_flags(
         seaweed, tmp_path, s3_prefix, min_tokens=MIN_TOKENS, fetch_timeout=FETCH_TIMEOUT
     )
@@ -98,22 +98,22 @@ def put_on(daemon: Daemon, identity: EngineIdentity, tokens: list[int], model: A
         assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
 
 
-def uploaded(store: Bucket, prefix: str, identity: EngineIdentity, blocks: int) -> None:
-    """Wait until the store holds the identity's layout and blocks (A's uploads)."""
+def uploaded(bucket: Bucket, prefix: str, identity: EngineIdentity, blocks: int) -> None:
+    """Wait until the bucket holds the identity's layout and blocks (A's uploads)."""
     folder = keys.identity_key(prefix, identity.to_protocol().digest())
 
     def done() -> bool:
-        held = stored(store, folder)
+        held = stored(bucket, folder)
         return "layout" in held and sum(key.startswith("b/") for key in held) >= blocks
 
-    wait_until(done, "the store holds A's blocks")
+    wait_until(done, "the bucket holds A's blocks")
 
 
 def fetched_get(
     client: Client, daemon: Daemon, identity: EngineIdentity, asked: list[int], model: Any
 ) -> Any:
-    """client.get of a prompt whose blocks only the store holds, on daemon. The get waits for
-    the daemon's fetch (the daemon said "fetching"), unless the daemon's probe of the store
+    """client.get of a prompt whose blocks only the bucket holds, on daemon. The get waits for
+    the daemon's fetch (the daemon said "fetching"), unless the daemon's probe of the bucket
     outlasted the brief wait a lookup allows it (on a loaded machine): then the fetch went on
     by itself, and once it ended the next get finds its entry local."""
     restored = client.get(identity, asked, model=model)
@@ -137,13 +137,13 @@ def entry_files(tier: Path) -> list[Path]:
 
 
 def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
-    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/shared", "cfg", "tok")
     tokens = prompt(TOKENS, seed=1)
     put_on(a, identity, tokens, model)
-    uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
     asked = [*tokens, 7]
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert m.REMOTE_FETCH_FEATURE in client._link.server.features  # type: ignore[union-attr]
@@ -164,7 +164,7 @@ def test_a_prompt_cache_put_on_one_daemon_restores_exactly_on_another(
     assert remote["hits"] == 1
     assert remote["downloaded_blocks"] == BLOCKS
     assert remote["restore_gbps_p50"] > 0
-    # B's entry, durable, is not sent back: its blocks are known to be in the store.
+    # B's entry, durable, is not sent back: its blocks are known to be in the bucket.
     assert remote["pending_uploads"] == remote["uploaded_blocks"] == 0
     # Asked again, B answers from its own tier: nothing more is fetched.
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
@@ -188,7 +188,7 @@ def _lookup_seconds(
     return seconds
 
 
-def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store_locally(
+def test_with_the_bucket_killed_lookups_answer_in_their_usual_time_and_puts_bucket_locally(
     two_macs: tuple[Daemon, Daemon], seaweed: Seaweed, tmp_path: Path, model: Any
 ) -> None:
     _, b = two_macs
@@ -199,7 +199,7 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
         with running_daemon(tmp_path / "local-only") as local_only:
             usual = statistics.median(_lookup_seconds(local_only, identity, prompts))
         remote_down = statistics.median(_lookup_seconds(b, identity, prompts))
-        # A generous bound: the point is that no lookup waits on the dead store.
+        # A generous bound: the point is that no lookup waits on the dead bucket.
         assert remote_down < 5 * usual + 0.05, (remote_down, usual)
         put_on(b, identity, prompts[0], model)
         with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
@@ -211,10 +211,10 @@ def test_with_the_store_killed_lookups_answer_in_their_usual_time_and_puts_store
         restart(seaweed)  # and the next test's uploads wait for no volume
 
 
-def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
+def test_with_the_bucket_hung_a_get_is_a_miss_in_its_usual_time(
     two_macs: tuple[Daemon, Daemon],
     seaweed: Seaweed,
-    s3_store: Bucket,
+    seaweed_bucket: Bucket,
     s3_prefix: str,
     model: Any,
 ) -> None:
@@ -222,7 +222,7 @@ def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
     identity = EngineIdentity("tiny/hung", "cfg", "tok")
     tokens = prompt(TOKENS, seed=7)
     put_on(a, identity, tokens, model)
-    uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
     assert seaweed.process is not None
     os.killpg(seaweed.process.pid, signal.SIGSTOP)  # it holds connections and answers nothing
     try:
@@ -235,7 +235,7 @@ def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
             assert client.stats.misses == {"no entry": 1}
     finally:
         os.killpg(seaweed.process.pid, signal.SIGCONT)
-    # The probe goes on once the store answers, and its fetch with it: the next get is local.
+    # The probe goes on once the bucket answers, and its fetch with it: the next get is local.
     wait_until(lambda: remote_of(b)["hits"], "the fetch the hung probe began")
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         restored = client.get(identity, [*tokens, 7], model=model)
@@ -244,26 +244,26 @@ def test_with_the_store_hung_a_get_is_a_miss_in_its_usual_time(
         assert client.stats.remote_fetches == 0
 
 
-def _damage(store: Bucket, key: str, name: str) -> None:
+def _damage(bucket: Bucket, key: str, name: str) -> None:
     """One bit of a key in the block object (as a failing disk or a hostile writer would)."""
-    data = bytearray(store.get(key, 1 << 26) or b"")
+    data = bytearray(bucket.get(key, 1 << 26) or b"")
     block = parse_block_head(name, data, len(data))
     data[block.slots[0].start + 3] ^= 1
-    store.delete(key)
-    assert store.put_if_absent(key, bytes(data))
+    bucket.delete(key)
+    assert bucket.put_if_absent(key, bytes(data))
 
 
-def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
-    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
+def test_a_block_damaged_in_the_bucket_is_refused_and_leaves_the_tier_as_it_was(
+    two_macs: tuple[Daemon, Daemon], seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/damaged", "cfg", "tok")
     tokens = prompt(TOKENS, seed=2)
     put_on(a, identity, tokens, model)
-    uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
     digest = identity.to_protocol().digest()
     damaged = sorted(block_files(a.tier))[2]
-    _damage(s3_store, f"{keys.identity_key(s3_prefix, digest)}/b/{damaged}", damaged)
+    _damage(seaweed_bucket, f"{keys.identity_key(s3_prefix, digest)}/b/{damaged}", damaged)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert fetched_get(client, b, identity, [*tokens, 7], model) is None
         assert client.list_entries() == []
@@ -278,9 +278,9 @@ def test_a_block_damaged_in_the_store_is_refused_and_leaves_the_tier_as_it_was(
 
 
 def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_worth_it(
-    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
-    """Block 3 of 6 gone from the store (expired, say): B commits blocks 0-2, 48 tokens, at
+    """Block 3 of 6 gone from the bucket (expired, say): B commits blocks 0-2, 48 tokens, at
     least remote_min_tokens (32) past its empty tier. Block 2 gone where B holds blocks 0-1:
     nothing before the hole is worth it, and the fetch is a miss ("missing")."""
     a, b = two_macs
@@ -288,10 +288,10 @@ def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_wort
     prompts = {cut: prompt(TOKENS, seed=6), early: prompt(TOKENS, seed=7)}
     for (identity, tokens), hole in zip(prompts.items(), (3, 2), strict=True):
         put_on(a, identity, tokens, model)
-        uploaded(s3_store, s3_prefix, identity, BLOCKS)
+        uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
         hashes = block_hashes(pack_tokens(tokens[: BLOCKS * BLOCK]), BLOCK)
         digest = identity.to_protocol().digest()
-        s3_store.delete(keys.block_key(s3_prefix, digest, hashes[hole]))
+        seaweed_bucket.delete(keys.block_key(s3_prefix, digest, hashes[hole]))
     put_on(b, early, prompts[early][: 2 * BLOCK], model)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
         assert client.flush(SETTLE_SECONDS)
@@ -318,21 +318,21 @@ def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_wort
 
 
 def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetched(
-    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/short", "cfg", "tok")
     tokens = prompt(TOKENS, seed=4)
     put_on(a, identity, tokens, model)
-    uploaded(s3_store, s3_prefix, identity, BLOCKS)
+    uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
     local = 5 * BLOCK  # B holds the first five blocks itself
     put_on(b, identity, tokens[:local], model)
     with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
-        # The prompt runs 17 tokens past B's match: not worth asking the store.
+        # The prompt runs 17 tokens past B's match: not worth asking the bucket.
         restored = client.get(identity, [*tokens[: BLOCKS * BLOCK], 7], model=model)
         assert restored is not None
         assert restored.matched == local
-        # This one runs 49 past, but the store holds only one block (16 tokens) more.
+        # This one runs 49 past, but the bucket holds only one block (16 tokens) more.
         longer = [*tokens[: BLOCKS * BLOCK], *prompt(2 * BLOCK, seed=5), 7]
         restored = client.get(identity, longer, model=model)
         assert restored is not None
@@ -344,13 +344,13 @@ def test_a_prefix_shorter_than_remote_min_tokens_past_what_is_local_is_not_fetch
 
 
 def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes_on(
-    two_macs: tuple[Daemon, Daemon], s3_store: Bucket, s3_prefix: str, model: Any
+    two_macs: tuple[Daemon, Daemon], seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
     a, b = two_macs
     identity = EngineIdentity("tiny/old-client", "cfg", "tok").to_protocol()
     tokens = prompt(TOKENS, seed=6)
     put_on(a, EngineIdentity("tiny/old-client", "cfg", "tok"), tokens, model)
-    uploaded(s3_store, s3_prefix, EngineIdentity("tiny/old-client", "cfg", "tok"), BLOCKS)
+    uploaded(seaweed_bucket, s3_prefix, EngineIdentity("tiny/old-client", "cfg", "tok"), BLOCKS)
     asked = pack_tokens([*tokens, 7])
     with RawPeer(b.socket_path) as old:
         started = time.perf_counter()
@@ -378,10 +378,10 @@ def test_a_client_without_the_fetch_field_is_answered_at_once_and_the_fetch_goes
 
 
 def test_another_prefix_is_another_tenant(
-    tmp_path: Path, seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, model: Any
+    tmp_path: Path, seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, model: Any
 ) -> None:
     """A daemon pointed at another prefix of the same bucket (another tenant) never finds
-    what A uploaded: its get is a miss, it asks the store for nothing under A's prefix, and
+    what A uploaded: its get is a miss, it asks the bucket for nothing under A's prefix, and
     its tier stays empty."""
     flags = remote_flags(
         seaweed, tmp_path, s3_prefix, min_tokens=MIN_TOKENS, fetch_timeout=FETCH_TIMEOUT
@@ -393,7 +393,7 @@ def test_another_prefix_is_another_tenant(
     tokens = prompt(TOKENS, seed=7)
     with running_daemon(tmp_path / "a", flags) as a:
         put_on(a, identity, tokens, model)
-        uploaded(s3_store, s3_prefix, identity, BLOCKS)
+        uploaded(seaweed_bucket, s3_prefix, identity, BLOCKS)
     with (
         running_daemon(tmp_path / "c", other_flags) as c,
         Client.connect(c.socket_path, require=True, block_tokens=BLOCK) as client,
@@ -401,5 +401,5 @@ def test_another_prefix_is_another_tenant(
         assert client.get(identity, [*tokens, 7], model=model) is None
         now = remote_of(c)
         assert (now["hits"], now["downloaded_blocks"]) == (0, 0)
-    assert stored(s3_store, f"{s3_prefix}-other") == {}
+    assert stored(seaweed_bucket, f"{s3_prefix}-other") == {}
     assert entry_files(tmp_path / "c") == []

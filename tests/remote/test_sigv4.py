@@ -1,6 +1,6 @@
 """SigV4 against the worked examples of AWS's S3 documentation ("Signature Calculations for
 the Authorization Header: Transferring Payload in a Single Chunk"): the same credentials,
-time and request give the signatures printed there. The store tests check the signing
+time and request give the signatures printed there. The bucket tests check the signing
 against a real server; these check it against AWS's own rules (which a server could accept
 more loosely)."""
 

@@ -1,5 +1,5 @@
 """The write path end to end: real daemons, a real SeaweedFS. A stored entry's blocks and its
-identity's layout reach the store byte for byte; blocks the store holds are not sent again;
+identity's layout reach the bucket byte for byte; blocks the bucket holds are not sent again;
 checkpoints, hybrids and `never` send nothing; `second-hit` waits for a lookup's hit."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def conversation(n: int, own_blocks: int = 1) -> list[int]:
     return SHARED + [n * 100 + i for i in range(own_blocks * BLOCK_TOKENS + 5)]
 
 
-def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_new_blocks(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_an_entry_reaches_the_bucket_byte_for_byte_and_a_second_sends_only_its_new_blocks(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     with (
         running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
@@ -47,10 +47,10 @@ def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_ne
         size = first.manifest.block_size
         for block in first.manifest.hashes:
             key = keys.block_key(s3_prefix, DIGEST, block)
-            assert s3_store.get(key, size) == tier.block_path(DIGEST, block).read_bytes()
+            assert seaweed_bucket.get(key, size) == tier.block_path(DIGEST, block).read_bytes()
         (manifest,) = tier.entries.glob(f"{DIGEST}/*.kve")
         expected = encode_layout(layout_of(read_manifest(manifest)))
-        assert s3_store.get(keys.layout_key(s3_prefix, DIGEST), 1 << 20) == expected
+        assert seaweed_bucket.get(keys.layout_key(s3_prefix, DIGEST), 1 << 20) == expected
         now = remote_status(peer)
         assert (now["uploaded_blocks"], now["uploaded_bytes"]) == (5, 5 * size)
         assert (now["pending_uploads"], now["pending_bytes"]) == (0, 0)
@@ -62,12 +62,12 @@ def test_an_entry_reaches_the_store_byte_for_byte_and_a_second_sends_only_its_ne
         now = remote_status(peer)
         assert now["uploaded_blocks"] == 6, "only the second conversation's own block went"
         assert now["already_there_blocks"] == 0, "the shared blocks were not even asked about"
-        objects = stored(s3_store, s3_prefix)
+        objects = stored(seaweed_bucket, s3_prefix)
         assert len(objects) == 6 + 1  # six blocks and the layout
 
 
-def test_a_block_the_store_holds_is_not_sent_again(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_a_block_the_bucket_holds_is_not_sent_again(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A second daemon (its own tier: another Mac) stores the same conversation: every
     conditional create finds the block there (412), counted, nothing rewritten."""
@@ -75,7 +75,7 @@ def test_a_block_the_store_holds_is_not_sent_again(
     with running_daemon(tmp_path / "a", flags) as a, RawPeer(a.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert flush_remote(a).returncode == 0
-    before = stored(s3_store, s3_prefix)
+    before = stored(seaweed_bucket, s3_prefix)
     with running_daemon(tmp_path / "b", flags) as b, RawPeer(b.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         done = flush_remote(b)
@@ -84,11 +84,11 @@ def test_a_block_the_store_holds_is_not_sent_again(
         assert now["uploaded_blocks"] == 0
         assert now["already_there_blocks"] == 5
         assert now["upload_drops"] == 0
-    assert stored(s3_store, s3_prefix) == before
+    assert stored(seaweed_bucket, s3_prefix) == before
 
 
 def test_checkpoints_and_hybrids_upload_nothing(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     def kv(count: int) -> LayerSpec:
         spec = TensorSpec("float16", (1, 2, count, 8))
@@ -117,11 +117,11 @@ def test_checkpoints_and_hybrids_upload_nothing(
         now = remote_status(peer)
         assert now["not_shareable"] == 3
         assert (now["uploaded_blocks"], now["pending_uploads"]) == (0, 0)
-    assert stored(s3_store, s3_prefix) == {}
+    assert stored(seaweed_bucket, s3_prefix) == {}
 
 
 def test_never_uploads_nothing(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="never")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -134,28 +134,28 @@ def test_never_uploads_nothing(
             0,
             0,
         )
-    assert stored(s3_store, s3_prefix) == {}
+    assert stored(seaweed_bucket, s3_prefix) == {}
 
 
 def test_second_hit_uploads_once_a_lookup_hits_the_entry(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix, upload="second-hit")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert flush_remote(daemon).returncode == 0
-        assert stored(s3_store, s3_prefix) == {}, "stored once: not yet"
+        assert stored(seaweed_bucket, s3_prefix) == {}, "stored once: not yet"
         assert look_up(peer, IDENTITY, conversation(1)) is not None
         assert look_up(peer, IDENTITY, conversation(1)) is not None  # queued once, not twice
         assert flush_remote(daemon).returncode == 0
         now = remote_status(peer)
         assert now["uploaded_blocks"] == 5
         assert now["upload_drops"] == 0
-    assert len(stored(s3_store, s3_prefix)) == 5 + 1
+    assert len(stored(seaweed_bucket, s3_prefix)) == 5 + 1
 
 
 def test_kvctl_shows_the_remote_tier_and_never_its_secret(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     with (
         running_daemon(tmp_path, remote_flags(seaweed, tmp_path, s3_prefix)) as daemon,
@@ -197,7 +197,7 @@ def test_a_daemon_without_a_remote_tier_says_so(daemon: Daemon) -> None:
 
 
 def test_entries_unlike_the_stored_layout_upload_nothing_and_say_so_once(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """Daemon A's entries fix the identity's layout; daemon B's engine writes the same
     identity's KV with other shapes: B keeps its blocks local, warns once, counts each."""
@@ -205,7 +205,7 @@ def test_entries_unlike_the_stored_layout_upload_nothing_and_say_so_once(
     with running_daemon(tmp_path / "a", flags) as a, RawPeer(a.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(1))
         assert flush_remote(a).returncode == 0
-    before = stored(s3_store, s3_prefix)
+    before = stored(seaweed_bucket, s3_prefix)
     with running_daemon(tmp_path / "b", flags) as b, RawPeer(b.socket_path) as peer:
         put_v2(peer, IDENTITY, conversation(2), width=16)
         put_v2(peer, IDENTITY, conversation(3), width=16)
@@ -215,4 +215,4 @@ def test_entries_unlike_the_stored_layout_upload_nothing_and_say_so_once(
         warned = [line for line in b.logs().splitlines() if "remote_layout_mismatch" in line]
         assert len(warned) == 1
         assert '"level": "warning"' in warned[0]
-    assert stored(s3_store, s3_prefix) == before
+    assert stored(seaweed_bucket, s3_prefix) == before

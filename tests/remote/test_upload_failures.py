@@ -1,6 +1,6 @@
-"""The write path when things go wrong, end to end: the upload queue over its cap, the store
+"""The write path when things go wrong, end to end: the upload queue over its cap, the bucket
 paused, killed or refusing the credentials. Puts and lookups answer as before; uploads are
-dropped and counted; the health says down with the last error, warned once; the store back,
+dropped and counted; the health says down with the last error, warned once; the bucket back,
 the health is ok again within its backoff and uploads resume."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvd.remote import keys
 from kvd.remote.bucket import Bucket
 
 DIGEST = IDENTITY.digest()
-LOOKUP_BOUND_S = 1.0  # a lookup with the store gone answers far within this (it never asks)
+LOOKUP_BOUND_S = 1.0  # a lookup with the bucket gone answers far within this (it never asks)
 RATE_PERIOD_S = 10.0  # kvd.logs.RateLimited's: one line per event this often
 
 
@@ -64,8 +64,8 @@ def timed_lookup(peer: RawPeer, tokens: list[int]) -> float:
 
 
 @contextmanager
-def store_paused(seaweed: Seaweed) -> Iterator[None]:
-    """The store stops answering (its processes stopped), then goes on."""
+def bucket_paused(seaweed: Seaweed) -> Iterator[None]:
+    """The bucket stops answering (its processes stopped), then goes on."""
     assert seaweed.process is not None
     os.killpg(seaweed.process.pid, signal.SIGSTOP)
     try:
@@ -75,7 +75,7 @@ def store_paused(seaweed: Seaweed) -> Iterator[None]:
 
 
 def test_over_its_cap_the_queue_drops_the_oldest_never_the_one_in_flight(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """At one block a second, the first entry's five blocks take seconds to go; three more
     come meanwhile into a queue of one block's bytes: the two older ones are dropped."""
@@ -95,19 +95,19 @@ def test_over_its_cap_the_queue_drops_the_oldest_never_the_one_in_flight(
         now = remote_status(peer)
         assert now["uploaded_blocks"] == 5 + 2
         assert now["upload_drops"] == 2
-    objects = stored(s3_store, s3_prefix)
+    objects = stored(seaweed_bucket, s3_prefix)
     for begun, kept in zip(entries, (True, False, False, True), strict=True):
         for block in begun.manifest.hashes:
             key = keys.block_key("", DIGEST, block)
             assert (key in objects) is kept, key
 
 
-def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_killed(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_flush_remote_says_what_is_left_when_the_bucket_stops_answering_or_is_killed(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix)
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
-        with store_paused(seaweed):
+        with bucket_paused(seaweed):
             put_v2(peer, IDENTITY, prompt(1, 2))
             left = flush_remote(daemon, wait_s=0.5)
             assert left.returncode == 1
@@ -115,7 +115,7 @@ def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_kil
                 f"not done: 0 puts not durable, 1 uploads ({2 * BLOCK_SIZE / 1024:.1f} KiB) "
                 f"still pending, {dropped_since(0)}"
             ], left.stdout
-        resumed = flush_remote(daemon)  # the store goes on: the upload waiting for it ends
+        resumed = flush_remote(daemon)  # the bucket goes on: the upload waiting for it ends
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         seaweed.kill()
         try:
@@ -131,8 +131,8 @@ def test_flush_remote_says_what_is_left_when_the_store_stops_answering_or_is_kil
             restart(seaweed)
 
 
-def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it_is_back(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_the_bucket_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it_is_back(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     flags = remote_flags(seaweed, tmp_path, s3_prefix)
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -143,7 +143,7 @@ def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it
             for n in range(2, 7):
                 put_v2(peer, IDENTITY, prompt(n, 2))
                 assert timed_lookup(peer, prompt(n, 2)) < LOOKUP_BOUND_S
-            down = wait_remote(peer, lambda r: r["state"] == "down", "the store down")
+            down = wait_remote(peer, lambda r: r["state"] == "down", "the bucket down")
             assert down["last_error"]
             assert down["upload_drops"] >= 1
             assert status(peer)["entries"] == 6, "every put stored locally"
@@ -151,7 +151,7 @@ def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it
             assert len(down_warnings(daemon)) == 1, "said once"
         finally:
             restart(seaweed)
-        back = wait_remote(peer, lambda r: r["state"] == "ok", "the store back: ok again")
+        back = wait_remote(peer, lambda r: r["state"] == "ok", "the bucket back: ok again")
         before = back["uploaded_blocks"]
         put_v2(peer, IDENTITY, prompt(7, 2))
         done = flush_remote(daemon)
@@ -161,7 +161,7 @@ def test_the_store_killed_puts_and_lookups_go_on_uploads_drop_and_resume_when_it
 
 
 def test_wrong_credentials_run_local_only_and_say_so_once_without_the_secret(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     wrong = "not-the-secret-0f3c9"
     flags = remote_flags(seaweed, tmp_path, s3_prefix, secret=wrong)
@@ -183,13 +183,13 @@ def test_wrong_credentials_run_local_only_and_say_so_once_without_the_secret(
     for text in (report, logs):
         assert wrong not in text
         assert SECRET_KEY not in text
-    assert stored(s3_store, s3_prefix) == {}
+    assert stored(seaweed_bucket, s3_prefix) == {}
 
 
-def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_send(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_flush_remote_is_not_done_while_the_bucket_is_down_even_with_nothing_to_send(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
-    """Nothing queued, nothing dropped: with the store down (credentials refused), `flush
+    """Nothing queued, nothing dropped: with the bucket down (credentials refused), `flush
     --remote` still says what it could not do, and exits 1."""
     flags = remote_flags(seaweed, tmp_path, s3_prefix, secret="not-the-secret-77d1")
     with running_daemon(tmp_path, flags) as daemon, RawPeer(daemon.socket_path) as peer:
@@ -205,8 +205,8 @@ def test_flush_remote_is_not_done_while_the_store_is_down_even_with_nothing_to_s
         assert "durable and uploaded" not in said.stdout
 
 
-def test_drops_a_slow_store_provokes_are_logged_once_a_period_with_the_count_left_out(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+def test_drops_a_slow_bucket_provokes_are_logged_once_a_period_with_the_count_left_out(
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """One block a second into a queue of one block's bytes: every entry put meanwhile drops
     the one queued before it. Five drops in a moment are one line; the next drop, a period

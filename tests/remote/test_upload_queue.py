@@ -1,6 +1,6 @@
 """The upload queue: byte-capped, the oldest queued dropped for room (counted, with its bytes),
 never the one in flight nor the one just added; an entry queued once; bytes leave as blocks
-are known to be in the store; a mark waits for the uploads added before it and counts its
+are known to be in the bucket; a mark waits for the uploads added before it and counts its
 drops."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_an_entry_pending_is_not_queued_twice() -> None:
     assert queue.add("e1", "id", blocks(2), B) == []
 
 
-def test_bytes_leave_as_blocks_are_known_in_the_store() -> None:
+def test_bytes_leave_as_blocks_are_known_in_the_bucket() -> None:
     queue = UploadQueue(cap_bytes=10 * B)
     queue.add("e1", "id", blocks(3), B)
     upload = queue.next()
@@ -75,7 +75,7 @@ def test_a_mark_waits_for_the_uploads_until_closed() -> None:
     assert queue.left_of(mark) == (1, B)
     queue.done(in_flight, dropped=False)
     assert queue.left_of(mark) == (0, 0), "e3 is not the mark's"
-    queue.drop_at_once(B)  # the store down: counted as an upload that joined
+    queue.drop_at_once(B)  # the bucket down: counted as an upload that joined
     assert (queue.dropped, queue.dropped_bytes) == (2, 2 * B)
 
 

@@ -1,6 +1,6 @@
 """The upload queue across restarts, end to end: real daemons, a real SeaweedFS. Uploads
 still queued when the daemon stops (kill -9, SIGTERM) are offered again at the next start and
-reach the store; those whose entry went meanwhile are counted dropped and flush --remote says
+reach the bucket; those whose entry went meanwhile are counted dropped and flush --remote says
 so; a damaged journal is a warning, never a crash; the journal stays small."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def prompt(n: int, blocks: int) -> list[int]:
 BLOCK_SIZE = manifest_plan(IDENTITY, prompt(0, 1)).block_size
 
 
-def missing_blocks(store: Bucket, prefix: str, entries: list[Begun]) -> list[str]:
-    objects = stored(store, prefix)
+def missing_blocks(bucket: Bucket, prefix: str, entries: list[Begun]) -> list[str]:
+    objects = stored(bucket, prefix)
     return [
         key
         for begun in entries
@@ -65,7 +65,7 @@ def queue_slowly(daemon: Daemon, peer: RawPeer, count: int) -> list[Begun]:
 
 
 def test_uploads_a_kill_cut_off_are_offered_again_at_the_next_start_and_all_arrive(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -73,8 +73,8 @@ def test_uploads_a_kill_cut_off_are_offered_again_at_the_next_start_and_all_arri
             entries = queue_slowly(daemon, peer, 4)
             pending = remote_status(peer)["pending_uploads"]
         daemon.kill()
-        assert missing_blocks(s3_store, s3_prefix, entries), "the kill cut uploads off"
-        daemon.flags = remote_flags(seaweed, tmp_path, s3_prefix)  # an honest, fast store
+        assert missing_blocks(seaweed_bucket, s3_prefix, entries), "the kill cut uploads off"
+        daemon.flags = remote_flags(seaweed, tmp_path, s3_prefix)  # an honest, fast bucket
         daemon.start()
         with RawPeer(daemon.socket_path) as peer:
             done = flush_remote(daemon)
@@ -85,29 +85,29 @@ def test_uploads_a_kill_cut_off_are_offered_again_at_the_next_start_and_all_arri
             assert now["restart_reoffered"] == now["restart_uploads"]
             assert now["restart_gone"] == 0
             assert (now["journal_uploads"], now["pending_uploads"]) == (0, 0)
-    assert missing_blocks(s3_store, s3_prefix, entries) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, entries) == []
     (resumed,) = events(daemon, "remote_uploads_resumed")
     assert resumed["reoffered"] == resumed["pending"]
 
 
 def test_uploads_a_sigterm_cut_off_are_offered_again_at_the_next_start(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
         with RawPeer(daemon.socket_path) as peer:
             entries = queue_slowly(daemon, peer, 4)
         assert daemon.stop() == 0
-        assert missing_blocks(s3_store, s3_prefix, entries), "the stop cut uploads off"
+        assert missing_blocks(seaweed_bucket, s3_prefix, entries), "the stop cut uploads off"
         daemon.flags = remote_flags(seaweed, tmp_path, s3_prefix)
         daemon.start()
         done = flush_remote(daemon)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert missing_blocks(s3_store, s3_prefix, entries) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, entries) == []
 
 
 def test_second_hit_uploads_a_kill_cut_off_go_without_another_hit(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE, upload="second-hit")
     with running_daemon(tmp_path, slow) as daemon:
@@ -125,11 +125,11 @@ def test_second_hit_uploads_a_kill_cut_off_go_without_another_hit(
         daemon.start()
         done = flush_remote(daemon)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert missing_blocks(s3_store, s3_prefix, entries) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, entries) == []
 
 
 def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -166,13 +166,13 @@ def test_an_entry_gone_before_the_restart_is_counted_dropped_and_flush_says_so(
                 "1 gone"
             ), row
     kept = [b for b in entries if b is not gone]
-    assert missing_blocks(s3_store, s3_prefix, kept) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, kept) == []
     (dropped,) = events(daemon, "remote_upload_dropped")
     assert (dropped["entry"], dropped["why"]) == (last.stem, "gone")
 
 
 def test_a_damaged_journal_is_a_warning_and_the_newest_entries_are_offered_again(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     slow = remote_flags(seaweed, tmp_path, s3_prefix, upload_rate=BLOCK_SIZE)
     with running_daemon(tmp_path, slow) as daemon:
@@ -191,12 +191,12 @@ def test_a_damaged_journal_is_a_warning_and_the_newest_entries_are_offered_again
             assert now["restart_uploads"] == 0
         (warned,) = events(daemon, "remote_upload_journal_damaged")
         assert warned["level"] == "warning"
-    assert missing_blocks(s3_store, s3_prefix, entries) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, entries) == []
     assert journal.read_bytes().startswith(journal_format.MAGIC), "written anew"
 
 
 def test_the_journal_stays_small_however_many_uploads_pass(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """Every upload is two records (joined, left); the journal is compacted when the records
     left behind dominate, so after 300 uploads it holds at most the smallest journal worth
@@ -216,10 +216,10 @@ def test_the_journal_stays_small_however_many_uploads_pass(
 
 
 def test_a_journal_that_cannot_be_read_or_written_is_said_and_the_uploads_go_on(
-    seaweed: Seaweed, s3_store: Bucket, s3_prefix: str, tmp_path: Path
+    seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str, tmp_path: Path
 ) -> None:
     """A folder where the journal's file should be: start-up says it cannot read it, every
-    write says it cannot write it (once), and the uploads reach the store all the same."""
+    write says it cannot write it (once), and the uploads reach the bucket all the same."""
     journal = TierDir(tmp_path / "tier").upload_journal
     journal.mkdir(parents=True)
     flags = remote_flags(seaweed, tmp_path, s3_prefix)
@@ -233,4 +233,4 @@ def test_a_journal_that_cannot_be_read_or_written_is_said_and_the_uploads_go_on(
         assert str(unreadable["why"]).startswith("unreadable: ")
         (failed,) = events(daemon, "remote_upload_journal_failed")
         assert failed["level"] == "warning"
-    assert missing_blocks(s3_store, s3_prefix, entries) == []
+    assert missing_blocks(seaweed_bucket, s3_prefix, entries) == []

@@ -1,4 +1,4 @@
-"""SIGTERM with an upload stuck in a store that never answers: the daemon ends within
+"""SIGTERM with an upload stuck in a bucket that never answers: the daemon ends within
 `shutdown_deadline` and a small fixed margin, exit 0, and the upload it cut off is in the
 journal for the next start (a real daemon, the fake bucket hanging the block PUTs)."""
 
@@ -17,10 +17,10 @@ from kvd.remote import journal_format
 from kvd.store.tier_dir import TierDir
 
 SHUTDOWN_DEADLINE_S = 1.0
-STOP_MARGIN_S = 5.0  # generous: the machine is loaded; the store's hang is 600 s
+STOP_MARGIN_S = 5.0  # generous: the machine is loaded; the bucket's hang is 600 s
 
 
-def test_sigterm_ends_the_daemon_on_time_while_an_upload_hangs_in_the_store(
+def test_sigterm_ends_the_daemon_on_time_while_an_upload_hangs_in_the_bucket(
     tmp_path: Path,
 ) -> None:
     with running_bucket() as bucket:
@@ -30,7 +30,7 @@ def test_sigterm_ends_the_daemon_on_time_while_an_upload_hangs_in_the_store(
         with running_daemon(tmp_path, flags) as daemon:
             with RawPeer(daemon.socket_path) as peer:
                 put_v2(peer, IDENTITY, list(range(2 * BLOCK_TOKENS + 3)))
-                wait_until(lambda: bucket.asked("PUT", "/b/") >= 1, "a block PUT in the store")
+                wait_until(lambda: bucket.asked("PUT", "/b/") >= 1, "a block PUT in the bucket")
                 assert remote_status(peer)["pending_uploads"] == 1
             began = time.monotonic()
             assert daemon.stop() == 0

@@ -1,4 +1,4 @@
-"""What a store cluster changes, as far as one machine shows it: SeaweedFS as `weed mini` (one
+"""What an S3 cluster changes, as far as one machine shows it: SeaweedFS as `weed mini` (one
 process) against a cluster of a master, 1 or 3 volume servers and a filer with its S3
 gateway (a process each), all on loopback, through kvd's own S3 client (kvd/remote/bucket.py).
 
@@ -17,7 +17,7 @@ Per store, --repeat runs of:
 Every process shares the same 2 cores here, so a cluster shows its overheads (more hops,
 more processes) and not its gains (more disks and NICs): read the ratios as that.
 
-    .venv/bin/python bench/store_cluster.py [--objects 32] [--object-mib 8] [--parallel 8]
+    .venv/bin/python bench/bucket_cluster.py [--objects 32] [--object-mib 8] [--parallel 8]
         [--heads 2000] [--keys 10000] [--repeat 3] [--lifecycle-wait 30]
 """
 
@@ -95,7 +95,7 @@ class Cluster:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3}"
 
-    def store(self, timeout: float = 30.0) -> Bucket:
+    def bucket(self, timeout: float = 30.0) -> Bucket:
         return Bucket(self.endpoint, BUCKET, CREDENTIALS, timeout=timeout)
 
     def commands(self) -> list[list[str]]:
@@ -143,7 +143,7 @@ class Cluster:
                     start_new_session=True,
                 )
                 self.processes.append(process)
-        probe = self.store(timeout=2.0)
+        probe = self.bucket(timeout=2.0)
         deadline = time.monotonic() + START_TIMEOUT
         try:
             while True:
@@ -258,7 +258,7 @@ def bucket_request(
 
 
 def lifecycle(endpoint: str, client: Bucket, wait: float) -> str:
-    """Whether the store accepts a lifecycle rule, keeps it, and enforces it within wait s."""
+    """Whether the bucket accepts a lifecycle rule, keeps it, and enforces it within wait s."""
     client.put_if_absent(LIFECYCLE_PREFIX + "expired", b"x")
     status, _ = bucket_request(endpoint, "PUT", {"lifecycle": ""}, LIFECYCLE_RULE)
     if status != 200:
@@ -281,14 +281,14 @@ def lifecycle(endpoint: str, client: Bucket, wait: float) -> str:
 
 @contextmanager
 def started(kind: str, folder: Path) -> Iterator[tuple[str, Bucket]]:
-    """The store named kind ("mini", "1 volume", "3 volumes") and a client of it."""
+    """The bucket named kind ("mini", "1 volume", "3 volumes") and a client of it."""
     if kind == "mini":
         with running_seaweed(folder) as mini:
-            client = mini.store(timeout=30.0)
+            client = mini.bucket(timeout=30.0)
             yield mini.endpoint, client
     else:
         with running_cluster(folder, int(kind.split(maxsplit=1)[0])) as cluster:
-            client = cluster.store()
+            client = cluster.bucket()
             yield cluster.endpoint, client
     client.close()
 

@@ -1,5 +1,5 @@
 """How the client's failures are classed, each caused for real: a wrong key or secret, a bucket
-that does not exist, a store killed, a port nothing listens on, a listener that never
+that does not exist, a bucket killed, a port nothing listens on, a listener that never
 answers, and a TLS endpoint the client does not trust. No message holds the secret."""
 
 from __future__ import annotations
@@ -25,27 +25,27 @@ from kvd.remote.bucket import (
 from kvd.remote.credentials import Credentials
 
 
-def calls(store: Bucket, key: str, fd: int) -> list[tuple[str, Callable[[], object]]]:
+def calls(bucket: Bucket, key: str, fd: int) -> list[tuple[str, Callable[[], object]]]:
     """Every call of the client, ready to run (the file ones on `fd`, 100 bytes)."""
     return [
-        ("head", lambda: store.head(key)),
-        ("get", lambda: store.get(key, 100)),
-        ("get_to_file", lambda: store.get_to_file(key, fd, 100)),
-        ("put_if_absent", lambda: store.put_if_absent(key, b"v")),
-        ("put_file_if_absent", lambda: store.put_file_if_absent(key, fd, 100)),
-        ("delete", lambda: store.delete(key)),
-        ("list", lambda: store.list(key, 10)),
+        ("head", lambda: bucket.head(key)),
+        ("get", lambda: bucket.get(key, 100)),
+        ("get_to_file", lambda: bucket.get_to_file(key, fd, 100)),
+        ("put_if_absent", lambda: bucket.put_if_absent(key, b"v")),
+        ("put_file_if_absent", lambda: bucket.put_file_if_absent(key, fd, 100)),
+        ("delete", lambda: bucket.delete(key)),
+        ("list", lambda: bucket.list(key, 10)),
     ]
 
 
 def assert_every_call_raises(
-    store: Bucket, error: type[BucketError], tmp_path: Path, skip: tuple[str, ...] = ()
+    bucket: Bucket, error: type[BucketError], tmp_path: Path, skip: tuple[str, ...] = ()
 ) -> list[str]:
     body = tmp_path / "body"
     body.write_bytes(b"z" * 100)
     messages = []
     with body.open("r+b") as file:
-        for name, call in calls(store, "t/errors/key", file.fileno()):
+        for name, call in calls(bucket, "t/errors/key", file.fileno()):
             if name in skip:
                 continue
             with pytest.raises(error) as raised:
@@ -57,45 +57,45 @@ def assert_every_call_raises(
 
 
 def test_a_wrong_secret_is_an_auth_error(seaweed: Seaweed, tmp_path: Path) -> None:
-    store = seaweed.store(secret_key="not-" + SECRET_KEY)
-    messages = assert_every_call_raises(store, BucketAuthError, tmp_path)
+    bucket = seaweed.bucket(secret_key="not-" + SECRET_KEY)
+    messages = assert_every_call_raises(bucket, BucketAuthError, tmp_path)
     assert "HTTP 403 SignatureDoesNotMatch" in messages[1]  # from the GET's error body
     assert "HTTP 403" in messages[0]  # a HEAD's answer has no body
 
 
 def test_an_unknown_access_key_is_an_auth_error(seaweed: Seaweed, tmp_path: Path) -> None:
     credentials = Credentials("nosuchkey", SECRET_KEY)
-    store = Bucket(seaweed.endpoint, BUCKET, credentials)
-    messages = assert_every_call_raises(store, BucketAuthError, tmp_path)
+    bucket = Bucket(seaweed.endpoint, BUCKET, credentials)
+    messages = assert_every_call_raises(bucket, BucketAuthError, tmp_path)
     assert "InvalidAccessKeyId" in messages[1]
 
 
 def test_a_missing_bucket_is_a_refusal(seaweed: Seaweed, tmp_path: Path) -> None:
     """Every call but HEAD says NoSuchBucket; a HEAD's 404 has no body to tell a missing
     bucket from a missing key, so it answers None (the layout's GET tells them apart)."""
-    store = Bucket(seaweed.endpoint, "no-such-bucket", Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, BucketRefused, tmp_path, skip=("head",))
+    bucket = Bucket(seaweed.endpoint, "no-such-bucket", Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(bucket, BucketRefused, tmp_path, skip=("head",))
     assert all("NoSuchBucket" in message for message in messages)
-    assert store.head("t/errors/key") is None
+    assert bucket.head("t/errors/key") is None
 
 
-def test_a_killed_store_is_unavailable_and_recovers(
-    seaweed: Seaweed, s3_store: Bucket, tmp_path: Path
+def test_a_killed_bucket_is_unavailable_and_recovers(
+    seaweed: Seaweed, seaweed_bucket: Bucket, tmp_path: Path
 ) -> None:
-    s3_store.put_if_absent("t/killed/k", b"kept")
+    seaweed_bucket.put_if_absent("t/killed/k", b"kept")
     seaweed.kill()
     try:
-        messages = assert_every_call_raises(s3_store, BucketUnavailable, tmp_path)
+        messages = assert_every_call_raises(seaweed_bucket, BucketUnavailable, tmp_path)
         assert "Connection refused" in messages[0]
     finally:
         seaweed.start()
-    assert s3_store.get("t/killed/k", 4) == b"kept"
+    assert seaweed_bucket.get("t/killed/k", 4) == b"kept"
 
 
 def test_a_port_nothing_listens_on_is_unavailable(tmp_path: Path) -> None:
     (port,) = free_ports(1)
-    store = Bucket(f"http://127.0.0.1:{port}", BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
+    bucket = Bucket(f"http://127.0.0.1:{port}", BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(bucket, BucketUnavailable, tmp_path)
     assert all("Connection refused" in message for message in messages)
 
 
@@ -108,10 +108,10 @@ def silent_listener() -> Iterator[str]:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
-def test_a_store_that_never_answers_times_out(silent_listener: str, tmp_path: Path) -> None:
-    store = Bucket(silent_listener, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY), timeout=0.3)
+def test_a_bucket_that_never_answers_times_out(silent_listener: str, tmp_path: Path) -> None:
+    bucket = Bucket(silent_listener, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY), timeout=0.3)
     started = time.monotonic()
-    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
+    messages = assert_every_call_raises(bucket, BucketUnavailable, tmp_path)
     elapsed = time.monotonic() - started
     assert all("not done within 0.3 s" in message for message in messages)
     assert elapsed < len(messages) * 0.3 + 2.0  # one timeout each: a timeout is not retried
@@ -144,29 +144,29 @@ def test_an_https_endpoint_works_with_its_ca_from_aws_ca_bundle(
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         "AWS_CA_BUNDLE": str(certificates.ca),
     }
-    store = Bucket.from_config(config, environ)
+    bucket = Bucket.from_config(config, environ)
     body = tmp_path / "block"
     body.write_bytes(b"b" * (1 << 20))
     with body.open("rb") as file:  # unsigned payload over TLS, sent through the TLS socket
-        assert store.put_file_if_absent("t/tls/block", file.fileno(), 1 << 20) is True
-    assert store.put_if_absent("t/tls/layout", b"layout") is True
-    assert store.get("t/tls/block", 1 << 20) == b"b" * (1 << 20)
-    assert store.list("t/tls/", 10) == [("t/tls/block", 1 << 20), ("t/tls/layout", 6)]
+        assert bucket.put_file_if_absent("t/tls/block", file.fileno(), 1 << 20) is True
+    assert bucket.put_if_absent("t/tls/layout", b"layout") is True
+    assert bucket.get("t/tls/block", 1 << 20) == b"b" * (1 << 20)
+    assert bucket.list("t/tls/", 10) == [("t/tls/block", 1 << 20), ("t/tls/layout", 6)]
 
 
 def test_an_untrusted_certificate_is_unavailable(tls_seaweed: Seaweed, tmp_path: Path) -> None:
-    """Without the CA the system's roots do not vouch for the store: the client refuses it
+    """Without the CA the system's roots do not vouch for the bucket: the client refuses it
     (BucketUnavailable: TLS failed), as for any endpoint whose certificate does not verify."""
-    store = Bucket(tls_seaweed.endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
-    messages = assert_every_call_raises(store, BucketUnavailable, tmp_path)
+    bucket = Bucket(tls_seaweed.endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    messages = assert_every_call_raises(bucket, BucketUnavailable, tmp_path)
     assert all("TLS: " in message for message in messages)
 
 
 def test_plain_http_to_a_tls_port_is_not_a_success(tls_seaweed: Seaweed, tmp_path: Path) -> None:
     endpoint = tls_seaweed.endpoint.replace("https://", "http://")
-    store = Bucket(endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
+    bucket = Bucket(endpoint, BUCKET, Credentials(ACCESS_KEY, SECRET_KEY))
     with pytest.raises(BucketRefused, match="HTTP 400"):
-        store.get("t/tls/block", 10)
+        bucket.get("t/tls/block", 10)
 
 
 def test_from_config_uses_the_configured_endpoint_bucket_and_timeout(
@@ -175,9 +175,9 @@ def test_from_config_uses_the_configured_endpoint_bucket_and_timeout(
     config = Config(dir=tmp_path, socket=tmp_path / "kvd.sock", remote=f"s3://{BUCKET}/p/q")
     config = replace(config, remote_endpoint=seaweed.endpoint, remote_request_timeout=2.5)
     environ = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-    store = Bucket.from_config(config, environ)
-    assert (store.endpoint, store.name, store.timeout) == (seaweed.endpoint, BUCKET, 2.5)
-    assert store.head("t/config/absent") is None
+    bucket = Bucket.from_config(config, environ)
+    assert (bucket.endpoint, bucket.name, bucket.timeout) == (seaweed.endpoint, BUCKET, 2.5)
+    assert bucket.head("t/config/absent") is None
     without = Bucket.from_config(config, {"HOME": str(tmp_path)})
     with pytest.raises(BucketAuthError, match="no credentials"):
         without.head("t/config/absent")  # read at the first request, as at every later one

@@ -1,4 +1,4 @@
-"""The client against a store that misbehaves on purpose (a loopback server sending what each
+"""The client against a bucket that misbehaves on purpose (a loopback server sending what each
 test scripts): bodies past the limit, bodies cut short, trickles, floods of error text,
 broken listings and headers. Every case is a BucketError, in bounded time and memory, and the
 client goes on working after it."""
@@ -23,7 +23,7 @@ LIMIT = 1 << 20
 SECRET = "hostile-test-secret"
 
 
-class HostileStore:
+class HostileBucket:
     """A loopback listener that answers every request with the current script."""
 
     def __init__(self) -> None:
@@ -66,26 +66,26 @@ def ok(connection: socket.socket, head: bytes) -> None:
 
 
 @pytest.fixture
-def hostile() -> Iterator[HostileStore]:
-    server = HostileStore()
+def hostile() -> Iterator[HostileBucket]:
+    server = HostileBucket()
     yield server
     server.listener.close()
 
 
 @pytest.fixture
-def store(hostile: HostileStore) -> Iterator[Bucket]:
+def bucket(hostile: HostileBucket) -> Iterator[Bucket]:
     client = Bucket(hostile.endpoint, "kvd", Credentials("AKID", SECRET), timeout=0.5)
     yield client
     client.close()
 
 
-def still_works(hostile: HostileStore, store: Bucket) -> None:
+def still_works(hostile: HostileBucket, bucket: Bucket) -> None:
     hostile.script = ok
-    assert store.get("k", 2) == b"ok"
+    assert bucket.get("k", 2) == b"ok"
 
 
 def test_a_declared_length_past_the_limit_is_refused_unread(
-    hostile: HostileStore, store: Bucket, tmp_path: Path
+    hostile: HostileBucket, bucket: Bucket, tmp_path: Path
 ) -> None:
     def huge(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10737418240\r\n\r\n")
@@ -93,16 +93,16 @@ def test_a_declared_length_past_the_limit_is_refused_unread(
 
     hostile.script = huge
     with pytest.raises(ObjectTooLarge, match="10737418240 bytes, over the limit"):
-        store.get("k", LIMIT)
+        bucket.get("k", LIMIT)
     with (tmp_path / "staging").open("w+b") as file:
         with pytest.raises(ObjectTooLarge):
-            store.get_to_file("k", file.fileno(), LIMIT)
+            bucket.get_to_file("k", file.fileno(), LIMIT)
         assert os.fstat(file.fileno()).st_size == 0
-    still_works(hostile, store)
+    still_works(hostile, bucket)
 
 
 def test_an_endless_chunked_body_stops_at_the_limit(
-    hostile: HostileStore, store: Bucket, tmp_path: Path
+    hostile: HostileBucket, bucket: Bucket, tmp_path: Path
 ) -> None:
     chunk = b"x" * 65536
     framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
@@ -113,16 +113,16 @@ def test_an_endless_chunked_body_stops_at_the_limit(
 
     hostile.script = endless
     with pytest.raises(ObjectTooLarge, match=f"over the limit of {LIMIT} bytes"):
-        store.get("k", LIMIT)
+        bucket.get("k", LIMIT)
     with (tmp_path / "staging").open("w+b") as file:
         with pytest.raises(ObjectTooLarge):
-            store.get_to_file("k", file.fileno(), LIMIT)
+            bucket.get_to_file("k", file.fileno(), LIMIT)
         assert os.fstat(file.fileno()).st_size <= LIMIT
-    still_works(hostile, store)
+    still_works(hostile, bucket)
 
 
-def test_a_body_cut_short_is_the_store_failing(
-    hostile: HostileStore, store: Bucket, tmp_path: Path
+def test_a_body_cut_short_is_the_bucket_failing(
+    hostile: HostileBucket, bucket: Bucket, tmp_path: Path
 ) -> None:
     def short(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 600)
@@ -130,15 +130,15 @@ def test_a_body_cut_short_is_the_store_failing(
 
     hostile.script = short
     with pytest.raises(BucketUnavailable, match="ended at 600 of 1000 bytes"):
-        store.get("k", LIMIT)
+        bucket.get("k", LIMIT)
     with (tmp_path / "staging").open("w+b") as file, pytest.raises(BucketUnavailable):
-        store.get_to_file("k", file.fileno(), LIMIT)
-    still_works(hostile, store)
+        bucket.get_to_file("k", file.fileno(), LIMIT)
+    still_works(hostile, bucket)
 
 
 @pytest.mark.parametrize("part", ["stall", "body", "head"])
 def test_a_slow_answer_ends_at_the_calls_deadline(
-    hostile: HostileStore, store: Bucket, part: str
+    hostile: HostileBucket, bucket: Bucket, part: str
 ) -> None:
     """A body that stalls, or a body or head sent a byte at a time, each well within the
     read timeout (0.5 s): the call ends at its deadline, the request timeout from its start
@@ -159,16 +159,16 @@ def test_a_slow_answer_ends_at_the_calls_deadline(
     hostile.script = slow
     started = time.monotonic()
     with pytest.raises(BucketUnavailable, match=r"not done within 0.5 s"):
-        store.get("k", LIMIT)
+        bucket.get("k", LIMIT)
     assert time.monotonic() - started < 1.5
     started = time.monotonic()
     with pytest.raises(BucketUnavailable, match=r"not done within 2 s"):
-        store.get("k", LIMIT, deadline=time.monotonic() + 2.0)
+        bucket.get("k", LIMIT, deadline=time.monotonic() + 2.0)
     assert 1.5 < time.monotonic() - started < 3.0
-    still_works(hostile, store)
+    still_works(hostile, bucket)
 
 
-def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store: Bucket) -> None:
+def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileBucket, bucket: Bucket) -> None:
     def hang(connection: socket.socket, request: bytes) -> None:
         time.sleep(5.0)
 
@@ -177,9 +177,9 @@ def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store
     failures: list[BaseException] = []
 
     def call() -> None:
-        with store.interruptible(interrupt):
+        with bucket.interruptible(interrupt):
             try:
-                store.get("k", LIMIT, deadline=time.monotonic() + 30.0)
+                bucket.get("k", LIMIT, deadline=time.monotonic() + 30.0)
             except BucketError as error:
                 failures.append(error)
 
@@ -191,10 +191,10 @@ def test_an_interrupt_ends_a_call_under_way_at_once(hostile: HostileStore, store
     thread.join(timeout=5.0)
     assert time.monotonic() - started < 1.0
     assert [str(error) for error in failures] == ["GET k: interrupted"]
-    still_works(hostile, store)
+    still_works(hostile, bucket)
 
 
-def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileStore, store: Bucket) -> None:
+def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileBucket, bucket: Bucket) -> None:
     def flood(connection: socket.socket, head: bytes) -> None:
         body = b"<Error><Code>SlowDown</Code>" + b"<Message>" + b"z" * (64 << 20)
         connection.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n" % len(body))
@@ -203,13 +203,13 @@ def test_a_flood_of_error_text_is_not_read_whole(hostile: HostileStore, store: B
     hostile.script = flood
     started = time.monotonic()
     with pytest.raises(BucketUnavailable, match="HTTP 503 SlowDown"):
-        store.put_if_absent("k", b"v")
+        bucket.put_if_absent("k", b"v")
     assert time.monotonic() - started < 2.0
-    still_works(hostile, store)
+    still_works(hostile, bucket)
 
 
 def test_an_error_code_is_shown_only_when_it_is_a_code(
-    hostile: HostileStore, store: Bucket
+    hostile: HostileBucket, bucket: Bucket
 ) -> None:
     def odd(connection: socket.socket, head: bytes) -> None:
         body = f"<Code>Denied {SECRET}\x1b[2J</Code>".encode()
@@ -217,7 +217,7 @@ def test_an_error_code_is_shown_only_when_it_is_a_code(
 
     hostile.script = odd
     with pytest.raises(BucketError) as raised:
-        store.get("k", LIMIT)
+        bucket.get("k", LIMIT)
     assert str(raised.value) == "GET k: HTTP 403: credentials refused"
 
 
@@ -230,8 +230,8 @@ def test_an_error_code_is_shown_only_when_it_is_a_code(
     ],
     ids=["status line", "too many headers", "header too long"],
 )
-def test_a_broken_answer_is_the_store_failing(
-    hostile: HostileStore, store: Bucket, answer: bytes
+def test_a_broken_answer_is_the_bucket_failing(
+    hostile: HostileBucket, bucket: Bucket, answer: bytes
 ) -> None:
     def broken(connection: socket.socket, head: bytes) -> None:
         connection.sendall(answer)
@@ -239,14 +239,16 @@ def test_a_broken_answer_is_the_store_failing(
 
     hostile.script = broken
     with pytest.raises(BucketUnavailable):
-        store.get("k", LIMIT)
-    still_works(hostile, store)
+        bucket.get("k", LIMIT)
+    still_works(hostile, bucket)
 
 
-def test_a_head_without_a_size_is_the_store_failing(hostile: HostileStore, store: Bucket) -> None:
+def test_a_head_without_a_size_is_the_bucket_failing(
+    hostile: HostileBucket, bucket: Bucket
+) -> None:
     hostile.script = lambda connection, head: connection.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
     with pytest.raises(BucketUnavailable, match="no Content-Length"):
-        store.head("k")
+        bucket.head("k")
 
 
 @pytest.mark.parametrize(
@@ -264,8 +266,8 @@ def test_a_head_without_a_size_is_the_store_failing(hostile: HostileStore, store
     ],
     ids=["truncated", "bad size", "entity expansion"],
 )
-def test_a_broken_listing_is_the_store_failing(
-    hostile: HostileStore, store: Bucket, listing: bytes, expected: str
+def test_a_broken_listing_is_the_bucket_failing(
+    hostile: HostileBucket, bucket: Bucket, listing: bytes, expected: str
 ) -> None:
     def answer(connection: socket.socket, head: bytes) -> None:
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(listing))
@@ -273,10 +275,10 @@ def test_a_broken_listing_is_the_store_failing(
 
     hostile.script = answer
     with pytest.raises(BucketUnavailable, match=expected):
-        store.list("p/", 10)
+        bucket.list("p/", 10)
 
 
-def test_a_listing_that_never_ends_stops(hostile: HostileStore, store: Bucket) -> None:
+def test_a_listing_that_never_ends_stops(hostile: HostileBucket, bucket: Bucket) -> None:
     """Pages that say more follow, with no keys (or the same keys), end at the caller's
     limit or at the first empty page."""
     page = (
@@ -290,6 +292,6 @@ def test_a_listing_that_never_ends_stops(hostile: HostileStore, store: Bucket) -
         connection.sendall(body)
 
     hostile.script = again
-    assert store.list("p/", 5) == [("p/a", 1)] * 5
+    assert bucket.list("p/", 5) == [("p/a", 1)] * 5
     body = page % b""
-    assert store.list("p/", 5) == []
+    assert bucket.list("p/", 5) == []

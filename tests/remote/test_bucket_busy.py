@@ -1,4 +1,4 @@
-"""A store that asks to slow down (503 SlowDown, 429 with Retry-After) is busy, not down: the
+"""A bucket that asks to slow down (503 SlowDown, 429 with Retry-After) is busy, not down: the
 health says degraded, never down; uploads and fetches wait and go on once the storm ends;
 lookups answer in their usual time meanwhile; the asks are logged at a bounded rate."""
 
@@ -21,7 +21,7 @@ from kvd.remote.bucket import Bucket, BucketBusy, BucketUnavailable
 from kvd.remote.credentials import Credentials
 
 STORM_S = 4.0
-LOOKUP_BOUND_S = 1.0  # a lookup answers far within this whatever the store says
+LOOKUP_BOUND_S = 1.0  # a lookup answers far within this whatever the bucket says
 
 
 def prompt(n: int, blocks: int = 2) -> list[int]:
@@ -60,7 +60,7 @@ class States:
         return self.seen
 
 
-def test_a_slow_down_storm_slows_uploads_and_never_takes_the_store_down(tmp_path: Path) -> None:
+def test_a_slow_down_storm_slows_uploads_and_never_takes_the_bucket_down(tmp_path: Path) -> None:
     with (
         running_bucket() as bucket,
         daemon_on(tmp_path, bucket) as daemon,
@@ -152,7 +152,7 @@ def test_a_fetch_waits_out_a_short_storm_and_completes(tmp_path: Path) -> None:
         ("get", status(429, "TooManyRequests"), True),
         ("head", status(503), True),  # a HEAD's answer has no body to say SlowDown in
         ("get", status(503, "ServiceUnavailable"), False),
-        ("get", status(503), False),  # a proxy's or a load balancer's 503: the store failing
+        ("get", status(503), False),  # a proxy's or a load balancer's 503: the bucket failing
         ("get", status(500, "InternalError"), False),
     ],
 )

@@ -1,10 +1,10 @@
-"""A hostile store under one daemon while honest engines use it; seeded, so a failure
+"""A hostile bucket under one daemon while honest engines use it; seeded, so a failure
 reproduces.
 
 A fake S3 bucket on loopback (tests/remote/fake_bucket.py) first takes the honest uploads of a
 seeding daemon (prompts of the `remote` identity, whole blocks). Then a second daemon, the one
 under test, shares that bucket while the bucket misbehaves: each request is answered by one of
-the kinds enabled (STORE_KINDS: one switch each) with probability --hostility, else honestly.
+the kinds enabled (BUCKET_KINDS: one switch each) with probability --hostility, else honestly.
 Beside it, honest engines on the daemon under test: one puts and looks up entries of its own
 (local ones, uploaded through the same bucket), one looks up the seeded prompts (their fetches
 go through the hostile bucket; what it restores must equal what was seeded), one pings. Now
@@ -12,14 +12,14 @@ and then the fetched entries are evicted, so that fetches keep coming.
 
 At the end, the bucket honest again: the daemon is still up; no ping and no lookup waited past
 PING_LIMIT; seeded prompts no one asked for during the run are fetched and restore exactly
-(nothing the store did kept a fetch slot or a request token), the others restore exactly or
+(nothing the bucket did kept a fetch slot or a request token), the others restore exactly or
 miss (a chain found damaged is remembered); its counts equal the directory, nothing is left in
 staging; every local entry restores exactly; SIGTERM ends it with 0 within its shutdown deadline
-and a margin; its log holds no error and no traceback. Prints a table: the store's answers by
+and a margin; its log holds no error and no traceback. Prints a table: the bucket's answers by
 kind, the honest engines' outcomes, the remote's misses by reason, ping and lookup times, the
 daemon's RSS and descriptors at start, peak and end, its log's lines.
 
-    .venv/bin/python bench/hostile_store.py [--seconds 60] [--seed 1] [--hostility 0.3]
+    .venv/bin/python bench/hostile_bucket.py [--seconds 60] [--seed 1] [--hostility 0.3]
         [--kinds default | all | kind,kind,...]
 
 Exits 1 when a check failed, each problem printed.
@@ -60,9 +60,9 @@ PREFIX: Final = "run"
 REMOTE: Final = identity("remote")  # the seeded prompts, fetched through the hostile bucket
 LOCAL: Final = identity("local")  # the honest engine's own entries
 SEEDED: Final = 8  # prompts the seeding daemon uploads, looked up during the run
-UNTOUCHED: Final = 4  # seeded prompts first looked up once the store is honest again
+UNTOUCHED: Final = 4  # seeded prompts first looked up once the bucket is honest again
 SEEDED_BLOCKS: Final = 6  # whole blocks each (and a tail of 3 tokens)
-PING_LIMIT: Final = 1.0  # seconds: no answer may take this long, whatever the store does
+PING_LIMIT: Final = 1.0  # seconds: no answer may take this long, whatever the bucket does
 DEADLINE: Final = 0.1  # an engine's lookup deadline: the table counts answers slower
 STOP_MARGIN: Final = 5.0  # seconds a stop may take past shutdown_deadline
 SHUTDOWN_DEADLINE: Final = 5.0
@@ -79,7 +79,7 @@ FLAGS: Final = [
 ]  # fmt: skip
 
 
-# --- the store's misbehaviours -------------------------------------------------------------------
+# --- the bucket's misbehaviours -------------------------------------------------------------------
 
 
 def _flip(data: bytes) -> bytes:
@@ -125,7 +125,7 @@ def _cut_short(bucket: fb.FakeBucket) -> fb.Answer:
 
 
 @dataclass(frozen=True)
-class StoreKind:
+class BucketKind:
     """One misbehaviour: the answer it gives (made for the run's bucket), and whether it is on
     by default (off: a kind the daemon is not meant to withstand, said why)."""
 
@@ -134,22 +134,22 @@ class StoreKind:
     why_off: str = ""
 
 
-STORE_KINDS: Final[dict[str, StoreKind]] = {
-    "slow_down": StoreKind(lambda _: fb.status(503, "SlowDown")),
-    "too_many_requests": StoreKind(lambda _: fb.status(429, "TooManyRequests")),
-    "internal_error": StoreKind(lambda _: fb.status(500, "InternalError")),
-    "reset": StoreKind(lambda _: fb.reset),
-    "hang": StoreKind(fb.hang),
-    "trickled_body": StoreKind(lambda b: fb.trickle(b, every=0.05, chunk=64)),
-    "trickled_head": StoreKind(lambda b: fb.trickle_head(b, every=0.05)),
-    "html_page": StoreKind(lambda _: fb.html()),
-    "huge_declared": StoreKind(lambda _: fb.body(b"", declared=1 << 40)),
-    "wrong_size": StoreKind(lambda b: _mangled(lambda data: data + b"x", b)),
-    "flipped_byte": StoreKind(lambda b: _mangled(_flip, b)),
-    "cut_short": StoreKind(_cut_short),
-    "garbage": StoreKind(lambda b: _mangled(lambda data: os.urandom(len(data)), b)),
-    "deep_object": StoreKind(lambda _: fb.body(_deep_layout())),
-    "credentials_refused": StoreKind(
+BUCKET_KINDS: Final[dict[str, BucketKind]] = {
+    "slow_down": BucketKind(lambda _: fb.status(503, "SlowDown")),
+    "too_many_requests": BucketKind(lambda _: fb.status(429, "TooManyRequests")),
+    "internal_error": BucketKind(lambda _: fb.status(500, "InternalError")),
+    "reset": BucketKind(lambda _: fb.reset),
+    "hang": BucketKind(fb.hang),
+    "trickled_body": BucketKind(lambda b: fb.trickle(b, every=0.05, chunk=64)),
+    "trickled_head": BucketKind(lambda b: fb.trickle_head(b, every=0.05)),
+    "html_page": BucketKind(lambda _: fb.html()),
+    "huge_declared": BucketKind(lambda _: fb.body(b"", declared=1 << 40)),
+    "wrong_size": BucketKind(lambda b: _mangled(lambda data: data + b"x", b)),
+    "flipped_byte": BucketKind(lambda b: _mangled(_flip, b)),
+    "cut_short": BucketKind(_cut_short),
+    "garbage": BucketKind(lambda b: _mangled(lambda data: os.urandom(len(data)), b)),
+    "deep_object": BucketKind(lambda _: fb.body(_deep_layout())),
+    "credentials_refused": BucketKind(
         lambda _: fb.status(403, "SignatureDoesNotMatch"),
         on=False,
         why_off="a refusal takes the remote down for a minute by design: nothing else is tried",
@@ -158,8 +158,8 @@ STORE_KINDS: Final[dict[str, StoreKind]] = {
 
 
 def chosen_kinds(spec: str) -> list[str]:
-    on = [name for name, kind in STORE_KINDS.items() if kind.on]
-    return chosen(spec, list(STORE_KINDS), on)
+    on = [name for name, kind in BUCKET_KINDS.items() if kind.on]
+    return chosen(spec, list(BUCKET_KINDS), on)
 
 
 class Hostility:
@@ -167,7 +167,7 @@ class Hostility:
 
     def __init__(self, bucket: fb.FakeBucket, kinds: list[str], rate: float, seed: int) -> None:
         self._bucket = bucket
-        self._answers = {name: STORE_KINDS[name].answer(bucket) for name in kinds}
+        self._answers = {name: BUCKET_KINDS[name].answer(bucket) for name in kinds}
         self._rate = rate
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -392,7 +392,7 @@ def run(folder: Path, seconds: float, seed: int, *, rate: float, kinds: list[str
 
 
 def _check_the_end(daemon: Daemon, result: Result) -> None:
-    """The store honest again: the untouched prompts fetched exactly, the others exact or
+    """The bucket honest again: the untouched prompts fetched exactly, the others exact or
     missed; then counts against the directory (once the fetches those lookups started ended)
     and every local entry restored exactly."""
     engines, tally = result.engines, result.engines.tally
@@ -401,7 +401,7 @@ def _check_the_end(daemon: Daemon, result: Result) -> None:
             outcome = _fetched_again(engines, peer, prompt)
             result.final[f"untouched, fetched: {outcome}"] += 1
             if outcome != "exact":
-                tally.problem(f"a prompt first asked for once the store is honest: {outcome}")
+                tally.problem(f"a prompt first asked for once the bucket is honest: {outcome}")
         for prompt in engines.seeded:  # a chain found damaged is remembered: a miss is fair
             outcome = timed_lookup(engines, peer, REMOTE, [*prompt, 1])
             result.final[f"seeded, at the end: {outcome}"] += 1
@@ -436,7 +436,7 @@ def _settled_accounting(peer: RawPeer, daemon: Daemon) -> list[str]:
 
 
 def _fetched_again(engines: Engines, peer: RawPeer, prompt: list[int]) -> str:
-    """The prompt looked up until a fetch brings it in exactly (the store is honest
+    """The prompt looked up until a fetch brings it in exactly (the bucket is honest
     again: the daemon's health comes back within its backoff, and no fetch slot or request
     token was kept by the misbehaviours); the last outcome within RECOVERY_SECONDS."""
     deadline = time.monotonic() + RECOVERY_SECONDS
@@ -481,10 +481,10 @@ def _ms(values: list[float]) -> str:
 def print_table(result: Result, seconds: float, seed: int, rate: float, kinds: list[str]) -> None:
     engines, samples, remote = result.engines, result.samples, result.remote
     print(
-        f"hostile store: {seconds:g} s, seed {seed}, hostility {rate:g}, kinds: {', '.join(kinds)}"
+        f"hostile bucket: {seconds:g} s, seed {seed}, hostility {rate:g}, kinds: {', '.join(kinds)}"
     )
     sections: dict[str, list[tuple[str, object]]] = {
-        "store answers": sorted(result.hostility.answered.items()),
+        "bucket answers": sorted(result.hostility.answered.items()),
         "honest engines": sorted(engines.tally.honest.items()),
         "at the end": sorted(result.final.items()),
         "remote misses, by reason": sorted((remote.get("misses_by_reason") or {}).items()),
@@ -519,11 +519,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hostility", type=float, default=0.3, help="share of requests")
     parser.add_argument(
-        "--kinds", default="default", help="default, all, or names: " + ", ".join(STORE_KINDS)
+        "--kinds", default="default", help="default, all, or names: " + ", ".join(BUCKET_KINDS)
     )
     args = parser.parse_args()
     kinds = chosen_kinds(args.kinds)
-    with tempfile.TemporaryDirectory(prefix="kvd-hostile-store-") as folder:
+    with tempfile.TemporaryDirectory(prefix="kvd-hostile-bucket-") as folder:
         result = run(Path(folder), args.seconds, args.seed, rate=args.hostility, kinds=kinds)
         print_table(result, args.seconds, args.seed, args.hostility, kinds)
     sys.exit(1 if result.problems else 0)
