@@ -79,6 +79,9 @@ DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one res
 # A restore holds its lease for seconds (a 30k-token prefix reads in about one): minutes are
 # generous, and bound how long a reader that never releases keeps entries from eviction.
 DEFAULT_LEASE_MAX_AGE = 300.0
+# A put's retention lasts at most this long (a hit starts it again): a day, so that a prompt
+# a team uses daily stays, and one nobody asks for again leaves within a day.
+DEFAULT_MAX_RETENTION = 86_400.0
 # Partial frames of all connections together: 32 frames of the largest size at once.
 DEFAULT_FRAME_BUFFER_BYTES = 256 << 20
 # A get waits this long at most for blocks only the remote bucket holds: a 32k-token prefix of
@@ -154,6 +157,15 @@ class Config:
             "or cost (the least prefill saved per byte, by the prefill cost the engines "
             "measure, aged by disuse); either takes a prefill checkpoint no prompt restored "
             "from yet before whole entries of the same size and use",
+        ),
+    )
+    max_retention: float = field(
+        default=DEFAULT_MAX_RETENTION,
+        metadata=setting(
+            quantities.duration,
+            "SECONDS",
+            "the longest retention a put may give its entry (a longer one is cut to this): "
+            "while it lasts, eviction takes its owner's unretained entries first",
         ),
     )
     admission: str = field(

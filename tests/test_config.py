@@ -210,6 +210,7 @@ VALID = {
     "writeback_max_bytes": ("512M", 512 << 20),
     "writeback_policy": ("refuse", Overflow.REFUSE),
     "eviction_policy": ("lru", "lru"),
+    "max_retention": ("7200", 7200.0),
     "writeback_block_timeout": ("2.5", 2.5),
     "shutdown_deadline": ("30", 30.0),
     "snapshot_interval": ("0.5", 0.5),

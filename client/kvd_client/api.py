@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from kvd_protocol.entry import Checkpoint, LayerSpec, MetaValue
 from kvd_protocol.identity import Identity
-from kvd_protocol.messages import BLOCKS_FEATURE, DropReport, EntrySummary
+from kvd_protocol.messages import BLOCKS_FEATURE, DropReport, EntrySummary, Retention
 
 from . import calls, put_calls
 from .breaker import Breaker
@@ -170,10 +170,13 @@ class ClientApi(Generic[TicketT, LookupResultT]):
         checkpoint: Checkpoint | None = None,
         meta: Mapping[str, MetaValue] | None = None,
         dropped: DropReport | None = None,
+        retention: Retention | None = None,
     ) -> Call[TicketT]:
         """Hand an entry to the daemon: one copy of each tensor into the staging file.
         dropped: snapshots of this identity the engine dropped since it last told, told with
-        the commit to a daemon that offers "engine_drops" (a ticket with an id: committed)."""
+        the commit to a daemon that offers "engine_drops" (a ticket with an id: committed).
+        retention: keep the entry (or the one held that it duplicates) before unretained
+        ones this long, each use renewing it (a daemon that offers "retention")."""
         outcome = yield from put_calls.put_entry(
             self._link,
             identity,
@@ -185,6 +188,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
             checkpoint=checkpoint,
             meta=meta,
             dropped=dropped,
+            retention=retention,
         )
         return self._ticket_type(self, outcome)
 
@@ -218,8 +222,10 @@ class ClientApi(Generic[TicketT, LookupResultT]):
         *,
         meta: Mapping[str, MetaValue] | None = None,
         checkpoint: Checkpoint | None = None,
+        retention: Retention | None = None,
     ) -> Call[TicketT]:
-        """Snapshot a list of mlx-lm caches as they are and put them (prompt_cache.py)."""
+        """Snapshot a list of mlx-lm caches as they are and put them (prompt_cache.py);
+        retention as put_entry's."""
         from . import prompt_cache  # noqa: PLC0415 - mlx-lm is needed here only
 
         outcome = yield from prompt_cache.put(
@@ -230,6 +236,7 @@ class ClientApi(Generic[TicketT, LookupResultT]):
             created=time.time(),
             meta=meta,
             checkpoint=checkpoint,
+            retention=retention,
         )
         return self._ticket_type(self, outcome)
 

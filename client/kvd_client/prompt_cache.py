@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx_lm
 from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
 from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError
-from kvd_protocol.messages import MAX_BLOCK_BATCH
+from kvd_protocol.messages import MAX_BLOCK_BATCH, Retention
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import calls, put_calls
@@ -129,9 +129,10 @@ def put(
     created: float,
     meta: Mapping[str, MetaValue] | None,
     checkpoint: Checkpoint | None,
+    retention: Retention | None = None,
 ) -> Call[PutOutcome]:
-    """Snapshot the caches as they are and put them; raises CodecError before the daemon is
-    asked for a cache without a codec."""
+    """Snapshot the caches as they are and put them (with retention: put_calls.put_entry);
+    raises CodecError before the daemon is asked for a cache without a codec."""
     layers, tensors, entry_meta = encode(cache, len(tokens), meta)
     return (
         yield from put_calls.put_entry(
@@ -144,6 +145,7 @@ def put(
             min_reuse=0,
             checkpoint=checkpoint,
             meta=entry_meta,
+            retention=retention,
         )
     )
 

@@ -25,6 +25,7 @@ from kvd_protocol.messages import (
     ENGINE_DROPS_FEATURE,
     MAX_BLOCK_BATCH,
     PREFILL_COST_FEATURE,
+    RETENTION_FEATURE,
     DropReport,
     PutAbort,
     PutAbortReply,
@@ -34,6 +35,7 @@ from kvd_protocol.messages import (
     PutBlocksReply,
     PutCommit,
     PutCommitReply,
+    Retention,
 )
 from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 
@@ -57,9 +59,11 @@ def put_entry(
     checkpoint: Checkpoint | None,
     meta: Mapping[str, MetaValue] | None,
     dropped: DropReport | None = None,
+    retention: Retention | None = None,
 ) -> Call[PutOutcome]:
     """Plan, begin, write into the staging descriptors, commit (with dropped, to a daemon
-    that offers "engine_drops": a put that gets no ticket tells nothing). Caller mistakes (a
+    that offers "engine_drops": a put that gets no ticket tells nothing; with retention, to
+    one that offers "retention"). Caller mistakes (a
     layout the planner rejects, a tensor that does not fit its slot) raise before the daemon
     is asked.
 
@@ -76,7 +80,7 @@ def put_entry(
         if link.breaker is not None and link.breaker.skip_put():
             return _not_begun(link, DaemonUnavailableError(SKIPPED))
         if link.server is not None:
-            return (yield from _send_put(link, planned, started, dropped))
+            return (yield from _send_put(link, planned, started, dropped, retention))
         try:  # its word: the tenant the header names the identity under, its features
             yield from scoped(link, identity)
         except (DaemonUnavailableError, DaemonError) as exc:
@@ -145,7 +149,11 @@ class _PutContent:
 
 
 def _send_put(
-    link: Link, put: _PlannedPut, started: float, dropped: DropReport | None
+    link: Link,
+    put: _PlannedPut,
+    started: float,
+    dropped: DropReport | None,
+    retention: Retention | None,
 ) -> Call[PutOutcome]:
     """Begin the planned put, write its blocks the daemon does not hold and its staging file,
     commit; given up (aborted) on any failure. started: when it was planned (perf_counter),
@@ -161,6 +169,7 @@ def _send_put(
         blocks=hashes,
         block_tokens=link.block_tokens if hashes else 0,
         block_size=writer.plan.block_size if writer is not None else 0,
+        retention=retention if link.offers(RETENTION_FEATURE) else None,
     )
     try:
         begin = expect((yield Exchange(request)), PutBeginReply)

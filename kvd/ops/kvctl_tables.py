@@ -287,6 +287,7 @@ def format_status(status: Mapping[str, Any], rates: Mapping[str, float] | None =
         *_prefill_checkpoints(status),
         *_engine_drops(status),
         ("evictions", str(status["evictions"])),
+        ("retained", size(status.get("retained_bytes", 0))),
         ("quarantined", str(status["quarantined"])),
         (
             "write-behind",
@@ -407,7 +408,18 @@ def format_list(
     entries: Sequence[EntrySummary], names: Mapping[str, str], sort: str, now: float
 ) -> str:
     """One row per entry: its model, size, age and last use; sorted by SORTS[sort]."""
-    header = ["entry", "identity", "tokens", "bytes", "age", "last use", "leases", "kind", "state"]
+    header = [
+        "entry",
+        "identity",
+        "tokens",
+        "bytes",
+        "age",
+        "last use",
+        "leases",
+        "retained",
+        "kind",
+        "state",
+    ]
     rows = [
         [
             e.id,
@@ -417,12 +429,20 @@ def format_list(
             ago(e.created, now),
             ago(e.used, now),
             str(e.leases),
+            retained_for(e, now),
             _kind(e),
             "durable" if e.durable else "pending",
         ]
         for e in sorted(entries, key=SORTS[sort])
     ]
     return "\n".join(columns(header, rows, left=2))
+
+
+def retained_for(entry: EntrySummary, now: float) -> str:
+    """How much longer the entry's retention lasts and its priority ("2h p0"); '-' for none."""
+    if entry.retained_until is None:
+        return "-"
+    return f"{ago(now, entry.retained_until)} p{entry.retention_priority}"
 
 
 def _kind(entry: EntrySummary) -> str:
@@ -455,6 +475,7 @@ def format_entry(summary: EntrySummary, header: EntryHeader, name: str, path: st
         ),
         ("last use", ago(summary.used, now) + (" ago" if summary.used else "")),
         ("leases", str(summary.leases)),
+        ("retained", retained_for(summary, now)),
         ("state", "durable" if summary.durable else "pending"),
         ("file", f"{path} ({size(header.file_size)})"),
     ]

@@ -44,6 +44,7 @@ FEATURES = (
     m.LOOKUP_MISS_FEATURE,
     m.ENGINE_DROPS_FEATURE,
     m.REMOTE_FLUSH_FEATURE,
+    m.RETENTION_FEATURE,
 )
 REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
 
@@ -94,6 +95,7 @@ async def put_begin(c: Context, request: m.PutBegin) -> m.PutBeginReply:
         request.size,
         DeclaredBlocks(request.hashes, request.block_tokens, request.block_size),
         prefill_cost=request.prefill_cost,
+        retention=request.retention,
     )
     return m.PutBeginReply(
         id=request.id,

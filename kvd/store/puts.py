@@ -39,6 +39,7 @@ from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
+from kvd_protocol.messages import Retention
 
 from kvd.config import Config, quota_for
 from kvd.logs import RateLimited, get_logger
@@ -48,6 +49,7 @@ from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
 from kvd.store.durability import disk_free
 from kvd.store.records import EntryRecord, lookup_trimmable
+from kvd.store.retention import Retaining
 from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.store.telemetry import Telemetry
 from kvd.store.tickets import Tickets
@@ -73,8 +75,10 @@ class Puts:
         tickets: Tickets,
         admission: Admission,
         telemetry: Telemetry,
+        retention: Retaining,
     ) -> None:
         self._config = config
+        self._retention = retention
         self._telemetry = telemetry
         self._admission = admission
         self._limits = limits
@@ -109,11 +113,13 @@ class Puts:
         declared: DeclaredBlocks = NO_BLOCKS,
         *,
         prefill_cost: float = 0.0,
+        retention: Retention | None = None,
     ) -> tuple[Put | None, str | None, int | None]:
         """A staging file for a new entry (its manifest, for one with blocks: put.held_blocks says
         how many of them the tier holds), or the reason none is needed. The telemetry learns
         the identity's names and the engine's prefill_cost (seconds per token; 0: not
-        measured) first.
+        measured) first. retention: the put's (kvd.store.retention), given to the entry held
+        when none is needed.
 
         Returns (put, None, fd) or (None, "duplicate" | "covered", None).
         """
@@ -128,14 +134,9 @@ class Puts:
                 f"an entry of {adds} bytes cannot fit under the tier cap of "
                 f"{self._config.max_bytes} bytes",
             )
-        index = self._catalog.index(digest)
-        if index is not None:
-            if index.exact(tokens) is not None:
-                self._catalog.counters.duplicates += 1
-                return None, "duplicate", None
-            if index.covering(tokens) is not None:
-                self._catalog.counters.duplicates += 1
-                return None, "covered", None
+        skip = self._held(digest, tokens, retention)
+        if skip is not None:
+            return None, skip, None
         quota = self._quota(identity)
         if quota is not None and adds > quota:  # before the engine writes a byte of it
             raise ProtocolError(
@@ -176,10 +177,36 @@ class Puts:
             raise
         finally:
             self._give_slot(owner)
-        put = Put(put_id, owner, identity, tokens, size, path, declared=declared, pinned=pinned)
+        put = Put(
+            put_id,
+            owner,
+            identity,
+            tokens,
+            size,
+            path,
+            declared=declared,
+            pinned=pinned,
+            retention=retention,
+        )
         self._puts[put_id] = put
         self._by_owner.setdefault(owner, {})[put_id] = None
         return put, None, fd
+
+    def _held(self, digest: str, tokens: bytes, retention: Retention | None) -> str | None:
+        """Why no put is needed ("duplicate": the tier holds the entry, "covered": one it
+        holds serves it), that entry given the put's retention; None when one is."""
+        index = self._catalog.index(digest)
+        if index is None:
+            return None
+        held, skip = index.exact(tokens), "duplicate"
+        if held is None:
+            held, skip = index.covering(tokens), "covered"
+        if held is None:
+            return None
+        self._catalog.counters.duplicates += 1
+        if retention is not None:
+            self._retention.retain(held, retention)
+        return skip
 
     def _take_slot(self, owner: int) -> None:
         """One of owner's max_open_puts, for a put_begin under way (given back by _give_slot
@@ -411,9 +438,12 @@ class Puts:
             digest = put.identity.digest()
             key = header.checkpoint.key if header.checkpoint else None
             index = self._catalog.index(digest)
-            if key is None and index is not None and index.exact(put.tokens) is not None:
+            held = None if key is not None or index is None else index.exact(put.tokens)
+            if held is not None:
                 # Same identity and tokens: the same cache. Keep the entry we have.
                 self._catalog.counters.duplicates += 1
+                if put.retention is not None:
+                    self._retention.retain(held, put.retention)
                 ticket = self._tickets.issue()
                 self._tickets.settle(ticket, "stored", "duplicate")
                 return ticket
@@ -440,6 +470,7 @@ class Puts:
                 block_hashes=put.block_hashes,
                 block_size=put.block_size,
                 prefill_checkpoint=header.prefill_checkpoint,
+                retained=None if put.retention is None else self._retention.granted(put.retention),
             )
             new_blocks = {put.block_hashes[i]: path for i, path in put.block_files.items()}
             ticket = self._writer.enqueue(record, put.path, put.reserved, new_blocks)

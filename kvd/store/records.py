@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvd_protocol.entry import EntryHeader
@@ -13,6 +14,17 @@ from kvd_protocol.tokens import TOKEN_BYTES
 # share rather than each owning a copy (start-up in a fraction of the time; see snapshot.py).
 # Compare a view through bytes: bytes methods take it, but its own == goes byte by byte.
 Tokens = bytes | memoryview
+
+
+@dataclass(slots=True)
+class Retained:
+    """An entry's retention (kvd.store.retention): kept before unretained entries until until
+    (wall-clock seconds), which each use sets to seconds from then; priority orders retained
+    entries among themselves."""
+
+    until: float
+    seconds: float
+    priority: int = 0
 
 
 # eq=False: a record is one entry, compared and hashed by identity, so that two entries with
@@ -32,6 +44,7 @@ class EntryRecord:
     bytes; nbytes stays the manifest file's own size. prefill_checkpoint: the caches part-way
     through a prompt's prefill (its header's meta marks it), never trimmable (trimmable is
     False: see lookup_trimmable) and evicted before whole entries (kvd.store.eviction).
+    retained: its retention, if a put gave it one (kvd.store.retention; it may have ended).
     """
 
     id: str
@@ -49,6 +62,7 @@ class EntryRecord:
     block_hashes: tuple[bytes, ...] = ()
     block_size: int = 0
     prefill_checkpoint: bool = False
+    retained: Retained | None = None
 
     @property
     def token_count(self) -> int:
@@ -88,6 +102,9 @@ def record_from_header(entry_id: str, header: EntryHeader, last_used: int) -> En
 
 def summary(record: EntryRecord) -> EntrySummary:
     """An entry as a lookup or a list page shows it."""
+    retained = record.retained
+    if retained is not None and retained.until <= time.time():
+        retained = None  # it has ended: eviction forgets it when it next looks
     return EntrySummary(
         id=record.id,
         identity=record.digest,
@@ -99,4 +116,6 @@ def summary(record: EntryRecord) -> EntrySummary:
         used=record.used_at or None,
         leases=record.leases,
         prefill_checkpoint=record.prefill_checkpoint,
+        retained_until=None if retained is None else retained.until,
+        retention_priority=0 if retained is None else retained.priority,
     )

@@ -18,7 +18,9 @@ The head is columnar, one value per row in each column, rows least recently used
 {row: key}, "manifests": {row: [hashes end to end, block_size]}, "blocks": [[identity, hash,
 size, mtime_ns], ...], and as packed little-endian arrays: "identity" (into identities),
 "token_bytes", "nbytes", "mtime_ns", "min_reuse", "last_used" (i64), "created" (f64),
-"trimmable" and "prefill_checkpoint" (one byte each, 0 or 1)}. Columns decode in C, not row
+"trimmable" and "prefill_checkpoint" (one byte each, 0 or 1)}, and "retentions": {row: [until,
+seconds, priority]} for the entries retained when it was written (kvd.store.retention; a
+snapshot without it, as older daemons wrote, retains none). Columns decode in C, not row
 by row in Python, and the loaded records' tokens are views of the mapped token section: no
 entry's tokens are copied. A snapshot of another version (version 3 had no
 "prefill_checkpoint" column) is ignored as a foreign one: start-up reads every header again,
@@ -52,7 +54,7 @@ from kvd_protocol.tokens import TOKEN_BYTES
 from kvd.logs import get_logger
 from kvd.store.blocks import Block
 from kvd.store.durability import disk_free, replace_durably
-from kvd.store.records import EntryRecord
+from kvd.store.records import EntryRecord, Retained
 from kvd.store.tier_dir import TierDir
 
 log = get_logger("kvd.store.snapshot")
@@ -169,6 +171,11 @@ def save_snapshot(
             if r.block_hashes
         },
         "blocks": block_rows,
+        "retentions": {
+            i: [r.retained.until, r.retained.seconds, r.retained.priority]
+            for i, r in enumerate(records)
+            if r.retained is not None
+        },
         "trimmable": bytes(r.trimmable for r in records),
         "prefill_checkpoint": bytes(r.prefill_checkpoint for r in records),
         "created": _pack(array("d", [r.created for r in records])),
@@ -291,10 +298,31 @@ def _records(head: dict[str, object], tokens: memoryview) -> Snapshot:
         if not (isinstance(hashes, bytes) and isinstance(block_size, int)):
             raise ValueError("a block list of the wrong types")
         records[row].block_hashes, records[row].block_size = split_hashes(hashes), block_size
+    for row, retained in _retentions(head.get("retentions", {}), count).items():
+        records[row].retained = retained
     blocks = (_block_row(row) for row in _sequence(head["blocks"]))
     if len(set(ids)) != count:
         raise ValueError("an id in two rows")
     return Snapshot(records, columns["mtime_ns"], {(b.digest, b.hash): b for b in blocks})
+
+
+def _retentions(rows: object, count: int) -> dict[int, Retained]:
+    """The retentions by row (see the module)."""
+    if not isinstance(rows, dict):
+        raise ValueError("retentions that are not a map")
+    found: dict[int, Retained] = {}
+    for row, value in rows.items():
+        until, seconds, priority = _sequence(value)
+        if not (
+            isinstance(row, int)
+            and 0 <= row < count
+            and isinstance(until, float)
+            and isinstance(seconds, float)
+            and isinstance(priority, int)
+        ):
+            raise ValueError("a retention of the wrong types or of no row")
+        found[row] = Retained(until, seconds, priority)
+    return found
 
 
 def _flags(column: object, count: int) -> bytes:

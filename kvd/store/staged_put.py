@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvd_protocol.identity import Identity
+from kvd_protocol.messages import Retention
 
 from kvd.store.blocks import Block
 
@@ -41,6 +42,7 @@ class Put:
     pinned: list[Block] = field(default_factory=list)  # the first len(pinned) are held
     block_files: dict[int, Path] = field(default_factory=dict)  # new blocks handed out
     handed: int = 0  # block descriptors handed out (block_files)
+    retention: Retention | None = None  # what put_begin asked for (kvd.store.retention)
 
     @property
     def block_hashes(self) -> tuple[bytes, ...]:

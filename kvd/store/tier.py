@@ -29,7 +29,7 @@ import anyio
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
-from kvd_protocol.messages import DropReport, EntrySummary, RestoreReport
+from kvd_protocol.messages import DropReport, EntrySummary, RestoreReport, Retention
 
 from kvd.config import Config
 from kvd.logs import get_logger
@@ -48,6 +48,7 @@ from kvd.store.prefix_index import Match, PrefixIndex
 from kvd.store.puts import HANDOUTS_PER_BLOCK, Puts
 from kvd.store.quarantine import Quarantine
 from kvd.store.records import EntryRecord, summary
+from kvd.store.retention import Retaining
 from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
 from kvd.store.telemetry import Telemetry
 from kvd.store.tickets import TicketAnswer, Tickets
@@ -74,7 +75,8 @@ class Tier:
         # A lambda: the catalog is made next, with the eviction policy that reads the telemetry.
         self.telemetry = Telemetry(has_entries=lambda digest: self.catalog.holds(digest))  # noqa: PLW0108
         eviction = EVICTION_POLICIES[config.eviction_policy](self.telemetry.prefill_cost)
-        self.catalog = Catalog(self.dirs, eviction)
+        self.retention = Retaining(eviction, config.max_retention, self.namespace_of)
+        self.catalog = Catalog(self.dirs, self.retention)
         self.quarantine = Quarantine(self.dirs, config.quarantine_max_bytes, self.catalog.counters)
         self.tickets = Tickets()
         self.notices = Notices()  # whom stored entries and lookup hits are told of
@@ -97,6 +99,7 @@ class Tier:
             tickets=self.tickets,
             admission=self.admission,
             telemetry=self.telemetry,
+            retention=self.retention,
         )
         self.leases = Leases(self.catalog)
         self.started = time.time()
@@ -310,6 +313,7 @@ class Tier:
             checks=self.checks,
             tickets=self.tickets,
             admission=self.admission,
+            retained=self.retention.retained_bytes(),
             started=self.started,
         )
 
@@ -324,10 +328,11 @@ class Tier:
         declared: DeclaredBlocks = NO_BLOCKS,
         *,
         prefill_cost: float = 0.0,
+        retention: Retention | None = None,
     ) -> tuple[Put | None, str | None, int | None]:
         """See Puts.begin."""
         return await self.puts.begin(
-            owner, identity, tokens, size, declared, prefill_cost=prefill_cost
+            owner, identity, tokens, size, declared, prefill_cost=prefill_cost, retention=retention
         )
 
     async def put_blocks(self, owner: int, put_id: int, first: int, count: int) -> list[int]:

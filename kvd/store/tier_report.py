@@ -8,7 +8,7 @@ out. Every figure is a count the rooms keep up as entries change: O(identities).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,10 +38,12 @@ def tier_report(
     checks: EntryChecks,
     tickets: Tickets,
     admission: Admission,
+    retained: Mapping[str, int],
     started: float,
 ) -> dict[str, Any]:
     """Everything the status report says of the tier; of the daemon, how long it has served
-    (since started) and where (the status report adds its process)."""
+    (since started) and where (the status report adds its process). retained: the bytes of
+    the entries retained now, by identity (kvd.store.retention)."""
     counters = catalog.counters
     try:
         free = disk_free(root)
@@ -104,7 +106,9 @@ def tier_report(
             "refused": queue.refused,  # at commit
             "refused_at_begin": puts.refused,
         },
-        **_identities(catalog, telemetry, now),
+        # Entries kept before unretained ones (kvd.store.retention): each its file and blocks.
+        "retained_bytes": sum(retained.values()),
+        **_identities(catalog, telemetry, retained, now),
         "bytes_written_24h": telemetry.written_today.total(now),
         # Lookups the engines' memory served (not misses of the tier), misses by reason,
         # restores and their latency buckets, tokens restored and the prefill seconds saved.
@@ -131,7 +135,9 @@ def tier_report(
     }
 
 
-def _identities(catalog: Catalog, telemetry: Telemetry, now: float) -> dict[str, Any]:
+def _identities(
+    catalog: Catalog, telemetry: Telemetry, retained: Mapping[str, int], now: float
+) -> dict[str, Any]:
     """The identities with entries or traffic, at most STATUS_IDENTITIES of them (the most
     bytes first, then the most recently seen), by digest: each one's name (unique among all
     of them, listed or not), its share of the tier (entry files and unique blocks) and its
@@ -152,6 +158,7 @@ def _identities(catalog: Catalog, telemetry: Telemetry, now: float) -> dict[str,
                 "entries": entries.get(digest, 0),
                 "bytes": size[digest],
                 "block_bytes": catalog.block_store.identity_bytes(digest),
+                "retained_bytes": retained.get(digest, 0),
                 **_telemetry_report(telemetry, digest, now),
                 "prefill_checkpoints": _prefill_checkpoints(
                     [held[digest]] if digest in held else [],

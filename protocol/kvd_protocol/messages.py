@@ -48,7 +48,8 @@ from .summaries import MAX_REPORTED_MS as MAX_REPORTED_MS  # noqa: PLC0414
 from .summaries import DropReport as DropReport  # noqa: PLC0414
 from .summaries import EntrySummary as EntrySummary  # noqa: PLC0414
 from .summaries import RestoreReport as RestoreReport  # noqa: PLC0414
-from .summaries import _drops, _entries, _entry, _report
+from .summaries import Retention as Retention  # noqa: PLC0414
+from .summaries import _drops, _entries, _entry, _report, _retention
 from .tokens import TOKEN_BYTES
 
 PROTOCOL_VERSION: Final = 1
@@ -65,6 +66,7 @@ REMOTE_FETCH_FEATURE: Final = "remote_fetch"  # lookup's fetch, its reply's fetc
 FETCH_ASKS: Final = ("wait", "fetched")
 MAX_FETCH_SECONDS: Final = 600.0  # a reply's fetching: what a client waits for at most
 REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remote_pending/bytes
+RETENTION_FEATURE: Final = "retention"  # put_begin's retention, an EntrySummary's retained_until
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -223,6 +225,9 @@ class PutBegin(Request):
     # Seconds of prefill per token as the engine last measured it (0: not measured): what
     # the cost eviction policy weighs this identity's tokens by (feature "prefill_cost").
     prefill_cost: float = field(default=0.0, metadata=wire(_at_most(MAX_PREFILL_COST)))
+    # Keep the entry (or the one already held that it duplicates or is covered by) before
+    # unretained ones for this long (feature "retention").
+    retention: Retention | None = field(default=None, metadata=wire(_optional(_retention)))
 
     def reply_descriptors(self) -> int:
         return 1

@@ -17,6 +17,9 @@ from .record import Record
 MAX_REPORTED_MS: Final = 86_400_000.0  # store_ms and a restore report's ms: a day
 MAX_REPORTED_BYTES: Final = 1 << 50  # bytes one restore read or a drop report held: a PiB
 MAX_REPORTED_DROPS: Final = U32  # snapshots one drop report counts
+# Bounds of a put's retention; the daemon's max_retention bounds its length further.
+MAX_RETENTION_SECONDS: Final = 30 * 86_400.0  # thirty days
+MAX_RETENTION_PRIORITY: Final = 255
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -35,6 +38,9 @@ class EntrySummary(Record):
     leases: int = field(default=0, metadata=wire(_uint()))  # readers holding it now
     # A prefill checkpoint (FORMAT.md, meta prefill_checkpoint); trimmable is then false.
     prefill_checkpoint: bool = field(default=False, metadata=wire(_bool))
+    # Its retention, while it lasts (Retention): until when (Unix seconds), and its priority.
+    retained_until: float | None = field(default=None, metadata=wire(_optional(_seconds)))
+    retention_priority: int = field(default=0, metadata=wire(_uint(0, MAX_RETENTION_PRIORITY)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -43,6 +49,16 @@ class DropReport(Record):
 
     snapshots: int = field(metadata=wire(_uint(0, MAX_REPORTED_DROPS)))
     bytes: int = field(metadata=wire(_uint(0, MAX_REPORTED_BYTES)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class Retention(Record):
+    """How long a put asks the daemon to keep its entry before unretained ones (a soft
+    retention): seconds from the put, and again from each use; and a priority among retained
+    entries (the higher is kept longer when retained ones alone are over the cap)."""
+
+    seconds: float = field(metadata=wire(_at_most(MAX_RETENTION_SECONDS)))
+    priority: int = field(default=0, metadata=wire(_uint(0, MAX_RETENTION_PRIORITY)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -62,6 +78,10 @@ def _entry(value: object, what: str, limits: Limits) -> EntrySummary:
 
 def _report(value: object, what: str, limits: Limits) -> RestoreReport:
     return RestoreReport.from_map(value, what, limits)
+
+
+def _retention(value: object, what: str, limits: Limits) -> Retention:
+    return Retention.from_map(value, what, limits)
 
 
 def _drops(value: object, what: str, limits: Limits) -> DropReport:

@@ -12,7 +12,7 @@ from kvd_protocol.checksum import checksum
 from kvd_protocol.tokens import pack_tokens
 
 from kvd.store.blocks import Block
-from kvd.store.records import EntryRecord
+from kvd.store.records import EntryRecord, Retained
 from kvd.store.snapshot import EMPTY, MAGIC, load_snapshot, save_snapshot
 
 
@@ -64,6 +64,21 @@ def test_round_trip_keeps_every_field_and_the_mtime(
         record = loaded.records[row]
         for name in EntryRecord.__slots__:
             assert getattr(record, name) == getattr(original, name), name
+
+
+def test_retentions_round_trip_and_a_snapshot_without_them_retains_none(
+    tmp_path: Path, files: list[tuple[Path, EntryRecord]]
+) -> None:
+    """An older daemon's snapshot has no "retentions": it loads whole, nothing retained."""
+    snapshot = tmp_path / "index.snapshot"
+    files[1][1].retained = Retained(until=2e9, seconds=3600.0, priority=3)
+    save_snapshot(snapshot, files)
+    loaded = load_snapshot(snapshot)
+    assert [r.retained for r in loaded.records] == [None, Retained(2e9, 3600.0, 3), None]
+    _rewritten(snapshot, _drop("retentions"))
+    loaded = load_snapshot(snapshot)
+    assert len(loaded.records) == 3
+    assert [r.retained for r in loaded.records] == [None, None, None]
 
 
 def test_blocks_and_each_entrys_block_list_round_trip(tmp_path: Path) -> None:
@@ -192,6 +207,10 @@ def _short_tokens(head: dict[str, Any], tokens: bytes) -> bytes:
         _set("blocks", [["a" * 32, b"not 16 bytes", 1, 2]]),
         _set("blocks", [["a" * 32, b"\x01" * 16, 1]]),
         _set("blocks", 7),
+        _set("retentions", [1]),
+        _set("retentions", {3: [2e9, 60.0, 0]}),
+        _set("retentions", {0: [2e9, 60.0]}),
+        _set("retentions", {0: [2e9, "60", 0]}),
         _short_tokens,
     ],
 )
