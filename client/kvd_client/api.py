@@ -23,7 +23,15 @@ from .calls import Call
 from .entry_io import TensorData
 from .link import ClientStats, Link
 from .operations import operation
-from .results import Evicted, LookupHit, LookupResultBase, PutOutcome, TicketBase, TicketState
+from .results import (
+    Evicted,
+    LookupHit,
+    LookupResultBase,
+    Presence,
+    PutOutcome,
+    TicketBase,
+    TicketState,
+)
 
 if TYPE_CHECKING:
     from .identity import EngineIdentity
@@ -199,6 +207,16 @@ class ClientApi(Generic[TicketT, LookupResultT]):
         """The longest usable cached prefix of tokens, or None (also below min_tokens)."""
         hit = yield from calls.lookup(self._link, identity, tokens, min_tokens)
         return None if hit is None else self._lookup_result_type(self, hit)
+
+    @operation
+    def presence(
+        self, identity: Identity | EngineIdentity, tokens: bytes | Sequence[int]
+    ) -> Call[Presence]:
+        """How many tokens of the prompt the daemon would restore now, how many more its
+        remote tier holds, and why each stops there; restores nothing and counts no hit or
+        miss. Raises DaemonUnavailableError, or DaemonError from a daemon without it."""
+        named = identity if isinstance(identity, Identity) else identity.to_protocol()
+        return calls.presence(self._link, named, tokens)
 
     @operation
     def find_checkpoint(

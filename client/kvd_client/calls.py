@@ -49,6 +49,8 @@ from kvd_protocol.messages import (
     OpenBlocksReply,
     Ping,
     PingReply,
+    Presence,
+    PresenceReply,
     PutBlocksReply,
     Release,
     ReleaseReply,
@@ -65,6 +67,7 @@ from kvd_protocol.tokens import TOKEN_BYTES, pack_tokens
 from . import entry_io
 from .link import DaemonError, Link
 from .results import Evicted, LookupHit, TicketBase, TicketState
+from .results import Presence as PresenceAnswer
 from .transport import TransportClosed
 
 log = logging.getLogger("kvd_client")
@@ -212,6 +215,25 @@ def evict(
     request = Evict(id=link.next_id(), entry=entry, identity=digest, all=everything)
     reply = expect((yield Exchange(request)), EvictReply)
     return Evicted(reply.evicted, reply.bytes)
+
+
+def presence(link: Link, identity: Identity, tokens: bytes | Sequence[int]) -> Call[PresenceAnswer]:
+    """How much of tokens the daemon would restore now, and its remote tier hold past that;
+    restoring and counting nothing. Raises DaemonUnavailableError or DaemonError (a daemon
+    that predates it: unknown_op)."""
+    packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    named = yield from scoped(link, identity)
+    request = Presence(id=link.next_id(), identity=named, digest=None, tokens=packed)
+    reply = expect((yield Exchange(request)), PresenceReply)
+    return PresenceAnswer(
+        reply.matched,
+        reply.entry,
+        reply.miss,
+        reply.detail,
+        reply.remote,
+        reply.remote_miss,
+        reply.remote_detail,
+    )
 
 
 def open_blocks(link: Link, hit: LookupHit, first: int, count: int) -> Call[tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""What calls return: a put's ticket and its state, a lookup's hit, an eviction's count.
+"""What calls return: a put's ticket and its state, a lookup's hit, an eviction's count, a
+presence answer.
 
 TicketBase and LookupResultBase hold the state of a Ticket and a LookupResult, blocking or
 async; api.py adds the methods that run calls (wait, release).
@@ -125,3 +126,19 @@ class LookupResultBase:
 class Evicted:
     entries: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class Presence:
+    """How much of a prompt a daemon would restore now (matched, from entry) and why no more
+    (miss, detail: a lookup's miss reason; None when all but the prompt's last token would);
+    how many tokens past that its remote tier holds (remote; None without one) and why no
+    more (remote_miss, remote_detail). Asking restored and counted nothing."""
+
+    matched: int
+    entry: str | None
+    miss: str | None
+    detail: str | None
+    remote: int | None
+    remote_miss: str | None
+    remote_detail: str | None

@@ -64,6 +64,7 @@ class Control:
             ) from None
         assert isinstance(hello, m.HelloReply)
         self.features = frozenset(hello.features)
+        self.limits = hello.limits
         self.tenant = hello.tenant  # "": this user may see every identity
 
     def wait_longer(self, seconds: float | None) -> None:
@@ -91,10 +92,13 @@ class Control:
             event = self._conn.next_event()
             if event is not NEED_DATA:
                 return event
-            data = self._sock.recv(RECEIVE_BYTES)
+            # A reply may carry descriptors (open_entry, open_blocks, the put's files).
+            data, fds, _, _ = socket.recv_fds(self._sock, RECEIVE_BYTES, m.MAX_BLOCK_BATCH)
             if not data:
+                for fd in fds:
+                    os.close(fd)
                 raise DaemonUnavailableError("the daemon closed the connection")
-            self._conn.receive_data(data)
+            self._conn.receive_data(data, fds)
 
     def close(self) -> None:
         self._sock.close()

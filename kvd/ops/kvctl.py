@@ -14,10 +14,12 @@ import string
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvd_protocol import messages as m
+from kvd_protocol.bundle import BundleError
 from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import (
     DaemonUnavailableError,
@@ -31,6 +33,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS
 from kvd.config import ConfigError, env_var, load_config
 from kvd.config_values import count
 from kvd.identity_names import CANDIDATES_SHOWN, IdentityNameError, resolve
+from kvd.ops import kvctl_bundle
 from kvd.ops.control import (
     HOW_TO_START,
     Control,
@@ -71,6 +74,7 @@ EXIT_CODES = {
     "evict": "the daemon refused (evict needs the daemon's own user or root)",
     "verify": "an entry is damaged (each named)",
     "metrics": "the daemon refused",
+    **kvctl_bundle.EXIT_CODES,
 }
 
 
@@ -194,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--identity", help=f"only this identity ({IDENTITY_FORMS})")
     verify.add_argument("--repair", action="store_true", help="quarantine the damaged ones")
     command("metrics", "the status in Prometheus text format")
+    kvctl_bundle.add_commands(command, IDENTITY_FORMS)
     add_service_parser(commands)
     add_doctor_parser(commands)
     return parser
@@ -381,6 +386,34 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
     return 0 if reply.durable else 1
 
 
+def _bundle_command(args: argparse.Namespace, control: Control) -> int:
+    """export, import, match (kvctl_bundle): 1, saying why, for a bundle or prompt refused."""
+    try:
+        if args.command == "export":
+            digest = _digest(control, args.identity)
+            assert digest is not None
+            head = kvctl_bundle.export(
+                control, partial(_entries, control), digest, args.entry, Path(args.output)
+            )
+            print(f"exported entry {head.entry} to {args.output} ({size(head.file_size)})")
+        elif args.command == "import":
+            print(
+                kvctl_bundle.import_bundle(control, partial(_entries, control), Path(args.bundle))
+            )
+        else:
+            digest = _digest(control, args.identity)
+            assert digest is not None
+            tokens = kvctl_bundle.read_tokens(Path(args.tokens), control.limits)
+            answer = kvctl_bundle.match(control, digest, tokens)
+            print(json.dumps(answer, indent=2) if args.json else kvctl_bundle.format_match(answer))
+    except DaemonUnavailableError:
+        raise
+    except (BundleError, OSError, ValueError) as exc:  # the file's, or the prompt's
+        _say(f"{args.command}: {exc}")
+        return 1
+    return 0
+
+
 def _run(args: argparse.Namespace, control: Control) -> int:
     if args.command == "status":
         if args.watch:
@@ -409,6 +442,8 @@ def _run(args: argparse.Namespace, control: Control) -> int:
         print(f"evicted {reply.evicted} entries, {size(reply.bytes)}")
     elif args.command == "verify":
         return _verify(control, _digest(control, args.identity), args.repair)
+    elif args.command in ("export", "import", "match"):
+        return _bundle_command(args, control)
     elif args.command == "metrics":
         status = printable_strings(_status(control))  # label values too reach a terminal
         sys.stdout.write(exposition(lambda: status).decode())

@@ -91,7 +91,7 @@ class Fetcher:
         self._config = context.config
         self._tier = context.tier
         self._counters = context.counters
-        self._prober = Prober(context)
+        self.prober = Prober(context)  # shared with presence queries (kvd.remote.presence)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
         self._tasks: TaskGroup | None = None
         self._window = download_window(self._config.remote_requests)
@@ -108,7 +108,7 @@ class Fetcher:
 
     def memos(self) -> dict[str, dict[str, int]]:
         """The sizes and caps of what the fetches remember (the status's figures)."""
-        return {"absent_layouts": self._prober.absent.figures()}
+        return {"absent_layouts": self.prober.absent.figures()}
 
     def waits(self, lookup: Lookup, tenant: str) -> bool:
         """Whether lookup may wait for a fetch (answered by wait(), as a task of its own): one
@@ -225,10 +225,10 @@ class Fetcher:
         self, identity: Identity, tokens: bytes, deadline: float
     ) -> tuple[Layout, int]:
         digest = identity.digest()
-        layout = await self._prober.layout(digest, deadline)
+        layout = await self.prober.layout(digest, deadline)
         local = self._tier.longest_match(identity, tokens)
         least = self._config.remote_min_tokens
-        extent = await self._prober.extent(digest, layout, tokens, local, least, deadline=deadline)
+        extent = await self.prober.extent(digest, layout, tokens, local, least, deadline=deadline)
         return layout, extent
 
     def _cut(self, identity: Identity, tokens: bytes, layout: Layout, hole: FetchError) -> int:

@@ -18,11 +18,13 @@ from kvd_protocol import messages as m
 from kvd_protocol.errors import ErrorCode, ProtocolError
 
 from kvd import __version__
+from kvd.remote.presence import remote_presence
 from kvd.remote.remote import Remote
 from kvd.serve.op_row import Context, Handler, Later, Op, Waits, awaited
 from kvd.serve.status import tenant_report
 from kvd.serve.tenant_bounds import check_digest, check_identity, refused
 from kvd.store.miss_reasons import Miss
+from kvd.store.presence import local_presence
 from kvd.store.records import summary
 from kvd.store.staged_put import DeclaredBlocks
 
@@ -45,6 +47,8 @@ FEATURES = (
     m.ENGINE_DROPS_FEATURE,
     m.REMOTE_FLUSH_FEATURE,
     m.RETENTION_FEATURE,
+    m.OPEN_ENTRY_FEATURE,
+    m.PRESENCE_FEATURE,
 )
 REMOTE_FEATURES = (*FEATURES, m.REMOTE_FETCH_FEATURE)  # a daemon with a remote tier's
 
@@ -208,6 +212,58 @@ def open_blocks(c: Context, request: m.OpenBlocks) -> m.OpenBlocksReply:
     return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
 
+def open_entry(c: Context, request: m.OpenEntry) -> m.OpenEntryReply:
+    """A durable entry by id, leased as a hit is (kvctl export reads it and its blocks)."""
+    if c.peer.tenant and (digest := c.tier.identity_of(request.entry)):
+        check_digest(c.tier, c.peer, request, digest)
+    if c.tier.leases.count_of(c.peer.session) >= c.tier.config.max_leases:
+        raise ProtocolError(
+            ErrorCode.OVER_LIMIT, f"{c.tier.config.max_leases} leases held: release some first"
+        )
+    found = c.tier.lease_entry(c.peer.session, request.entry)
+    if found is None:
+        held = c.tier.entry(request.entry)
+        why = "it is not durable yet: flush first" if held else "no such entry"
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"entry {request.entry}: {why}")
+    record, lease, fd = found
+    return m.OpenEntryReply(id=request.id, entry=summary(record), lease=lease, fd=fd)
+
+
+def presence(c: Context, request: m.Presence) -> m.PresenceReply | Later:
+    """How much of the prompt a lookup would restore now, and the remote tier hold past it
+    (kvd.store.presence, kvd.remote.presence): counted nowhere."""
+    identity = request.identity
+    if identity is not None:
+        if c.peer.tenant:
+            check_identity(c.peer, request, identity)
+        digest = identity.digest()
+    else:
+        assert request.digest is not None  # the message's check: one of the two
+        digest = request.digest
+        if c.peer.tenant:
+            check_digest(c.tier, c.peer, request, digest)
+    local = local_presence(c.tier, digest, identity, request.tokens, c.peer.tenant)
+    reply = m.PresenceReply(
+        id=request.id,
+        matched=local.matched,
+        entry=local.entry,
+        miss=local.miss.reason if local.miss else None,
+        detail=local.miss.detail if local.miss else None,
+        remote=None,
+        remote_miss=None,
+        remote_detail=None,
+    )
+    remote = c.remote
+    if remote is None:
+        return reply
+
+    async def probed() -> m.PresenceReply:
+        held = await remote_presence(remote, digest, request.tokens, local.matched)
+        return replace(reply, remote=held.more, remote_miss=held.miss, remote_detail=held.detail)
+
+    return probed
+
+
 def find_checkpoint(c: Context, request: m.FindCheckpoint) -> m.FindCheckpointReply:
     if c.peer.tenant:
         check_identity(c.peer, request, request.identity)
@@ -300,6 +356,9 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
         "list": Op(list_entries),
         "evict": Op(evict),
         "verify": Op(awaited(verify), Waits.TASK),
+        "open_entry": Op(open_entry),
+        # At once without a remote tier; with one, once the bucket is asked.
+        "presence": Op(presence, Waits.TASK),
     }
 )
 

@@ -80,7 +80,14 @@ def explain(
             f"the best entry holds {matched} tokens of this {prompt}-token prompt, no more than "
             f"the {min_tokens - 1} the engine holds",
         )
-    holds = "holds no entry" if not catalog.holds(digest) else "holds none usable for this prompt"
+    if not catalog.holds(digest):
+        holds = "holds no entry"
+    elif matched:  # a presence query's: a lookup's matches are hits
+        holds = (
+            f"holds no entry usable for more than {matched} tokens of this {prompt}-token prompt"
+        )
+    else:
+        holds = "holds none usable for this prompt"
     return Miss(reason, f"identity {digest[:DIGEST_SHOWN]} ({identity.model_id}) {holds}")
 
 

@@ -67,6 +67,8 @@ FETCH_ASKS: Final = ("wait", "fetched")
 MAX_FETCH_SECONDS: Final = 600.0  # a reply's fetching: what a client waits for at most
 REMOTE_FLUSH_FEATURE: Final = "remote_flush"  # flush's remote, its reply's remote_pending/bytes
 RETENTION_FEATURE: Final = "retention"  # put_begin's retention, an EntrySummary's retained_until
+OPEN_ENTRY_FEATURE: Final = "open_entry"  # the open_entry op: a durable entry by id, leased
+PRESENCE_FEATURE: Final = "presence"  # the presence op: how much of a prompt would restore
 MAX_BLOCK_BATCH: Final = 64  # blocks per put_blocks / open_blocks: a reply's most descriptors
 TICKET_STATES: Final = ("pending", "stored", "dropped", "failed")
 # Bounds of the numbers a client declares, checked at decoding so that a daemon never counts
@@ -562,6 +564,63 @@ class VerifyReply(Reply):
     quarantined: bool = field(metadata=wire(_bool))
 
 
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class OpenEntry(Request):
+    """A durable entry by id, opened read-only and leased as a lookup's hit is: its blocks
+    come from open_blocks under the lease (feature "open_entry"). What kvctl export reads."""
+
+    op: ClassVar[str] = "open_entry"
+    entry: str = field(metadata=wire(_name))
+
+    def reply_descriptors(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class OpenEntryReply(_OneDescriptorReply):
+    """The entry's summary, a lease to release, and fd: the entry file, read-only."""
+
+    op: ClassVar[str] = "open_entry"
+    entry: EntrySummary = field(metadata=wire(_entry))
+    lease: int = field(metadata=wire(_uint()))
+
+    def descriptor_count(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class Presence(Request):
+    """How much of a prompt the tier would restore now, and how much more the remote tier
+    holds, restoring nothing and counting nothing (feature "presence"). The identity is named
+    whole (an engine) or by its digest (kvctl): exactly one of the two."""
+
+    op: ClassVar[str] = "presence"
+    identity: Identity | None = field(metadata=wire(_optional(_identity)))
+    digest: str | None = field(metadata=wire(_optional(_name)))
+    tokens: bytes = field(metadata=wire(_tokens))
+
+    def check_consistency(self) -> None:
+        if (self.identity is None) == (self.digest is None):
+            raise schema.SchemaError(f"{self.op}: set exactly one of identity, digest")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class PresenceReply(Reply):
+    """matched: the tokens a lookup would restore now (entry: from which entry); miss and
+    detail: why no more (a lookup's miss reason), nil when all but the prompt's last token
+    would. remote: how many tokens past matched the remote tier holds (nil without one);
+    remote_miss and remote_detail: why it holds no more (nil when it reaches as far)."""
+
+    op: ClassVar[str] = "presence"
+    matched: int = field(metadata=wire(_uint(0, U32)))
+    entry: str | None = field(metadata=wire(_optional(_name)))
+    miss: str | None = field(metadata=wire(_optional(_name)))
+    detail: str | None = field(metadata=wire(_optional(_prose)))
+    remote: int | None = field(metadata=wire(_optional(_uint(0, U32))))
+    remote_miss: str | None = field(metadata=wire(_optional(_name)))
+    remote_detail: str | None = field(metadata=wire(_optional(_prose)))
+
+
 @dataclass(frozen=True)
 class Op:
     request: type[Request]
@@ -589,6 +648,8 @@ OPS: Final[Mapping[str, Op]] = MappingProxyType(
             Op(ListEntries, ListEntriesReply),
             Op(Evict, EvictReply),
             Op(Verify, VerifyReply),
+            Op(OpenEntry, OpenEntryReply),
+            Op(Presence, PresenceReply),
         )
     }
 )
