@@ -158,6 +158,8 @@ def test_op_table_pairs_each_request_with_the_reply_of_the_same_op() -> None:
         "list",
         "evict",
         "verify",
+        "open_entry",
+        "presence",
     }
     for name, op in OPS.items():
         assert op.request.op == op.reply.op == name

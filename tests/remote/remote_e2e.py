@@ -1,5 +1,5 @@
-"""What the remote tier's end-to-end tests share: a daemon's flags for the test bucket, its
-`remote` status, a put of any planned v2 entry, the bucket's objects."""
+"""What the remote tier's end-to-end tests share: a daemon's flags for the test bucket, two
+daemons sharing it, its `remote` status, a put of any planned v2 entry, the bucket's objects."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 from blocks_e2e import commit, status, wait
 from daemon_e2e import RawPeer, wait_until
-from daemon_process import Daemon, kvctl
+from daemon_process import Daemon, kvctl, running_daemon
 from kvd_protocol import messages as m
 from kvd_protocol.checksum import checksum
 from kvd_protocol.entry import ManifestPlan, Slot
@@ -57,6 +58,19 @@ def remote_flags(
     for name, value in settings.items():
         flags += [f"--remote-{name.replace('_', '-')}", str(value)]
     return flags
+
+
+@contextmanager
+def two_macs(
+    store: Store, folder: Path, prefix: str, **settings: Any
+) -> Iterator[tuple[Daemon, Daemon]]:
+    """Daemons A and B on tiers of their own in folder, sharing the bucket under prefix with
+    these remote settings (remote_flags)."""
+    flags = remote_flags(store, folder, prefix, **settings)
+    with ExitStack() as stack:
+        a = stack.enter_context(running_daemon(folder / "a", flags))
+        b = stack.enter_context(running_daemon(folder / "b", flags))
+        yield a, b
 
 
 def restart(seaweed: Seaweed) -> None:

@@ -18,7 +18,6 @@ import signal
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,6 +35,7 @@ from kvd_protocol.tokens import pack_tokens
 from mlx_lm.models.cache import make_prompt_cache
 from model_folders import SMALL_CONFIGS, VOCAB, small_model
 from remote_e2e import remote_flags, remote_status, restart, stored
+from remote_e2e import two_macs as sharing
 from seaweed import Seaweed
 
 from kvd.remote import keys
@@ -61,13 +61,10 @@ def two_macs(
     tmp_path: Path, seaweed: Seaweed, seaweed_bucket: Bucket, s3_prefix: str
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Daemons A and B on tiers of their own, sharing the bucket under the test's prefix."""
-    flags = remote_flags(
+    with sharing(
         seaweed, tmp_path, s3_prefix, min_tokens=MIN_TOKENS, fetch_timeout=FETCH_TIMEOUT
-    )
-    with ExitStack() as stack:
-        a = stack.enter_context(running_daemon(tmp_path / "a", flags))
-        b = stack.enter_context(running_daemon(tmp_path / "b", flags))
-        yield a, b
+    ) as macs:
+        yield macs
 
 
 def prompt(length: int, seed: int) -> list[int]:
