@@ -62,11 +62,11 @@ def remote_flags(
 
 @contextmanager
 def two_macs(
-    store: Store, folder: Path, prefix: str, **settings: Any
+    bucket: BucketServer, folder: Path, prefix: str, **settings: Any
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Daemons A and B on tiers of their own in folder, sharing the bucket under prefix with
     these remote settings (remote_flags)."""
-    flags = remote_flags(store, folder, prefix, **settings)
+    flags = remote_flags(bucket, folder, prefix, **settings)
     with ExitStack() as stack:
         a = stack.enter_context(running_daemon(folder / "a", flags))
         b = stack.enter_context(running_daemon(folder / "b", flags))
