@@ -31,6 +31,7 @@ from kvd import __version__
 from kvd.config import Config
 from kvd.logs import get_logger
 from kvd.remote.remote import Remote
+from kvd.serve import event_loop
 from kvd.serve.fd_limit import connections_for, raise_open_file_limit
 from kvd.serve.frame_budget import FrameBudget
 from kvd.serve.handlers import op_table
@@ -141,7 +142,12 @@ class Server:
                 if metrics is not None:  # kept running: an accept() failure must not stop kvd
                     scrapes = partial(serve_metrics, metrics, self.status)
                     tasks.start_soon(keep_running, "metrics", scrapes)
-                log.info("serving", socket=str(self.config.socket), version=__version__)
+                log.info(
+                    "serving",
+                    socket=str(self.config.socket),
+                    version=__version__,
+                    loop=event_loop.loop_name(),
+                )
                 notifier.ready(f"serving {len(self.tier)} entries")
                 await self._wait_for_signal(listener, notifier)
                 tasks.cancel_scope.cancel()
@@ -273,4 +279,4 @@ def _group_id(name: str | None) -> int | None:
 
 
 def serve(config: Config) -> None:
-    anyio.run(Server(config).run)
+    anyio.run(Server(config).run, backend_options=event_loop.backend_options())
