@@ -3,12 +3,15 @@ daemon under a small tier cap and a small write-behind cap.
 
 Checked while it runs (the status is sampled every SAMPLE_SECONDS on a connection of its own):
 the tier's bytes never exceed the cap; the daemon's RSS stays flat (its first sample after
-warm-up against its last); no request fails other than by design. By design: tickets dropped
-by the write-behind queue or by a superseding entry, puts refused while the queue and the puts
-under way fill its cap, puts skipped as duplicates, lookup misses.
-Anything else (a failed ticket, a failed or rejected lookup, an exception, an error in the
-daemon's log, a non-zero exit) fails the run. The anchor is the work itself: rates are per
-second of the same run.
+warm-up against its last); no request fails other than by design; no engine's breaker opens
+(a lookup not answered within the engine's lookup timeout opens it, and the engine then skips
+the daemon). By design: tickets dropped by the write-behind queue or by a superseding entry,
+puts refused while the queue and the puts under way fill its cap, puts skipped as duplicates,
+lookup misses. Anything else (a failed ticket, a put skipped or a lookup failed with the daemon
+taken as unavailable, a rejected lookup, an exception, an error in the daemon's log, a
+non-zero exit) fails the run. Each lookup is timed as the engine sees it, to the reply (the
+hit's verification after it is the engine's own work). The anchor is the work itself: rates
+are per second of the same run, the lookups' times against the engines' lookup timeout.
 
     .venv/bin/python bench/soak.py [--seconds 180] [--clients 16] [--cap 4M]
 """
@@ -16,8 +19,10 @@ second of the same run.
 from __future__ import annotations
 
 import argparse
+import array
 import multiprocessing as mp
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from _daemon import running_daemon
 from kvd_client.client import Client
+from kvd_client.link import DEFAULT_LOOKUP_TIMEOUT
 from kvd_protocol.entry import LayerSpec, TensorSpec
 from kvd_protocol.identity import Identity
 from kvd_protocol.quantities import parse_size
@@ -56,8 +62,15 @@ class Tally:
     """What one engine did and saw, by kind."""
 
     operations: Counter[str] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)  # (what, by design)
     failures: list[str] = field(default_factory=list)
+    lookup_seconds: array.array[float] = field(default_factory=lambda: array.array("d"))
+    breaker_opened: int = 0  # times the engine's breaker opened: it skipped the daemon then
+
+    def saw(self, outcome: str, *, by_design: bool) -> None:
+        self.outcomes[outcome, by_design] += 1
+        if not by_design:
+            self.failures.append(outcome)
 
 
 def _put(
@@ -77,10 +90,8 @@ def _put(
     # The reason's first words only: a refusal's message carries the byte counts of the moment.
     reason = None if state.reason is None else state.reason.split(":")[0]
     label = state.state if reason is None else f"{state.state}: {reason}"
-    tally.outcomes[f"put {label}"] += 1
     by_design = state.state in ("stored", "dropped") or str(state.reason).startswith("refused")
-    if not by_design:
-        tally.failures.append(f"put {label}")
+    tally.saw(f"put {label}", by_design=by_design)
     known.append((which, tokens))
     del known[:-64]
 
@@ -96,13 +107,19 @@ def _lookup(
             rng.randrange(len(IDENTITIES)),
             [rng.randrange(1, 50_000) for _ in range(64)],
         )
+    failed = client.stats.failed_lookups
+    started = time.perf_counter()
     result = client.lookup(IDENTITIES[which], prompt)
+    tally.lookup_seconds.append(time.perf_counter() - started)
     if result is None:
-        tally.outcomes["lookup miss"] += 1
+        if client.stats.failed_lookups > failed:  # unavailable (late, skipped) or refused
+            tally.saw("lookup failed", by_design=False)
+        else:
+            tally.saw("lookup miss", by_design=True)
         return
     with result:  # the release: a lease returned at once, as an engine does after its copy
         result.verify()
-        tally.outcomes["lookup hit"] += 1
+        tally.saw("lookup hit", by_design=True)
 
 
 def engine(job: Job, results: Queue[Tally]) -> None:
@@ -122,11 +139,11 @@ def engine(job: Job, results: Queue[Tally]) -> None:
                 else:
                     client.status()
                 tally.operations[kind] += 1
-            stats = client.stats
-            if stats.failed_lookups or stats.rejected_entries:
-                tally.failures.append(
-                    f"{stats.failed_lookups} failed and {stats.rejected_entries} rejected lookups"
-                )
+            if client.stats.rejected_entries:
+                tally.failures.append(f"{client.stats.rejected_entries} rejected lookups")
+            if client.breaker is not None and client.breaker.stats.opened:
+                tally.breaker_opened = client.breaker.stats.opened
+                tally.failures.append(f"the breaker opened {tally.breaker_opened} times")
     except Exception as exc:  # reported, not raised: the run must say it
         tally.failures.append(f"{type(exc).__name__}: {exc}")
     results.put(tally)
@@ -193,8 +210,10 @@ def report(
     flushed: bool,
 ) -> int:
     operations = sum((t.operations for t in tallies), Counter[str]())
-    outcomes = sum((t.outcomes for t in tallies), Counter[str]())
+    outcomes = sum((t.outcomes for t in tallies), Counter[tuple[str, bool]]())
     failures = [f for t in tallies for f in t.failures]
+    lookups = sorted(s for t in tallies for s in t.lookup_seconds)
+    opened = sum(t.breaker_opened for t in tallies)
     warm = [rss for at, rss in samples.rss if at >= elapsed * WARMUP_FRACTION] or [0]
     rss_start, rss_end = warm[0], samples.rss[-1][1]
     growth = rss_end - rss_start
@@ -209,10 +228,19 @@ def report(
     for kind in MIX:
         print(f"| {kind} | {operations[kind]:,} | {operations[kind] / elapsed:,.0f} |")
     print()
-    print("| outcome | count |")
-    print("|---|---:|")
-    for outcome, count in sorted(outcomes.items()):
-        print(f"| {outcome} | {count:,} |")
+    print("| outcome | count | by design |")
+    print("|---|---:|---|")
+    for (outcome, by_design), count in sorted(outcomes.items()):
+        print(f"| {outcome} | {count:,} | {'yes' if by_design else 'no: a failure'} |")
+    print()
+    late = sum(1 for s in lookups if s > DEFAULT_LOOKUP_TIMEOUT)
+    cuts = statistics.quantiles(lookups, n=100) if len(lookups) > 1 else [0.0] * 99
+    p50, p99, worst = (statistics.median(lookups), cuts[98], lookups[-1]) if lookups else (0, 0, 0)
+    ms = 1e3
+    timeout = f"{DEFAULT_LOOKUP_TIMEOUT * ms:g} ms"
+    print(f"| lookups, to the reply | p50 ms | p99 ms | max ms | over the timeout ({timeout}) |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| {len(lookups):,} | {p50 * ms:.2f} | {p99 * ms:.2f} | {worst * ms:.1f} | {late:,} |")
     print()
     print("| check | value | verdict |")
     print("|---|---:|---|")
@@ -226,6 +254,7 @@ def report(
     print(
         f"| daemon RSS at 1/4, 1/2, 3/4, end | {' / '.join(f'{q:.1f}' for q in quarters)} MiB | |"
     )
+    print(f"| engines' breakers opened | {opened} | {'none' if not opened else 'FAILED'} |")
     verdict = "none" if not failures else "FAILED"
     print(f"| failures other than by design | {len(failures)} | {verdict} |")
     print(f"| flush at the end | {'durable' if flushed else 'not durable'} | |")
