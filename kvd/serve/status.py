@@ -92,14 +92,19 @@ def tenant_report(
 
 
 def finite(value: Any) -> Any:
-    """value with every float that is not finite (inf, NaN) replaced by None: strict JSON."""
+    """value with every float that is not finite (inf, NaN) replaced by None: strict JSON.
+    A report is mostly counts and names: those are taken as they are, without a call each
+    (a status is asked for many times a second, on the event loop)."""
     if type(value) is float:
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items()}
+        return {k: v if type(v) in _AS_THEY_ARE else finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [finite(item) for item in value]
+        return [v if type(v) in _AS_THEY_ARE else finite(v) for v in value]
     return value
+
+
+_AS_THEY_ARE = frozenset({int, str, bool, type(None)})  # finite's values never changed
 
 
 def _name(peer: Peer) -> str:
