@@ -228,7 +228,7 @@ def phase_seconds(tier: TierDir) -> list[tuple[str, float]]:
     what the daemon does between its imports and its first ping, then while it serves."""
 
     def cpu(run: Callable[[], object]) -> float:
-        gc.disable()  # as the daemon starts: Tier.open's own is off too
+        gc.disable()  # as the daemon starts: LifeCycle.open's own is off too
         started = time.process_time()  # every thread's: the listing runs in a worker
         run()
         seconds = time.process_time() - started
@@ -236,25 +236,25 @@ def phase_seconds(tier: TierDir) -> list[tuple[str, float]]:
         return seconds
 
     # The least of three: the first touches the mapped file's pages, and a shared machine
-    # varies; the catalog's part is the rest of Tier.open, which loads it once more.
+    # varies; the catalog's part is the rest of LifeCycle.open, which loads it once more.
     load = min(cpu(lambda: snapshot.load_snapshot(tier.snapshot)) for _ in range(3))
     config = Config(dir=tier.root, socket=tier.root / "unused.sock", max_bytes=2**50, min_free=0)
     opened = Tier(config, DEFAULT_LIMITS)
     parts: list[float] = []
 
     async def start() -> None:
-        for step in (opened.open, opened.settle):
+        for step in (opened.life.open, opened.life.settle):
             started = time.process_time()
             await step()
             parts.append(time.process_time() - started)
 
     anyio.run(start)
-    opened.close()
+    opened.life.close()
     return [
-        ("Tier.open in all", parts[0]),
+        ("LifeCycle.open in all", parts[0]),
         ("of which loading the snapshot (the least of three loads)", load),
         ("and building the catalog from it (the rest)", parts[0] - load),
-        ("then, while serving: listing the directory against it (Tier.settle)", parts[1]),
+        ("then, while serving: listing the directory against it (LifeCycle.settle)", parts[1]),
     ]
 
 

@@ -109,7 +109,7 @@ def filled_tier(folder: Path, entries: int, identities: int, rng: random.Random)
 
 
 def page(tier: Tier, ids: list[str], rng: random.Random) -> None:
-    tier.list_entries(None, PAGE, rng.choice(ids))
+    tier.admin.list_entries(None, PAGE, rng.choice(ids))
 
 
 def walk(tier: Tier) -> None:
@@ -132,7 +132,7 @@ def main() -> None:
             tier = filled_tier(Path(work), size, args.identities, rng)
             ids = list(tier.catalog.records)
 
-            known = {d: t.identity for d, t in tier.telemetry.identities.items()}
+            known = tier.view.known_identities()
             timed = [
                 ("status", median_us(partial(status_report, tier, []), args.repeat)),
                 ("identity names, made anew", median_us(partial(names, known), args.repeat)),

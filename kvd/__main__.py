@@ -2,7 +2,7 @@
 
 Its imports and its start-up make long-lived objects only (modules, classes, then the index):
 the cyclic collector would walk them over and over and free next to nothing (~50 ms of CPU of
-the imports alone). Tier.open freezes what start-up made and turns the collector back on.
+the imports alone). LifeCycle.open freezes what start-up made and turns the collector back on.
 """
 
 import gc

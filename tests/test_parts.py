@@ -1,7 +1,8 @@
 """kvd's parts import one way (docs/design.md, "Inside the daemon"): ops, then serve, then
 remote, then store, then the modules every part shares at the top of kvd/. Only the entry
 points reach into any part, and no module but an entry point imports one. A request is
-dispatched by the op table alone (docs/design.md, "The daemon's shape")."""
+dispatched by the op table alone (docs/design.md, "The daemon's shape"), and the tier is
+reached through its services' methods alone (docs/design.md, "Inside the daemon")."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from test_packaging import import_graph, module_sources
 
 import kvd
 from kvd.serve import handlers
+from kvd.store.admin import Admin
+from kvd.store.life_cycle import LifeCycle
+from kvd.store.notices import Notices
+from kvd.store.puts import Puts
+from kvd.store.reads import Reads
+from kvd.store.tickets import Tickets
+from kvd.store.tier_view import TierView
 
 TOP = "top"
 ENTRY_POINTS = {"kvd.__main__", "kvd.cli"}
@@ -158,3 +166,85 @@ def test_the_op_table_is_the_only_dispatch() -> None:
         if module != OP_TABLE and (places := dispatches(path.read_text()))
     }
     assert not elsewhere, f"requests dispatched outside the op table: {elsewhere}"
+
+
+# The tier's services, by the attribute of Tier that holds each (kvd/store/tier.py): what the
+# rest of the daemon calls, each by its public methods alone. Of Tier itself, only these and
+# its settings are read outside kvd/store; its rooms (catalog, writer, ...) are the services'.
+SERVICES: dict[str, type] = {
+    "puts": Puts,
+    "reads": Reads,
+    "admin": Admin,
+    "life": LifeCycle,
+    "view": TierView,
+    "tickets": Tickets,
+    "notices": Notices,
+}
+TIER_PUBLIC = {*SERVICES, "limits", "config"}
+
+
+def _methods(cls: type) -> set[str]:
+    return {name for name, value in vars(cls).items() if callable(value) and name[0] != "_"}
+
+
+def _chain(node: ast.Attribute) -> list[str]:
+    """The names of an attribute chain, outermost first: `c.tier.puts.begin` -> [c, tier,
+    puts, begin] (a call or subscript on the way ends it)."""
+    names: list[str] = []
+    current: ast.AST = node
+    while isinstance(current, ast.Attribute):
+        names.append(current.attr)
+        current = current.value
+    if isinstance(current, ast.Name):
+        names.append(current.id)
+    return names[::-1]
+
+
+def reaches_in(source: str) -> list[str]:
+    """The places in source that read more of the tier than its services' methods: an
+    attribute of `tier` (or `_tier`) that is not a service nor a setting, and a member of a
+    service (held under its name, with or without a leading underscore) that is not one of
+    its public methods."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        names = _chain(node)
+        for here, name in enumerate(names[:-1]):
+            after = names[here + 1]
+            if name.lstrip("_") == "tier" and after not in TIER_PUBLIC:
+                found.add(f"line {node.lineno}: tier.{after}")
+            service = SERVICES.get(name.lstrip("_"))
+            if service is not None and here and after not in _methods(service):
+                found.add(f"line {node.lineno}: {name}.{after}")
+    return sorted(found)
+
+
+def test_the_reach_finder_finds_each_kind() -> None:
+    source = """
+c.tier.catalog.records
+self.tier.writer.queue
+tier.notices.stored.append(listener)
+self._local.reads._leases
+tier.puts.staged_bytes
+c.tier.reads.lookup(owner)
+tier.notices.on_stored(listener)
+c.tier.limits
+c.peer.admin
+"""
+    assert reaches_in(source) == [
+        "line 2: tier.catalog",
+        "line 3: tier.writer",
+        "line 4: notices.stored",
+        "line 5: reads._leases",
+        "line 6: puts.staged_bytes",
+    ]
+
+
+def test_no_module_outside_the_store_reaches_into_the_tier() -> None:
+    reaching = {
+        module: places
+        for module, path in sorted(module_sources(kvd).items())
+        if part_of(module) != "store" and (places := reaches_in(path.read_text()))
+    }
+    assert not reaching, f"reaching past the tier's services: {reaching}"

@@ -89,7 +89,7 @@ def _lookups(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     text = f"{hits:,} hits, {misses:,} misses ({_ratio(hits, misses)})"
     held = status.get("engine_held")
     if held is not None:
-        text += f"; {held:,} engine-held (the engine's memory held as much)"
+        text += f"; {held:,} engine-held (the engine's memory had as much)"
     rows = [("lookups", text)]
     if "misses_by_reason" in status:
         rows.append(("misses", top_reasons(status["misses_by_reason"])))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 import anyio
+from kvd_protocol.limits import Limits
 
 from kvd.config import Config
 from kvd.logs import RateLimited, get_logger
@@ -48,7 +49,6 @@ from kvd.remote.deadlines import Interrupt
 from kvd.remote.health import Health
 from kvd.remote.layout import Layout, LayoutError, decode_layout, encode_layout
 from kvd.remote.lru import LruMap, LruSet
-from kvd.store.tier import Tier
 
 log = get_logger("kvd.remote")
 limited = RateLimited(log)  # what the bucket's objects provoke at will
@@ -95,11 +95,12 @@ class RemoteCounters:
 
 
 class RemoteContext:
-    """The bucket as the uploads and fetches see it; built from the config and the tier."""
+    """The bucket as the uploads and fetches see it; built from the config and the local
+    tier's limits (a layout is read within them)."""
 
-    def __init__(self, config: Config, tier: Tier) -> None:
+    def __init__(self, config: Config, limits: Limits) -> None:
         self.config = config
-        self.tier = tier
+        self.limits = limits
         self.bucket_name, self.prefix = split_url(config.remote)
         self.credentials = CredentialSource(config.remote_credentials_file, os.environ)
         self.health = Health(credentials_changed=self.credentials.changed)
@@ -238,7 +239,7 @@ class RemoteContext:
             if data is None:
                 return None
             found = await anyio.to_thread.run_sync(
-                decode_layout, data, digest, self.tier.limits, limiter=self._decoding
+                decode_layout, data, digest, self.limits, limiter=self._decoding
             )
         except (ObjectTooLarge, LayoutError) as exc:
             self.refused_layouts.add(digest)

@@ -48,6 +48,7 @@ from kvd.logs import RateLimited, get_logger
 from kvd.remote.bucket import Bucket, BucketError, ObjectTooLarge
 from kvd.remote.context import RemoteContext
 from kvd.remote.layout import Layout, manifest_plan
+from kvd.remote.local_tier import LocalTier
 from kvd.remote.probe import FetchError, Prober, fewest_blocks
 from kvd.store.staged_put import DeclaredBlocks, Put
 
@@ -86,10 +87,10 @@ class Fetch:
 class Fetcher:
     """The remote tier's fetches under way, by prompt; counted in the remote's counters."""
 
-    def __init__(self, context: RemoteContext) -> None:
+    def __init__(self, context: RemoteContext, local: LocalTier) -> None:
         self._context = context
         self._config = context.config
-        self._tier = context.tier
+        self._local = local
         self._counters = context.counters
         self.prober = Prober(context)  # shared with presence queries (kvd.remote.presence)
         self._fetches: dict[tuple[str, bytes], Fetch] = {}  # by identity digest, prompt hash
@@ -124,7 +125,7 @@ class Fetcher:
         if not lookup.identity.namespace.startswith(tenant):
             return False  # refused at once
         tokens = lookup.tokens
-        past = len(tokens) // TOKEN_BYTES - self._tier.longest_match(lookup.identity, tokens)
+        past = len(tokens) // TOKEN_BYTES - self._local.reads.longest_match(lookup.identity, tokens)
         if past < max(self._config.remote_min_tokens, 1):
             return False
         if lookup.fetch is None:
@@ -226,7 +227,7 @@ class Fetcher:
     ) -> tuple[Layout, int]:
         digest = identity.digest()
         layout = await self.prober.layout(digest, deadline)
-        local = self._tier.longest_match(identity, tokens)
+        local = self._local.reads.longest_match(identity, tokens)
         least = self._config.remote_min_tokens
         extent = await self.prober.extent(digest, layout, tokens, local, least, deadline=deadline)
         return layout, extent
@@ -235,7 +236,7 @@ class Fetcher:
         """The blocks before hole, the first block the download found missing or damaged, to
         fetch instead; hole raised again unless they reach remote_min_tokens past the local
         match."""
-        local = self._tier.longest_match(identity, tokens)
+        local = self._local.reads.longest_match(identity, tokens)
         least = fewest_blocks(local, self._config.remote_min_tokens, layout.block_tokens)
         if hole.block is None or hole.block < least:
             raise hole
@@ -259,15 +260,15 @@ class Fetcher:
         fetched = tokens[: blocks * layout.block_tokens * TOKEN_BYTES]
         try:
             plan = manifest_plan(
-                layout, identity, fetched, created=time.time(), limits=self._tier.limits
+                layout, identity, fetched, created=time.time(), limits=self._local.limits
             )
         except ValueError as exc:  # a layout this daemon cannot make an entry of
             raise FetchError("no_layout", str(exc)) from None
         declared = DeclaredBlocks(plan.hashes, layout.block_tokens, plan.block_size)
-        tier = self._tier
+        puts = self._local.puts
         mark = time.perf_counter()
         try:
-            put, _, fd = await tier.begin_put(
+            put, _, fd = await puts.begin(
                 FETCH_OWNER, identity, fetched, plan.entry.file_size, declared
             )
         except ProtocolError as exc:
@@ -278,11 +279,11 @@ class Fetcher:
         try:
             await self._write(put, fd, plan, deadline)
         except BaseException:
-            tier.abort_put(FETCH_OWNER, put.id)
+            puts.abort_owned(FETCH_OWNER, put.id)
             raise
         mark = _lap(phases, "download", mark)
         try:
-            await tier.commit_put(FETCH_OWNER, put.id)
+            await puts.commit_owned(FETCH_OWNER, put.id)
         except ProtocolError as exc:  # the commit removed its files
             if exc.code is not ErrorCode.INVALID_ENTRY:
                 raise FetchError("refused", exc.message) from None
@@ -315,7 +316,7 @@ class Fetcher:
 
             async def download(index: int) -> None:
                 try:
-                    (block_fd,) = await self._tier.put_blocks(FETCH_OWNER, put.id, index, 1)
+                    (block_fd,) = await self._local.puts.block_files(FETCH_OWNER, put.id, index, 1)
                     try:
                         await self._download(put, plan, index, block_fd, deadline)
                     finally:

@@ -93,25 +93,25 @@ class Prober:
         while low < high:
             counts = _spread(low + 1, high, width)
             asked = [hashes[count - 1] for count in counts]
-            held = await self._hold_all(digest, asked, deadline)
-            if not held[0] and low < need:
+            present = await self._present_all(digest, asked, deadline)
+            if not present[0] and low < need:
                 break
-            low = max([low, *(c for c, h in zip(counts, held, strict=True) if h)])
-            high = min([high, *(c - 1 for c, h in zip(counts, held, strict=True) if not h)])
+            low = max([low, *(c for c, h in zip(counts, present, strict=True) if h)])
+            high = min([high, *(c - 1 for c, h in zip(counts, present, strict=True) if not h)])
         if low < need:
             raise FetchError(
                 "short", f"the bucket holds less than {least} tokens past the {local} local"
             )
         return low
 
-    async def _hold_all(self, digest: str, blocks: list[bytes], deadline: float) -> list[bool]:
+    async def _present_all(self, digest: str, blocks: list[bytes], deadline: float) -> list[bool]:
         """Whether the bucket holds each block, asked at once; the first BucketError alone."""
-        held = [False] * len(blocks)
+        present = [False] * len(blocks)
         failures: list[BucketError] = []
 
         async def ask(index: int) -> None:
             try:
-                held[index] = await self._holds(digest, blocks[index], deadline)
+                present[index] = await self._present(digest, blocks[index], deadline)
             except BucketError as exc:
                 failures.append(exc)
                 asking.cancel_scope.cancel()  # the round is in vain
@@ -121,9 +121,9 @@ class Prober:
                 asking.start_soon(ask, index)
         if failures:
             raise failures[0]
-        return held
+        return present
 
-    async def _holds(self, digest: str, block: bytes, deadline: float) -> bool:
+    async def _present(self, digest: str, block: bytes, deadline: float) -> bool:
         known = self._context.known
         if (digest, block) in known:
             return True

@@ -19,10 +19,11 @@ from kvd_protocol.messages import Lookup
 from kvd.config import Config
 from kvd.remote.context import RemoteContext
 from kvd.remote.fetcher import Fetcher
+from kvd.remote.local_tier import LocalTier
 from kvd.remote.upload_journal import UploadJournal
 from kvd.remote.upload_queue import Mark
 from kvd.remote.uploader import Uploader
-from kvd.store.tier import Tier
+from kvd.store.tier_dir import TierDir
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,18 @@ class RemoteFlush:
 
 
 class Remote:
-    """The daemon's remote tier: built from the config and the tier; run() runs it."""
+    """The daemon's remote tier: built from the config and the parts of the local tier it
+    uses (LocalTier); run() runs it. Its uploads listen to the local tier's notices."""
 
-    def __init__(self, config: Config, tier: Tier) -> None:
+    def __init__(self, config: Config, local: LocalTier) -> None:
         self.config = config
-        self.tier = tier
-        self.context = RemoteContext(config, tier)
-        self.uploader = Uploader(self.context, UploadJournal(tier.dirs.upload_journal))
-        self.fetcher = Fetcher(self.context)
-        tier.notices.stored.append(self.uploader.stored)
-        tier.notices.hit.append(self.uploader.hit)
+        self._local = local
+        self.context = RemoteContext(config, local.limits)
+        journal = UploadJournal(TierDir(config.dir).upload_journal)
+        self.uploader = Uploader(self.context, journal, local)
+        self.fetcher = Fetcher(self.context, local)
+        local.on_stored(self.uploader.stored)
+        local.on_hit(self.uploader.hit)
 
     # --- running ------------------------------------------------------------------------------
 
@@ -83,7 +86,7 @@ class Remote:
         timeout seconds (None: no deadline)."""
         began = time.monotonic()
         mark = Mark()  # open: the uploads of the entries the flush makes durable join it
-        durable, pending = await self.tier.flush(timeout)
+        durable, pending = await self._local.flush(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
         uploads, nbytes, dropped, since = await self.uploader.flush(mark, left)
         health = self.context.health

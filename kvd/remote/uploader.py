@@ -45,6 +45,7 @@ from kvd.logs import RateLimited, get_logger
 from kvd.remote.bucket import BucketError
 from kvd.remote.context import RemoteContext
 from kvd.remote.layout import Layout, NotShareable, layout_of
+from kvd.remote.local_tier import LocalTier
 from kvd.remote.lru import LruSet
 from kvd.remote.rate_limit import TokenBucket
 from kvd.remote.upload_journal import UploadJournal
@@ -65,7 +66,7 @@ OFFERED: Final = 1 << 16  # entry ids remembered as offered once
 class Resumed:
     """What start-up found of the uploads a stop cut off (the journal's figures)."""
 
-    pending: int = 0  # uploads the journal held: pending from before this start
+    pending: int = 0  # uploads the journal had: pending from before this start
     reoffered: int = 0  # of them offered again (queued)
     gone: int = 0  # of them dropped: their entry gone meanwhile
 
@@ -101,9 +102,10 @@ class Uploader:
     """The upload queue, its journal and the task that drains it (run), fed by the tier's
     notices."""
 
-    def __init__(self, context: RemoteContext, journal: UploadJournal) -> None:
+    def __init__(self, context: RemoteContext, journal: UploadJournal, local: LocalTier) -> None:
         config = context.config
         self.context = context
+        self._local = local
         self.journal = journal
         self.policy = UPLOAD_POLICIES[config.remote_upload]
         self.queue = UploadQueue(config.remote_upload_bytes)
@@ -176,15 +178,15 @@ class Uploader:
     # --- start-up ---------------------------------------------------------------------------
 
     async def resume(self) -> None:
-        """Offer again the uploads the journal held at start (see the module's docstring),
+        """Offer again the uploads the journal had at start (see the module's docstring),
         once the tier has listed its directory; said at info when there were any."""
-        await self.context.tier.wait_settled()
+        await self._local.settled()
         resumed = self.resumed
         uploads = self.policy.when_stored or self.policy.when_hit
         while self._unresumed:
             entry = next(iter(self._unresumed))
             nbytes = self._unresumed.pop(entry)
-            record = self.context.tier.entry(entry)
+            record = self._local.view.entry(entry)
             if record is None or not uploads:
                 self.queue.drop_at_once(nbytes)
                 resumed.gone += record is None
@@ -209,7 +211,7 @@ class Uploader:
         """A damaged journal: the newest shareable entries, as many as the queue's cap holds,
         offered again (a block the bucket holds costs a HEAD, not its bytes)."""
         room = self.queue.cap_bytes - self.queue.pending_bytes
-        newest = sorted(self.context.tier.stored_entries(), key=lambda r: r.created, reverse=True)
+        newest = sorted(self._local.view.stored_entries(), key=lambda r: r.created, reverse=True)
         chosen = []
         for record in newest:
             nbytes = len(record.block_hashes) * record.block_size
@@ -265,14 +267,14 @@ class Uploader:
         context = self.context
         if not context.health.up:
             return "store down"
-        leased = context.tier.lease_entry(OWNER, upload.entry)
+        leased = self._local.reads.lease_entry(OWNER, upload.entry)
         if leased is None:
             return "gone"
         record, lease, fd = leased
         try:
             try:
                 header = await anyio.to_thread.run_sync(
-                    entry_files.entry_head, fd, record.id, context.tier.limits
+                    entry_files.entry_head, fd, record.id, self._local.limits
                 )
             finally:
                 os.close(fd)
@@ -289,7 +291,7 @@ class Uploader:
             return "failed"
         finally:
             with contextlib.suppress(ProtocolError):  # expired (lease_max_age) meanwhile
-                context.tier.end_lease(OWNER, lease)
+                self._local.reads.end_lease(OWNER, lease)
         return None
 
     async def _fits(self, layout: Layout) -> bool:
@@ -315,9 +317,9 @@ class Uploader:
     async def _send_blocks(self, upload: Upload, record: EntryRecord, lease: int) -> None:
         """The upload's blocks, BLOCK_BATCH files open at a time; BucketError at the first
         failure (the sends under way end first)."""
-        tier, digest = self.context.tier, record.digest
+        local, digest = self._local, record.digest
         wanted = set(upload.block_hashes)
-        blocks = tier.blocks_of(record)
+        blocks = local.view.blocks_of(record)
         for first in range(0, len(blocks), BLOCK_BATCH):
             batch = blocks[first : first + BLOCK_BATCH]
             unsent = [
@@ -327,7 +329,7 @@ class Uploader:
             ]
             if not unsent:
                 continue
-            fds = tier.open_blocks(OWNER, lease, first, len(batch))
+            fds = local.reads.open_blocks(OWNER, lease, first, len(batch))
             failures: list[BaseException] = []
             try:
                 async with anyio.create_task_group() as sends:

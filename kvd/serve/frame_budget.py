@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-# A partial frame up to this size is held outside the budget: a connection holds that much
+# A partial frame up to this size is kept outside the budget: a connection keeps that much
 # at most (max_connections of them), and an engine's usual request (a lookup of 60k tokens)
 # is never refused because others filled the budget with frames they never finish.
 SMALL_FRAME_BYTES: Final = 256 << 10

@@ -80,7 +80,7 @@ def ping(c: Context, request: m.Ping) -> m.PingReply:
 def status(c: Context, request: m.Status) -> m.StatusReply:
     report = c.status()
     if c.peer.tenant:  # another user's: its own part of it
-        known = {d: t.identity for d, t in c.tier.telemetry.identities.items()}
+        known = c.tier.view.known_identities()
         report = tenant_report(report, c.peer, known)
     return m.StatusReply(id=request.id, status=report)
 
@@ -92,7 +92,7 @@ async def put_begin(c: Context, request: m.PutBegin) -> m.PutBeginReply:
     if c.peer.tenant:
         check_identity(c.peer, request, request.identity)
     c.peer.named(request.identity.digest())
-    put, skip, fd = await c.tier.begin_put(
+    put, skip, fd = await c.tier.puts.begin(
         c.peer.session,
         request.identity,
         request.tokens,
@@ -111,22 +111,24 @@ async def put_begin(c: Context, request: m.PutBegin) -> m.PutBeginReply:
 
 
 async def put_blocks(c: Context, request: m.PutBlocks) -> m.PutBlocksReply:
-    fds = await c.tier.put_blocks(c.peer.session, request.put, request.first, request.count)
+    fds = await c.tier.puts.block_files(c.peer.session, request.put, request.first, request.count)
     return m.PutBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
 
 async def put_commit(c: Context, request: m.PutCommit) -> m.PutCommitReply:
-    ticket = await c.tier.commit_put(c.peer.session, request.put, request.store_ms, request.dropped)
+    ticket = await c.tier.puts.commit_owned(
+        c.peer.session, request.put, request.store_ms, request.dropped
+    )
     return m.PutCommitReply(id=request.id, ticket=ticket)
 
 
 def put_abort(c: Context, request: m.PutAbort) -> m.PutAbortReply:
-    c.tier.abort_put(c.peer.session, request.put)
+    c.tier.puts.abort_owned(c.peer.session, request.put)
     return m.PutAbortReply(id=request.id)
 
 
 async def ticket(c: Context, request: m.WaitTicket) -> m.TicketReply:
-    state = await c.tier.wait_ticket(request.ticket, request.timeout)
+    state = await c.tier.tickets.wait(request.ticket, request.timeout)
     return m.TicketReply(
         id=request.id, ticket=request.ticket, state=state.state, reason=state.reason
     )
@@ -134,7 +136,7 @@ async def ticket(c: Context, request: m.WaitTicket) -> m.TicketReply:
 
 async def flush(c: Context, request: m.Flush) -> m.FlushReply:
     if not request.remote:
-        durable, pending = await c.tier.flush(request.timeout)
+        durable, pending = await c.tier.admin.flush(request.timeout)
         return m.FlushReply(id=request.id, durable=durable, pending=pending)
     if c.remote is None:
         raise ProtocolError(ErrorCode.NOT_FOUND, "this kvd has no remote tier (`remote`)")
@@ -158,7 +160,7 @@ def lookup(c: Context, request: m.Lookup) -> m.LookupReply:
     if c.peer.tenant:
         check_identity(c.peer, request, request.identity)
     c.peer.named(request.identity.digest())
-    found = c.tier.lookup(
+    found = c.tier.reads.lookup(
         c.peer.session, request.identity, request.tokens, request.min_tokens, c.peer.tenant
     )
     if isinstance(found, Miss):
@@ -178,8 +180,8 @@ def lookup(c: Context, request: m.Lookup) -> m.LookupReply:
 
 
 def book_lookups(c: Context) -> None:
-    """What a lookup only counts (Tier.lookup), once its reply is sent."""
-    c.tier.book_lookups()
+    """What a lookup only counts (Reads.lookup), once its reply is sent."""
+    c.tier.reads.book_lookups()
 
 
 def fetching(lookup: Callable[[Context, m.Lookup], m.LookupReply]) -> Handler:
@@ -208,7 +210,7 @@ def fetching(lookup: Callable[[Context, m.Lookup], m.LookupReply]) -> Handler:
 
 
 def open_blocks(c: Context, request: m.OpenBlocks) -> m.OpenBlocksReply:
-    fds = c.tier.open_blocks(c.peer.session, request.lease, request.first, request.count)
+    fds = c.tier.reads.open_blocks(c.peer.session, request.lease, request.first, request.count)
     return m.OpenBlocksReply(id=request.id, count=len(fds), descriptors=tuple(fds))
 
 
@@ -267,7 +269,9 @@ def presence(c: Context, request: m.Presence) -> m.PresenceReply | Later:
 def find_checkpoint(c: Context, request: m.FindCheckpoint) -> m.FindCheckpointReply:
     if c.peer.tenant:
         check_identity(c.peer, request, request.identity)
-    found = c.tier.find_checkpoint(c.peer.session, request.identity, request.key, request.prompt)
+    found = c.tier.reads.find_checkpoint(
+        c.peer.session, request.identity, request.key, request.prompt
+    )
     if found is None:
         return m.FindCheckpointReply(id=request.id, matched=0, entry=None, lease=None)
     record, lease, fd = found
@@ -279,20 +283,20 @@ def find_checkpoint(c: Context, request: m.FindCheckpoint) -> m.FindCheckpointRe
 def forget_checkpoint(c: Context, request: m.ForgetCheckpoint) -> m.ForgetCheckpointReply:
     if c.peer.tenant:
         check_identity(c.peer, request, request.identity)
-    removed = c.tier.forget_checkpoint(request.identity, request.key)
+    removed = c.tier.reads.forget_checkpoint(request.identity, request.key)
     return m.ForgetCheckpointReply(id=request.id, removed=removed)
 
 
 def release(c: Context, request: m.Release) -> m.ReleaseReply | Later:
     """Ends the lease. A release that reports damage is answered once the entry's file is
     checked (Waits.TASK_IN_ORDER, so that its answer keeps its place among the others)."""
-    record = c.tier.end_lease(c.peer.session, request.lease, request.report)
+    record = c.tier.reads.end_lease(c.peer.session, request.lease, request.report)
     damaged = request.damaged
     if damaged is None:
         return m.ReleaseReply(id=request.id)
 
     async def checked() -> m.ReleaseReply:
-        await c.tier.check_reported(c.peer.session, record, damaged)
+        await c.tier.reads.check_reported(c.peer.session, record, damaged)
         return m.ReleaseReply(id=request.id)
 
     return checked
@@ -309,8 +313,8 @@ def list_entries(c: Context, request: m.ListEntries) -> m.ListEntriesReply:
             raise refused(
                 c.peer, request, "every identity", "list one identity of yours (its digest)"
             )
-        check_digest(c.tier, c.peer, request, request.identity)
-    entries, more = c.tier.list_entries(request.identity, request.limit, request.after)
+        check_digest(c.tier.view, c.peer, request, request.identity)
+    entries, more = c.tier.admin.list_entries(request.identity, request.limit, request.after)
     return m.ListEntriesReply(id=request.id, entries=tuple(entries), more=more)
 
 
@@ -319,7 +323,7 @@ def evict(c: Context, request: m.Evict) -> m.EvictReply:
         raise ProtocolError(
             ErrorCode.PERMISSION_DENIED, "evict needs the daemon's own user or root"
         )
-    count, freed = c.tier.evict(request.entry, request.identity, request.all)
+    count, freed = c.tier.admin.evict(request.entry, request.identity, request.all)
     return m.EvictReply(id=request.id, evicted=count, bytes=freed)
 
 
@@ -328,9 +332,9 @@ async def verify(c: Context, request: m.Verify) -> m.VerifyReply:
         raise ProtocolError(
             ErrorCode.PERMISSION_DENIED, "verify --repair needs the daemon's own user or root"
         )
-    if c.peer.tenant and (digest := c.tier.identity_of(request.entry)):
-        check_digest(c.tier, c.peer, request, digest)
-    problem, quarantined = await c.tier.verify(c.peer.session, request.entry, request.repair)
+    if c.peer.tenant and (digest := c.tier.view.identity_of(request.entry)):
+        check_digest(c.tier.view, c.peer, request, digest)
+    problem, quarantined = await c.tier.admin.verify(c.peer.session, request.entry, request.repair)
     return m.VerifyReply(id=request.id, problem=problem, quarantined=quarantined)
 
 

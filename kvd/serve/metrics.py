@@ -133,7 +133,7 @@ REMOTE_GAUGES = (
 REMOTE_COUNTERS = (
     ("uploaded_blocks", "kvd_remote_uploaded_blocks", "blocks written to the remote bucket"),
     ("uploaded_bytes", "kvd_remote_uploaded_bytes", "bytes written to the remote bucket"),
-    ("already_there_blocks", "kvd_remote_already_there_blocks", "blocks the bucket held already"),
+    ("already_there_blocks", "kvd_remote_already_there_blocks", "blocks already in the bucket"),
     ("upload_drops", "kvd_remote_upload_drops", "uploads dropped: queue cap, store down, error"),
     ("upload_dropped_bytes", "kvd_remote_upload_dropped_bytes", "bytes of the uploads dropped"),
     ("not_shareable", "kvd_remote_not_shareable", "entries kept local: checkpoints, hybrids"),

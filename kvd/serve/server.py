@@ -30,6 +30,7 @@ from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd import __version__
 from kvd.config import Config
 from kvd.logs import get_logger
+from kvd.remote.local_tier import LocalTier
 from kvd.remote.remote import Remote
 from kvd.serve import event_loop
 from kvd.serve.fd_limit import connections_for, raise_open_file_limit
@@ -68,7 +69,7 @@ class Server:
     def __init__(self, config: Config, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
         self.tier = Tier(config, limits)
-        self.remote = Remote(config, self.tier) if config.remote else None
+        self.remote = _remote(config, self.tier)
         self.ops = op_table(self.remote)
         self.peers: dict[int, Peer] = {}
         self.max_connections = config.max_connections
@@ -127,7 +128,7 @@ class Server:
         log.info("limits", open_files=open_files, max_connections=self.max_connections)
         port = self.config.metrics_port
         metrics = await metrics_listener(port) if port else None  # a taken port: not started
-        await self.tier.open()
+        await self.tier.life.open()
         sock = inherited_socket()
         owns_socket = sock is None
         if sock is None:
@@ -148,13 +149,13 @@ class Server:
                     version=__version__,
                     loop=event_loop.loop_name(),
                 )
-                notifier.ready(f"serving {len(self.tier)} entries")
+                notifier.ready(f"serving {len(self.tier.view)} entries")
                 await self._wait_for_signal(listener, notifier)
                 tasks.cancel_scope.cancel()
         finally:
             if owns_socket:
                 self.config.socket.unlink(missing_ok=True)
-            self.tier.close()
+            self.tier.life.close()
             if self.remote is not None:
                 self.remote.close()
             notifier.close()
@@ -166,16 +167,16 @@ class Server:
         """The tasks that run for the daemon's life, each kept running through failures."""
         tier, config = self.tier, self.config
         tasks.start_soon(_settle, tier)  # the watcher and the reconcile wait for it
-        tasks.start_soon(keep_running, "writer", tier.run_writer)
+        tasks.start_soon(keep_running, "writer", tier.life.run_writer)
         watcher = partial(watch_entries, tier)
         restarted_watcher = partial(watch_entries, tier, reconcile_first=True)
         tasks.start_soon(keep_running, "watcher", watcher, restarted_watcher)
         reconciler = partial(reconcile_periodically, tier, config.reconcile_interval)
         tasks.start_soon(keep_running, "reconcile", reconciler)
-        snapshotter = partial(tier.snapshot_periodically, config.snapshot_interval)
+        snapshotter = partial(tier.life.snapshot_periodically, config.snapshot_interval)
         tasks.start_soon(keep_running, "snapshot", snapshotter)
-        tasks.start_soon(keep_running, "put_expiry", tier.expire_puts_periodically)
-        tasks.start_soon(keep_running, "lease_expiry", tier.expire_leases_periodically)
+        tasks.start_soon(keep_running, "put_expiry", tier.life.expire_puts_periodically)
+        tasks.start_soon(keep_running, "lease_expiry", tier.life.expire_leases_periodically)
         if self.remote is not None:
             tasks.start_soon(keep_running, "remote", self.remote.run)
 
@@ -223,10 +224,10 @@ class Server:
                 await listener.aclose()
                 async with anyio.create_task_group() as shutdown:
                     shutdown.start_soon(self._exit_on_second_signal, signals)
-                    durable, pending = await self.tier.flush(self.config.shutdown_deadline)
+                    durable, pending = await self.tier.admin.flush(self.config.shutdown_deadline)
                     log.info("flushed", durable=durable, pending=pending)
                     try:
-                        await self.tier.save_snapshot()
+                        await self.tier.life.save_snapshot()
                     except OSError as exc:  # a full disk, say: the next start scans more
                         log.warning("snapshot_failed", error=str(exc))
                     shutdown.cancel_scope.cancel()
@@ -239,11 +240,28 @@ class Server:
             os._exit(1)
 
 
+def _remote(config: Config, tier: Tier) -> Remote | None:
+    """The remote tier, when `remote` is set, handed the parts of the local tier it uses."""
+    if not config.remote:
+        return None
+    local = LocalTier(
+        limits=tier.limits,
+        view=tier.view,
+        reads=tier.reads,
+        puts=tier.puts,
+        settled=tier.life.wait_settled,
+        flush=tier.admin.flush,
+        on_stored=tier.notices.on_stored,
+        on_hit=tier.notices.on_hit,
+    )
+    return Remote(config, local)
+
+
 async def _settle(tier: Tier) -> None:
-    """Start-up's listing (Tier.settle), once: a failure is logged, never the daemon's end,
+    """Start-up's listing (LifeCycle.settle), once: a failure is logged, never the daemon's end,
     and what waits for it goes on (files stay checked by mtime as well)."""
     try:
-        await tier.settle()
+        await tier.life.settle()
     except Exception:
         log.exception("task_failed", task="settle")
 

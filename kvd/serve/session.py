@@ -47,7 +47,7 @@ class Session:
     Reads bytes and descriptors off the socket into a server Connection, hands each request
     to its row of the op table (at once, or as a task of its own when its answer waits) and
     writes the replies back, one at a time. When the connection ends, its leases and
-    unfinished puts end too (Tier.close_session); a fatal protocol error is said with a final
+    unfinished puts end too (LifeCycle.end_session); a fatal protocol error is said with a final
     error first.
     """
 
@@ -89,7 +89,7 @@ class Session:
                 self._outgoing.close()
             self.frames.hold(self._buffered, 0)
             self._buffered = 0
-            self.context.tier.close_session(self.peer.session)
+            self.context.tier.life.end_session(self.peer.session)
 
     async def _serve(self) -> None:
         """Read from the callback until the connection ends; then say a fatal error, if any."""

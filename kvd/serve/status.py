@@ -1,6 +1,6 @@
 """The status report: what `kvctl status` shows and the status request answers.
 
-The tier's figures are its own (Tier.report, kvd.store.tier_report); this adds the clients and
+The tier's figures are its own (Admin.report, kvd.store.tier_report); this adds the clients and
 the daemon's process. It is strict JSON: a number that is not finite is reported as null.
 A tenant (a peer of another user, see kvd.serve.peer) reads its own part of it: its
 identities, named among themselves, its user's clients, and the tier's totals.
@@ -35,7 +35,7 @@ def status_report(
 
 
 def _report(tier: Tier, peers: Iterable[Peer], remote: Remote | None) -> dict[str, Any]:
-    report = tier.report()
+    report = tier.admin.report()
     report["remote"] = None if remote is None else remote.status()
     report["clients"] = clients(peers)
     report["daemon"] |= {

@@ -9,7 +9,7 @@ from kvd_protocol.identity import Identity
 
 from kvd.logs import RateLimited, get_logger
 from kvd.serve.peer import Peer
-from kvd.store.tier import Tier
+from kvd.store.tier_view import TierView
 
 broken_rules = RateLimited(get_logger("kvd.serve.tenant_bounds"))
 
@@ -20,13 +20,13 @@ def check_identity(peer: Peer, request: m.Request, identity: Identity) -> None:
         raise refused(peer, request, f"namespace {identity.namespace!r}")
 
 
-def check_digest(tier: Tier, peer: Peer, request: m.Request, digest: str) -> None:
+def check_digest(view: TierView, peer: Peer, request: m.Request, digest: str) -> None:
     """PERMISSION_DENIED unless the identity of digest is under the peer's tenant, as its
     names say (learnt from a request naming it, or from an entry's header at start). One
     without entries shows nothing: it passes. One whose names are unknown does not."""
-    if not tier.holds(digest):
+    if not view.holds(digest):
         return
-    namespace = tier.namespace_of(digest)
+    namespace = view.namespace_of(digest)
     if namespace is None:
         raise refused(peer, request, f"identity {digest}, whose namespace kvd does not know")
     if not namespace.startswith(peer.tenant):

@@ -32,10 +32,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from kvd_protocol.errors import Rule
 
 from kvd.store.deleter import Deleter
+
+# A block's descriptor is handed out at most this many times to one put or lease: a put's
+# staging files (put_blocks), a lease's blocks (open_blocks: once to read, once more after a
+# failure). What a client that asks and never reads its replies can make the daemon open is
+# bounded.
+HANDOUTS_PER_BLOCK: Final = 2
 
 
 @dataclass(slots=True, eq=False)

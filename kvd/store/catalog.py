@@ -6,10 +6,11 @@ the records. Prompt entries live in a PrefixIndex per identity, generation check
 by (identity, key). An entry dropped while leased is kept as doomed until its last lease ends,
 its bytes still counted. A v2 entry (a manifest) lists shared blocks (blocks.py): it keeps
 their refs from add until its file goes, so the blocks of a leased manifest stay too. The
-tier's bytes are its manifests and its unique blocks; eviction removes manifests, the blocks
-they alone listed go with them, and the cap is held by the bytes really freed. Synchronous,
-owned by the event loop: the only file work here is opening an entry to serve and handing one
-that left to the deleter (moved out of its place now, unlinked off the loop).
+tier's bytes are its manifests and its unique blocks; eviction (eviction.py has its rules)
+removes manifests with drop(), the blocks they alone listed go with them, and drop() says the
+bytes really freed. Synchronous, owned by the event loop: the only file work here is opening
+an entry to serve and handing one that left to the deleter (moved out of its place now,
+unlinked off the loop).
 """
 
 from __future__ import annotations
@@ -26,35 +27,16 @@ from kvd_protocol.errors import EntryFormatError
 from kvd.logs import get_logger
 from kvd.store import entry_files
 from kvd.store.blocks import Block, BlockStore
+from kvd.store.counters import Counters
 from kvd.store.deleter import Deleter
 from kvd.store.durability import disk_free
-from kvd.store.eviction import EvictionPolicy, bytes_over
+from kvd.store.eviction import EvictionPolicy
 from kvd.store.id_order import IdOrder
 from kvd.store.prefix_index import PrefixIndex
 from kvd.store.records import EntryRecord
 from kvd.store.tier_dir import TierDir
 
 log = get_logger("kvd.store.catalog")
-
-
-@dataclass
-class Counters:
-    """What happened to entries since start, for status."""
-
-    hits: int = 0
-    misses: int = 0
-    engine_held: int = 0  # lookups the engine's own memory served as well (miss_reasons)
-    evictions: int = 0
-    evicted_bytes: int = 0
-    superseded: int = 0
-    quarantined: int = 0
-    duplicates: int = 0
-    abandoned: int = 0
-    bytes_written: int = 0
-
-    def hit_unused(self) -> None:
-        """A hit the engine could not use (its restore report says why): a miss, as per model."""
-        self.hits, self.misses = max(0, self.hits - 1), self.misses + 1
 
 
 @dataclass
@@ -81,9 +63,9 @@ class IdentityCounts:
 class Catalog:
     """Every entry of the tier, indexed per identity, with its counts kept as it comes and goes."""
 
-    def __init__(self, dirs: TierDir, eviction: EvictionPolicy) -> None:
+    def __init__(self, dirs: TierDir, policy: EvictionPolicy) -> None:
         self.dirs = dirs
-        self.eviction = eviction
+        self.policy = policy  # the eviction order
         self._records: dict[str, EntryRecord] = {}
         # Entries whose file is not at its place under entries/ (pending ones: in staging).
         self._staged: dict[str, Path] = {}
@@ -246,7 +228,7 @@ class Catalog:
             if record.checkpoint_key is None:
                 self._unindex(record)
             raise
-        self.eviction.add(record)
+        self.policy.add(record)
         if staged is not None:
             self._staged[record.id] = staged
 
@@ -288,7 +270,7 @@ class Catalog:
         for digest, records_of in plain.items():
             self._join_plain(digest, records_of)
         for record in joined:  # in their order across identities: the eviction order
-            self.eviction.add(record)
+            self.policy.add(record)
         return refused
 
     def _join_plain(self, digest: str, records: list[EntryRecord]) -> None:
@@ -339,9 +321,12 @@ class Catalog:
         its file still has that mtime (open_entry checks the size in any case)."""
         self._recorded_mtime = recorded_mtime
 
-    def drop(self, record: EntryRecord) -> None:
-        """Take an entry out of the tier; its file goes now, or when its last lease ends."""
+    def drop(self, record: EntryRecord) -> int:
+        """Take an entry out of the tier; its file goes now, or when its last lease ends. Its
+        bytes: its file's and those of the blocks that went with it (none while it is leased)."""
+        before = self.block_store.bytes
         self._leave(record)
+        return record.nbytes + before - self.block_store.bytes
 
     def forget(self, record: EntryRecord) -> None:
         """Take an entry out of the tier but leave its file: it is not the file the record
@@ -367,7 +352,7 @@ class Catalog:
         if not counts.entries:
             del self._identities[record.digest]
         self._ids.remove(record.id)
-        self.eviction.remove(record)
+        self.policy.remove(record)
         if record.leases:
             self._doomed[record.id] = record
         else:
@@ -436,7 +421,7 @@ class Catalog:
 
     def lease_taken(self, record: EntryRecord) -> None:
         """A reader took a lease: a use, so the entry becomes the most recent."""
-        self.eviction.touch(record)
+        self.policy.touch(record)
         record.leases += 1
         if record.leases == 1:
             self.leased += 1
@@ -462,19 +447,7 @@ class Catalog:
         if self._doomed.pop(record.id, None) is not None:
             self._delete_file(record)
 
-    # --- holding the cap ---------------------------------------------------------------------
-
-    def evict_to_cap(self, max_bytes: int, min_free: int) -> None:
-        """Hold the byte cap and the free-disk floor, in the eviction policy's order."""
-
-        def over() -> int:
-            try:
-                free = self.disk_free()
-            except OSError:
-                free = min_free  # unknown: act on the cap alone
-            return bytes_over(self.total_bytes, max_bytes, free, min_free)
-
-        self._evict_while(over)
+    # --- what eviction measures (kvd.store.eviction) ----------------------------------------
 
     def disk_free(self) -> int:
         """The disk's free bytes, counting those of files the deleter has yet to unlink (they
@@ -485,39 +458,3 @@ class Catalog:
         """One identity's share of the tier: its entry files and its unique blocks."""
         counts = self._identities.get(digest)
         return (0 if counts is None else counts.bytes) + self.block_store.identity_bytes(digest)
-
-    def evict_within(self, digest: str, over_bytes: int) -> None:
-        """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
-        if over_bytes <= 0:
-            return
-        target = self.identity_bytes(digest) - over_bytes
-
-        def mine(record: EntryRecord) -> bool:
-            return record.digest == digest
-
-        self._evict_while(lambda: self.identity_bytes(digest) - target, mine)
-
-    def _evict_while(
-        self, over: Callable[[], int], among: Callable[[EntryRecord], bool] | None = None
-    ) -> None:
-        """Evict in the policy's order while over() is positive. A victim frees its file and
-        the blocks no other entry lists, which the policy cannot know: so the bytes really
-        freed are measured after each victim, and the policy asked again while still over."""
-        while (need := over()) > 0:
-            victims = self.eviction.select_victims(need, among)
-            if not victims:
-                return
-            for victim in victims:
-                self.evicted(victim)
-                if over() <= 0:
-                    return
-
-    def evicted(self, record: EntryRecord) -> int:
-        """Drop an entry by eviction (the cap, or a request), counted as such; its bytes: its
-        file's and those of the blocks that went with it (none while it is leased)."""
-        before = self.block_store.bytes
-        self.counters.evictions += 1
-        self.drop(record)
-        freed = record.nbytes + before - self.block_store.bytes
-        self.counters.evicted_bytes += freed
-        return freed

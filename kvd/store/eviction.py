@@ -1,9 +1,20 @@
-"""Which entries leave the tier when it is over its byte cap or under its free-disk floor.
+"""Eviction's rules, all of them: which entries leave the tier, when, and in what order.
 
-The cap and the floor hold after every commit, across identities: the tier keeps one policy
-for all its entries, asks bytes_over() how much must go, and deletes what select_victims()
-names. The policy is a setting, a name in EVICTION_POLICIES (the one table of them): LruPolicy
-is the default; CostPolicy keeps what saves the most prefill per byte, aged by disuse.
+- **When.** The tier holds a byte cap (max_bytes: its entry files and unique blocks) and a
+  free-disk floor (min_free) after every commit, at start-up, after an adoption and when leases
+  expire: Eviction.to_cap() deletes what bytes_over() says must go. A disk that cannot say its
+  free space is held to the cap alone. A put may ask for a higher floor (room for its staging
+  files), and a model's quota evicts within its own entries (Eviction.within).
+- **Which.** Only durable, unleased entries (evictable()): a pending entry belongs to the
+  write-behind queue, and a leased one is being read. An eviction by request (kvctl evict: an
+  entry, an identity or all) takes the durable ones it names, leased ones included (their
+  files go when the last lease ends), never pending ones (flush first).
+- **How much.** A victim frees its file and the blocks no other entry lists, which the
+  policy cannot know: the bytes really freed are measured after each victim, and the policy
+  asked again while still over.
+- **In what order.** A policy, named by a setting in EVICTION_POLICIES (the one table of
+  them): LruPolicy is the default; CostPolicy keeps what saves the most prefill per byte, aged
+  by disuse.
 
 Every policy keeps one rule, whatever it ranks by: **a prefill checkpoint no prompt has
 restored from yet is evicted before whole entries of the same size and use.** A prefill
@@ -25,6 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Final, Protocol
 
+from kvd_protocol.errors import ErrorCode, ProtocolError
+
+from kvd.store.counters import Counters
 from kvd.store.records import EntryRecord
 
 # How many times less an unused prefill checkpoint counts than a whole entry (the rule).
@@ -262,3 +276,102 @@ EVICTION_POLICIES: Mapping[str, Callable[[Callable[[str], float]], EvictionPolic
     "lru": lambda prefill_cost: LruPolicy(),
     "cost": CostPolicy,
 }
+
+
+class Holdings(Protocol):
+    """What eviction reads and changes of the tier's catalog (kvd.store.catalog.Catalog)."""
+
+    policy: EvictionPolicy
+    counters: Counters
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def records(self) -> Mapping[str, EntryRecord]: ...
+
+    def disk_free(self) -> int: ...
+
+    def identity_bytes(self, digest: str) -> int: ...
+
+    def of_identity(self, digest: str) -> list[EntryRecord]: ...
+
+    def drop(self, record: EntryRecord) -> int: ...
+
+
+class Eviction:
+    """The rules above applied to one tier's catalog, under its cap and floor."""
+
+    def __init__(self, catalog: Holdings, max_bytes: int | None, min_free: int) -> None:
+        self._catalog = catalog
+        self._max_bytes = max_bytes
+        self._min_free = min_free
+
+    def to_cap(self, floor: int | None = None) -> None:
+        """Hold the byte cap and the free-disk floor (floor: a higher one, for a put's room),
+        in the policy's order."""
+        catalog, min_free = self._catalog, self._min_free if floor is None else floor
+
+        def over() -> int:
+            try:
+                free = catalog.disk_free()
+            except OSError:
+                free = min_free  # unknown: act on the cap alone
+            return bytes_over(catalog.total_bytes, self._max_bytes, free, min_free)
+
+        self._while(over)
+
+    def within(self, digest: str, over_bytes: int) -> None:
+        """Evict over_bytes of one identity's entries, in the policy's order (its quota)."""
+        if over_bytes <= 0:
+            return
+        catalog = self._catalog
+        target = catalog.identity_bytes(digest) - over_bytes
+
+        def mine(record: EntryRecord) -> bool:
+            return record.digest == digest
+
+        self._while(lambda: catalog.identity_bytes(digest) - target, mine)
+
+    def by_request(
+        self, entry: str | None, digest: str | None, everything: bool
+    ) -> tuple[int, int]:
+        """Evict an entry by id, an identity's (by its digest) or all of them, pending ones
+        left to the queue; (count, bytes freed). NOT_FOUND for an id the tier lacks."""
+        records = self._catalog.records
+        if entry is not None:
+            if entry not in records:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"no entry {entry}")
+            victims = [records[entry]]
+        elif digest is not None:
+            victims = self._catalog.of_identity(digest)
+        else:
+            victims = list(records.values()) if everything else []
+        count = freed = 0
+        for record in victims:
+            if not record.durable:
+                continue  # the queue owns it; flush first to evict it
+            count += 1
+            freed += self._evict(record)
+        return count, freed
+
+    def _while(
+        self, over: Callable[[], int], among: Callable[[EntryRecord], bool] | None = None
+    ) -> None:
+        """Evict in the policy's order while over() is positive, measuring after each victim."""
+        while (need := over()) > 0:
+            victims = self._catalog.policy.select_victims(need, among)
+            if not victims:
+                return
+            for victim in victims:
+                self._evict(victim)
+                if over() <= 0:
+                    return
+
+    def _evict(self, record: EntryRecord) -> int:
+        """Drop an entry by eviction, counted as such; the bytes it freed."""
+        counters = self._catalog.counters
+        counters.evictions += 1
+        freed = self._catalog.drop(record)
+        counters.evicted_bytes += freed
+        return freed

@@ -69,7 +69,7 @@ class Leases:
             if self._expired.get(lease_id) == owner:
                 raise ProtocolError(
                     ErrorCode.NOT_FOUND,
-                    f"lease {lease_id} ended: it was held longer than the lease age limit",
+                    f"lease {lease_id} ended: it was kept longer than the lease age limit",
                 )
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no lease {lease_id} on this connection")
         return lease

@@ -39,15 +39,16 @@ from kvd_protocol.entry import EntryHeader
 from kvd_protocol.errors import EntryFormatError, ErrorCode, ProtocolError, Rule
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import Limits
-from kvd_protocol.messages import Retention
+from kvd_protocol.messages import DropReport, Retention
 
 from kvd.config import Config, quota_for
 from kvd.logs import RateLimited, get_logger
 from kvd.store import commit_check, entry_files
 from kvd.store.admission import Admission
-from kvd.store.blocks import Block
+from kvd.store.blocks import HANDOUTS_PER_BLOCK, Block
 from kvd.store.catalog import Catalog
 from kvd.store.durability import disk_free
+from kvd.store.eviction import Eviction
 from kvd.store.records import EntryRecord, lookup_trimmable
 from kvd.store.retention import Retaining
 from kvd.store.staged_put import NO_BLOCKS, DeclaredBlocks, Put
@@ -71,6 +72,7 @@ class Puts:
         limits: Limits,
         *,
         catalog: Catalog,
+        eviction: Eviction,
         writer: Writer,
         tickets: Tickets,
         admission: Admission,
@@ -83,6 +85,7 @@ class Puts:
         self._admission = admission
         self._limits = limits
         self._catalog = catalog
+        self._eviction = eviction
         self._writer = writer
         self._tickets = tickets
         self._puts: dict[int, Put] = {}  # in the order they began
@@ -248,7 +251,7 @@ class Puts:
             return
         digest = put.identity.digest()
         adds = put.reserved
-        self._catalog.evict_within(digest, self._catalog.identity_bytes(digest) + adds - quota)
+        self._eviction.within(digest, self._catalog.identity_bytes(digest) + adds - quota)
         stored = self._catalog.identity_bytes(digest)
         if stored + adds > quota:
             raise ProtocolError(
@@ -277,7 +280,7 @@ class Puts:
         except OSError:
             return  # unknown: the reservation itself will say
         if free - size < floor and free + catalog.total_bytes - size >= floor:
-            catalog.evict_to_cap(self._config.max_bytes, floor + size)  # can make the room
+            self._eviction.to_cap(floor + size)  # can make the room
             free = catalog.disk_free()
         if free - size < floor:
             raise ProtocolError(
@@ -300,6 +303,44 @@ class Puts:
         put = self._owned(owner, put_id)
         self._forget(put)
         return put
+
+    async def commit_owned(
+        self,
+        owner: int,
+        put_id: int,
+        store_ms: float | None = None,
+        dropped: DropReport | None = None,
+    ) -> int:
+        """The owner's put by id, committed (commit); its ticket. store_ms: the engine's time
+        from handing the caches over to this commit, if it said; dropped: the snapshots of the
+        put's identity it dropped since it last told, counted once the commit gives a ticket
+        (the engine keeps them for its next commit otherwise)."""
+        put = self.pop(owner, put_id)
+        ticket = await self.commit(put)  # from take() on, nothing may come between
+        digest = put.identity.digest()
+        if store_ms is not None:
+            self._telemetry.store_reported(digest, store_ms)
+        if dropped is not None:
+            self._telemetry.drops_reported(digest, dropped)
+        return ticket
+
+    def abort_owned(self, owner: int, put_id: int) -> None:
+        """The owner's put by id, aborted."""
+        self.abort(self.pop(owner, put_id))
+
+    def counts(self) -> dict[str, int]:
+        """What the puts counted since start, and what is staged now (the status's figures)."""
+        return {
+            "staged_bytes": self.staged_bytes,
+            "staged_puts": len(self._puts),
+            "refused": self.refused,
+            "not_admitted": self.not_admitted,
+            "not_admitted_bytes": self.not_admitted_bytes,
+            "dedup_saved_bytes": self.dedup_saved_bytes,
+            "sealed_by_copy": self.sealed_by_copy,
+            "refused_at_commit": self.refused_at_commit,
+            "outgrown": self.outgrown,
+        }
 
     async def block_files(self, owner: int, put_id: int, first: int, count: int) -> list[int]:
         """Read-write descriptors of the staging files of the owner's put's blocks first..
@@ -524,12 +565,6 @@ class Puts:
 # default limiter, which the writer's syncs, the quarantine and the scans share. Two keep
 # both cores of a small machine busy; more would only queue on the disk and the cores.
 COMMIT_CHECKS: Final = 2
-
-# A block's descriptor is handed out at most this many times to one holder: a put's staging
-# files (put_blocks), a lease's blocks (open_blocks: once to read, once more after a failure).
-# What a client that asks and never reads its replies can make the daemon open is bounded.
-HANDOUTS_PER_BLOCK: Final = 2
-
 
 # Staging files up to this size in all are made on the event loop: open and fallocate of 32
 # MiB cost ~0.4 ms (ext4, 2-core VM), about what handing them to a worker thread and back

@@ -8,7 +8,7 @@ import anyio
 
 from kvd.logs import get_logger
 from kvd.store import entry_files
-from kvd.store.catalog import Counters
+from kvd.store.counters import Counters
 from kvd.store.tier_dir import TierDir
 
 log = get_logger("kvd.store.quarantine")

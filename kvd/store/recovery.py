@@ -8,7 +8,7 @@ folder); the tier then keeps the blocks its manifests list, collects the others 
 put cut off by a crash) and quarantines a manifest whose block is missing. The result is a
 tier whose accounting equals the directory. The index snapshot (snapshot.py) spares the
 header reads of unchanged files; a tier taken from it serves before the directory is listed
-against it (Tier.settle has the rules that keep that safe).
+against it (LifeCycle.settle has the rules that keep that safe).
 """
 
 from __future__ import annotations

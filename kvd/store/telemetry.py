@@ -2,7 +2,7 @@
 report about their restores and stores. Pure state (no I/O, no clock of its own): callers
 pass the time.
 
-- Lookups: hits, engine-held (the engine's own memory held as much of the prompt as the tier
+- Lookups: hits, engine-held (the engine's own memory had as much of the prompt as the tier
   did: miss_reasons' "below min_tokens", not a miss of the tier), and misses by reason ("no
   entry", "kv differs"...), counted by the daemon, per identity and for the tier. A hit the
   engine could not use is reported back with the release as a miss of the engine's reason
@@ -20,7 +20,7 @@ pass the time.
 - Prefill checkpoints: lookups the daemon answered with one (hits), and the prompt tokens
   those matched (restored_tokens), per identity and for the tier.
 - Engine drops: snapshots the engines dropped before sending them (their backlog was full)
-  and the bytes those held, as they report them with their next commit.
+  and their bytes, as they report them with their next commit.
 - Prefill cost: the seconds a token of prefill takes, as the identity's engines measure it
   and report with each put; a running mean (each report weighs PREFILL_REPORT_WEIGHT), so one
   slow prefill (a model still loading, a busy GPU) moves it only a little. The cost eviction
@@ -335,7 +335,7 @@ class Telemetry:
             _missed(self.misses, reason)
 
     def held_by_engine(self, identity: Identity) -> None:
-        """A lookup whose engine held as much of the prompt in its memory as the tier did."""
+        """A lookup whose engine had as much of the prompt in its memory as the tier did."""
         self.seen(identity).engine_held += 1
         self.engine_held += 1
 

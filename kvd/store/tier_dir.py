@@ -100,7 +100,7 @@ class TierDir:
         except BlockingIOError:
             os.close(fd)
             raise TierLockedError(
-                f"another kvd is using the tier directory {self.root} (its lock is held)"
+                f"another kvd is using the tier directory {self.root} (it has the lock)"
             ) from None
         return fd
 

@@ -1,4 +1,5 @@
-"""The tier's figures for the status report, read from its rooms' counts.
+"""The tier's figures for the status report, gathered from its rooms' counts (the puts and
+the entry checks hand theirs as dicts).
 
 It fits in a frame whatever clients did: at most STATUS_IDENTITIES identities are listed (those
 with the most bytes in the tier first, then the most recently seen), with a count of those left
@@ -9,16 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Final
 
 from kvd.config import Config
 from kvd.store.admission import Admission
 from kvd.store.catalog import Catalog, IdentityCounts
 from kvd.store.durability import disk_free
-from kvd.store.entry_checks import EntryChecks
 from kvd.store.leases import Leases
-from kvd.store.puts import Puts
 from kvd.store.telemetry import IdentityTelemetry, Telemetry
 from kvd.store.tickets import Tickets
 from kvd.store.writeback import WritebackQueue
@@ -29,22 +27,22 @@ STATUS_IDENTITIES: Final = 1000  # ~0.7 MB of a status's msgpack, well within a 
 def tier_report(
     *,
     config: Config,
-    root: Path,
     catalog: Catalog,
-    puts: Puts,
+    puts: Mapping[str, int],
     queue: WritebackQueue[Any],
     telemetry: Telemetry,
     leases: Leases,
-    checks: EntryChecks,
+    checks: Mapping[str, int],
     tickets: Tickets,
     admission: Admission,
     retained: Mapping[str, int],
     started: float,
 ) -> dict[str, Any]:
     """Everything the status report says of the tier; of the daemon, how long it has served
-    (since started) and where (the status report adds its process). retained: the bytes of
-    the entries retained now, by identity (kvd.store.retention)."""
-    counters = catalog.counters
+    (since started) and where (the status report adds its process). puts: Puts.counts();
+    checks: EntryChecks.counts(); retained: the bytes of the entries retained now, by
+    identity (kvd.store.retention)."""
+    counters, root = catalog.counters, catalog.dirs.root
     try:
         free = disk_free(root)
     except OSError:
@@ -60,7 +58,7 @@ def tier_report(
         "logical_bytes": catalog.logical_bytes,
         "dedup_ratio": round(catalog.logical_bytes / unique, 3) if unique else 1.0,
         "blocks": {"count": len(catalog.block_store), "bytes": catalog.block_store.bytes},
-        "dedup_saved_bytes": puts.dedup_saved_bytes,
+        "dedup_saved_bytes": puts["dedup_saved_bytes"],
         "max_bytes": config.max_bytes,
         "min_free_bytes": config.min_free,
         "disk_free_bytes": free,
@@ -79,21 +77,21 @@ def tier_report(
         "leased_entries": catalog.leased,
         "leased_bytes": catalog.leased_bytes,  # what eviction cannot free while they last
         "leases_expired": leases.expired,
-        "checks": checks.counts(),  # verify and damage reports: run, refused, skipped
+        "checks": dict(checks),  # verify and damage reports: run, refused, skipped
         "admission": {
             "policy": config.admission,
-            "refused": puts.not_admitted,
-            "saved_bytes": puts.not_admitted_bytes,
+            "refused": puts["not_admitted"],
+            "saved_bytes": puts["not_admitted_bytes"],
         },
-        "staged_bytes": puts.staged_bytes,
-        "staged_puts": len(puts),
+        "staged_bytes": puts["staged_bytes"],
+        "staged_puts": puts["staged_puts"],
         "puts": {
-            # Files a client still held writable at commit (the daemon went on with a copy),
+            # Files a client still had open for writing at commit (the daemon went on with a copy),
             # commits refused for files that were not what their put_begin declared, and puts
             # aborted for staging files grown past it.
-            "sealed_by_copy": puts.sealed_by_copy,
-            "refused_at_commit": puts.refused_at_commit,
-            "outgrown": puts.outgrown,
+            "sealed_by_copy": puts["sealed_by_copy"],
+            "refused_at_commit": puts["refused_at_commit"],
+            "outgrown": puts["outgrown"],
         },
         "writeback": {
             "pending_bytes": queue.pending_bytes,
@@ -104,7 +102,7 @@ def tier_report(
             "dropped": queue.dropped + queue.cancelled,
             "failed": queue.failed,
             "refused": queue.refused,  # at commit
-            "refused_at_begin": puts.refused,
+            "refused_at_begin": puts["refused"],
         },
         # Entries kept before unretained ones (kvd.store.retention): each its file and blocks.
         "retained_bytes": sum(retained.values()),
@@ -177,9 +175,9 @@ def _prefill_checkpoints(
     """The prefill checkpoints of these identities' counts (entries, their files' bytes), and
     the hits and restored tokens the telemetry counted (of the tier, or of one identity)."""
     entries = nbytes = 0
-    for held in counts:
-        entries += held.prefill_checkpoints
-        nbytes += held.prefill_checkpoint_bytes
+    for counted in counts:
+        entries += counted.prefill_checkpoints
+        nbytes += counted.prefill_checkpoint_bytes
     return {
         "entries": entries,
         "bytes": nbytes,

@@ -45,11 +45,11 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
     """React to changes under the entries folder until cancelled.
 
     reconcile_first: catch up with the whole folder first, as a restarted watch must (the
-    first one starts once start-up has listed the directory: Tier.settle).
+    first one starts once start-up has listed the directory: LifeCycle.settle).
     """
-    await tier.wait_settled()
+    await tier.life.wait_settled()
     while True:
-        await anyio.to_thread.run_sync(_make_folder, tier.entries_folder())
+        await anyio.to_thread.run_sync(_make_folder, tier.life.entries_folder())
         if reconcile_first:
             await reconcile(tier, None)
         root = _root(tier)  # FSEvents reports resolved paths
@@ -63,7 +63,7 @@ async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
 
 
 async def reconcile_periodically(tier: Tier, every: float) -> None:
-    await tier.wait_settled()
+    await tier.life.wait_settled()
     while True:
         await anyio.sleep(every)
         await reconcile(tier, None)
@@ -74,7 +74,7 @@ def _make_folder(path: Path) -> None:
 
 
 def _root(tier: Tier) -> Path:
-    return Path(os.path.realpath(tier.entries_folder()))
+    return Path(os.path.realpath(tier.life.entries_folder()))
 
 
 def _entry_id(name: str) -> str | None:
@@ -167,7 +167,7 @@ def _changed_entries(root: Path, changes: Iterable[tuple[Change, str]]) -> Chang
 
 async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) -> None:
     """Make the index agree with the paths of a batch of events (None: the whole entries
-    folder): see Tier.adopt."""
+    folder): see LifeCycle.adopt."""
     root = _root(tier)
     try:
         if changes is None:
@@ -181,4 +181,4 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
         # changed on a half listing; the next full reconcile catches up.
         log.warning("reconcile_deferred", reason=str(exc))
         return
-    await tier.adopt(root, found, everything=changes is None)
+    await tier.life.adopt(root, found, everything=changes is None)

@@ -29,6 +29,7 @@ from kvd.store import entry_files
 from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
 from kvd.store.durability import sync_directory
+from kvd.store.eviction import Eviction
 from kvd.store.notices import Notices
 from kvd.store.quarantine import Quarantine
 from kvd.store.records import EntryRecord
@@ -63,6 +64,7 @@ class Writer:
         config: Config,
         catalog: Catalog,
         *,
+        eviction: Eviction,
         tickets: Tickets,
         quarantine: Quarantine,
         telemetry: Telemetry,
@@ -71,6 +73,7 @@ class Writer:
         self._config = config
         self._notices = notices
         self._catalog = catalog
+        self._eviction = eviction
         self._tickets = tickets
         self._quarantine = quarantine
         self._telemetry = telemetry
@@ -155,7 +158,7 @@ class Writer:
             self.finish(dropped, Outcome.DROPPED, "write-behind queue overflow")
         # Its bytes count from now on: older stored entries make room at once, so that the
         # tier holds its cap while the entry waits to be written, not only once it is.
-        self._catalog.evict_to_cap(self._config.max_bytes, self._config.min_free)
+        self._eviction.to_cap()
         self.pulse_changed()
         self._pulse_work()
         return ticket
@@ -299,7 +302,7 @@ class Writer:
         if catalog.is_doomed(record.id):
             return True
         self._supersede(record, ticket)
-        catalog.evict_to_cap(self._config.max_bytes, self._config.min_free)
+        self._eviction.to_cap()
         return record.id in catalog.records
 
     def _evicted_at_once(self) -> str:

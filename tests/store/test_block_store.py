@@ -14,7 +14,7 @@ from kvd_protocol.tokens import pack_tokens
 from kvd.store.blocks import Block, BlockStore
 from kvd.store.catalog import Catalog
 from kvd.store.deleter import Deleter
-from kvd.store.eviction import LruPolicy
+from kvd.store.eviction import Eviction, LruPolicy
 from kvd.store.leases import Leases
 from kvd.store.records import EntryRecord
 from kvd.store.tier_dir import TierDir, new_entry_id
@@ -154,7 +154,7 @@ def test_refs_pins_and_bytes_follow_every_change(steps: list[tuple[object, ...]]
                     lease, _ = held.pop(n % len(held))
                     leases.release(1, lease)
                 case ("evict", int(cap_blocks)):
-                    catalog.evict_to_cap(cap_blocks * BLOCK_SIZE, 0)
+                    Eviction(catalog, cap_blocks * BLOCK_SIZE, 0).to_cap()
                     leased = [r for _, r in held]
                     assert all(r.id in catalog.records or r.id in doomed for r in leased)
                     evictable = [r for r in catalog.records.values() if not r.leases]
@@ -184,13 +184,13 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
         Begun(catalog, tmp_path / "staging", record).commit(catalog)
     assert catalog.total_bytes == 10 * 3 + 11 * 10
     assert catalog.logical_bytes == 10 * (3 + 2 * 10)
-    catalog.evict_to_cap(catalog.total_bytes - 35, 0)
+    Eviction(catalog, catalog.total_bytes - 35, 0).to_cap()
     assert len(catalog) == 7
     assert catalog.counters.evicted_bytes == 3 * 13
     shared = catalog.block_store.get(DIGESTS[0], chain(0, 1)[0])
     assert shared is not None
     assert shared.refs == 7
-    catalog.evict_to_cap(0, 0)
+    Eviction(catalog, 0, 0).to_cap()
     assert len(catalog) == 0
     assert len(catalog.block_store) == 0
     assert catalog.total_bytes == 0

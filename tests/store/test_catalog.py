@@ -123,7 +123,7 @@ def test_entries_found_at_once_keep_their_order_of_use_across_identities(tmp_pat
     ]
     assert catalog.add_found(records) == []
     assert [r.last_used for r in records] == sorted(r.last_used for r in records)
-    assert catalog.eviction.select_victims(90) == records  # least recently used first
+    assert catalog.policy.select_victims(90) == records  # least recently used first
 
 
 def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import anyio
 
-from kvd.store.catalog import Counters
+from kvd.store.counters import Counters
 from kvd.store.quarantine import Quarantine
 from kvd.store.tier_dir import TierDir
 

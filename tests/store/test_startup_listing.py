@@ -131,20 +131,20 @@ def test_no_snapshot_is_written_before_the_listing_has_checked_the_last_one(
 
     async def scenario() -> None:
         first = Tier(config, DEFAULT_LIMITS)
-        await first.open()  # a full scan: settled at once
-        await first.save_snapshot()
-        first.close()
+        await first.life.open()  # a full scan: settled at once
+        await first.life.save_snapshot()
+        first.life.close()
         written = dirs.snapshot.stat().st_ino
         tier = Tier(config, DEFAULT_LIMITS)
-        await tier.open()  # from the snapshot, its rows not checked yet
+        await tier.life.open()  # from the snapshot, its rows not checked yet
         try:
-            await tier.save_snapshot()
+            await tier.life.save_snapshot()
             assert dirs.snapshot.stat().st_ino == written  # not replaced
-            await tier.settle()
-            await tier.save_snapshot()
+            await tier.life.settle()
+            await tier.life.save_snapshot()
             assert dirs.snapshot.stat().st_ino != written
             assert len(tier.catalog) == 1
         finally:
-            tier.close()
+            tier.life.close()
 
     anyio.run(scenario)

@@ -42,17 +42,17 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
 
     async def scenario() -> None:
         tier = Tier(config, DEFAULT_LIMITS)
-        await tier.open()
+        await tier.life.open()
         try:
             assert set(tier.catalog.records) == {kept.stem, leased.stem, removed.stem}
             # A reader holds `leased` while it is evicted: its file stays, out of the index.
-            found = tier.lookup(1, IDENTITY, pack_tokens([2, *range(15), 99]))
-            tier.book_lookups()
+            found = tier.reads.lookup(1, IDENTITY, pack_tokens([2, *range(15), 99]))
+            tier.reads.book_lookups()
             assert not isinstance(found, Miss)
             match, _, fd = found
             os.close(fd)
             assert match.record.id == leased.stem
-            assert tier.evict(leased.stem, None, everything=False) == (1, match.record.nbytes)
+            assert tier.admin.evict(leased.stem, None, everything=False) == (1, match.record.nbytes)
             assert leased.exists()
             assert tier.catalog.is_doomed(leased.stem)
 
@@ -64,7 +64,7 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
             assert leased.exists()
             assert tier.catalog.total_bytes == sum(p.stat().st_size for p in (kept, added, leased))
         finally:
-            tier.close()
+            tier.life.close()
 
     anyio.run(scenario)
 
@@ -85,14 +85,14 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
 
     async def scenario() -> None:
         tier = Tier(config, DEFAULT_LIMITS)
-        await tier.open()
+        await tier.life.open()
         try:
-            put, _, fd = await tier.begin_put(1, IDENTITY, pack_tokens(range(16)), plan.file_size)
+            put, _, fd = await tier.puts.begin(1, IDENTITY, pack_tokens(range(16)), plan.file_size)
             assert put is not None
             assert fd is not None
             os.pwrite(fd, blob, 0)
             os.close(fd)
-            await tier.commit_put(1, put.id)
+            await tier.puts.commit_owned(1, put.id)
             item = tier.writer.queue.next()  # the writer takes it...
             assert item is not None
             record = item.payload.record
@@ -104,7 +104,7 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             assert tier.catalog.total_bytes == 0
             assert not final.exists()
         finally:
-            tier.close()
+            tier.life.close()
 
     anyio.run(scenario)
 
@@ -117,7 +117,7 @@ def test_a_duplicate_file_found_at_start_is_quarantined(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         tier = Tier(config, DEFAULT_LIMITS)
-        await tier.open()
+        await tier.life.open()
         try:
             assert len(tier.catalog.records) == 1
             (kept,) = tier.catalog.records
@@ -129,6 +129,6 @@ def test_a_duplicate_file_found_at_start_is_quarantined(tmp_path: Path) -> None:
             assert tier.catalog.counters.quarantined == 1
             assert len(list(dirs.quarantine.iterdir())) == 1
         finally:
-            tier.close()
+            tier.life.close()
 
     anyio.run(scenario)
