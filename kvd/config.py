@@ -30,6 +30,7 @@ from kvd_protocol import quantities
 from kvd_protocol.paths import SOCKET_PATH_MAX_BYTES, default_paths, socket_path_fits
 
 from kvd import config_values as values
+from kvd.logs import LogFormat
 
 GIB = 1 << 30
 
@@ -50,12 +51,6 @@ class Overflow(StrEnum):
     DROP_OLDEST = "drop-oldest"
     BLOCK = "block"
     REFUSE = "refuse"
-
-
-class LogFormat(StrEnum):
-    JSON = "json"
-    CONSOLE = "console"
-    AUTO = "auto"  # console on a terminal, JSON otherwise
 
 
 # The tier cannot size itself from the disk at configuration time (the disk may be shared and
@@ -285,7 +280,7 @@ class Config:
         metadata=setting(
             quantities.duration,
             "SECONDS",
-            "a lease held this long ends: its entry may be evicted (its reader's descriptors "
+            "a lease kept this long ends: its entry may be evicted (its reader's descriptors "
             "stay valid), and the lease's open_blocks and release are answered not_found",
         ),
     )

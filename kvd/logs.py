@@ -18,12 +18,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from enum import StrEnum
 from typing import TYPE_CHECKING, TextIO
-
-from kvd.config import LogFormat
 
 if TYPE_CHECKING:
     from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+
+class LogFormat(StrEnum):
+    """The log_format setting's values (kvd.config)."""
+
+    JSON = "json"
+    CONSOLE = "console"
+    AUTO = "auto"  # console on a terminal, JSON otherwise
 
 
 @contextmanager

@@ -20,7 +20,6 @@ from kvd.config import (
     GIB,
     Config,
     ConfigError,
-    LogFormat,
     Overflow,
     add_config_arguments,
     env_var,
@@ -28,6 +27,7 @@ from kvd.config import (
     load_config,
     settings_table,
 )
+from kvd.logs import LogFormat
 
 MAC_HOME = PurePosixPath("/Users/firstname.lastname")
 OWN_GROUP = grp.getgrgid(os.getgid()).gr_name

@@ -233,3 +233,33 @@ def test_no_module_imports_one_that_imports_it_back(package: ModuleType) -> None
     assert len(graph) > 3  # the walk found the modules
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of imports in an acyclic graph, as the modules on it, first the one
+    that imports the next."""
+    longest: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in longest:
+            below = max((chain(target) for target in sorted(graph[name])), key=len, default=[])
+            longest[name] = [name, *below]
+        return longest[name]
+
+    return max((chain(name) for name in sorted(graph)), key=len, default=[])
+
+
+def test_the_chain_finder_finds_the_longest_path_of_imports() -> None:
+    graph = {"p": {"p.a", "p.c"}, "p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": set()}
+    assert longest_chain(graph) == ["p", "p.a", "p.b", "p.c"]
+
+
+# kvd's floors, file by file: the modules on its longest chain of imports (__main__ -> cli
+# -> the server -> ... -> kvd.logs). Each floor is a module whose change every one above it
+# may feel; a new one is a choice, made here.
+KVD_FLOORS = 13
+
+
+def test_the_daemon_stays_within_its_floors() -> None:
+    chain = longest_chain(import_graph(kvd))
+    assert len(chain) <= KVD_FLOORS, " -> ".join(chain)
