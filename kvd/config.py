@@ -70,8 +70,8 @@ DEFAULT_ADMISSION_WINDOW = 3600.0
 DEFAULT_FRAME_TIMEOUT = 10.0
 DEFAULT_PUT_TIMEOUT = 300.0  # an engine writes a GiB in well under a second; generous
 DEFAULT_MAX_OPEN_PUTS = 16  # per connection; an engine has one or two under way
-DEFAULT_MAX_LEASES = 1024  # per connection; an engine holds a lease for one restore
-# A restore holds its lease for seconds (a 30k-token prefix reads in about one): minutes are
+DEFAULT_MAX_LEASES = 1024  # per connection; an engine has a lease for one restore
+# A restore keeps its lease for seconds (a 30k-token prefix reads in about one): minutes are
 # generous, and bound how long a reader that never releases keeps entries from eviction.
 DEFAULT_LEASE_MAX_AGE = 300.0
 # A put's retention lasts at most this long (a hit starts it again): a day, so that a prompt
@@ -244,7 +244,7 @@ class Config:
     )
     max_leases: int = field(
         default=DEFAULT_MAX_LEASES,
-        metadata=setting(values.count, "N", "leases one connection may hold"),
+        metadata=setting(values.count, "N", "leases one connection may have"),
     )
     put_timeout: float = field(
         default=DEFAULT_PUT_TIMEOUT,

@@ -15,6 +15,9 @@
 - **In what order.** A policy, named by a setting in EVICTION_POLICIES (the one table of
   them): LruPolicy is the default; CostPolicy keeps what saves the most prefill per byte, aged
   by disuse.
+- **Retained.** Retention decides which of an owner's entries go, never how many bytes an
+  owner loses: kvd.store.retention's Retaining wraps whichever policy is set with that rule
+  (the retention's own terms are there).
 
 Every policy keeps one rule, whatever it ranks by: **a prefill checkpoint no prompt has
 restored from yet is evicted before whole entries of the same size and use.** A prefill

@@ -47,7 +47,7 @@ class Leases:
         return len(self._leases)
 
     def count_of(self, owner: int) -> int:
-        """How many leases owner holds."""
+        """How many leases owner has."""
         return len(self._by_owner.get(owner, ()))
 
     def grant(self, owner: int, record: EntryRecord) -> int:
@@ -59,11 +59,11 @@ class Leases:
         return lease
 
     def record(self, owner: int, lease_id: int) -> EntryRecord:
-        """The entry owner's lease is on; NOT_FOUND if owner holds no such lease."""
+        """The entry owner's lease is on; NOT_FOUND if owner has no such lease."""
         return self.lease(owner, lease_id).record
 
     def lease(self, owner: int, lease_id: int) -> Lease:
-        """Owner's lease; NOT_FOUND if owner holds no such lease (saying so if it expired)."""
+        """Owner's lease; NOT_FOUND if owner has no such lease (saying so if it expired)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
             if self._expired.get(lease_id) == owner:
@@ -105,7 +105,7 @@ class Leases:
             del self._by_owner[owner]
 
     def release_all(self, owner: int) -> None:
-        """The owner's connection ended: every lease it holds ends, and no other is looked at."""
+        """The owner's connection ended: every lease it has ends, and no other is looked at."""
         for lease_id in self._by_owner.pop(owner, {}):
             self._end(lease_id)
 

@@ -37,7 +37,7 @@ class EntryRecord:
     file's size. min_reuse: the entry may not be trimmed below this many tokens. last_used is
     a logical clock value (larger = more recent), never a wall-clock time, so that two uses
     never tie. durable: stored and fsynced, rather than still pending in the write-behind queue.
-    leases: readers holding the file. checkpoint_key: set for generation checkpoints, which live
+    leases: readers with a lease on it. checkpoint_key: set for generation checkpoints, which live
     apart from prompt lookups and are never returned by a prefix lookup. used_at: the wall-clock
     time of the last lease taken since the daemon started (0: none), for people. blocks: the
     hashes of its shared blocks in order (format v2; none for v1), each a file of block_size
