@@ -24,7 +24,6 @@ from kvd.serve.op_row import Context, Handler, Later, Op, Waits, awaited
 from kvd.serve.status import tenant_report
 from kvd.serve.tenant_bounds import check_digest, check_identity, refused
 from kvd.store.miss_reasons import Miss
-from kvd.store.presence import local_presence
 from kvd.store.records import summary
 from kvd.store.staged_put import DeclaredBlocks
 
@@ -216,18 +215,9 @@ def open_blocks(c: Context, request: m.OpenBlocks) -> m.OpenBlocksReply:
 
 def open_entry(c: Context, request: m.OpenEntry) -> m.OpenEntryReply:
     """A durable entry by id, leased as a hit is (kvctl export reads it and its blocks)."""
-    if c.peer.tenant and (digest := c.tier.identity_of(request.entry)):
-        check_digest(c.tier, c.peer, request, digest)
-    if c.tier.leases.count_of(c.peer.session) >= c.tier.config.max_leases:
-        raise ProtocolError(
-            ErrorCode.OVER_LIMIT, f"{c.tier.config.max_leases} leases held: release some first"
-        )
-    found = c.tier.lease_entry(c.peer.session, request.entry)
-    if found is None:
-        held = c.tier.entry(request.entry)
-        why = "it is not durable yet: flush first" if held else "no such entry"
-        raise ProtocolError(ErrorCode.NOT_FOUND, f"entry {request.entry}: {why}")
-    record, lease, fd = found
+    if c.peer.tenant and (digest := c.tier.view.identity_of(request.entry)):
+        check_digest(c.tier.view, c.peer, request, digest)
+    record, lease, fd = c.tier.reads.open_entry(c.peer.session, request.entry)
     return m.OpenEntryReply(id=request.id, entry=summary(record), lease=lease, fd=fd)
 
 
@@ -243,8 +233,8 @@ def presence(c: Context, request: m.Presence) -> m.PresenceReply | Later:
         assert request.digest is not None  # the message's check: one of the two
         digest = request.digest
         if c.peer.tenant:
-            check_digest(c.tier, c.peer, request, digest)
-    local = local_presence(c.tier, digest, identity, request.tokens, c.peer.tenant)
+            check_digest(c.tier.view, c.peer, request, digest)
+    local = c.tier.view.presence(digest, identity, request.tokens, c.peer.tenant)
     reply = m.PresenceReply(
         id=request.id,
         matched=local.matched,

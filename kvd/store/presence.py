@@ -18,8 +18,9 @@ from kvd_protocol.tokens import token_count
 
 from kvd.identity_names import DIGEST_SHOWN
 from kvd.store import miss_reasons
+from kvd.store.catalog import Catalog
 from kvd.store.miss_reasons import Miss
-from kvd.store.tier import Tier
+from kvd.store.telemetry import Telemetry
 
 
 class LocalPresence(NamedTuple):
@@ -29,25 +30,31 @@ class LocalPresence(NamedTuple):
 
 
 def local_presence(
-    tier: Tier, digest: str, identity: Identity | None, tokens: bytes, tenant: str
+    catalog: Catalog,
+    telemetry: Telemetry,
+    digest: str,
+    identity: Identity | None,
+    tokens: bytes,
+    *,
+    tenant: str,
 ) -> LocalPresence:
     """What a lookup of tokens under the identity of digest would restore now (identity:
     the whole identity when the asker named it, else the one the tier knows of that digest,
     for the miss's reason)."""
-    index = tier.catalog.index(digest)
+    index = catalog.index(digest)
     match = index.best_match(tokens) if index is not None else None
     matched, entry = (match.matched, match.record.id) if match is not None else (0, None)
     if matched >= token_count(tokens) - 1:
         return LocalPresence(matched, entry, None)
     if identity is None:
-        known = tier.telemetry.identities.get(digest)
+        known = telemetry.identities.get(digest)
         identity = None if known is None else known.identity
     if identity is None:  # an identity the daemon never heard of: it holds nothing of it
         told = f"identity {digest[:DIGEST_SHOWN]} holds no entry"
         return LocalPresence(matched, entry, Miss(miss_reasons.NO_ENTRY, told))
     miss = miss_reasons.explain(
-        tier.catalog,
-        tier.telemetry,
+        catalog,
+        telemetry,
         identity,
         tokens,
         reason=miss_reasons.NO_ENTRY,

@@ -185,6 +185,17 @@ class Reads:
         fd = self._catalog.open(record, self._quarantine.now)
         return None if fd is None else (record, self._leases.grant(owner, record), fd)
 
+    def open_entry(self, owner: int, entry: str) -> tuple[EntryRecord, int, int]:
+        """lease_entry for a connection (kvctl export): within its leases, NOT_FOUND (saying
+        why) when the entry is not there or not durable yet."""
+        self._check_leases(owner)
+        found = self.lease_entry(owner, entry)
+        if found is None:
+            pending = self._catalog.records.get(entry) is not None
+            why = "it is not durable yet: flush first" if pending else "no such entry"
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"entry {entry}: {why}")
+        return found
+
     def open_blocks(self, owner: int, lease_id: int, first: int, count: int) -> list[int]:
         """Read-only descriptors of blocks first.. of the entry under the owner's lease, each
         opened without following links and checked by fstat against its size. A block gone or

@@ -1,6 +1,7 @@
 """The tier read without changing anything: its entries by id, the durable ones, an entry's
-blocks, the identities it holds and the names the daemon learnt for them. What the remote
-tier's uploads, a tenant's bounds and the status read of the tier."""
+blocks, the identities it holds and the names the daemon learnt for them, a prompt's
+presence. What the remote tier's uploads, a tenant's bounds, presence and the status read of
+the tier."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvd_protocol.identity import Identity
 
 from kvd.store.blocks import Block
 from kvd.store.catalog import Catalog
+from kvd.store.presence import LocalPresence, local_presence
 from kvd.store.records import EntryRecord
 from kvd.store.telemetry import Telemetry
 
@@ -50,6 +52,14 @@ class TierView:
         """The identity's namespace, as a request or an entry's header told; None if unknown."""
         names = self._telemetry.identities.get(digest)
         return None if names is None else names.namespace
+
+    def presence(
+        self, digest: str, identity: Identity | None, tokens: bytes, tenant: str
+    ) -> LocalPresence:
+        """What a lookup of tokens would restore now, counting nothing (see local_presence)."""
+        return local_presence(
+            self._catalog, self._telemetry, digest, identity, tokens, tenant=tenant
+        )
 
     def known_identities(self) -> dict[str, Identity | None]:
         """Every identity the daemon knows, by digest, with what requests or headers said of
