@@ -5,16 +5,20 @@ counts nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, kv_tensors
-from daemon_e2e import IDENTITY, OTHER_IDENTITY, SETTLE_SECONDS
+from daemon_e2e import IDENTITY, OTHER_IDENTITY, SETTLE_SECONDS, wait_until
 from daemon_process import Daemon, kvctl, running_daemon
-from kvd_client import Client, TicketState
+from kvd_client import AsyncClient, Client, TicketState
+from kvd_client.results import Presence
 from kvd_protocol import bundle
 from kvd_protocol.identity import Identity
 
@@ -176,7 +180,14 @@ def test_presence_agrees_with_what_a_lookup_restores_and_counts_nothing(
         assert _presence_then_lookup(client, OTHER, TOKENS) == (0, "no entry", 0)
         answer = client.presence(SAME_MODEL, whole)
         assert (answer.matched, answer.miss) == (40, "config differs")
+        told = client.presence(IDENTITY, diverging)
         status = client.status()
+
+    async def asked_async() -> Presence:
+        async with await AsyncClient.connect(daemon.socket_path, require=True) as client:
+            return await client.presence(IDENTITY, diverging)
+
+    assert asyncio.run(asked_async()) == told  # the async client asks alike
     tokens_file = tmp_path / "prompt.json"
     tokens_file.write_text(json.dumps(diverging))
     asked = kvctl(
@@ -198,3 +209,49 @@ def test_presence_agrees_with_what_a_lookup_restores_and_counts_nothing(
     assert refused.returncode == 1
     assert "holds no JSON list of token ids" in refused.stderr
     os.remove(tokens_file)
+
+
+def _busy(daemon: Daemon, seed: int, stop: threading.Event, done: list[int]) -> None:
+    """An engine putting and looking up prompts of its own until stop; done: its puts."""
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+        while not stop.is_set():
+            first = (seed + 1) * 1_000_000 + len(done) * 100  # apart from every other prompt
+            tokens = list(range(first, first + 3 * BLOCK_TOKENS))
+            layers, tensors = kv_tensors(tokens)
+            ticket = client.put_entry(IDENTITY, tokens, layers, tensors)
+            assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
+            result = client.lookup(IDENTITY, [*tokens, 1])
+            assert result is not None
+            result.release()
+            done.append(len(tokens))
+
+
+def test_export_and_import_run_while_engines_put_and_look_up(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+        mine = _put(client, IDENTITY, TOKENS)
+    with running_daemon(tmp_path / "elsewhere") as target:
+        stop = threading.Event()
+        puts: list[list[int]] = [[], []]
+        with ThreadPoolExecutor(2) as engines:
+            running = [
+                engines.submit(_busy, where, seed, stop, done)
+                for seed, (where, done) in enumerate(zip((daemon, target), puts, strict=True))
+            ]
+            try:
+                wait_until(lambda: all(puts), "both engines put")
+                data = _export(daemon, IDENTITY, mine, tmp_path / "busy.kvdb")
+                imported = kvctl(target, "import", str(tmp_path / "busy.kvdb"))
+                wait_until(lambda: all(len(done) > 2 for done in puts), "more puts meanwhile")
+            finally:
+                stop.set()
+            for engine in running:
+                engine.result()  # an engine's failure fails the test
+        assert imported.returncode == 0, imported.stderr
+        _, manifest, blocks = _pieces(data)
+        entry = imported.stdout.strip()
+        path = target.tier / "entries" / IDENTITY.digest() / f"{entry}.kve"
+        assert path.read_bytes() == manifest
+        held = {p.read_bytes() for p in (path.parent / "blocks").glob("*.kvb")}
+        assert all(block in held for block in blocks)
