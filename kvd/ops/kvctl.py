@@ -387,7 +387,8 @@ def _flush(control: Control, wait: float | None, remote: bool) -> int:
 
 
 def _bundle_command(args: argparse.Namespace, control: Control) -> int:
-    """export, import, match (kvctl_bundle): 1, saying why, for a bundle or prompt refused."""
+    """export, import, match (kvctl_bundle): 1, saying why, for a bundle refused; 2 for a
+    --tokens file that holds no prompt."""
     try:
         if args.command == "export":
             digest = _digest(control, args.identity)
@@ -403,7 +404,11 @@ def _bundle_command(args: argparse.Namespace, control: Control) -> int:
         else:
             digest = _digest(control, args.identity)
             assert digest is not None
-            tokens = kvctl_bundle.read_tokens(Path(args.tokens), control.limits)
+            try:
+                tokens = kvctl_bundle.read_tokens(Path(args.tokens), control.limits)
+            except (OSError, ValueError) as exc:  # an argument: no prompt to ask about
+                _say(f"match: {exc}")
+                return 2
             answer = kvctl_bundle.match(control, digest, tokens)
             print(json.dumps(answer, indent=2) if args.json else kvctl_bundle.format_match(answer))
     except DaemonUnavailableError:

@@ -44,7 +44,7 @@ EXIT_CODES: Final = {
     "export": "no entry has that id in that identity, or it could not be read or written",
     "import": "the bundle was refused (damaged, truncated, or not what it says), or the "
     "daemon refused its put: nothing was stored",
-    "match": "the daemon refused",
+    "match": "the daemon refused (2: FILE holds no JSON list of token ids)",
 }
 
 
@@ -305,7 +305,7 @@ def _check(got: bytes, want: bytes, what: str) -> None:
 
 
 def read_tokens(path: Path, limits: Limits) -> bytes:
-    """The token ids of a JSON list in path, packed: BundleError-free ValueError otherwise."""
+    """The token ids of the JSON list in path, packed; ValueError for anything else."""
     if path.stat().st_size > MAX_TOKEN_FILE:
         raise ValueError(f"{path} is over {MAX_TOKEN_FILE} bytes: not a prompt's token ids")
     tokens = json.loads(path.read_text())

@@ -152,8 +152,8 @@ def _presence_then_lookup(
     before = client.status()
     answer = client.presence(identity, prompt)
     after = client.status()
-    for counter in ("hits", "misses", "engine_held"):
-        assert after.get(counter) == before.get(counter), counter
+    for counter in ("hits", "misses", "engine_held", "misses_by_reason", "leased_entries"):
+        assert after[counter] == before[counter], counter
     assert answer.remote is None  # no remote tier
     result = client.lookup(identity, list(prompt))
     restored = 0
@@ -206,7 +206,7 @@ def test_presence_agrees_with_what_a_lookup_restores_and_counts_nothing(
         assert (after["hits"], after["misses"]) == (status["hits"], status["misses"])
     tokens_file.write_text('{"not": "a list"}')
     refused = kvctl(daemon, "match", "--identity", IDENTITY.digest(), "--tokens", str(tokens_file))
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "holds no JSON list of token ids" in refused.stderr
     os.remove(tokens_file)
 
