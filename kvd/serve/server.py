@@ -168,10 +168,10 @@ class Server:
         tier, config = self.tier, self.config
         tasks.start_soon(_settle, tier)  # the watcher and the reconcile wait for it
         tasks.start_soon(keep_running, "writer", tier.life.run_writer)
-        watcher = partial(watch_entries, tier)
-        restarted_watcher = partial(watch_entries, tier, reconcile_first=True)
+        watcher = partial(watch_entries, tier.life)
+        restarted_watcher = partial(watch_entries, tier.life, reconcile_first=True)
         tasks.start_soon(keep_running, "watcher", watcher, restarted_watcher)
-        reconciler = partial(reconcile_periodically, tier, config.reconcile_interval)
+        reconciler = partial(reconcile_periodically, tier.life, config.reconcile_interval)
         tasks.start_soon(keep_running, "reconcile", reconciler)
         snapshotter = partial(tier.life.snapshot_periodically, config.snapshot_interval)
         tasks.start_soon(keep_running, "snapshot", snapshotter)

@@ -35,46 +35,46 @@ from watchfiles import Change, awatch
 
 from kvd.logs import get_logger
 from kvd.store.adoption import Changed, place
-from kvd.store.tier import Tier
+from kvd.store.life_cycle import LifeCycle
 from kvd.store.tier_dir import BLOCKS_FOLDER, ENTRY_SUFFIX
 
 log = get_logger("kvd.store.watcher")
 
 
-async def watch_entries(tier: Tier, *, reconcile_first: bool = False) -> None:
+async def watch_entries(life: LifeCycle, *, reconcile_first: bool = False) -> None:
     """React to changes under the entries folder until cancelled.
 
     reconcile_first: catch up with the whole folder first, as a restarted watch must (the
     first one starts once start-up has listed the directory: LifeCycle.settle).
     """
-    await tier.life.wait_settled()
+    await life.wait_settled()
     while True:
-        await anyio.to_thread.run_sync(_make_folder, tier.life.entries_folder())
+        await anyio.to_thread.run_sync(_make_folder, life.entries_folder())
         if reconcile_first:
-            await reconcile(tier, None)
-        root = _root(tier)  # FSEvents reports resolved paths
+            await reconcile(life, None)
+        root = _root(life)  # FSEvents reports resolved paths
         # rust_timeout bounds how long the watch thread takes to notice a cancel (at shutdown).
         async for changes in awatch(root, recursive=True, rust_timeout=200):
             if (Change.deleted, str(root)) in changes:
                 log.warning("entries_folder_removed", path=str(root))
                 break  # a watch of a removed folder sees nothing more: make it again
-            await reconcile(tier, changes)
+            await reconcile(life, changes)
         reconcile_first = True
 
 
-async def reconcile_periodically(tier: Tier, every: float) -> None:
-    await tier.life.wait_settled()
+async def reconcile_periodically(life: LifeCycle, every: float) -> None:
+    await life.wait_settled()
     while True:
         await anyio.sleep(every)
-        await reconcile(tier, None)
+        await reconcile(life, None)
 
 
 def _make_folder(path: Path) -> None:
     path.mkdir(mode=0o700, exist_ok=True)
 
 
-def _root(tier: Tier) -> Path:
-    return Path(os.path.realpath(tier.life.entries_folder()))
+def _root(life: LifeCycle) -> Path:
+    return Path(os.path.realpath(life.entries_folder()))
 
 
 def _entry_id(name: str) -> str | None:
@@ -165,10 +165,10 @@ def _changed_entries(root: Path, changes: Iterable[tuple[Change, str]]) -> Chang
     return found
 
 
-async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) -> None:
+async def reconcile(life: LifeCycle, changes: Iterable[tuple[Change, str]] | None) -> None:
     """Make the index agree with the paths of a batch of events (None: the whole entries
     folder): see LifeCycle.adopt."""
-    root = _root(tier)
+    root = _root(life)
     try:
         if changes is None:
             found = await anyio.to_thread.run_sync(_listing, root)
@@ -181,4 +181,4 @@ async def reconcile(tier: Tier, changes: Iterable[tuple[Change, str]] | None) ->
         # changed on a half listing; the next full reconcile catches up.
         log.warning("reconcile_deferred", reason=str(exc))
         return
-    await tier.life.adopt(root, found, everything=changes is None)
+    await life.adopt(root, found, everything=changes is None)

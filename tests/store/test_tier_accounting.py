@@ -58,7 +58,7 @@ def test_reconcile_follows_the_directory_but_spares_leased_files(tmp_path: Path)
 
             removed.unlink()
             added = put_file(dirs, 4)
-            await reconcile(tier, None)
+            await reconcile(tier.life, None)
 
             assert set(tier.catalog.records) == {kept.stem, added.stem}  # leased not re-adopted
             assert leased.exists()
