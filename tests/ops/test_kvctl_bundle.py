@@ -114,7 +114,11 @@ def test_a_damaged_truncated_or_lying_bundle_is_refused_and_stores_nothing(
         # wrong sizes: each block padded, declared so; another identity's blocks
         "file_size": _rebuilt(IDENTITY, manifest, padded),
         "block_mismatch": _rebuilt(IDENTITY, manifest, other_blocks),
+        # its own blocks, out of order or cut short
+        "block_hash: its parent and tokens": _rebuilt(IDENTITY, manifest, blocks[::-1]),
+        "truncated: 16384 bytes": _rebuilt(IDENTITY, manifest, [b[:16384] for b in blocks]),
     }
+    assert len(blocks[0]) > 16384
     assert other_manifest != manifest
     with running_daemon(tmp_path / "elsewhere") as target:
         for said, data in cases.items():
