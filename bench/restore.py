@@ -36,9 +36,12 @@ best and worst, GB/s as 10^9 bytes of tensor data per second at the median.
 
 --tokens takes several sizes, each measured in turn; --plot FILE.png also draws kvd get's
 GB/s by entry size against mx.load and the raw read, hot and cold (docs/figures/restore.png).
+--breakdown also takes a get of the entry in blocks apart into its phases (lookup, lease,
+allocation, room for growth, MLX arrays, reads, checksums, release), each run alone, hot and
+cold, with their page faults (bench/_restore_phases.py).
 
     .venv/bin/python bench/restore.py [--full | --tokens N ...] [--repeat 5] [--cold-repeat 3]
-        [--no-cold] [--mlx-cache-limit BYTES] [--plot FILE.png]
+        [--no-cold] [--mlx-cache-limit BYTES] [--plot FILE.png] [--breakdown]
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import mlx.core as mx
 import numpy as np
 from _daemon import running_daemon
 from _plot import Figure, Panel, Series, machine_caption, save
+from _restore_phases import PHASES, Breakdown, breakdown
 from kvd_client import prompt_cache
 from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
@@ -248,7 +252,7 @@ class Restores:
             key=lambda p: p.stat().st_size,
         )
         # Page-aligned: the kernel copies into a bytearray (16 bytes into a cache line) about
-        # three times slower here, see kvd_client.restore.ALIGN.
+        # three times slower here, see kvd_client.entry_io.LINE.
         self.entry_buffer = memoryview(mmap.mmap(-1, self.entry_file.stat().st_size))
 
     def get(self, client: Client, identity: EngineIdentity = IDENTITY) -> Any:
@@ -367,13 +371,32 @@ def print_table(rows: dict[tuple[str, str], Timing], nbytes: int) -> None:
         )
 
 
+def print_breakdown(phases: dict[str, Breakdown], rows: dict[tuple[str, str], Timing]) -> None:
+    """The phases of a get, by page cache, against the get itself and mx.load."""
+    temperatures = list(phases)
+    print("\n| phase | " + " | ".join(f"{t} ms | {t} faults" for t in temperatures) + " |")
+    print("|---|" + "---:|---:|" * len(temperatures))
+    for name in PHASES:
+        cells = [f"{b.seconds(name) * 1e3:.2f} | {b.faults(name):,}" for b in phases.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    sums = [f"**{b.total * 1e3:.2f}** | " for b in phases.values()]
+    print("| sum of the phases | " + " | ".join(sums) + " |")
+    for name in (GET, MX_LOAD):
+        cells = [
+            f"{rows[(t, name)].seconds * 1e3:.2f} | {rows[(t, name)].faults:,}"
+            for t in temperatures
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 @dataclass(frozen=True)
 class Measured:
-    """One entry size's timings, by (page cache, path)."""
+    """One entry size's timings, by (page cache, path), and its get's phases by page cache."""
 
     tokens: int
     nbytes: int
     rows: dict[tuple[str, str], Timing]
+    phases: dict[str, Breakdown]
 
     def gb_per_s(self, temperature: str, path: str) -> float:
         return self.nbytes / self.rows[(temperature, path)].seconds / 1e9
@@ -413,14 +436,21 @@ def measure(clients: Clients, tokens: int, work: Path, args: argparse.Namespace)
     decode = "decode alone (entry looked up)"
     verified, unverified = bench.decode_timings(args.repeat)
     rows[("hot", decode)], rows[("hot", decode + UNVERIFIED)] = verified, unverified
+    drop = drop_page_cache if can_drop_page_cache() else partial(evict_files, bench.files)
     if args.cold:
-        drop = drop_page_cache if can_drop_page_cache() else partial(evict_files, bench.files)
         for group in groups[1:]:
             cold_timings = timings([*group.values()], args.cold_repeat, drop)
             rows.update((("cold", name), t) for name, t in zip(group, cold_timings, strict=True))
+    phases: dict[str, Breakdown] = {}
+    if args.breakdown:
+        asked = prompt(tokens + 1)
+        bench.warm()
+        phases["hot"] = breakdown(clients.blocks, IDENTITY, asked, args.repeat)
+        if args.cold and can_drop_page_cache():  # the blocks' files too: every page dropped
+            phases["cold"] = breakdown(clients.blocks, IDENTITY, asked, args.cold_repeat, drop)
     shutil.rmtree(folder)
     clients.blocks.evict(all=True)  # the next size's whole entry is then the tier's largest file
-    return Measured(tokens, bench.nbytes, rows)
+    return Measured(tokens, bench.nbytes, rows, phases)
 
 
 # The figure's lines: kvd's default restore against the two anchors a restore is held to.
@@ -477,6 +507,9 @@ def main() -> None:
         "would set it; default: MLX's own",
     )
     parser.add_argument("--plot", type=Path, help="also draw GB/s by entry size into this PNG")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time a get's phases one at a time"
+    )
     args = parser.parse_args()
     if args.mlx_cache_limit is not None:
         mx.set_cache_limit(args.mlx_cache_limit)
@@ -514,6 +547,8 @@ def main() -> None:
             + ".\n"
         )
         print_table(size.rows, size.nbytes)
+        if size.phases:
+            print_breakdown(size.phases, size.rows)
     if args.plot is not None:
         save(figure(measured, args), args.plot)
 

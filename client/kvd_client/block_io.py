@@ -47,6 +47,7 @@ from .entry_io import (  # CHUNK_BYTES: copied per call, then checksummed
     TensorLayoutError,
     advanced,
     calls_of,
+    line_split,
     slot_pieces,
     views_of,
     write_all,
@@ -201,7 +202,8 @@ def read_slots(
 
 def _read(fd: int, offset: int, pieces: Sequence[Piece], name: str) -> None:
     start = offset
-    for group in calls_of(pieces, CHUNK_BYTES):
+    aligned = [(part, hasher) for piece, hasher in pieces for part in line_split([piece])]
+    for group in calls_of(aligned, CHUNK_BYTES):
         pending = [piece for piece, _ in group]
         while pending:
             got = os.preadv(fd, pending, offset)

@@ -2,7 +2,9 @@
 
 One table, keyed by the exact class. A codec has a kind (the name stored in the header),
 blocked (whether its tensors grow by token along axis 2, so that they are stored in blocks
-shared between entries: FORMAT.md, "Version 2"), snapshot(cache) -> (meta, tensors),
+shared between entries: FORMAT.md, "Version 2"), optionally grows (whether load gives its
+tensors room to grow, restore.with_room_all: a restore then allocates their buffers with
+the others' before any codec runs), snapshot(cache) -> (meta, tensors),
 load(meta, sources) -> cache, trimmable(meta), and check(meta, template): whether a stored
 layer fits the cache the model would make. Snapshots hold only the live tokens (no step
 padding) as evaluated arrays, views of the cache's own buffers (not copied); trimmability is
@@ -125,6 +127,12 @@ def tensor_pieces(array: mx.array) -> list[memoryview]:
     return [flat[start : start + run] for start in starts]
 
 
+def grows(codec: Codec) -> bool:
+    """Whether codec's load gives each of its tensors with an axis 2 room to grow along it
+    (with_room_all); a codec registered without saying is given buffers as it asks."""
+    return bool(getattr(codec, "grows", False))
+
+
 def _int(meta: Meta, key: str, low: int = 0) -> int:
     value = meta.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -158,6 +166,7 @@ class KVCodec:
 
     kind = "kv"
     blocked = True
+    grows = True
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None or cache.offset == 0:
@@ -188,6 +197,7 @@ class QuantizedKVCodec:
 
     kind = "quantized_kv"
     blocked = True
+    grows = True
 
     def snapshot(self, cache: Any) -> Snapshot:
         meta = {"offset": cache.offset, "group_size": cache.group_size, "bits": cache.bits}
@@ -272,6 +282,7 @@ class ChunkedKVCodec:
 
     kind = "chunked_kv"
     blocked = False  # its rows start at start_position, not at token 0
+    grows = True
 
     def snapshot(self, cache: Any) -> Snapshot:
         meta = {
@@ -446,6 +457,10 @@ class Extracted:
     @property
     def blocked(self) -> bool:
         return self.inner.blocked
+
+    @property
+    def grows(self) -> bool:
+        return grows(self.inner)
 
     def snapshot(self, cache: Any) -> Snapshot:
         if cache.keys is None:

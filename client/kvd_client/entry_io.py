@@ -11,6 +11,7 @@ cleanly instead, and maps only on request, after fstat says the file is still wh
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,14 @@ if TYPE_CHECKING:
 # against 128 ms in the 256 KiB pieces that stay in its L2, and 133 ms in 8 MiB ones).
 CHUNK_BYTES: Final = 1 << 20
 IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+# The kernel copies out of the page cache about three times faster on the machines measured
+# (x86-64 Linux) when a destination's offset within a cache line is not past its source's.
+# Slots start on 16 KiB boundaries, but MLX's CPU build puts a buffer's bytes 8 past malloc's
+# 16-byte boundary: a destination is read as its bytes up to its first cache line boundary,
+# then the rest, which starts on one (Metal's buffers start on a page: nothing to split).
+LINE: Final = 64
+_AT: Final = ctypes.c_char * 0  # from_buffer of it: the address of a writable view
 
 # Anything exposing the buffer protocol: numpy and MLX arrays, bytes, memoryviews; or a list
 # of such buffers, the tensor's bytes in C order in pieces (a tensor that is not contiguous
@@ -137,6 +146,19 @@ def calls_of(pieces: Iterable[Piece], limit: int) -> Iterator[list[Piece]]:
             size += piece.nbytes
     if group:
         yield group
+
+
+def line_split(pieces: Iterable[memoryview]) -> list[memoryview]:
+    """pieces (writable), each as its bytes up to its first cache line boundary (if it
+    does not start on one) and the rest: see LINE."""
+    out: list[memoryview] = []
+    for piece in pieces:
+        head = -ctypes.addressof(_AT.from_buffer(piece)) % LINE if piece.nbytes else 0
+        if 0 < head < piece.nbytes:
+            out.extend((piece[:head], piece[head:]))
+        else:
+            out.append(piece)
+    return out
 
 
 def advanced(group: list[memoryview], done: int) -> list[memoryview]:
@@ -277,7 +299,7 @@ class EntryFile:
             raise ValueError(f"pieces for {slot.nbytes} bytes expected")
         hasher = new_checksum() if verify else None
         offset = slot.start
-        for piece in pieces:
+        for piece in line_split(pieces):
             for pos in range(0, piece.nbytes, CHUNK_BYTES):
                 chunk = piece[pos : pos + CHUNK_BYTES]
                 self._read_exactly(chunk, offset, slot)
@@ -298,7 +320,7 @@ class EntryFile:
 
     def verify(self) -> None:
         """Check every tensor's bytes against its slot checksum; raises EntryFormatError."""
-        # Page-aligned (a bytearray is not): see restore.ALIGN for what alignment is worth.
+        # Page-aligned (a bytearray is not): see LINE for what alignment is worth.
         scratch = memoryview(mmap.mmap(-1, CHUNK_BYTES))
         for index, slot in enumerate(self.header.slots):
             pieces = [scratch] * (slot.nbytes // CHUNK_BYTES)

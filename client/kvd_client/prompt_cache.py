@@ -33,10 +33,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import calls, put_calls
 from .block_io import BlockReads
 from .calls import Blocking, Call
-from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, tensor_pieces
+from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, grows, tensor_pieces
 from .identity import EngineIdentity
 from .link import DaemonError, Link
-from .restore import Fill, Filling, Reading, TensorSource, dtype_name
+from .restore import Fill, Filling, Reading, TensorSource, dtype_name, planned
 from .results import LookupHit, PutOutcome
 
 log = logging.getLogger("kvd_client")
@@ -203,15 +203,32 @@ def _loaded(
     filling: Filling,
     blocks: BlockReads | None,
 ) -> list[Any]:
-    """The caches, their buffers allocated and handed to the fills (on reader threads); the
-    cut tensors' rows in blocks are left to blocks.read_block."""
+    """The caches, their buffers allocated (in one call, as the codecs will ask for them)
+    and handed to the fills (on reader threads); the cut tensors' rows in blocks are left
+    to blocks.read_block."""
+    slots = header.slots
+    shapes = [slot.shape if blocks is None else blocks.shape(i) for i, slot in enumerate(slots)]
+    growing = [
+        grows(codec)
+        for codec, layer in zip(codecs, header.layers, strict=True)
+        for _ in layer.slots
+    ]
+    targets = planned(
+        [
+            (shape, slot.dtype, grow)
+            for shape, slot, grow in zip(shapes, slots, growing, strict=True)
+        ]
+    )
     sources = iter(
         TensorSource(
             filling.deferred(fill) if blocks is None else blocks.fill(i, filling.deferred(fill)),
             slot.dtype,
-            slot.shape if blocks is None else blocks.shape(i),
+            shape,
+            target,
         )
-        for i, (slot, fill) in enumerate(zip(header.slots, fills, strict=True))
+        for i, (slot, fill, shape, target) in enumerate(
+            zip(slots, fills, shapes, targets, strict=True)
+        )
     )
     return [
         codec.load(layer.meta, [next(sources) for _ in layer.slots])

@@ -4,8 +4,10 @@ Each destination is allocated by MLX without being written (allocated), then fil
 its buffer by the tensor's Fill: for an entry file, pread straight from the page cache,
 checksummed while the bytes are still in the CPU's cache (entry_io.EntryFile.read_slot). KV
 tensors get room to grow (with_room): the stored tokens fill the start of a buffer sized for
-the next ones, which spares the first decode step a whole-cache copy. A restore's fills run
-on reader threads (Filling) while this thread allocates the next layers' buffers.
+the next ones, which spares the first decode step a whole-cache copy; the room is zeroed
+without touching fresh pages (platform_memory). A restore allocates every buffer it expects
+in one call before the codecs run (planned, TensorSource.target), and its fills run on reader
+threads (Filling).
 
 No array is ever backed by the file itself: a mapping faults (SIGBUS) when the file
 shrinks behind it, and MLX writes into buffers it believes it owns (donation, in-place slice
@@ -27,11 +29,15 @@ from typing import Final, TypeAlias
 import mlx.core as mx
 import numpy as np
 
+from .platform_memory import Span, zero_rooms
 from .workers import settle
 
 STEP: Final = 256  # mlx-lm's KV growth step: restored KV gets room up to the next multiple
 
 MLX_VERSION: Final = importlib.metadata.version("mlx")
+
+# The CPU build's buffers are malloc's (private anonymous memory); a GPU build's are not.
+CPU_BUFFERS: Final = not mx.metal.is_available() and not mx.cuda.is_available()
 
 # Fills the given writable byte views, in order, with a tensor's bytes (together exactly its
 # size); raises when the bytes cannot be had or trusted.
@@ -56,6 +62,9 @@ class TensorSource:
     fill: Fill
     dtype: str
     shape: tuple[int, ...]
+    # Its buffer, allocated with the others of the restore (planned): taken by owned_all or
+    # with_room_all when its shape is the one they ask for, else they allocate one.
+    target: mx.array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -88,72 +97,111 @@ def _bytes(array: mx.array) -> np.ndarray:
     return np.frombuffer(memoryview(array), dtype=np.uint8)  # type: ignore[arg-type]
 
 
+Layout: TypeAlias = tuple[tuple[int, ...], str]  # a buffer's shape and dtype
+
+
+def room_shape(shape: Sequence[int], axis: int = 2) -> tuple[int, ...]:
+    """The shape of a buffer with room for a tensor of shape to grow along axis: its length
+    there rounded up past the next token to a multiple of STEP."""
+    grown = list(shape)
+    grown[axis] = -(-(shape[axis] + 1) // STEP) * STEP
+    return tuple(grown)
+
+
+def planned(layouts: Sequence[tuple[Sequence[int], str, bool]]) -> list[mx.array]:
+    """The buffers of a restore, allocated in one call: per tensor (shape, dtype, grows),
+    a buffer of its shape, or with room along axis 2 when it grows (and has that axis)."""
+    return allocated(
+        [
+            (room_shape(shape) if grows and len(shape) > 2 else tuple(shape), dtype)
+            for shape, dtype, grows in layouts
+        ]
+    )
+
+
+def _targets(sources: Sequence[TensorSource], layouts: Sequence[Layout]) -> list[mx.array]:
+    """Each source's buffer of its layout: its target if it has that layout, else one
+    allocated now (all such in one call)."""
+    found = [
+        source.target
+        if source.target is not None
+        and tuple(source.target.shape) == shape
+        and dtype_name(source.target.dtype) == dtype
+        else None
+        for source, (shape, dtype) in zip(sources, layouts, strict=True)
+    ]
+    missing = iter(
+        allocated([layout for layout, t in zip(layouts, found, strict=True) if t is None])
+    )
+    return [next(missing) if target is None else target for target in found]
+
+
 def owned_all(sources: Sequence[TensorSource]) -> list[mx.array]:
     """Each tensor in a buffer of its own."""
-    targets = allocated([(source.shape, source.dtype) for source in sources])
+    targets = _targets(sources, [(source.shape, source.dtype) for source in sources])
     for source, target in zip(sources, targets, strict=True):
         source.fill([_bytes(target).data] if source.nbytes else [])
     return targets
 
 
 def with_room_all(sources: Sequence[TensorSource], length: int, axis: int = 2) -> list[mx.array]:
-    """TensorSource.with_room of several tensors (a layer's keys and values), allocated and
-    evaluated together by MLX on this thread."""
-    capacity = -(-(length + 1) // STEP) * STEP
-    layouts = []
+    """TensorSource.with_room of several tensors (a layer's keys and values); their room
+    reads as zeros, as mlx-lm's own buffers beyond their tokens do."""
     for source in sources:
         if len(source.shape) <= axis or source.shape[axis] != length:
             raise ValueError(f"tensor of shape {list(source.shape)} holds no {length} along {axis}")
-        shape = list(source.shape)
-        shape[axis] = capacity
-        layouts.append((tuple(shape), source.dtype))
-    targets = allocated(layouts)
+    targets = _targets(sources, [(room_shape(s.shape, axis), s.dtype) for s in sources])
+    for source, target in zip(sources, targets, strict=True):  # before any fill reads into them
+        if source.nbytes:
+            buffer = (_address(target), target.nbytes)
+            zero_rooms(
+                buffer,
+                _rooms(source, buffer[0], length, target.shape[axis], axis),
+                private=CPU_BUFFERS,
+            )
     for source, target in zip(sources, targets, strict=True):
-        if source.nbytes:  # the room is zeroed: mlx-lm's state (and save_prompt_cache) has it
-            outer = math.prod(source.shape[:axis])
-            row = source.nbytes // (outer * length)
-            _bytes(target).reshape(outer, capacity * row)[:, length * row :] = 0
         source.fill(source._runs(target, length, axis))
     return targets
 
 
-# The kernel copies out of the page cache about three times faster on the machines measured
-# (x86-64 Linux) when a destination's offset within a cache line is not past its source's;
-# entry slots start on 16 KiB boundaries, so each destination starts on a cache line.
-ALIGN: Final = 64
+def _rooms(source: TensorSource, base: int, length: int, capacity: int, axis: int) -> list[Span]:
+    """Where the room of source's buffer (at base, capacity long along axis) lies: the rows
+    past length of each index before axis."""
+    outer = math.prod(source.shape[:axis])
+    row = source.nbytes // (outer * length)
+    span = capacity * row
+    return [(base + o * span + length * row, span - length * row) for o in range(outer)]
+
+
 _MAX_DIMENSION: Final = (1 << 31) - 1  # MLX's dimensions are int32: a larger buffer is zeros
 
 
-def allocated(layouts: Sequence[tuple[Sequence[int], str]]) -> list[mx.array]:
-    """Evaluated arrays of these (shape, dtype), in fresh MLX buffers not yet written (the
-    caller fills every byte), each starting on an ALIGN boundary.
+def allocated(layouts: Sequence[Layout]) -> list[mx.array]:
+    """Evaluated arrays of these (shape, dtype), in fresh MLX buffers of exactly their size
+    (what MLX's cache of freed buffers holds for reuse), not yet written: the caller fills
+    every byte.
 
     MLX offers no uninitialised allocation but the one mx.load makes before it reads a tensor
     into it: a file object that declares the buffers and writes nothing gets it (mx.zeros
-    costs a memset of the whole buffer, and its page faults, on the one thread that allocates).
-    MLX's own buffers start 24 bytes into a cache line here, so each is ALIGN bytes longer
-    than needed and the array is the aligned part of it: a view, which MLX still updates in
-    place (the buffer is the view's alone once the whole is dropped)."""
+    costs a memset of the whole buffer, and its page faults). MLX reads a file object's
+    tensors one at a time, each a hand-off to its loader thread and back: one call for all
+    of a restore's buffers."""
+    if not layouts:
+        return []
     sizes = [math.prod(shape) * mlx_dtype(dtype).size for shape, dtype in layouts]
-    if any(nbytes + ALIGN > _MAX_DIMENSION for nbytes in sizes):
+    if any(nbytes > _MAX_DIMENSION for nbytes in sizes):
         zeros = [mx.zeros(shape, mlx_dtype(dtype)) for shape, dtype in layouts]
         mx.eval(zeros)
         return zeros
     declared, end = {}, 0
     for i, nbytes in enumerate(sizes):
-        declared[str(i)] = {
-            "dtype": "U8",
-            "shape": [nbytes + ALIGN],
-            "data_offsets": [end, end + nbytes + ALIGN],
-        }
-        end += nbytes + ALIGN
+        declared[str(i)] = {"dtype": "U8", "shape": [nbytes], "data_offsets": [end, end + nbytes]}
+        end += nbytes
     loaded = mx.load(_Unwritten(declared, end), format="safetensors")  # type: ignore[arg-type]
-    arrays = []
-    for i, ((shape, dtype), nbytes) in enumerate(zip(layouts, sizes, strict=True)):
-        whole = loaded.pop(str(i))  # type: ignore[union-attr]
-        skip = -_address(whole) % ALIGN
-        arrays.append(whole[skip : skip + nbytes].view(mlx_dtype(dtype)).reshape(shape))
-        del whole
+    arrays = [
+        loaded.pop(str(i)).view(mlx_dtype(dtype)).reshape(shape)  # type: ignore[union-attr]
+        for i, (shape, dtype) in enumerate(layouts)
+    ]
     mx.eval(arrays)
     return arrays
 

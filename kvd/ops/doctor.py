@@ -262,6 +262,17 @@ def read_ahead(scratch: Scratch) -> Finding:
     return _holds(f"{call} accepted on a {size(PROBE_BYTES)} file")
 
 
+def restore_room(_: Scratch) -> Finding:
+    try:
+        from kvd_client.platform_memory import probe  # noqa: PLC0415 - the engine library is optional
+    except ModuleNotFoundError:
+        return _not_here("kvd_client, the engine library, is not installed in this environment")
+    try:
+        return _holds(probe())
+    except ValueError as error:
+        return _fails(f"{error}: a restore's room for growth is not zeroed as assumed")
+
+
 # ---- the socket --------------------------------------------------------------------------------
 
 
@@ -399,6 +410,13 @@ CHECKS: Final = (
         "posix_fadvise WILLNEED (Linux)",
         "read_ahead.ask on a file, its refusal not dropped",
         read_ahead,
+    ),
+    Check(
+        "restore_room",
+        "the engine zeroes a restored cache's room for growth without touching fresh pages: "
+        "mincore and MADV_DONTNEED (Linux); elsewhere it writes the room",
+        "platform_memory.probe: a room over old bytes and fresh pages in a mapping of its own",
+        restore_room,
     ),
     Check(
         "peer_credentials",

@@ -386,3 +386,19 @@ def test_async_client_without_daemon_degrades(dead_socket: str) -> None:
             await AsyncClient.connect(dead_socket, require=True)
 
     asyncio.run(scenario())
+
+
+def test_a_destination_is_read_from_its_first_cache_line_boundary_on() -> None:
+    memory = np.zeros(8 * entry_io.LINE, dtype=np.uint8)
+    base = -memory.ctypes.data % entry_io.LINE  # memory[base] starts a cache line
+    whole = memoryview(memory)  # type: ignore[arg-type]
+    pieces = [
+        whole[base + 24 : base + 200],
+        whole[base + 200 : base + 208],
+        whole[base + 256 : base + 320],
+    ]
+    split = entry_io.line_split(pieces)
+    assert [piece.nbytes for piece in split] == [40, 136, 8, 64]
+    assert b"".join(bytes(piece) for piece in split) == b"".join(bytes(p) for p in pieces)
+    starts = [np.frombuffer(piece, dtype=np.uint8).ctypes.data % entry_io.LINE for piece in split]
+    assert starts[1] == starts[3] == 0

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from kvd_client.codecs import mlc
 from kvd_client.restore import (
-    ALIGN,
     STEP,
     Filling,
     TensorSource,
@@ -19,6 +18,7 @@ from kvd_client.restore import (
     dtype_name,
     mlx_dtype,
     owned_all,
+    planned,
     with_room_all,
 )
 
@@ -121,13 +121,43 @@ def _address(array: mx.array) -> int:
     return int(np.frombuffer(memoryview(array), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]
 
 
-def test_allocated_arrays_start_on_a_cache_line_and_hold_their_own_bytes() -> None:
+def test_allocated_arrays_are_their_exact_size_and_hold_their_own_bytes() -> None:
     layouts = [((1, 8, 300, 16), "float16"), ((3, 5), "bool"), ((7,), "bfloat16"), ((), "int32")]
     arrays = allocated(layouts)
     assert [(a.shape, dtype_name(a.dtype)) for a in arrays] == layouts
-    assert [_address(a) % ALIGN for a in arrays] == [0] * len(layouts)
+    assert mx.get_array_buffer_size(arrays) == sum(a.nbytes for a in arrays)  # as MLX caches
     starts = sorted((_address(a), a.nbytes) for a in arrays)
     assert all(at + n <= after for (at, n), (after, _) in itertools.pairwise(starts))  # no overlap
+
+
+def test_a_planned_buffer_is_taken_when_its_layout_is_the_one_asked_for() -> None:
+    keys = mx.random.normal((1, 2, 300, 8), key=mx.random.key(5))
+    grown, owned, small = planned(
+        [
+            ((1, 2, 300, 8), "float32", True),
+            ((1, 2, 300, 8), "float32", False),
+            ((3,), "int32", True),
+        ]
+    )
+    assert (grown.shape, owned.shape, small.shape) == ((1, 2, 512, 8), (1, 2, 300, 8), (3,))
+    source = _source(keys)
+    with_target = TensorSource(source.fill, source.dtype, source.shape, grown)
+    assert _address(with_target.with_room(300)) == _address(grown)
+    assert _address(with_target.owned()) != _address(grown)  # not its layout: one of its own
+    assert _address(TensorSource(source.fill, source.dtype, source.shape, owned).owned()) == (
+        _address(owned)
+    )
+
+
+def test_the_room_of_a_buffer_used_before_reads_as_zeros() -> None:
+    keys = mx.random.normal((1, 2, 300, 8), key=mx.random.key(6))
+    used = mx.full((1, 2, 512, 8), float("nan"))  # old bytes, as a recycled buffer holds
+    mx.eval(used)
+    source = _source(keys)
+    grown = TensorSource(source.fill, source.dtype, source.shape, used).with_room(300)
+    assert _address(grown) == _address(used)
+    assert bool(mx.array_equal(grown[..., :300, :], keys).item())
+    assert bool(mx.all(grown[..., 300:, :] == 0).item())
 
 
 def test_the_first_decode_step_appends_in_place() -> None:
