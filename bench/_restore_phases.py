@@ -9,7 +9,7 @@ would cost done one after another. The phases:
 - lookup: the Lookup exchange, the manifest's descriptor, its head read and checked
   (calls.lookup);
 - lease: the block descriptors, asked for under the lookup's lease (calls.open_blocks);
-- allocation: every buffer of the restore, allocated by MLX in one call (restore.planned);
+- allocation: every buffer of the restore, allocated by MLX (restore.allocated);
 - room: the rooms for growth zeroed (platform_memory.zero_rooms, inside the codecs' load);
 - MLX arrays: the rest of the codecs' load (cache objects around the buffers, their
   destinations taken), the trim to the match and the evaluation of every state;
@@ -153,7 +153,7 @@ def _restore_phases(client: Client, hit: LookupHit, clock: Clock) -> None:
         filling = _Recorded()
         started, faults = time.perf_counter(), _faults()
         with (
-            _patched(prompt_cache, "planned", clock.timing("allocation", restore.planned)),
+            _patched(restore, "allocated", clock.timing("allocation", restore.allocated)),
             _patched(restore, "zero_rooms", clock.timing("room", platform_memory.zero_rooms)),
         ):
             caches = prompt_cache._loaded(
