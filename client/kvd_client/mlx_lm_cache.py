@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import mlx.core as mx
 import mlx_lm
+from kvd_protocol.messages import Retention
 from mlx_lm.models import cache as _mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import prefill_checkpoints, snapshots
-from .backlog import Admission, Backlog, Kind, memory_bytes
+from .backlog import Admission, Backlog, Kind, covers, memory_bytes
 from .block_io import BlocksNotHeld
 from .codecs import CodecError
 from .drops import Drops
@@ -51,6 +52,7 @@ from .link import MIN_MEASURED_PREFILL
 from .model_folder import model_identity
 from .prefill_checkpoints import CheckpointedModel, CheckpointSettings
 from .prompt_cache import snapshot_layers
+from .request_hints import longer
 from .snapshots import Memo, Plan, Snapshot
 
 if TYPE_CHECKING:
@@ -144,6 +146,7 @@ class ColdTier:
         self._wire = self.identity.to_protocol()
         self._backlog: Backlog[Snapshot] = Backlog(backlog_bytes)
         self._futures: dict[Snapshot, Future[Ticket]] = {}
+        self._retentions: dict[Snapshot, Retention] = {}  # of those waiting that have one
         self._memo = Memo()
         self._untold = Drops()  # dropped, not yet told to the daemon: with the next commit
         self._state_bytes: int | None = None  # a checkpoint's own (prefill_checkpoints.py)
@@ -193,7 +196,12 @@ class ColdTier:
         return restored
 
     def store(
-        self, tokens: Sequence[int], cache: Sequence[Any], *, kind: Kind = Kind.TURN
+        self,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        kind: Kind = Kind.TURN,
+        retention: Retention | None = None,
     ) -> Future[Ticket]:
         """Hand the caches (holding exactly tokens) to the daemon: snapshot now, send in the
         background. kind: a finished turn, or worth less: a segment (a prefix on the way to
@@ -203,11 +211,12 @@ class ColdTier:
         daemon's ticket; it is cancelled if the snapshot was not needed (a waiting or newer
         one covers it, or nothing of a segment is) or dropped for room. Never raises for the
         daemon's sake, nor for a cache the codecs refuse (the future then holds the
-        CodecError)."""
+        CodecError). retention: the put's (Client.put_entry), carried over to the snapshot
+        that supersedes this one or covers it while they wait."""
         started = time.perf_counter()
         future: Future[Ticket] = Future()
         try:
-            self._store(future, tokens, cache, kind)
+            self._store(future, tokens, cache, kind, retention)
         finally:
             took = time.perf_counter() - started
             self.stats.snapshots += 1
@@ -218,7 +227,12 @@ class ColdTier:
         return future
 
     def _store(
-        self, future: Future[Ticket], tokens: Sequence[int], cache: Sequence[Any], kind: Kind
+        self,
+        future: Future[Ticket],
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        kind: Kind,
+        retention: Retention | None,
     ) -> None:
         with self._changed:
             if self._closed:
@@ -236,7 +250,11 @@ class ColdTier:
                 log.warning("cold tier: caches of %d tokens not stored: %s", len(tokens), exc)
                 future.set_exception(exc)
                 return
-            if plan is None or not self._admitted(plan):
+            if plan is None:
+                future.cancel()
+                return
+            taken, retention = self._admitted(plan, retention)
+            if not taken:
                 future.cancel()
                 return
         self._state_seen(prefill_checkpoints.state_bytes(plan.layers, plan.arrays))
@@ -248,22 +266,31 @@ class ColdTier:
             self._memo.copied(snapshot.copies)
             self._backlog.append(snapshot)
             self._futures[snapshot] = future
+            if retention is not None:
+                self._retentions[snapshot] = retention
             self._changed.notify_all()
 
-    def _admitted(self, plan: Plan) -> bool:
-        """Whether the backlog takes plan, dropping what it decides (under the lock)."""
+    def _admitted(self, plan: Plan, retention: Retention | None) -> tuple[bool, Retention | None]:
+        """Whether the backlog takes plan, dropping what it decides (under the lock); and
+        the retention it is put with: its own and those of the snapshots it supersedes (one
+        that covers it takes its retention instead)."""
         admission: Admission[Snapshot] = self._backlog.admit(plan)
         for snapshot in admission.superseded:
             self._futures.pop(snapshot).cancel()
+            retention = longer(retention, self._retentions.pop(snapshot, None))
             self.stats.superseded += 1
         for snapshot in admission.dropped:
             self._dropped(snapshot.tokens, memory_bytes([snapshot]))
             self._futures.pop(snapshot).cancel()
+            self._retentions.pop(snapshot, None)
         if admission.covered:
             self.stats.superseded += 1
+            if retention is not None:
+                for waiting in [w for w in self._futures if covers(w, plan)]:
+                    self._retentions[waiting] = longer(retention, self._retentions.get(waiting))
         elif not admission.taken:
             self._dropped(plan.tokens, plan.nbytes)
-        return admission.taken
+        return admission.taken, retention
 
     def _dropped(self, tokens: Sequence[int], nbytes: int) -> None:
         self.stats.dropped += 1
@@ -459,15 +486,18 @@ class ColdTier:
                     return
                 snapshot = self._backlog.popleft()
                 future = self._futures.pop(snapshot)
+                retention = self._retentions.pop(snapshot, None)
                 self._busy = future.set_running_or_notify_cancel()  # False: the caller cancelled
             if self._busy:
-                self._send(future, snapshot)
+                self._send(future, snapshot, retention)
             del future, snapshot  # the arrays go now, not when the next snapshot comes
             with self._changed:
                 self._busy = False
                 self._changed.notify_all()
 
-    def _send(self, future: Future[Ticket], snapshot: Snapshot) -> None:
+    def _send(
+        self, future: Future[Ticket], snapshot: Snapshot, retention: Retention | None
+    ) -> None:
         written = self._stores.stats.bytes_written
         with self._changed:
             told = self._untold.report()
@@ -479,6 +509,7 @@ class ColdTier:
                 snapshot.tensors,
                 meta=snapshot.meta,
                 dropped=told,
+                retention=retention,
             )
         except BlocksNotHeld as exc:  # evicted since: the next snapshot copies them
             with self._changed:

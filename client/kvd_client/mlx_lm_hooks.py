@@ -1,6 +1,6 @@
 """What kvd-mlx-lm-server relies on in mlx-lm's server, checked before it serves.
 
-The server replaces four names of the mlx_lm.server module, overrides public methods of the
+The server replaces six names of the mlx_lm.server module, overrides public methods of the
 classes behind them and reads a few attributes; a release of mlx-lm may rename or change any of
 them. Each is checked against the form the integration is tested with, and a missing or changed
 one is an error (MlxLmChangedError) that names the mlx-lm version found and the tested range: the
@@ -112,6 +112,18 @@ HOOKS: Final = (
     Hook("mlx_lm.models.cache", "KVCache", "merge", "(caches)"),
     Hook("mlx_lm.models.cache", "BatchKVCache", "__init__", "(self, left_padding)"),
     Hook("mlx_lm.models.cache", "BatchKVCache", "merge", "(caches)"),
+    # A request's hints for kvd (request_hints.py): read from its body by the handler, noted
+    # with its prompt as the generation thread tokenizes it (its first result: the tokens).
+    Hook("mlx_lm.server", "APIHandler", "handle_chat_completions", "(self)"),
+    Hook("mlx_lm.server", "APIHandler", "handle_text_completions", "(self)"),
+    Hook(
+        "mlx_lm.server",
+        None,
+        "_run_http_server",
+        "(host, port, response_generator, server_class=<type>, handler_class=<type>)",
+    ),
+    Hook("mlx_lm.server", "ResponseGenerator", "__init__", "(self, model_provider, prompt_cache)"),
+    Hook("mlx_lm.server", "ResponseGenerator", "_tokenize", "(self, tokenizer, request, args)"),
 )
 # Module names of mlx_lm.server replaced before its main() runs, each with the function (or
 # method) that must look it up when called (so that it builds or calls the replacement).
@@ -120,6 +132,8 @@ REPLACED: Final = {
     "LRUPromptCache": "run",
     "stream_generate": "ResponseGenerator._serve_single",
     "BatchGenerator": "ResponseGenerator._generate",
+    "ResponseGenerator": "run",
+    "_run_http_server": "run",
 }
 # Read from the model provider once it is built: its command line's KV quantisation and what
 # it holds after a load.

@@ -22,6 +22,10 @@ mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under 
   is chosen per model by cost (a checkpoint writes the model's state, which for Qwen3-Next-80B
   is about 74 MiB, against the prefill time it saves) or set; the KV rows are the blocks the
   checkpoints share, written once;
+- a request's hints (request_hints.py: `cache_control` on its messages,
+  `prompt_cache_retention`, the `kvd` object) ask kvd to retain its prompt or a prefix of
+  it, or to store nothing of it; the stores of its caches follow them (prompt_hints.py). A
+  malformed hint is answered 400, as any bad field;
 - the usage block's `cached_tokens` counts restored tokens too, since the server counts what the
   cache it gets back holds.
 
@@ -32,13 +36,15 @@ reconnecting by itself): the server answers as stock mlx_lm.server does. A hung 
 one request the lookup timeout at most: the client's breaker then skips it until a probe
 finds it answering, and the stores, on a connection of their own, never hold up a restore.
 
-Four names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
-run() builds the cache from it), ModelProvider (so the tier follows the model loaded), and for
+Six names in the mlx_lm.server module are replaced before its main() runs: LRUPromptCache (its
+run() builds the cache from it), ModelProvider (so the tier follows the model loaded), for
 the prefill checkpoints BatchGenerator (batch_checkpoints.py) and stream_generate (the
-single-request path's). All else, flags, HTTP API and batching, is mlx_lm.server's own. What
-this relies on in mlx-lm is checked at start (mlx_lm_hooks.py): a missing or changed hook stops
-the server with an error naming the mlx-lm version found and the tested range. SIGTERM stops
-the server as Ctrl-C does, and the snapshots still waiting are sent before the process exits.
+single-request path's), and for the requests' hints ResponseGenerator and _run_http_server
+(given the handler that reads them). All else, flags, HTTP API and batching, is
+mlx_lm.server's own. What this relies on in mlx-lm is checked at start (mlx_lm_hooks.py): a
+missing or changed hook stops the server with an error naming the mlx-lm version found and
+the tested range. SIGTERM stops the server as Ctrl-C does, and the snapshots still waiting
+are sent before the process exits.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from typing import Any, Final, NoReturn
 import mlx_lm
 from kvd_protocol.errors import DaemonUnavailableError
 from kvd_protocol.identity import SOURCE_TRAIT
+from kvd_protocol.tokens import common_prefix_tokens, pack_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
 
@@ -74,6 +81,8 @@ from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
 from .prefill_checkpoints import BY_COST, CheckpointSettings
+from .prompt_hints import PLAIN, PromptHints
+from .request_hints import NO_HINTS, Hints, read_hints
 from .server_flags import PROG, kvd_flags, parse_flags
 
 log = logging.getLogger("kvd_client")
@@ -90,6 +99,8 @@ stock: Any = _server
 mlx_lm_utils: Any = _utils
 
 CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
+HINTS_ATTRIBUTE: Final = "kvd_hints"  # a completion request's hints (TieredAPIHandler)
+_RUN_HTTP_SERVER: Final = stock._run_http_server  # stock's, called with the handler's class
 
 
 class RequestCache(list[Any]):
@@ -119,6 +130,7 @@ class ServerTier:
         self.namespace = namespace
         self.backlog_bytes = backlog_bytes
         self.checkpoints = checkpoints
+        self.hints = PromptHints()  # the requests' hints, for the stores of their caches
         self._key: object = None
         self._cold: ColdTier | None = None
 
@@ -228,11 +240,12 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         cache_type: str = "assistant",
     ) -> None:
         cold = self.tier.cold_tier(model)
-        if cold is not None and tokens and _storable(tokens):
+        hints = self.tier.hints.for_store(tokens) if cold is not None else PLAIN
+        if cold is not None and tokens and _storable(tokens) and hints.store:
             # A snapshot now (memory may evict it at once); the system and user segments of
             # a prompt are prefixes of the request's finished turn.
             kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
-            cold.store(tokens, prompt_cache, kind=kind)
+            cold.store(tokens, prompt_cache, kind=kind, retention=hints.retention)
         # The layers alone: memory keeps no request's tokens beside them.
         super().insert_cache(model, tokens, list(prompt_cache), cache_type=cache_type)
 
@@ -251,12 +264,14 @@ def tiered_stream_generate(
     rest of the prompt and the caches its lookup of the prompt cache returned (a RequestCache)
     or a fresh one: for a model the tier serves, its prefill stores prefill checkpoints and
     the prompt boundary, as the batched path does, and its prefill rate is measured. Anything
-    else (a draft model, input embeddings, a prompt that is not the request's rest) is
-    stock's own."""
+    else (a draft model, input embeddings, a prompt that is not the request's rest, a request
+    that stores nothing) is stock's own."""
     cold = tier.serving(model)
     cache: Any = kwargs.get("prompt_cache")
     plain = draft_model is None and kwargs.get("input_embeddings") is None
     request = _request(prompt, cache) if cold is not None and plain else None
+    if request is not None and not tier.hints.for_store(request[0]).store:
+        request = None
     if cold is None or request is None:
         return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)
     tokens, start = request
@@ -343,13 +358,69 @@ class TieredBatchGenerator(stock.BatchGenerator):  # type: ignore[misc]
         reached = self._checkpoints.reached(prompt_responses)
         if reached:
             for uid, (cache, tokens) in self.extract_cache(list(reached)).items():
-                if len(tokens) == reached[uid]:
-                    cold.store(tokens[:], cache, kind=Kind.PREFILL_CHECKPOINT)
+                hints = self.tier.hints.for_store(tokens)
+                if len(tokens) == reached[uid] and hints.store:
+                    kind = Kind.PREFILL_CHECKPOINT
+                    cold.store(tokens[:], cache, kind=kind, retention=hints.retention)
         return prompt_responses, generation_responses
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
         self._checkpoints.forget(uids)
         return super().remove(uids, return_prompt_caches)
+
+
+class TieredResponseGenerator(stock.ResponseGenerator):  # type: ignore[misc]
+    """mlx_lm.server's response generator, noting each request's prompt with the hints its
+    body gave (TieredAPIHandler) as the generation thread tokenizes it (prompt_hints.py)."""
+
+    def __init__(self, model_provider: Any, prompt_cache: Any, *, tier: ServerTier) -> None:
+        self.tier = tier  # first: the generation thread starts within __init__
+        super().__init__(model_provider, prompt_cache)
+
+    def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        tokenized = super()._tokenize(tokenizer, request, args)
+        prompt = tokenized[0]
+        hints = getattr(request, HINTS_ATTRIBUTE, NO_HINTS)
+        through = partial(self._through, tokenizer, request, args, prompt)
+        self.tier.hints.noted(prompt, hints, through)
+        return tokenized
+
+    def _through(
+        self, tokenizer: Any, request: Any, args: Any, prompt: list[int], index: int
+    ) -> int:
+        """The tokens of the prompt's prefix through message index: what the chat template
+        makes of the messages up to it, as far as that agrees with the prompt (the whole
+        prompt without a chat template)."""
+        if request.request_type != "chat" or not tokenizer.has_chat_template:
+            return len(prompt)
+        template_args = dict(self.model_provider.cli_args.chat_template_args)
+        template_args.update(args.chat_template_kwargs or {})
+        through = tokenizer.apply_chat_template(
+            request.messages[: index + 1],
+            add_generation_prompt=False,
+            tools=request.tools,
+            tokenize=True,
+            **template_args,
+        )
+        return common_prefix_tokens(pack_tokens(through), pack_tokens(prompt))
+
+
+class TieredAPIHandler(stock.APIHandler):  # type: ignore[misc]
+    """mlx_lm.server's request handler, reading a completion request's hints for kvd
+    (request_hints.py) from its body: a malformed one is the 400 of any bad field (the
+    ValueError goes to stock's own answer)."""
+
+    def handle_chat_completions(self) -> Any:
+        return _hinted(super().handle_chat_completions(), read_hints(self.body))
+
+    def handle_text_completions(self) -> Any:
+        return _hinted(super().handle_text_completions(), read_hints(self.body))
+
+
+def _hinted(request: Any, hints: Hints) -> Any:
+    """The request, carrying hints to the generation thread (which tokenizes it)."""
+    setattr(request, HINTS_ATTRIBUTE, hints)
+    return request
 
 
 class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
@@ -514,6 +585,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
     stock.stream_generate = partial(tiered_stream_generate, tier=tier)
     stock.BatchGenerator = partial(TieredBatchGenerator, tier=tier)
+    stock.ResponseGenerator = partial(TieredResponseGenerator, tier=tier)
+    stock._run_http_server = partial(_RUN_HTTP_SERVER, handler_class=TieredAPIHandler)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         stock.main()
