@@ -83,27 +83,27 @@ def export(
     reply = control.call(m.OpenEntry, entry=found[0].id)
     assert isinstance(reply, m.OpenEntryReply)
     assert reply.fd is not None
-    with contextlib.ExitStack() as held:
-        held.callback(control.call, m.Release, lease=reply.lease)
-        held.callback(os.close, reply.fd)
+    with contextlib.ExitStack() as closing:
+        closing.callback(control.call, m.Release, lease=reply.lease)
+        closing.callback(os.close, reply.fd)
         manifest = _manifest_head(reply.fd, 0, os.fstat(reply.fd).st_size, control.limits)
         if manifest.identity.digest() != digest:
             raise BundleError(f"entry {reply.entry.id} is not of identity {digest}")
-        return _write_bundle(control, reply, manifest, held, output)
+        return _write_bundle(control, reply, manifest, closing, output)
 
 
 def _write_bundle(
     control: Control,
     reply: m.OpenEntryReply,
     manifest: EntryHeader,
-    held: contextlib.ExitStack,
+    closing: contextlib.ExitStack,
     output: Path,
 ) -> BundleHead:
     """The bundle of the leased entry (reply) written to output, under a temporary name until
-    it is whole; held closes what it opens."""
+    it is whole; closing closes what it opens."""
     assert reply.fd is not None
     count = len(manifest.block_hashes)
-    block_fds = list(_opened_blocks(control, reply.lease, count, held))
+    block_fds = list(_opened_blocks(control, reply.lease, count, closing))
     sizes = {os.fstat(fd).st_size for fd in block_fds}
     if len(sizes) > 1:
         raise BundleError(f"entry {reply.entry.id}'s blocks differ in size: {sorted(sizes)}")
@@ -172,16 +172,16 @@ def _encoded(head: BundleHead) -> bytes:
 
 
 def _opened_blocks(
-    control: Control, lease: int, count: int, held: contextlib.ExitStack
+    control: Control, lease: int, count: int, closing: contextlib.ExitStack
 ) -> Iterator[int]:
-    """The leased entry's block files, opened by the daemon a batch at a time (held closes
+    """The leased entry's block files, opened by the daemon a batch at a time (closing closes
     them)."""
     for first in range(0, count, m.MAX_BLOCK_BATCH):
         batch = min(m.MAX_BLOCK_BATCH, count - first)
         reply = control.call(m.OpenBlocks, lease=lease, first=first, count=batch)
         assert isinstance(reply, m.OpenBlocksReply)
         for fd in reply.fds:
-            held.callback(os.close, fd)
+            closing.callback(os.close, fd)
         if len(reply.fds) != batch:
             raise BundleError(f"the daemon gave {len(reply.fds)} files for {batch} blocks")
         yield from reply.fds
@@ -249,9 +249,9 @@ def _send(control: Control, fd: int, head: BundleHead, begin: m.PutBeginReply) -
             for first in range(begin.held, count, m.MAX_BLOCK_BATCH):
                 batch = min(m.MAX_BLOCK_BATCH, count - first)
                 reply = control.call(m.PutBlocks, put=begin.put, first=first, count=batch)
-                with contextlib.ExitStack() as held:
+                with contextlib.ExitStack() as closing:
                     for block_fd in reply.fds:
-                        held.callback(os.close, block_fd)
+                        closing.callback(os.close, block_fd)
                     if len(reply.fds) != batch:
                         raise BundleError(f"the daemon gave {len(reply.fds)} files for {batch}")
                     for index, block_fd in enumerate(reply.fds, first):

@@ -179,16 +179,16 @@ def _engine_drops(status: Mapping[str, Any]) -> list[tuple[str, str]]:
 def _prefill_checkpoints(status: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The prefill checkpoints held and what lookups got from them; no row from a daemon
     that does not count them."""
-    held = status.get("prefill_checkpoints")
-    if held is None:
+    figures = status.get("prefill_checkpoints")
+    if figures is None:
         return []
-    if not held["entries"] and not held["hits"]:
+    if not figures["entries"] and not figures["hits"]:
         return [("prefill checkpoints", "none")]
     return [
         (
             "prefill checkpoints",
-            f"{held['entries']:,} ({size(held['bytes'])}); {held['hits']:,} hits, "
-            f"{held['restored_tokens']:,} prompt tokens restored from them",
+            f"{figures['entries']:,} ({size(figures['bytes'])}); {figures['hits']:,} hits, "
+            f"{figures['restored_tokens']:,} prompt tokens restored from them",
         )
     ]
 

@@ -46,11 +46,11 @@ async def remote_presence(remote: Remote, digest: str, tokens: bytes, local: int
         return RemotePresence(0, "timeout", f"the bucket did not answer within {timeout:g} s")
     except BucketError as exc:
         return RemotePresence(0, "store_error", str(exc))
-    held = min(blocks * layout.block_tokens, reach)
-    if held >= reach:
-        return RemotePresence(held - local, None, None)
+    there = min(blocks * layout.block_tokens, reach)
+    if there >= reach:
+        return RemotePresence(there - local, None, None)
     return RemotePresence(
-        max(0, held - local),
+        max(0, there - local),
         "short",
         f"the bucket holds the first {blocks} blocks of {layout.block_tokens} tokens of this "
         f"{reach + 1}-token prompt, no more (a block's tokens are whole)",

@@ -250,8 +250,8 @@ def presence(c: Context, request: m.Presence) -> m.PresenceReply | Later:
         return reply
 
     async def probed() -> m.PresenceReply:
-        held = await remote_presence(remote, digest, request.tokens, local.matched)
-        return replace(reply, remote=held.more, remote_miss=held.miss, remote_detail=held.detail)
+        more = await remote_presence(remote, digest, request.tokens, local.matched)
+        return replace(reply, remote=more.more, remote_miss=more.miss, remote_detail=more.detail)
 
     return probed
 

@@ -3,7 +3,7 @@
 - **When.** The tier holds a byte cap (max_bytes: its entry files and unique blocks) and a
   free-disk floor (min_free) after every commit, at start-up, after an adoption and when leases
   expire: Eviction.to_cap() deletes what bytes_over() says must go. A disk that cannot say its
-  free space is held to the cap alone. A put may ask for a higher floor (room for its staging
+  free space is kept to the cap alone. A put may ask for a higher floor (room for its staging
   files), and a model's quota evicts within its own entries (Eviction.within).
 - **Which.** Only durable, unleased entries (evictable()): a pending entry belongs to the
   write-behind queue, and a leased one is being read. An eviction by request (kvctl evict: an

@@ -1,6 +1,6 @@
 """The tier's directory: where each kind of file lives, and the lock that makes it one daemon's.
 
-<dir>/lock                          held (flock) by the running daemon
+<dir>/lock                          taken (flock) by the running daemon
 <dir>/staging/<put>.tmp              files being written by engines; reaped at start
 <dir>/entries/<digest>/<id>.kve      durable entries, one folder per identity, named by its digest
 <dir>/entries/<digest>/blocks/<hash>.kvb   their shared blocks (format v2), by hash
