@@ -248,3 +248,18 @@ def test_no_module_outside_the_store_reaches_into_the_tier() -> None:
         if part_of(module) != "store" and (places := reaches_in(path.read_text()))
     }
     assert not reaching, f"reaching past the tier's services: {reaching}"
+
+
+def test_the_remote_tier_holds_no_tier_and_no_service() -> None:
+    """kvd.remote is handed the parts of the local tier it uses (kvd.remote.local_tier): it
+    imports none of the tier's services that do the work, nor the Tier that wires them (the
+    notices' Listener is the type of the hooks it is handed)."""
+    working = (Puts, Reads, Admin, LifeCycle, TierView, Tickets)
+    services = {cls.__module__ for cls in working} | {"kvd.store.tier"}
+    reaching = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph(kvd).items())
+        if part_of(module) == "remote"
+        for target in sorted(targets & services)
+    ]
+    assert not reaching
