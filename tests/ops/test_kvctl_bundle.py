@@ -28,6 +28,17 @@ SAME_MODEL = replace(IDENTITY, config_fingerprint="cfg-2")
 OTHER = OTHER_IDENTITY
 
 
+def _patient(daemon: Daemon) -> Client:
+    """A client whose lookups may wait as long as its puts: a loaded machine's slow lookup is
+    no miss in these tests."""
+    return Client.connect(
+        daemon.socket_path,
+        require=True,
+        block_tokens=BLOCK_TOKENS,
+        lookup_timeout=SETTLE_SECONDS,
+    )
+
+
 def _put(client: Client, identity: Identity, tokens: Sequence[int]) -> str:
     """Put tokens' blocked KV under identity, stored; the entry's id."""
     layers, tensors = kv_tensors(tokens)
@@ -171,7 +182,7 @@ def _presence_then_lookup(
 def test_presence_agrees_with_what_a_lookup_restores_and_counts_nothing(
     daemon: Daemon, tmp_path: Path
 ) -> None:
-    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+    with _patient(daemon) as client:
         _put(client, IDENTITY, TOKENS)
         _put(client, SAME_MODEL, TOKENS[:40])
         whole = [*TOKENS, 5]
@@ -217,7 +228,7 @@ def test_presence_agrees_with_what_a_lookup_restores_and_counts_nothing(
 
 def _busy(daemon: Daemon, seed: int, stop: threading.Event, done: list[int]) -> None:
     """An engine putting and looking up prompts of its own until stop; done: its puts."""
-    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+    with _patient(daemon) as client:
         while not stop.is_set():
             first = (seed + 1) * 1_000_000 + len(done) * 100  # apart from every other prompt
             tokens = list(range(first, first + 3 * BLOCK_TOKENS))

@@ -72,7 +72,9 @@ def _presence_then_get(
         "the bucket holds A's blocks",
     )
     asked = [*tokens, 1]
-    with Client.connect(b.socket_path, require=True, block_tokens=BLOCK) as client:
+    with Client.connect(
+        b.socket_path, require=True, block_tokens=BLOCK, lookup_timeout=SETTLE_SECONDS
+    ) as client:
         before = _counted(client)
         answer = client.presence(identity, asked)
         assert (answer.matched, answer.entry, answer.miss) == (0, None, "no entry")
