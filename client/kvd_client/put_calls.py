@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Final
 
 from kvd_protocol.entry import (
     Checkpoint,
@@ -246,20 +247,35 @@ def _whole_slots(layers: Sequence[LayerSpec]) -> list[TensorSpec]:
 def put_blocks(
     link: Link, put: int, epoch: int, held_blocks: int, writer: block_io.BlockWriter
 ) -> Call[None]:
-    """Write blocks held_blocks.. of a begun put: their staging files asked for in batches, each
-    batch written (Blocking) and closed before the next is asked for (or, when the put is
-    given up mid-batch, once its last write has ended). Raises BlocksNotHeld first if the
-    writer lacks blocks the daemon does not hold."""
+    """Write blocks held_blocks.. of a begun put: their staging files asked for in batches
+    (batch_blocks), each batch written (Blocking) and closed before the next is asked for (or,
+    when the put is given up mid-batch, once its last write has ended): the daemon checks it
+    meanwhile. Raises BlocksNotHeld first if the writer lacks blocks the daemon does not
+    hold."""
     writer.check_held(held_blocks)
     count = len(writer.plan.hashes)
-    for first in range(held_blocks, count, MAX_BLOCK_BATCH):
-        batch = min(MAX_BLOCK_BATCH, count - first)
+    per_batch = batch_blocks(writer.plan.block_size)
+    for first in range(held_blocks, count, per_batch):
+        batch = min(per_batch, count - first)
         request = PutBlocks(id=link.next_id(), put=put, first=first, count=batch)
         reply = expect((yield Exchange(request, epoch=epoch)), PutBlocksReply)
         with Descriptors(claimed(reply, batch)) as fds:
             yield Blocking(partial(writer.write_blocks, first, fds))
             link.stats.blocks_written += batch
             link.stats.bytes_written += batch * writer.plan.block_size
+
+
+# A put's blocks are asked for in batches of at least this many bytes, and of a block for each
+# writer thread at least: the daemon checks a batch's blocks (closed once written) while the
+# next batch is written, so that the commit is left the last batch to check; a batch's round
+# trip is a small part of its writing.
+BATCH_BYTES: Final = 64 << 20
+
+
+def batch_blocks(block_size: int) -> int:
+    """How many blocks of block_size bytes a put_blocks asks for at once."""
+    wanted = max(block_io.WRITERS, -(-BATCH_BYTES // max(1, block_size)))
+    return min(MAX_BLOCK_BATCH, wanted)
 
 
 def _abort(link: Link, put: int, epoch: int) -> Call[None]:

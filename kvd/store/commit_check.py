@@ -4,24 +4,29 @@ A put is the client's word until its commit. There, on a worker thread, its file
 (sealing.py: from then on no client can change them) and checked against what its put_begin
 declared and what the tier holds: the header (identity, tokens, size, blocks, a creation time
 the daemon can age it by), the heads of the blocks it was told are held, each new block file
-(its size, head, place in the manifest and checksums) and the manifest's own checksums. A put
-that fails is refused alone: nothing of it was indexed or offered to another put yet.
+(its size, head, place in the manifest and checksums) and the manifest's own checksums. The
+new block files are sealed and checked on the block checkers' threads, most of them before
+the commit, as the client hands them over (block_checks.py). A put that fails is refused
+alone: nothing of it was indexed or offered to another put yet.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import wait
+from functools import partial
 from pathlib import Path
 from typing import Final
 
 from kvd_protocol.blocks import block_name
-from kvd_protocol.entry import EntryHeader
+from kvd_protocol.entry import BlockHeader, EntryHeader
 from kvd_protocol.entry_reader import check_block
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
 from kvd.store import entry_files, sealing
+from kvd.store.block_checks import check_block_file
 from kvd.store.blocks import Block
 from kvd.store.staged_put import Put
 from kvd.store.tier_dir import TierDir, new_entry_id
@@ -37,8 +42,9 @@ def seal_and_check(
     put: Put, dirs: TierDir, limits: Limits, copies: dict[Path, Path]
 ) -> EntryHeader:
     """On a worker thread: seal the manifest, check its header against the declaration
-    and the heads of the blocks held for it, then each new block file (sealed, its size,
-    head and place in the manifest, its checksums), then the manifest's own checksums; the
+    and the heads of the blocks held for it, then the manifest's own checksums, while the
+    block checkers check each new block file (sealed, its size, head and checksums: the check
+    begun early where it passed, block_checks.py); then each one's place in the manifest; the
     header. copies: each client's file the daemon copied -> its copy, as made (filled even
     when a check fails). Raises EntryFormatError, or OSError when a file can be neither
     sealed nor copied."""
@@ -47,22 +53,36 @@ def seal_and_check(
     try:
         header = entry_files.entry_head(fd, put.path.name, limits)
         check_matches_put(header, put, time.time())
-        digest = put.identity.digest()
-        for index, held in enumerate(put.pinned):
-            _check_held(held, header, index, dirs, limits)
-        for index, path in sorted(put.block_files.items()):
-            copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
-            block = _sealed(path, put.block_size, copy_to, copies)
-            try:
-                name = dirs.block_path(digest, put.block_hashes[index]).name
-                _check_block_size(block, name, put.block_size)
-                entry_files.verify_block_at(block, name, header, index, limits)
-            finally:
-                os.close(block)
-        entry_files.verify_slots(fd, put.path.name, header.slots)
+        heads = put.checks.at_commit(
+            {
+                index: partial(_seal_and_check_block, put, index, dirs, limits, copies)
+                for index in put.block_files
+            }
+        )
+        try:
+            for index, held in enumerate(put.pinned):
+                _check_held(held, header, index, dirs, limits)
+            for index, head in sorted(heads.items()):
+                check_block(header, index, head.result(), put.block_name(index))
+            entry_files.verify_slots(fd, put.path.name, header.slots)
+        finally:
+            wait(heads.values())  # none is left copying or reading the put's files
     finally:
         os.close(fd)
     return header
+
+
+def _seal_and_check_block(
+    put: Put, index: int, dirs: TierDir, limits: Limits, copies: dict[Path, Path]
+) -> BlockHeader:
+    """On a block checker's thread: block index of put sealed (a copy if need be) and
+    checked whole; its head."""
+    copy_to = dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
+    block = _sealed(put.block_files[index], put.block_size, copy_to, copies)
+    try:
+        return check_block_file(block, put.block_name(index), put.block_size, limits)
+    finally:
+        os.close(block)
 
 
 def check_matches_put(header: EntryHeader, put: Put, now: float) -> None:
@@ -95,15 +115,6 @@ def _check_held(
     head = entry_files.held_block_head((block.path, final), name, limits)
     if head is not None:
         check_block(manifest, index, head, name)
-
-
-def _check_block_size(fd: int, name: str, declared: int) -> None:
-    """A block file must be of the size its put_begin declared: the tier counts it so."""
-    size = os.fstat(fd).st_size
-    if size != declared:
-        raise EntryFormatError(
-            name, Rule.FILE_SIZE, f"{size} bytes, where put_begin declared {declared} a block"
-        )
 
 
 def _sealed(path: Path, size: int, copy_to: Path, copies: dict[Path, Path]) -> int:

@@ -12,9 +12,11 @@ first asking, pre-sized; asked again, the same file). At commit every one of tho
 been handed out; they join the block store with the manifest.
 
 Commit seals the put's files and checks them whole against the declaration on a worker
-thread (commit_check.py). A put that lies fails alone, at its own commit (INVALID_ENTRY),
-before anything of it is indexed or offered to another put as held: held means committed
-and checked.
+thread (commit_check.py); the blocks a put_blocks handed out are checked as soon as a later
+put_blocks of the put arrives, if the client closed them, on threads of their own
+(block_checks.py), so the commit waits for what is left. A put that lies fails alone, at its
+own commit (INVALID_ENTRY), before anything of it is indexed or offered to another put as
+held: held means committed and checked.
 
 A staging file is pre-sized, so a put holds its bytes from begin on (the manifest's and its
 new blocks'). They count against the write-behind cap (staged and queued bytes together stay
@@ -43,7 +45,7 @@ from kvd_protocol.messages import DropReport, Retention
 
 from kvd.config import Config, quota_for
 from kvd.logs import RateLimited, get_logger
-from kvd.store import commit_check, entry_files
+from kvd.store import block_checks, commit_check, entry_files
 from kvd.store.admission import Admission
 from kvd.store.blocks import HANDOUTS_PER_BLOCK, Block
 from kvd.store.catalog import Catalog
@@ -338,6 +340,7 @@ class Puts:
             "not_admitted_bytes": self.not_admitted_bytes,
             "dedup_saved_bytes": self.dedup_saved_bytes,
             "sealed_by_copy": self.sealed_by_copy,
+            "checked_early": block_checks.passed_early(),
             "refused_at_commit": self.refused_at_commit,
             "outgrown": self.outgrown,
         }
@@ -361,6 +364,14 @@ class Puts:
                 f"each is handed out at most {HANDOUTS_PER_BLOCK} times",
             )
         wanted = range(first, first + count)
+        # The blocks handed out before are checked now, while the client writes these: the
+        # engine library closed them before it asked (those still open are checked at
+        # commit). A block asked for again is the client's to write again: not checked yet.
+        earlier = [(i, path, put.block_name(i)) for i, path in put.block_files.items()]
+        put.checks.withdraw(i for i in wanted if i in put.block_files)
+        put.checks.begin(
+            [block for block in earlier if block[0] not in wanted], put.block_size, self._limits
+        )
         for index in wanted:
             put.block_files.setdefault(
                 index, self._catalog.dirs.staging_path(f"{put.id}-{index}-{new_entry_id()}")
@@ -416,6 +427,7 @@ class Puts:
 
     def abort(self, put: Put) -> None:
         """A taken put ends uncommitted: its bytes return, its files go."""
+        put.checks.cancel()
         self._release(put)
         self._remove_files(put)
 

@@ -52,7 +52,7 @@ def seal(path: Path, size: int, copy_to: Path) -> Sealed:
     opened nor copied."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        if sys.platform == "linux" and no_writer_left(fd):
+        if sealed_as_it_is(fd):
             return Sealed(path, fd, copied=False)
         copy = _copy(fd, path, size, copy_to)
     except BaseException:
@@ -64,6 +64,12 @@ def seal(path: Path, size: int, copy_to: Path) -> Sealed:
     with contextlib.suppress(OSError):
         os.truncate(path, 0)
     return Sealed(copy_to, copy, copied=True)
+
+
+def sealed_as_it_is(fd: int) -> bool:
+    """Whether fd's file is sealed as it is, with no copy: on Linux, once no writer of it is
+    left; never elsewhere (macOS has no leases: a file is sealed by a clone)."""
+    return sys.platform == "linux" and no_writer_left(fd)
 
 
 def no_writer_left(fd: int) -> bool:

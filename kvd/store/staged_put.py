@@ -1,6 +1,6 @@
 """A put begun and not yet committed: what its put_begin declared, the staging files it was
-handed, the blocks it was told are held. Puts (puts.py) keeps them; the commit checks them
-(commit_check.py)."""
+handed, the blocks it was told are held, the checks of its blocks begun before its commit.
+Puts (puts.py) keeps them; the commit checks them (commit_check.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvd_protocol.blocks import block_name
 from kvd_protocol.identity import Identity
 from kvd_protocol.messages import Retention
 
+from kvd.store.block_checks import BlockChecks
 from kvd.store.blocks import Block
 
 
@@ -43,6 +45,7 @@ class Put:
     block_files: dict[int, Path] = field(default_factory=dict)  # new blocks handed out
     handed: int = 0  # block descriptors handed out (block_files)
     retention: Retention | None = None  # what put_begin asked for (kvd.store.retention)
+    checks: BlockChecks = field(default_factory=BlockChecks)  # of block_files, begun early
 
     @property
     def block_hashes(self) -> tuple[bytes, ...]:
@@ -51,6 +54,10 @@ class Put:
     @property
     def block_size(self) -> int:
         return self.declared.block_size
+
+    def block_name(self, index: int) -> str:
+        """The name of block index's file in the blocks folder (errors name blocks so)."""
+        return block_name(self.block_hashes[index])
 
     @property
     def held_blocks(self) -> int:

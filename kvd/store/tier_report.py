@@ -87,9 +87,11 @@ def tier_report(
         "staged_puts": puts["staged_puts"],
         "puts": {
             # Files a client still had open for writing at commit (the daemon went on with a copy),
-            # commits refused for files that were not what their put_begin declared, and puts
-            # aborted for staging files grown past it.
+            # new blocks checked whole before their put's commit, commits refused for files
+            # that were not what their put_begin declared, and puts aborted for staging files
+            # grown past it.
             "sealed_by_copy": puts["sealed_by_copy"],
+            "checked_early": puts["checked_early"],
             "refused_at_commit": puts["refused_at_commit"],
             "outgrown": puts["outgrown"],
         },

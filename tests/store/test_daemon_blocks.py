@@ -5,6 +5,7 @@ them; bad requests about blocks refused with nothing lost."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from blocks_e2e import (
     block_files,
     commit,
     end_lease,
+    kv_tensors,
     look_up,
     manifest_files,
+    manifest_plan,
     put_blocks,
     put_v2,
     read_manifest,
@@ -32,6 +35,7 @@ from blocks_e2e import (
 from daemon_e2e import IDENTITY, RawPeer, put_stored, python_child, wait_until
 from daemon_process import Daemon, kvctl, running_daemon
 from kvd_client.client import Client
+from kvd_client.put_calls import batch_blocks
 from kvd_protocol import messages as m
 from kvd_protocol.errors import ErrorCode
 
@@ -415,3 +419,33 @@ def test_a_held_block_that_goes_bad_during_a_put_fails_its_commit_cleanly(daemon
         now = status(peer)
         assert (now["staged_bytes"], now["blocks"]["count"]) == (0, 0)
         assert_counts_equal_the_directory(peer, daemon.tier)
+
+
+def test_an_engine_library_put_has_its_blocks_checked_as_it_hands_them_over(
+    daemon: Daemon,
+) -> None:
+    """A put of more blocks than one batch (put_calls.batch_blocks): each batch is closed
+    before the next is asked for, so every block but the last batch's passes its check before
+    the commit (Linux: sealed by a read lease; macOS clones them all at the commit), and the
+    entry is stored and served whole."""
+    tokens = list(range(7000, 7000 + 9 * BLOCK_TOKENS + 5))
+    width = 32768  # 8 MiB a block: more than one batch
+    layers, tensors = kv_tensors(tokens, width)
+    per_batch = batch_blocks(manifest_plan(IDENTITY, tokens, width).block_size)
+    last_batch = (9 - 1) % per_batch + 1  # checked at the commit
+    assert per_batch < 9
+    with RawPeer(daemon.socket_path) as peer:
+        before = status(peer)["puts"]
+        with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK_TOKENS) as client:
+            assert client.put_entry(IDENTITY, tokens, layers, tensors).wait(60).state == "stored"
+            assert client.stats.blocks_written == 9
+        after = status(peer)["puts"]
+        early = 9 - last_batch if sys.platform == "linux" else 0
+        assert after["checked_early"] - before["checked_early"] == early
+        assert after["sealed_by_copy"] == before["sealed_by_copy"] + (
+            0 if sys.platform == "linux" else 10
+        )
+        hit = look_up(peer, IDENTITY, [*tokens, 7])
+        assert hit is not None
+        assert hit.tensors is not None, hit.problem
+        assert [t.tobytes() for t in hit.tensors] == [t.tobytes() for t in tensors]

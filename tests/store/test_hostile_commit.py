@@ -1,9 +1,11 @@
 """Clients that lie at commit or touch their staging files after it, against a real daemon:
-each put is sealed and checked whole at its commit, so a lie fails alone, there, and what the
-tier stores and serves is what was committed, whatever the client does to its descriptors."""
+each put is sealed and checked whole by its commit (its blocks as they are handed over, if no
+writer of them is left then), so a lie fails alone, there, and what the tier stores and
+serves is what was committed, whatever the client does to its descriptors."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import time
@@ -28,7 +30,15 @@ from blocks_e2e import (
     write_block,
     write_blocks,
 )
-from daemon_e2e import IDENTITY, RawPeer, entry, plan_for, put_stored, staging_files
+from daemon_e2e import (
+    IDENTITY,
+    RawPeer,
+    entry,
+    plan_for,
+    put_stored,
+    staging_files,
+    wait_until,
+)
 from daemon_process import Daemon
 from kvd_client.client import Client
 from kvd_client.entry_io import tensor_views, write_entry
@@ -311,3 +321,113 @@ def test_a_manifest_that_disagrees_with_the_blocks_it_holds_is_refused(
         assert found.problem is None
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
         assert status(peer)["quarantined"] == 0
+
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="read leases are Linux's")
+
+
+def checked_early(peer: RawPeer) -> int:
+    count: int = status(peer)["puts"]["checked_early"]
+    return count
+
+
+def handed_over(peer: RawPeer, begun: Begun, first: int, count: int) -> list[int]:
+    """Blocks first.. asked for and written; their descriptors, still open."""
+    fds = put_blocks(peer, begun.put, first, count)
+    assert not isinstance(fds, m.ErrorReply), fds
+    for index, fd in enumerate(fds, start=first):
+        write_block(fd, begun.manifest, begun.tensors, index)
+    return fds
+
+
+def close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+@linux_only
+def test_a_block_asked_for_again_after_its_early_check_is_checked_again_at_its_commit(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """Blocks 0 and 1 written and closed, then blocks 2 and 3 asked for: the daemon checks 0
+    and 1 meanwhile, and they pass. Block 1 asked for again and spoiled through its new
+    descriptor: the check of it no longer holds, the commit checks it again and refuses the
+    put; an honest put of the same tokens stores its own blocks."""
+    with RawPeer(daemon.socket_path) as peer:
+        before = checked_early(peer)
+        liar = begin(peer, IDENTITY, BLOCKS)
+        assert isinstance(liar, Begun), liar
+        assert liar.held == 0
+        close_all(handed_over(peer, liar, 0, 2))
+        close_all(handed_over(peer, liar, 2, 2))
+        wait_until(lambda: checked_early(peer) == before + 2, "blocks 0 and 1 checked early")
+        again = put_blocks(peer, liar.put, 1, 1)
+        assert not isinstance(again, m.ErrorReply), again
+        spoil_a_block(again[0], liar)
+        close_all(again)
+        assert_refused(commit(peer, liar.put), "data_checksum")
+        assert staging_files(daemon.tier) == []
+        honest = put_v2(peer, IDENTITY, BLOCKS)
+        assert honest.held == 0  # nothing of the liar's was kept
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
+
+
+@linux_only
+@pytest.mark.parametrize("spoiled", [True, False], ids=["spoiled", "left-alone"])
+def test_a_block_still_mapped_writable_is_checked_at_its_commit_not_before(
+    daemon: Daemon, witness: list[np.ndarray], spoiled: bool
+) -> None:
+    """A client that keeps a shared writable mapping of block 1 (its descriptor closed) while
+    it asks for the next blocks: block 0 is checked early, block 1 is not (a writer is
+    left); at the commit the daemon copies block 1 and checks the copy. Spoiled through the
+    mapping after block 0's early check, the put is refused; left alone, it is stored and
+    served (the client's file is truncated then: its mapping reaches nothing of the tier)."""
+    with RawPeer(daemon.socket_path) as peer:
+        before = status(peer)["puts"]
+        begun = begin(peer, IDENTITY, BLOCKS)
+        assert isinstance(begun, Begun), begun
+        first = handed_over(peer, begun, 0, 2)
+        size = begun.manifest.block_size
+        mapping = mmap.mmap(first[1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        close_all(first)
+        try:
+            close_all(handed_over(peer, begun, 2, 2))
+            wait_until(
+                lambda: checked_early(peer) == before["checked_early"] + 1,
+                "block 0 checked early",
+            )
+            if spoiled:
+                at = begun.manifest.block_slots[0].start
+                mapping[at : at + 64] = b"\xff" * 64
+            reply = commit(peer, begun.put)
+        finally:
+            mapping.close()
+        after = status(peer)["puts"]
+        assert after["checked_early"] == before["checked_early"] + 1  # never block 1
+        assert after["sealed_by_copy"] == before["sealed_by_copy"] + 1
+        if spoiled:
+            assert_refused(reply, "data_checksum")
+            assert look_up(peer, IDENTITY, [*BLOCKS, 7]) is None
+        else:
+            assert isinstance(reply, int), reply
+            assert wait(peer, reply).state == "stored"
+            assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), begun)
+
+
+@linux_only
+def test_a_put_abandoned_while_its_blocks_are_checked_early_leaves_nothing(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """Big blocks still being checked when the client hangs up: the put goes, its files and
+    bytes with it, and the same tokens are put afresh."""
+    with RawPeer(daemon.socket_path) as peer:
+        begun = begin(peer, IDENTITY, BLOCKS, width=BIG_BLOCK_WIDTH)
+        assert isinstance(begun, Begun), begun
+        close_all(handed_over(peer, begun, 0, 3))
+        close_all(handed_over(peer, begun, 3, 1))  # blocks 0..2 checked from here
+    with RawPeer(daemon.socket_path) as peer:
+        wait_until(lambda: status(peer)["staged_bytes"] == 0, "the put's bytes returned")
+        wait_until(lambda: staging_files(daemon.tier) == [], "the put's files removed")
+        again = put_v2(peer, IDENTITY, BLOCKS, width=BIG_BLOCK_WIDTH)
+        assert again.held == 0
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), again)
