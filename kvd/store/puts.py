@@ -421,13 +421,14 @@ class Puts:
 
     def _remove_files(self, put: Put) -> None:
         """The staging files of a put that was not queued, its manifest's and its blocks', to
-        the deleter (an aborted 1 GiB put would otherwise stop the loop while it unlinks)."""
+        the deleter (an aborted 1 GiB put would otherwise stop the loop while it unlinks);
+        the checks of its blocks not begun yet are not begun."""
+        put.checks.cancel()
         for path in (put.path, *put.block_files.values()):
             self._catalog.deleter.delete(path)
 
     def abort(self, put: Put) -> None:
         """A taken put ends uncommitted: its bytes return, its files go."""
-        put.checks.cancel()
         self._release(put)
         self._remove_files(put)
 
