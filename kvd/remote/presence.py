@@ -44,8 +44,9 @@ async def remote_presence(remote: Remote, digest: str, tokens: bytes, local: int
         return RemotePresence(0, exc.reason, str(exc))
     except TimeoutError:
         return RemotePresence(0, "timeout", f"the bucket did not answer within {timeout:g} s")
-    except BucketError as exc:
-        return RemotePresence(0, "store_error", str(exc))
+    except BucketError as exc:  # one its own deadline cut off is its timeout, as a fetch's
+        late = time.monotonic() >= deadline
+        return RemotePresence(0, "timeout" if late else "store_error", str(exc))
     there = min(blocks * layout.block_tokens, reach)
     if there >= reach:
         return RemotePresence(there - local, None, None)
