@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, kv_tensors
-from daemon_e2e import IDENTITY, OTHER_IDENTITY, SETTLE_SECONDS, wait_until
+from daemon_e2e import IDENTITY, OTHER_IDENTITY, SETTLE_SECONDS, put_stored, wait_until
 from daemon_process import Daemon, kvctl, running_daemon
 from kvd_client import AsyncClient, Client, TicketState
 from kvd_client.results import Presence
@@ -270,3 +270,24 @@ def test_export_and_import_run_while_engines_put_and_look_up(
         assert path.read_bytes() == manifest
         held = {p.read_bytes() for p in (path.parent / "blocks").glob("*.kvb")}
         assert all(block in held for block in blocks)
+
+
+def test_a_whole_entry_without_blocks_is_carried_byte_for_byte(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    with Client.connect(daemon.socket_path, require=True, block_tokens=0) as client:
+        put_stored(client, IDENTITY, TOKENS, seed=4)  # a version 1 entry: no block
+        (entry,) = client.list_entries()
+    data = _export(daemon, IDENTITY, entry.id, tmp_path / "whole.kvdb")
+    head, manifest, blocks = _pieces(data)
+    assert (blocks, head.block_size) == ([], 0)
+    with running_daemon(tmp_path / "elsewhere") as target:
+        imported = kvctl(target, "import", str(tmp_path / "whole.kvdb"))
+        assert imported.returncode == 0, imported.stderr
+        path = target.tier / "entries" / IDENTITY.digest() / f"{imported.stdout.strip()}.kve"
+        assert path.read_bytes() == manifest
+        with _patient(target) as client:
+            result = client.lookup(IDENTITY, [*TOKENS, 1])
+            assert result is not None
+            with result:
+                assert result.matched == len(TOKENS)
