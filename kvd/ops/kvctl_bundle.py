@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -215,8 +216,10 @@ def read_bundle(fd: int, limits: Limits) -> tuple[BundleHead, EntryHeader]:
 def import_bundle(control: Control, entries: ListEntries, path: Path) -> str:
     """Put the bundle's entry to the daemon; what it stored: the entry's id, or what the
     daemon said instead (it holds the entry already)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block an open
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"{path} is not a file")
         head, manifest = read_bundle(fd, control.limits)
         begin = control.call(
             m.PutBegin,

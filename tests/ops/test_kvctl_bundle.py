@@ -140,6 +140,13 @@ def test_a_damaged_truncated_or_lying_bundle_is_refused_and_stores_nothing(
             assert said in done.stderr, (said, done.stderr)
             assert "Traceback" not in done.stderr
             _holds_nothing(target)
+        fifo = tmp_path / "fifo.kvdb"
+        os.mkfifo(fifo)
+        not_a_file = kvctl(target, "import", str(fifo))
+        assert (not_a_file.returncode, not_a_file.stderr) == (
+            1,
+            f"kvctl: import: {fifo} is not a file\n",
+        )
         imported = kvctl(target, "import", str(tmp_path / "good.kvdb"))
         assert imported.returncode == 0, imported.stderr
         with Client.connect(target.socket_path, require=True) as client:
