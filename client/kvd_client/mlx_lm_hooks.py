@@ -124,6 +124,13 @@ HOOKS: Final = (
     ),
     Hook("mlx_lm.server", "ResponseGenerator", "__init__", "(self, model_provider, prompt_cache)"),
     Hook("mlx_lm.server", "ResponseGenerator", "_tokenize", "(self, tokenizer, request, args)"),
+    # The warm-up tokenizes a request's body as the server does (warm_up.py).
+    Hook(
+        "mlx_lm.server",
+        "CompletionRequest",
+        "__init__",
+        "(self, request_type, prompt, messages, tools, role_mapping)",
+    ),
 )
 # Module names of mlx_lm.server replaced before its main() runs, each with the function (or
 # method) that must look it up when called (so that it builds or calls the replacement).

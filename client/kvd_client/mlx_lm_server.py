@@ -2,7 +2,7 @@
 
     kvd-mlx-lm-server --model PATH [mlx_lm.server flags] [--kvd-socket PATH] [--kvd-namespace NAME]
         [--kvd-lookup-timeout SECONDS] [--kvd-block-tokens N] [--kvd-backlog-bytes SIZE]
-        [--kvd-checkpoint-interval N] [--kvd-checkpoint-bytes SIZE]
+        [--kvd-checkpoint-interval N] [--kvd-checkpoint-bytes SIZE] [--kvd-warm-prompts FILE]
 
 Its flags (server_flags.py) take sizes and durations as the daemon does (`1G`; seconds).
 
@@ -26,6 +26,8 @@ mlx_lm.server keeps an LRU prompt cache in memory: it stays the hot tier. Under 
   `prompt_cache_retention`, the `kvd` object) ask kvd to retain its prompt or a prefix of
   it, or to store nothing of it; the stores of its caches follow them (prompt_hints.py). A
   malformed hint is answered 400, as any bad field;
+- `--kvd-warm-prompts FILE` prefills the prompts of FILE that kvd does not hold yet, in the
+  background once the server answers (warm_up.py);
 - the usage block's `cached_tokens` counts restored tokens too, since the server counts what the
   cache it gets back holds.
 
@@ -50,6 +52,7 @@ are sent before the process exits.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import signal
@@ -57,9 +60,10 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from types import FrameType
+from types import FrameType, SimpleNamespace
 from typing import Any, Final, NoReturn
 
 import mlx_lm
@@ -84,6 +88,7 @@ from .prefill_checkpoints import BY_COST, CheckpointSettings
 from .prompt_hints import PLAIN, PromptHints
 from .request_hints import NO_HINTS, Hints, read_hints
 from .server_flags import PROG, kvd_flags, parse_flags
+from .warm_up import WARM_UP_HEADER, Served, WarmUp, server_url
 
 log = logging.getLogger("kvd_client")
 
@@ -246,8 +251,8 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
             # a prompt are prefixes of the request's finished turn.
             kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
             cold.store(tokens, prompt_cache, kind=kind, retention=hints.retention)
-        # The layers alone: memory keeps no request's tokens beside them.
-        super().insert_cache(model, tokens, list(prompt_cache), cache_type=cache_type)
+        if hints.memory:  # the layers alone: memory keeps no request's tokens beside them
+            super().insert_cache(model, tokens, list(prompt_cache), cache_type=cache_type)
 
 
 def tiered_stream_generate(
@@ -371,11 +376,41 @@ class TieredBatchGenerator(stock.BatchGenerator):  # type: ignore[misc]
 
 class TieredResponseGenerator(stock.ResponseGenerator):  # type: ignore[misc]
     """mlx_lm.server's response generator, noting each request's prompt with the hints its
-    body gave (TieredAPIHandler) as the generation thread tokenizes it (prompt_hints.py)."""
+    body gave (TieredAPIHandler) as the generation thread tokenizes it (prompt_hints.py); and
+    starting the warm-up, if there is one (warm_up.py)."""
 
-    def __init__(self, model_provider: Any, prompt_cache: Any, *, tier: ServerTier) -> None:
+    def __init__(
+        self,
+        model_provider: Any,
+        prompt_cache: Any,
+        *,
+        tier: ServerTier,
+        warm_up: WarmUp | None = None,
+    ) -> None:
         self.tier = tier  # first: the generation thread starts within __init__
         super().__init__(model_provider, prompt_cache)
+        if warm_up is not None:
+            warm_up.start(Served(self._identity, self.prompt_tokens))
+
+    def _identity(self) -> EngineIdentity | None:
+        """The identity of the model the tier serves now (None before one is loaded)."""
+        model = getattr(self.model_provider, "model", None)
+        cold = None if model is None else self.tier.serving(model)
+        return None if cold is None else cold.identity
+
+    def prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+        """The prompt of a chat request's body, as the generation thread tokenizes it (on a
+        copy: stock's tokenizing rewrites the messages' content in place)."""
+        request = stock.CompletionRequest(
+            "chat",
+            "",
+            copy.deepcopy(body["messages"]),
+            body.get("tools") or None,
+            body.get("role_mapping"),
+        )
+        args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+        tokenized = super()._tokenize(self.model_provider.tokenizer, request, args)
+        return list(tokenized[0])
 
     def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
         tokenized = super()._tokenize(tokenizer, request, args)
@@ -411,10 +446,14 @@ class TieredAPIHandler(stock.APIHandler):  # type: ignore[misc]
     ValueError goes to stock's own answer)."""
 
     def handle_chat_completions(self) -> Any:
-        return _hinted(super().handle_chat_completions(), read_hints(self.body))
+        return _hinted(super().handle_chat_completions(), self._hints())
 
     def handle_text_completions(self) -> Any:
-        return _hinted(super().handle_text_completions(), read_hints(self.body))
+        return _hinted(super().handle_text_completions(), self._hints())
+
+    def _hints(self) -> Hints:
+        hints = read_hints(self.body)
+        return replace(hints, memory=False) if self.headers.get(WARM_UP_HEADER) else hints
 
 
 def _hinted(request: Any, hints: Hints) -> Any:
@@ -585,7 +624,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     stock.LRUPromptCache = partial(TieredPromptCache, tier=tier)
     stock.stream_generate = partial(tiered_stream_generate, tier=tier)
     stock.BatchGenerator = partial(TieredBatchGenerator, tier=tier)
-    stock.ResponseGenerator = partial(TieredResponseGenerator, tier=tier)
+    warm = None
+    if args.kvd_warm_prompts:
+        warm = WarmUp(args.kvd_warm_prompts, server_url(rest), args.kvd_socket)
+    stock.ResponseGenerator = partial(TieredResponseGenerator, tier=tier, warm_up=warm)
     stock._run_http_server = partial(_RUN_HTTP_SERVER, handler_class=TieredAPIHandler)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:

@@ -24,10 +24,12 @@ NOTED: Final = 64  # prompts noted: more than the server has under way at once
 
 @dataclass(frozen=True)
 class StoreHints:
-    """What a store does: whether it is made at all, and the retention it asks for."""
+    """What a store does: whether it is made at all, and the retention it asks for; whether
+    the server's memory keeps the caches too."""
 
     store: bool = True
     retention: Retention | None = None
+    memory: bool = True
 
 
 PLAIN: Final = StoreHints()
@@ -38,10 +40,11 @@ class _Noted:
     prompt: Sequence[int]
     store: bool
     retained: tuple[tuple[int, Retention], ...]  # (the prefix's tokens, its retention)
+    memory: bool
 
     @property
     def hinted(self) -> bool:
-        return not self.store or bool(self.retained)
+        return not self.store or bool(self.retained) or not self.memory
 
     def related(self, tokens: Sequence[int]) -> bool:
         """Whether tokens extend the prompt or are a prefix of it."""
@@ -66,6 +69,7 @@ class PromptHints:
             list(prompt),
             hints.store,
             tuple((n, Retention(seconds=s, priority=hints.priority)) for n, s in retained),
+            hints.memory,
         )
         if len(self._noted) == NOTED:
             self._hinted -= self._noted.popleft().hinted
@@ -85,4 +89,4 @@ class PromptHints:
         for prefix, asked in note.retained:
             if prefix <= len(tokens):
                 retention = longer(asked, retention)
-        return StoreHints(note.store, retention)
+        return StoreHints(note.store, retention, note.memory)

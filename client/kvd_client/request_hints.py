@@ -37,12 +37,14 @@ _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 class Hints:
     """A request's hints: whether its caches are stored at all; the messages whose prefix
     is retained, each with its seconds (by message index); the seconds the whole prompt is
-    retained (0: not); the priority of its retentions."""
+    retained (0: not); the priority of its retentions. memory: whether the server's memory
+    keeps its caches as well (the warm-up's requests, warm_up.py, fill kvd alone)."""
 
     store: bool = True
     messages: tuple[tuple[int, float], ...] = ()
     prompt_seconds: float = 0.0
     priority: int = 0
+    memory: bool = True
 
 
 NO_HINTS: Final = Hints()

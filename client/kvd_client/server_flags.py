@@ -17,6 +17,7 @@ from kvd_protocol.quantities import duration, format_size, positive_size
 from .link import DEFAULT_LOOKUP_TIMEOUT
 from .mlx_lm_cache import BACKLOG_BYTES
 from .prefill_checkpoints import PROMPT_BYTES, UNIT_TOKENS, CheckpointSettings
+from .warm_up import read_prompts
 
 PROG: Final = "kvd-mlx-lm-server"
 # Half the library's default block: a conversation's turns each rewrite their tail (half a
@@ -86,6 +87,14 @@ def kvd_flags() -> argparse.ArgumentParser:
         help="what the prefill checkpoints of one prompt may write of their own state, with "
         f"the interval chosen by cost (default: {format_size(PROMPT_BYTES)})",
     )
+    kvd.add_argument(
+        "--kvd-warm-prompts",
+        type=_as_flag(read_prompts),
+        default=None,
+        metavar="FILE",
+        help="JSON lines, each a chat request's body (messages, tools, hints): at start, in "
+        "the background, each prompt kvd does not hold is prefilled and stored (default: none)",
+    )
     return parser
 
 
@@ -105,7 +114,7 @@ def parse_flags(
     return args, rest
 
 
-def _as_flag(parse: Callable[[object], T]) -> Callable[[str], T]:
+def _as_flag(parse: Callable[[str], T]) -> Callable[[str], T]:
     """A setting's parser as an argparse type: its ValueError, its words, as the usage error."""
 
     def parse_flag(text: str) -> T:

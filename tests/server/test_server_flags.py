@@ -50,6 +50,7 @@ def test_help_shows_both_sets_of_flags_and_never_connects_to_the_daemon(tmp_path
         "--kvd-backlog-bytes SIZE",
         "--kvd-checkpoint-interval N",
         "--kvd-checkpoint-bytes SIZE",
+        "--kvd-warm-prompts FILE",
     ):
         assert flag in kvd_part
     assert "(default: 1G)" in kvd_part  # sizes shown as the daemon's help shows them
