@@ -69,8 +69,10 @@ def test_warm_prompts_are_prefilled_once_and_the_first_real_request_restores_fro
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         with Client.connect(daemon.socket_path, require=True) as client:
             assert report(client)["hits"] == hits + 1
-            assert client.flush(SETTLE_SECONDS)
-            written = report(client)["bytes_written"]
+        assert one.stop() == 0  # what waits to be stored is sent first
+    with Client.connect(daemon.socket_path, require=True) as client:
+        assert client.flush(SETTLE_SECONDS)
+        written = report(client)["bytes_written"]
     with http_server(
         model, tmp_path / "two.log", kvd_socket=daemon.socket_path, extra=flags
     ) as two:
