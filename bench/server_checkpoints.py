@@ -32,8 +32,9 @@ import mlx.core as mx
 from _daemon import running_daemon
 from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
-from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
+from kvd_client.mlx_lm_server import TieredBatchGenerator
 from kvd_client.prefill_checkpoints import CheckpointSettings
+from kvd_client.server_tier import ServerTier
 from mlx_lm.generate import BatchGenerator
 from model_folders import SMALL_CONFIGS, small_model
 

@@ -11,37 +11,16 @@ mlx-lm extra (client/pyproject.toml), read from the installed package's metadata
 from __future__ import annotations
 
 import argparse
-import dis
-import inspect
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from importlib import import_module, metadata
-from types import ModuleType
 from typing import Any, Final
 
 import mlx_lm
-from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from . import stock_hooks
+from .stock_hooks import Hook
+
 log = logging.getLogger("kvd_client")
-
-
-@dataclass(frozen=True)
-class Hook:
-    """A function of a module of mlx_lm (owner None) or a method of one of its classes (a
-    nested class: dotted), with the signature the integration calls or overrides (parameters
-    and defaults, no annotations; a default that is not a plain value shows as its type):
-    a caller of a changed one would pass what the override does not take."""
-
-    module: str
-    owner: str | None
-    name: str
-    signature: str
-
-    @property
-    def where(self) -> str:
-        return ".".join(part for part in (self.module, self.owner, self.name) if part)
 
 
 HOOKS: Final = (
@@ -163,28 +142,20 @@ class MlxLmChangedError(RuntimeError):
 
 def tested_range() -> SpecifierSet:
     """The mlx-lm versions kvd-client declares for its mlx-lm extra."""
-    for line in metadata.requires("kvd-client") or ():
-        requirement = Requirement(line)
-        if requirement.name == "mlx-lm":
-            return requirement.specifier
-    raise LookupError("kvd-client's metadata declares no mlx-lm range")
+    return stock_hooks.tested_range("mlx-lm")
 
 
 def tested_range_text() -> str:
     """The tested range as pip takes it, lower bound first: ">=0.32.0,<=0.32.2"."""
-    return ",".join(sorted(map(str, tested_range()), key=lambda bound: bound[0] != ">"))
+    return stock_hooks.range_text(tested_range())
 
 
 def check_server() -> None:
     """Every name, method and signature of HOOKS and REPLACED; raises MlxLmChangedError listing
     what is missing or changed."""
-    found = [p for hook in HOOKS if (p := _hook_problem(import_module(hook.module), hook))]
-    server = import_module("mlx_lm.server")
-    for name, user in REPLACED.items():
-        if not _reads_global(_lookup(server, user), name):
-            found.append(f"mlx_lm.server.{user} no longer looks up {name} by that name")
+    found = stock_hooks.problems(HOOKS, "mlx_lm.server", REPLACED)
     if found:
-        raise MlxLmChangedError(list(dict.fromkeys(found)))  # a missing class once
+        raise MlxLmChangedError(found)
 
 
 def check_cli_args(cli_args: argparse.Namespace) -> None:
@@ -220,67 +191,3 @@ def warn_if_untested() -> None:
             mlx_lm.__version__,
             tested_range_text(),
         )
-
-
-def _hook_problem(module: ModuleType, hook: Hook) -> str | None:
-    owner: Any = module if hook.owner is None else _lookup(module, hook.owner)
-    if owner is None or (hook.owner is not None and not inspect.isclass(owner)):
-        return f"{hook.module} has no class {hook.owner}"
-    function = getattr(owner, hook.name, None)
-    if not callable(function):
-        return f"{hook.where} is missing"
-    found = _bare_signature(function)
-    if found != hook.signature:
-        return f"{hook.where} is {found}, not {hook.signature}"
-    return None
-
-
-def _lookup(module: ModuleType, dotted: str) -> Any:
-    """The attribute of module that dotted names ("Class.method"), or None."""
-    found: Any = module
-    for part in dotted.split("."):
-        found = getattr(found, part, None)
-    return found
-
-
-def _reads_global(function: object, name: str) -> bool:
-    """Whether function looks name up in its module when it runs (not an import's alias)."""
-    if not inspect.isfunction(function):
-        return False
-    return any(
-        step.opname == "LOAD_GLOBAL" and step.argval == name
-        for step in dis.get_instructions(function)
-    )
-
-
-def _bare_signature(function: Callable[..., Any]) -> str:
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return "(unknown)"
-    bare = [
-        p.replace(annotation=inspect.Parameter.empty, default=_Default.of(p.default))
-        for p in signature.parameters.values()
-    ]
-    return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
-
-
-class _Default:
-    """A default shown by its type: an object's repr may name the machine (an MLX stream's
-    device)."""
-
-    PLAIN: Final = (type(None), bool, int, float, str, bytes, tuple)
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    @classmethod
-    def of(cls, value: object) -> object:
-        return (
-            value
-            if value is inspect.Parameter.empty or isinstance(value, cls.PLAIN)
-            else cls(value)
-        )
-
-    def __repr__(self) -> str:
-        return f"<{type(self.value).__name__}>"

@@ -67,8 +67,6 @@ from types import FrameType, SimpleNamespace
 from typing import Any, Final, NoReturn
 
 import mlx_lm
-from kvd_protocol.errors import DaemonUnavailableError
-from kvd_protocol.identity import SOURCE_TRAIT
 from kvd_protocol.tokens import common_prefix_tokens, pack_tokens
 from mlx_lm import server as _server
 from mlx_lm import utils as _utils
@@ -77,17 +75,15 @@ from . import mlx_lm_hooks
 from .backlog import Kind
 from .batch_checkpoints import BatchCheckpoints
 from .batch_merge import merge_in_place
-from .breaker import BreakerStats
 from .client import Client
 from .identity import EngineIdentity
-from .link import MIN_MEASURED_PREFILL, DaemonError
-from .mlx_lm_cache import BACKLOG_BYTES, ColdTier, ColdTierStats
+from .mlx_lm_cache import ColdTier
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
-from .prefill_checkpoints import BY_COST, CheckpointSettings
-from .prompt_hints import PLAIN, PromptHints
+from .prompt_hints import PLAIN
 from .request_hints import NO_HINTS, Hints, read_hints
 from .server_flags import PROG, kvd_flags, parse_flags
+from .server_tier import ServerTier, storable
 from .warm_up import WARM_UP_HEADER, Served, WarmUp, server_url
 
 log = logging.getLogger("kvd_client")
@@ -103,7 +99,6 @@ except MlxLmChangedError as changed:
 stock: Any = _server
 mlx_lm_utils: Any = _utils
 
-CLOSE_SECONDS: Final = 10.0  # at exit, for the snapshots still waiting to be sent
 HINTS_ATTRIBUTE: Final = "kvd_hints"  # a completion request's hints (TieredAPIHandler)
 _RUN_HTTP_SERVER: Final = stock._run_http_server  # stock's, called with the handler's class
 
@@ -117,92 +112,6 @@ class RequestCache(list[Any]):
         super().__init__(layers)
         self.tokens = tokens
         self.start = start
-
-
-class ServerTier:
-    """kvd under one server process: one client (the restores'; the ColdTier sends its puts on
-    a twin of it, sharing its breaker), and the ColdTier of the model loaded now (mlx_lm.server
-    holds one model at a time). Used from the generation thread only."""
-
-    def __init__(
-        self,
-        client: Client,
-        namespace: str = "",
-        backlog_bytes: int = BACKLOG_BYTES,
-        checkpoints: CheckpointSettings = BY_COST,
-    ) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.backlog_bytes = backlog_bytes
-        self.checkpoints = checkpoints
-        self.hints = PromptHints()  # the requests' hints, for the stores of their caches
-        self._key: object = None
-        self._cold: ColdTier | None = None
-
-    def model_loaded(
-        self, key: object, model: Any, tokenizer: Any, identity: EngineIdentity
-    ) -> None:
-        self._retire()
-        cold = ColdTier(
-            self.client,
-            model,
-            tokenizer,
-            identity=identity,
-            backlog_bytes=self.backlog_bytes,
-            checkpoints=self.checkpoints,
-        )
-        self._key, self._cold = key, cold
-        source = identity.to_protocol().trait_map().get(SOURCE_TRAIT, identity.model_id)
-        log.info(
-            "kvd: model %s (%s) is served from %s",
-            source,
-            identity.model_id,
-            self.client.socket_path,
-        )
-
-    def model_unusable(self, key: object, why: str) -> None:
-        self._retire()
-        self._key = key
-        log.warning("kvd: the tier is off for this model: %s", why)
-
-    def cold_tier(self, key: object) -> ColdTier | None:
-        return self._cold if key == self._key else None
-
-    def serving(self, model: Any) -> ColdTier | None:
-        """The ColdTier of model, if the tier serves it."""
-        return self._cold if self._cold is not None and self._cold.model is model else None
-
-    def close(self) -> None:
-        self._retire()
-        self.client.close()
-        breaker = self.client.breaker
-        if breaker is not None and breaker.stats.opened:
-            log.info("kvd: %s", _describe_breaker(breaker.stats))
-
-    def _retire(self) -> None:
-        if self._cold is not None:
-            self._cold.close(CLOSE_SECONDS)
-            stats = self._cold.stats
-            measured = None
-            if stats.restored_tokens and not stats.prefill_seconds_per_token:
-                measured = self._daemons_cost(self._cold.identity)
-            log.info("kvd: %s", _describe(stats, measured))
-        self._key, self._cold = None, None
-
-    def _daemons_cost(self, identity: EngineIdentity) -> float | None:
-        """Seconds a token of prefill costs the model as the daemon has it from the engines
-        that measured it (this server timed none); None when it has none or does not answer."""
-        digest = self.client.scoped(identity.to_protocol()).digest()
-        try:
-            status = self.client.status()
-        except (DaemonUnavailableError, DaemonError):
-            return None
-        rows = status.get("identities")
-        for row in rows if isinstance(rows, list) else []:
-            cost = row.get("prefill_ms_per_token") if isinstance(row, dict) else None
-            if row.get("identity") == digest and isinstance(cost, int | float) and cost > 0:
-                return float(cost) / 1000
-        return None
 
 
 class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
@@ -223,7 +132,7 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
         cache, rest = super().fetch_nearest_cache(model, tokens)
         cached = len(tokens) - len(rest)
         cold = self.tier.cold_tier(model)
-        if cold is None or cached >= len(tokens) - 1 or not _storable(tokens):
+        if cold is None or cached >= len(tokens) - 1 or not storable(tokens):
             return cache, rest
         started = time.perf_counter()
         restored = cold.restore(tokens, min_tokens=cached + 1)
@@ -246,7 +155,7 @@ class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
     ) -> None:
         cold = self.tier.cold_tier(model)
         hints = self.tier.hints.for_store(tokens) if cold is not None else PLAIN
-        if cold is not None and tokens and _storable(tokens) and hints.store:
+        if cold is not None and tokens and storable(tokens) and hints.store:
             # A snapshot now (memory may evict it at once); the system and user segments of
             # a prompt are prefixes of the request's finished turn.
             kind = Kind.TURN if cache_type == "assistant" else Kind.SEGMENT
@@ -298,7 +207,7 @@ def _request(prompt: Any, cache: Any) -> tuple[list[int], int] | None:
         tokens, start = prompt, 0
     else:
         return None
-    return (tokens, start) if _storable(tokens) and tokens[start:] == prompt else None
+    return (tokens, start) if storable(tokens) and tokens[start:] == prompt else None
 
 
 def _measured(cold: ColdTier, responses: Iterator[Any]) -> Iterator[Any]:
@@ -523,70 +432,6 @@ class TieredModelProvider(stock.ModelProvider):  # type: ignore[misc]
             namespace=self.tier.namespace,
             source=source,
         )
-
-
-def _describe(stats: ColdTierStats, daemons_cost: float | None = None) -> str:
-    """The exit summary; daemons_cost: the model's prefill cost a token as the daemon has it,
-    which values the restores when this server timed no prefill."""
-    return (
-        f"{stats.restored} prompts restored ({stats.restored_tokens} tokens), "
-        + _described_saving(stats, daemons_cost)
-        + f"; {stats.fresh} lookups found nothing longer than memory "
-        f"({stats.lookups_unavailable} with the daemon unavailable, {stats.memory_held} while "
-        f"memory held part of the prompt: engine-held); {stats.stored} caches "
-        f"stored, {stats.unavailable} skipped with the daemon unavailable, {stats.failed} "
-        f"failed, {stats.superseded} superseded before sending; "
-        + _described_snapshots(stats)
-        + f"; prefill checkpoints: {stats.checkpoints} taken ({stats.checkpoint_bytes} bytes "
-        f"copied), {stats.checkpoint_restores} prompts restored from them "
-        f"({stats.checkpoint_restored_tokens} tokens)"
-    )
-
-
-def _described_saving(stats: ColdTierStats, daemons_cost: float | None) -> str:
-    """The prefill the restores saved, at this server's measured cost, else at the one the
-    daemon has from the model's engines, or why it is unknown."""
-    saved = stats.prefill_saved_seconds
-    if not stats.restored_tokens:
-        return "no prefill saved"
-    if saved is not None:
-        return (
-            f"prefill saved {saved:.2f} s (the tokens restored at the "
-            f"{stats.prefill_seconds_per_token * 1000:.3f} ms a token this server last measured)"
-        )
-    if daemons_cost is not None:
-        return (
-            f"prefill saved {stats.restored_tokens * daemons_cost:.2f} s (the tokens restored at "
-            f"the {daemons_cost * 1000:.3f} ms a token the daemon has from this model's engines)"
-        )
-    return (
-        "prefill saved not measured (no prefill of this model timed: this server timed none of "
-        f"{MIN_MEASURED_PREFILL} tokens or more, the daemon has none)"
-    )
-
-
-def _described_snapshots(stats: ColdTierStats) -> str:
-    """The snapshots' part of the exit summary (benchmarks read it: keep its wording)."""
-    per_request = stats.bytes_written // stats.requests if stats.requests else 0
-    return (
-        f"snapshots: {stats.snapshots} taken in {stats.snapshot_seconds * 1000:.1f} ms "
-        f"(max {stats.snapshot_max_seconds * 1000:.1f} ms), {stats.bytes_copied} bytes copied, "
-        f"{stats.bytes_written} bytes written ({per_request} per request, {stats.requests} "
-        f"requests), {stats.dropped} dropped ({stats.dropped_bytes} bytes), "
-        f"{stats.aborted} aborted"
-    )
-
-
-def _describe_breaker(stats: BreakerStats) -> str:
-    return (
-        f"the daemon was skipped {stats.opened} times for not answering: "
-        f"{stats.skipped_lookups} lookups and {stats.skipped_puts} stores skipped"
-    )
-
-
-def _storable(tokens: Sequence[int]) -> bool:
-    """Token ids kvd can key by: the server marks image patches with negative ids."""
-    return min(tokens, default=0) >= 0
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -22,8 +22,9 @@ from http_servers import SETTLE_SECONDS, Answer, HttpServer, Messages, chat, htt
 from kvd_client.batch_checkpoints import cut_segments
 from kvd_client.client import Client
 from kvd_client.identity import EngineIdentity
-from kvd_client.mlx_lm_server import ServerTier, TieredBatchGenerator
+from kvd_client.mlx_lm_server import TieredBatchGenerator
 from kvd_client.prefill_checkpoints import ASSUMED_PREFILL_RATE, CheckpointSettings
+from kvd_client.server_tier import ServerTier
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from model_folders import build_model_folder, words
 
