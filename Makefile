@@ -32,6 +32,21 @@ $(STAMP): pyproject.toml protocol/pyproject.toml client/pyproject.toml
 test-mlx-lm-%: .venv-mlx-lm-%/.installed
 	.venv-mlx-lm-$*/bin/pytest -q $(MLX_LM_TESTS)
 
+# kvd-vllm-mlx and a vllm-mlx release in a virtualenv of their own: make test-vllm-mlx-0.6.0
+# (.ci/vllm-mlx picks the versions). vllm-mlx without its dependencies (off macOS they bring
+# torch, through torchvision), then what its text server imports.
+.venv-vllm-mlx-%/.installed: pyproject.toml protocol/pyproject.toml client/pyproject.toml \
+		tests/vllm_mlx/requirements.txt
+	$(PYTHON) -m venv $(@D)
+	$(@D)/$(PIP_INSTALL) -e ./client -r tests/vllm_mlx/requirements.txt
+	$(@D)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "vllm-mlx==$*"
+	touch $@
+
+.PRECIOUS: .venv-vllm-mlx-%/.installed
+
+test-vllm-mlx-%: .venv-vllm-mlx-%/.installed
+	.venv-vllm-mlx-$*/bin/pytest -q tests/vllm_mlx
+
 run: $(STAMP)
 	$(BIN)/kvd serve
 
@@ -51,4 +66,4 @@ remote-demo: $(STAMP)
 	$(BIN)/python scripts/remote_demo.py
 
 clean:
-	rm -rf $(VENV) .venv-mlx-lm-* .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-mlx-lm-* .venv-vllm-mlx-* .mypy_cache .pytest_cache .ruff_cache .hypothesis

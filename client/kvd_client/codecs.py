@@ -180,7 +180,8 @@ class KVCodec:
         _count(sources, 0 if offset == 0 else 2)
         if sources:
             keys, values = _load(lambda: with_room_all(sources, offset), self.kind)
-            cache.state = (keys, values, offset)
+            # Not through state: mlx-lm 0.31's setter takes no offset (vllm-mlx runs on it).
+            cache.keys, cache.values, cache.offset = keys, values, offset
         return cache
 
     def trimmable(self, meta: Meta) -> bool:

@@ -153,7 +153,7 @@ def tested_range_text() -> str:
 def check_server() -> None:
     """Every name, method and signature of HOOKS and REPLACED; raises MlxLmChangedError listing
     what is missing or changed."""
-    found = stock_hooks.problems(HOOKS, "mlx_lm.server", REPLACED)
+    found = stock_hooks.problems(HOOKS, {"mlx_lm.server": REPLACED})
     if found:
         raise MlxLmChangedError(found)
 

@@ -1,4 +1,5 @@
-"""kvd-mlx-lm-server's own flags, `--kvd-*`, read before mlx_lm.server reads the rest.
+"""The kvd flags of kvd-mlx-lm-server and kvd-vllm-mlx, `--kvd-*`, read before the stock
+server (mlx_lm.server, vllm-mlx) reads the rest; the same names and meanings in both.
 
 They follow the daemon's conventions: sizes as `1G`, `512M`, `1.5T` or bytes, durations in
 seconds, each parsed by the daemon's own parser (kvd_protocol.quantities) and refused with its
@@ -28,8 +29,8 @@ SERVER_BLOCK_TOKENS: Final = 128
 T = TypeVar("T")
 
 
-def kvd_flags() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+def kvd_flags(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, add_help=False)
     kvd = parser.add_argument_group("kvd (the shared cold tier under the prompt cache)")
     kvd.add_argument(
         "--kvd-socket",
@@ -101,7 +102,7 @@ def kvd_flags() -> argparse.ArgumentParser:
 def parse_flags(
     flags: argparse.ArgumentParser, argv: Sequence[str]
 ) -> tuple[argparse.Namespace, list[str]]:
-    """The kvd flags and the rest (mlx_lm.server's); exits with a usage error for a bad value,
+    """The kvd flags and the rest (the stock server's); exits with a usage error for a bad value,
     or a checkpoint interval that is not a multiple of the block size."""
     args, rest = flags.parse_known_args(argv)
     try:

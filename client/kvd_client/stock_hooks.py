@@ -35,14 +35,15 @@ class Hook:
         return ".".join(part for part in (self.module, self.owner, self.name) if part)
 
 
-def problems(hooks: Iterable[Hook], module: str, replaced: Mapping[str, str]) -> list[str]:
-    """What is missing or changed of hooks, and of the names of module that are replaced
-    (name: the function or "Class.method" that must look it up), each said once."""
+def problems(hooks: Iterable[Hook], replaced: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """What is missing or changed of hooks, and of the names replaced (per module, name: the
+    function or "Class.method" that must look it up), each said once."""
     found = [p for hook in hooks if (p := _hook_problem(import_module(hook.module), hook))]
-    replaced_in = import_module(module)
-    for name, user in replaced.items():
-        if not _reads_global(_lookup(replaced_in, user), name):
-            found.append(f"{module}.{user} no longer looks up {name} by that name")
+    for module, names in replaced.items():
+        replaced_in = import_module(module)
+        for name, user in names.items():
+            if not _reads_global(_lookup(replaced_in, user), name):
+                found.append(f"{module}.{user} no longer looks up {name} by that name")
     return list(dict.fromkeys(found))  # a missing class once
 
 
