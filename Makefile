@@ -36,16 +36,16 @@ test-mlx-lm-%: .venv-mlx-lm-%/.installed
 # (.ci/vllm-mlx picks the versions). vllm-mlx without its dependencies (off macOS they bring
 # torch, through torchvision), then what its text server imports.
 .venv-vllm-mlx-%/.installed: pyproject.toml protocol/pyproject.toml client/pyproject.toml \
-		tests/vllm_mlx/requirements.txt
+		tests/kvd_vllm_mlx/requirements.txt
 	$(PYTHON) -m venv $(@D)
-	$(@D)/$(PIP_INSTALL) -e ./client -r tests/vllm_mlx/requirements.txt
+	$(@D)/$(PIP_INSTALL) -e ./client -r tests/kvd_vllm_mlx/requirements.txt
 	$(@D)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "vllm-mlx==$*"
 	touch $@
 
 .PRECIOUS: .venv-vllm-mlx-%/.installed
 
 test-vllm-mlx-%: .venv-vllm-mlx-%/.installed
-	.venv-vllm-mlx-$*/bin/pytest -q tests/vllm_mlx
+	.venv-vllm-mlx-$*/bin/pytest -q tests/kvd_vllm_mlx
 
 run: $(STAMP)
 	$(BIN)/kvd serve

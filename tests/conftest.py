@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,17 @@ from seaweed import Seaweed, running_seaweed, weed_binary
 
 from kvd.remote.bucket import Bucket
 from kvd.remote.credentials import Credentials
+
+# kvd-vllm-mlx's tests run where vllm-mlx is installed, the virtualenv of make
+# test-vllm-mlx-VERSION (.ci/vllm-mlx); elsewhere they are not collected, and the header says so.
+VLLM_MLX = importlib.util.find_spec("vllm_mlx") is not None
+collect_ignore = [] if VLLM_MLX else ["kvd_vllm_mlx"]
+
+
+def pytest_report_header() -> str:
+    if VLLM_MLX:
+        return ""
+    return "tests/kvd_vllm_mlx: not collected, vllm-mlx is not installed (make test-vllm-mlx-*)"
 
 
 @pytest.fixture(autouse=True)

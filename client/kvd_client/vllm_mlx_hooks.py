@@ -26,7 +26,9 @@ HOOKS: Final = (
     Hook("vllm_mlx.cli", None, "create_parser", "()"),
     Hook("vllm_mlx.cli", None, "serve_command", "(args)"),
     Hook("vllm_mlx.scheduler", "Scheduler", "__init__", "(self, model, tokenizer, config=None)"),
-    Hook("vllm_mlx.memory_cache", "MemoryAwarePrefixCache", "__init__", "(self, model, config=None)"),
+    Hook(
+        "vllm_mlx.memory_cache", "MemoryAwarePrefixCache", "__init__", "(self, model, config=None)"
+    ),
     Hook("vllm_mlx.memory_cache", "MemoryAwarePrefixCache", "fetch", "(self, tokens)"),
     Hook(
         "vllm_mlx.memory_cache",

@@ -92,11 +92,13 @@ class HttpServer:
             self.process.wait()
 
 
-def _command(model: Path, port: int, kvd_socket: str | None, extra: Sequence[str]) -> list[str]:
+def _command(
+    model: Path, port: int, kvd_socket: str | None, extra: Sequence[str], python: str
+) -> list[str]:
     common = ["--model", str(model), "--port", str(port), "--host", "127.0.0.1", *extra]
     if kvd_socket is None:
-        return [sys.executable, "-m", "mlx_lm", "server", *common]
-    return [sys.executable, "-m", "kvd_client.mlx_lm_server", *common, "--kvd-socket", kvd_socket]
+        return [python, "-m", "mlx_lm", "server", *common]
+    return [python, "-m", "kvd_client.mlx_lm_server", *common, "--kvd-socket", kvd_socket]
 
 
 @contextmanager
@@ -106,14 +108,19 @@ def http_server(
     *,
     kvd_socket: str | None,
     extra: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> Iterator[HttpServer]:
-    """A ready server process of model; with kvd_socket None, stock mlx_lm.server."""
+    """A ready server process of model; with kvd_socket None, stock mlx_lm.server. python: the
+    interpreter of another virtualenv (another mlx-lm)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     env["HF_HUB_OFFLINE"] = "1"
     with log.open("ab") as out:
         process = subprocess.Popen(
-            _command(model, port, kvd_socket, extra), stdout=out, stderr=subprocess.STDOUT, env=env
+            _command(model, port, kvd_socket, extra, python),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     server = HttpServer(process, port, log)
     try:
