@@ -38,14 +38,21 @@ class VllmServer(HttpServer):
         raise RuntimeError(f"server not ready within {START_SECONDS} s:\n{self.logs()}")
 
 
-def command(model: Path, port: int, kvd_socket: str | None, extra: Sequence[str] = ()) -> list[str]:
+def command(
+    model: Path,
+    port: int,
+    kvd_socket: str | None,
+    extra: Sequence[str] = (),
+    python: Sequence[str] = (sys.executable,),
+) -> list[str]:
+    """python: the interpreter and its own options."""
     serve = [
         *("serve", str(model), "--port", str(port), "--host", "127.0.0.1"),
         *("--continuous-batching", "--served-model-name", SERVED, *extra),
     ]
     if kvd_socket is None:
-        return [sys.executable, "-m", "vllm_mlx.cli", *serve]
-    return [sys.executable, "-m", "kvd_client.vllm_mlx_server", *serve, "--kvd-socket", kvd_socket]
+        return [*python, "-m", "vllm_mlx.cli", *serve]
+    return [*python, "-m", "kvd_client.vllm_mlx_server", *serve, "--kvd-socket", kvd_socket]
 
 
 def environment(home: Path) -> dict[str, str]:
@@ -57,13 +64,18 @@ def environment(home: Path) -> dict[str, str]:
 
 @contextmanager
 def vllm_server(
-    model: Path, log: Path, *, kvd_socket: str | None, extra: Sequence[str] = ()
+    model: Path,
+    log: Path,
+    *,
+    kvd_socket: str | None,
+    extra: Sequence[str] = (),
+    python: Sequence[str] = (sys.executable,),
 ) -> Iterator[VllmServer]:
     """A ready server process of model; with kvd_socket None, stock vllm-mlx."""
     port = free_port()
     with log.open("ab") as out:
         process = subprocess.Popen(
-            command(model, port, kvd_socket, extra),
+            command(model, port, kvd_socket, extra, python),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=environment(log.with_suffix(".home")),
