@@ -372,7 +372,8 @@ class ArraysCodec:
         arrays = iter(owned_all(sources))
         values = [next(arrays) if flag else None for flag in flags]
         cache = mlc.ArraysCache(len(present))
-        cache.state = (values[: len(present)], values[-2], values[-1])
+        # Not through state: mlx-lm 0.31's is the entries alone (vllm-mlx runs on it).
+        cache.cache, cache.left_padding, cache.lengths = values[: len(present)], *values[-2:]
         return cache
 
     def trimmable(self, meta: Meta) -> bool:
