@@ -4,13 +4,14 @@ stock vllm-mlx's for the same request."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_process import Daemon
+from daemon_process import Daemon, kvctl
 from http_servers import SETTLE_SECONDS, free_port, http_server, wait_for_entry
 from kvd_client.client import Client
 from model_folders import build_model_folder, words
@@ -63,6 +64,14 @@ def test_two_servers_on_one_daemon_share_their_prompts(
         wait_for_entry(daemon.socket_path, answer.prompt_tokens)
         assert chat(b, text) == answer
         b.wait_for_log(f"kvd: restored {answer.prompt_tokens - 1} of {answer.prompt_tokens}")
+        status = kvctl(daemon, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        servers = {c["pid"] for c in report["clients"] if c["name"] == "kvd-vllm-mlx"}
+        assert servers == {a.process.pid, b.process.pid}
+        (identity,) = report["identities"]
+        assert identity["name"] == model.name  # the folder it was served from
+        assert identity["hits"] == 1
 
 
 def test_an_entry_kvd_mlx_lm_server_stored_restores_on_kvd_vllm_mlx(
