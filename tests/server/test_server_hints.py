@@ -113,12 +113,14 @@ def test_a_text_completion_takes_the_hints_too(server: HttpServer) -> None:
     assert status == 200
 
 
+@pytest.mark.parametrize("path", ["batched", "single"])
 def test_a_request_that_stores_nothing_writes_nothing_and_the_next_stores_as_usual(
-    model: Path, tmp_path: Path
+    model: Path, tmp_path: Path, path: str
 ) -> None:
     """Counted once the server stopped (it sends what waits to be stored first) and the daemon
-    flushed: nothing can come later."""
-    plain = {"messages": user(seed=5)}
+    flushed: nothing can come later. A request with a seed takes mlx_lm.server's
+    single-request path, the others its batched one."""
+    plain: dict[str, Any] = {"messages": user(seed=5), **({"seed": 1} if path == "single" else {})}
     unstored = {**plain, "kvd": {"store": False}}
     with running_daemon(tmp_path / "kvd") as kvd:
         assert served(model, kvd, tmp_path / "one.log", [unstored])[:2] == (0, 0)
