@@ -94,13 +94,16 @@ class BlockChecks:
         self._early: dict[int, _Early] = {}
 
     def begin(self, blocks: Iterable[tuple[int, Path, str]], size: int, limits: Limits) -> None:
-        """Check each of blocks (index, file, name for errors) not begun yet, on the checkers'
-        threads, if no writer of it is left by the time its turn comes."""
+        """Check each of blocks (index, file, name for errors) on the checkers' threads, if no
+        writer of it is left by the time its turn comes: each not begun yet, or whose check
+        ended without passing (a writer was left then: a client that writes several batches
+        at once, the daemon's own fetches)."""
         for index, path, name in blocks:
-            if index not in self._early:
-                early = _Early()
-                self._early[index] = early
-                early.future = _checkers().pool.submit(self._check, early, path, name, size, limits)
+            if not _worth_beginning(self._early.get(index)):
+                continue
+            early = _Early()
+            self._early[index] = early
+            early.future = _checkers().pool.submit(self._check, early, path, name, size, limits)
 
     def _check(
         self, early: _Early, path: Path, name: str, size: int, limits: Limits
@@ -144,6 +147,13 @@ class BlockChecks:
             head = _passed(early[index])
             heads[index] = _done(head) if head is not None else pool.submit(checks[index])
         return heads
+
+
+def _worth_beginning(early: _Early | None) -> bool:
+    """Whether a block's check is to begin (again): none begun, or one ended not passed."""
+    if early is None:
+        return True
+    return early.future is not None and early.future.done() and _passed(early) is None
 
 
 def _passed(early: _Early) -> BlockHeader | None:

@@ -415,6 +415,34 @@ def test_a_block_still_mapped_writable_is_checked_at_its_commit_not_before(
 
 
 @linux_only
+def test_a_block_still_open_at_one_put_blocks_is_checked_early_at_a_later_one(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """A client that writes several batches at once (as the daemon's own fetches do): block
+    0 is still open while blocks 1 and 2 are asked for, so its checks then find a writer.
+    Closed by the time block 3 is asked for, it is checked then, before the commit."""
+    with RawPeer(daemon.socket_path) as peer:
+        before = checked_early(peer)
+        begun = begin(peer, IDENTITY, BLOCKS)
+        assert isinstance(begun, Begun), begun
+        kept = handed_over(peer, begun, 0, 1)
+        try:
+            close_all(handed_over(peer, begun, 1, 1))  # block 0's check: a writer is left
+            close_all(handed_over(peer, begun, 2, 1))
+            # Block 1's check passed: block 0's, begun before it on the same queue, had its
+            # lease refused by then.
+            wait_until(lambda: checked_early(peer) == before + 1, "block 1 checked early")
+        finally:
+            close_all(kept)
+        close_all(handed_over(peer, begun, 3, 1))
+        wait_until(lambda: checked_early(peer) == before + 3, "blocks 0, 1 and 2 checked early")
+        ticket = commit(peer, begun.put)
+        assert isinstance(ticket, int), ticket
+        assert wait(peer, ticket).state == "stored"
+        assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), begun)
+
+
+@linux_only
 def test_a_put_abandoned_while_its_blocks_are_checked_early_leaves_nothing(
     daemon: Daemon, witness: list[np.ndarray]
 ) -> None:
