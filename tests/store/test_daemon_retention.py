@@ -127,12 +127,12 @@ def test_a_retention_ends(tmp_path: Path) -> None:
         running_daemon(tmp_path, ["--max-bytes", str(2 * ENTRY_BYTES)]) as daemon,
         Client.connect(daemon.socket_path, require=True) as client,
     ):
-        put(client, FIRST, Retention(seconds=1))
-        first = summary_of(client, FIRST).id
+        put(client, FIRST, Retention(seconds=3))
+        retained = summary_of(client, FIRST)
+        assert retained.retained_until is not None
         put(client, SECOND)
-        assert listed(client, first).retained_until is not None
-        wait_until(lambda: report(client)["retained_bytes"] == 0, "the retention to end", 10)
-        assert listed(client, first).retained_until is None
+        wait_until(lambda: report(client)["retained_bytes"] == 0, "the retention to end")
+        assert listed(client, retained.id).retained_until is None
         put(client, THIRD)
         assert looked_up_tokens(client, IDENTITY, [*FIRST, 1]) is None
         assert looked_up_tokens(client, IDENTITY, [*SECOND, 1]) == len(SECOND)
