@@ -5,7 +5,7 @@ Per prompt length (one user message of about --lengths tokens, the tests' tiny m
 - cold, stock vllm-mlx: a prompt it has never seen, the whole prefill;
 - restored from kvd, kvd-vllm-mlx: a new server process whose memory is empty; an earlier
   process of the same model stored the prompt's cache in kvd;
-- warm, kvd-vllm-mlx: the same prompt again in that process, served from memory;
+- warm, kvd-vllm-mlx: the same prompt again in that process, found in vllm-mlx's memory;
 - stock's SSD tier, restarted: stock vllm-mlx with --ssd-cache-dir and the same home as an
   earlier process of the model, which saved its prefix cache at exit (vllm-mlx loads it at
   start) and spilled to its SSD tier.
