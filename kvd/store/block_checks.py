@@ -35,9 +35,9 @@ from kvd_protocol.limits import Limits
 
 from kvd.store import entry_files, sealing
 
-# Threads that check block files, shared by every put: two keep both cores of a small
-# machine busy while the commit's own thread checks the manifest.
-CHECKERS: Final = 2
+# Threads that check block files, shared by every put: a core each, up to four (as many as
+# the engine library writes blocks on), while the commit's own thread checks the manifest.
+CHECKERS: Final = min(4, os.cpu_count() or 1)
 
 
 class _Checkers:
