@@ -65,7 +65,9 @@ def test_list_has_a_header_model_names_and_sorts(daemon: Daemon) -> None:
     assert header.split()[:4] == ["entry", "identity", "tokens", "bytes"]
     assert first.startswith(restored)  # by last use: the restored one first
     assert first.split()[1] == "tiny/report"
-    assert first.split()[-3:-2] == ["0"]  # no lease held now
+    leases_end = header.index("leases") + len("leases")  # a column flush right
+    assert first[:leases_end].split()[-1] == "0"  # no lease on it now
+    assert first[leases_end:].split()[0] == "-"  # not retained
     by_id = kvctl(daemon, "list", "--sort", "id").stdout.splitlines()[1:]
     assert [line.split()[0] for line in by_id] == sorted([restored, other])
 
