@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from daemon_e2e import SETTLE_SECONDS, RawPeer
+from daemon_e2e import SETTLE_SECONDS, RawPeer, wait_until
 from kvd_client.entry_io import tensor_views, write_entry
 from kvd_protocol import messages as m
 from kvd_protocol.checksum import checksum
@@ -322,7 +322,8 @@ def status(peer: RawPeer) -> dict[str, Any]:
 
 def assert_counts_equal_the_directory(peer: RawPeer, tier: Path) -> None:
     """Blocks, bytes and entries as the daemon counts them, against the files on disk; and
-    no block file that no manifest lists."""
+    no block file that no manifest lists; once the files the daemon let go of have left."""
+    wait_until(lambda: status(peer)["deleting_files"] == 0, "the deleter is idle")
     now = status(peer)
     blocks, manifests = block_files(tier), manifest_files(tier)
     assert now["blocks"] == {"count": len(blocks), "bytes": sum(blocks.values())}

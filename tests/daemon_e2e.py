@@ -15,11 +15,13 @@ from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
+from daemon_process import Daemon
 from kvd_client.client import Client, LookupResult
 from kvd_client.entry_io import tensor_views, write_entry
 from kvd_protocol import messages as m
 from kvd_protocol.connection import Connection, Role
 from kvd_protocol.entry import EntryPlan, LayerSpec, TensorSpec, plan_entry
+from kvd_protocol.errors import DaemonUnavailableError
 from kvd_protocol.identity import Identity
 from kvd_protocol.tokens import pack_tokens
 
@@ -99,9 +101,18 @@ def report(client: Client) -> dict[str, Any]:
     return dict(client.status())
 
 
-def files_on_disk(tier: Path) -> tuple[int, int]:
-    """(count, bytes) of the entry files under tier/entries."""
-    sizes = [p.stat().st_size for p in (tier / "entries").rglob("*") if p.is_file()]
+def files_on_disk(daemon: Daemon) -> tuple[int, int]:
+    """(count, bytes) of the entry files under the daemon's tier/entries, once the files it
+    let go of have left (its deleter moves them out on a thread of its own; a stopped daemon
+    moved them before it ended)."""
+    try:
+        client = Client.connect(daemon.socket_path, require=True)
+    except DaemonUnavailableError:
+        client = None
+    if client is not None:
+        with client:
+            wait_until(lambda: report(client)["deleting_files"] == 0, "the deleter is idle")
+    sizes = [p.stat().st_size for p in (daemon.tier / "entries").rglob("*") if p.is_file()]
     return len(sizes), sum(sizes)
 
 

@@ -83,6 +83,8 @@ class Adoption:
         # Blocks first: a manifest copied in with its blocks finds them held.
         adopted = []
         for path in found.blocks:
+            if self._let_go(root, path):
+                continue
             block = await self._reconcile_block(root, path, path in found.blocks_modified)
             if block is not None:
                 adopted.append(block)
@@ -91,7 +93,7 @@ class Adoption:
                 continue  # removed from the index, its file kept until its last lease ends
             record = self._catalog.records.get(entry_id)
             if record is None:
-                if entry_id in on_disk:
+                if entry_id in on_disk and not self._let_go(root, path):
                     await self._adopt(path)
             elif not record.durable:
                 continue  # the writer's own file, on its way into place
@@ -106,6 +108,13 @@ class Adoption:
         orphans = self._catalog.block_store.collect_orphans(adopted)
         if orphans:
             log.info("orphan_blocks_collected", count=orphans)
+
+    def _let_go(self, root: Path, path: Path) -> bool:
+        """Whether path is a file the tier let go of, still leaving its place (deleter.py)."""
+        parts = place(root, path)
+        return parts is not None and self._catalog.deleter.leaving(
+            self._catalog.dirs.entries.joinpath(*parts)
+        )
 
     async def _reconcile_block(self, root: Path, path: Path, modified: bool) -> Block | None:
         """Make the block store agree with one path under a blocks folder; the block adopted, if

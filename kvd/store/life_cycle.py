@@ -160,10 +160,12 @@ class LifeCycle:
         for path, reason in listed.invalid:
             await self._quarantine.file(path, reason)
         blocks = self._catalog.block_store
+        leaving = self._catalog.deleter.leaving  # let go of while the listing ran
         for block in listed.blocks:
-            if blocks.get(block.digest, block.hash) is None:
+            if blocks.get(block.digest, block.hash) is None and not leaving(block.path):
                 blocks.adopt(block.digest, block.hash, block.size, block.path)
-        await self._index(listed.found)
+        found = self._catalog.dirs.entry_path
+        await self._index([r for r in listed.found if not leaving(found(r.digest, r.id))])
         orphans = blocks.collect_orphans()  # of puts a crash cut off
         log.info(
             "tier_opened",
@@ -282,4 +284,5 @@ class LifeCycle:
         self._writer.pulse_changed()
 
     def close(self) -> None:
+        self._catalog.deleter.wait_moved()  # else a next start would index them again
         os.close(self._lock_fd)

@@ -72,6 +72,7 @@ def tier_report(
         "abandoned_puts": counters.abandoned,
         # Files taken out of the tier: being unlinked off the event loop, and unlinked.
         "deleting_bytes": catalog.deleter.pending_bytes,
+        "deleting_files": catalog.deleter.pending_files,
         "deleted_files": catalog.deleter.deleted,
         "bytes_written": counters.bytes_written,
         "leased_entries": catalog.leased,

@@ -209,7 +209,7 @@ class Writer:
             for block in pending:
                 final = dirs.block_path(record.digest, block.hash)
                 try:
-                    await anyio.to_thread.run_sync(entry_files.place_block, block.path, final)
+                    await anyio.to_thread.run_sync(self._place_block, block.path, final)
                 except OSError as exc:
                     self._unsynced([block], str(exc), but=record)
                     raise
@@ -221,6 +221,12 @@ class Writer:
         finally:
             # Whatever ended the loop: the blocks placed are durable only once their names are.
             await self._sync_folders(record, placed)
+
+    def _place_block(self, staged: Path, final: Path) -> None:
+        """Blocking: a block of the same hash collected a moment ago may still be leaving
+        its place (deleter.py): out of the way first, so the deleter never takes this one."""
+        self._catalog.deleter.reclaim(final)
+        entry_files.place_block(staged, final)
 
     async def _sync_folders(self, record: EntryRecord, placed: list[Block]) -> None:
         """Sync the folders of the blocks placed (their new and old names); if that fails,

@@ -50,7 +50,7 @@ def test_sigterm_flushes_pending_puts_and_exits_0(daemon: Daemon) -> None:
             assert looked_up_tokens(client, IDENTITY, [*t, 1]) == len(t)
         after = report(client)
         assert after["entries"] == len(tokens)
-        assert (after["entries"], after["bytes"]) == files_on_disk(daemon.tier)
+        assert (after["entries"], after["bytes"]) == files_on_disk(daemon)
     assert staging_files(daemon.tier) == []
 
 
@@ -75,7 +75,7 @@ def test_a_second_daemon_on_the_same_directory_refuses_to_start(
         assert "another kvd is using the tier directory" in second.stdout + second.stderr
         assert report(client)["entries"] == 1
         assert looked_up_tokens(client, IDENTITY, [*range(32), 1]) == 32
-    assert files_on_disk(daemon.tier)[0] == 1
+    assert files_on_disk(daemon)[0] == 1
 
 
 def test_a_stale_socket_of_a_killed_daemon_is_replaced(daemon: Daemon) -> None:

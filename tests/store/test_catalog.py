@@ -142,6 +142,7 @@ def test_a_forgotten_entry_leaves_its_file(tmp_path: Path) -> None:
     catalog.drop(dropped)
     assert len(catalog) == 0
     assert catalog.total_bytes == 0
+    catalog.deleter.wait_idle()
     assert dirs.entry_path(kept.digest, kept.id).exists()
     assert not dirs.entry_path(dropped.digest, dropped.id).exists()
 

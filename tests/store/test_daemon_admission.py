@@ -40,7 +40,7 @@ def test_min_tokens_writes_only_long_prefixes(tmp_path: Path) -> None:
         admission = _admission(client)
         assert (admission["refused"], admission["policy"]) == (1, "min-tokens")
         assert admission["saved_bytes"] > 0
-        assert files_on_disk(daemon.tier)[0] == 1
+        assert files_on_disk(daemon)[0] == 1
 
 
 def test_second_hit_writes_a_prefix_put_twice_or_asked_for_first(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_second_hit_writes_a_prefix_put_twice_or_asked_for_first(tmp_path: Path)
         assert client.lookup(IDENTITY, [*asked, 7]) is None  # a lookup is a sighting too
         assert _put(client, asked) == ("stored", None)
         assert _admission(client)["refused"] == 1
-        assert files_on_disk(daemon.tier)[0] == 2
+        assert files_on_disk(daemon)[0] == 2
 
 
 def test_second_hit_forgets_a_sighting_after_its_window(tmp_path: Path) -> None:

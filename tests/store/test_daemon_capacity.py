@@ -59,7 +59,7 @@ def test_eviction_at_the_cap_is_least_recently_used_and_a_hit_is_a_use(tmp_path:
         status = report(client)
         assert status["bytes"] <= 5 * ENTRY_BYTES
         assert status["evictions"] == 2
-        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
 
 
 def test_a_leased_entry_outlives_evict_until_released(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_a_leased_entry_outlives_evict_until_released(tmp_path: Path) -> None:
         result.release()
         assert not path.exists()
         assert report(admin)["bytes"] == 0
-        assert files_on_disk(daemon.tier) == (0, 0)
+        assert files_on_disk(daemon) == (0, 0)
 
 
 def test_eviction_at_the_cap_skips_a_leased_entry(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_eviction_at_the_cap_skips_a_leased_entry(tmp_path: Path) -> None:
         put_stored(client, IDENTITY, _tokens(4), seed=4)
         assert client.flush(SETTLE_SECONDS)
         assert client.lookup(IDENTITY, [*_tokens(1), 9]) is None  # evictable again: gone
-        assert files_on_disk(daemon.tier) == (2, 2 * ENTRY_BYTES)
+        assert files_on_disk(daemon) == (2, 2 * ENTRY_BYTES)
 
 
 # --- the write-behind queue ------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_the_write_behind_cap_under_each_policy(tmp_path: Path, policy: str) -> 
             assert states == Counter(stored=BURST + 1)
         status = status_of(peer)
         assert status["entries"] == states["stored"]
-        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
         assert staging_files(daemon.tier) == []
 
 
@@ -233,7 +233,7 @@ def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path
         assert answers == Counter({("stored", None): 3, ("stored", "duplicate"): 1})
         status = status_of(peer)
         assert (status["entries"], status["duplicates"]) == (3, 1)
-        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
         assert staging_files(daemon.tier) == []
 
 
@@ -256,7 +256,7 @@ def test_the_cost_policy_evicts_the_least_prefill_per_byte_not_the_oldest(tmp_pa
         assert client.flush(SETTLE_SECONDS)
         assert report(client)["evictions"] >= 1
         assert client.lookup(IDENTITY, [*many, 7]) is not None  # the oldest stayed
-        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)
+        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon)
 
 
 def test_the_cost_policy_keeps_the_tokens_of_the_model_that_prefills_slowest(
@@ -282,7 +282,7 @@ def test_the_cost_policy_keeps_the_tokens_of_the_model_that_prefills_slowest(
             assert slow.lookup(IDENTITY, [*_tokens(first), 7]) is not None
         costs = {i["model_id"]: i["prefill_ms_per_token"] for i in report(slow)["identities"]}
         assert costs == {"e2e/model-a": pytest.approx(10.0), "e2e/model-b": pytest.approx(1.0)}
-        assert (report(slow)["entries"], report(slow)["bytes"]) == files_on_disk(daemon.tier)
+        assert (report(slow)["entries"], report(slow)["bytes"]) == files_on_disk(daemon)
 
 
 def test_a_models_quota_makes_its_own_entries_give_way_and_no_one_elses(tmp_path: Path) -> None:
@@ -304,4 +304,4 @@ def test_a_models_quota_makes_its_own_entries_give_way_and_no_one_elses(tmp_path
         refused = client.put_entry(IDENTITY, list(range(500, 628)), layers, tensors)
         assert refused.state.state == "failed"
         assert "over the quota of e2e/model-a" in (refused.state.reason or "")
-        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon.tier)
+        assert (report(client)["entries"], report(client)["bytes"]) == files_on_disk(daemon)

@@ -121,7 +121,7 @@ def test_the_write_behind_cap_holds_all_through_a_burst(tmp_path: Path, policy: 
         assert all(r.code is ErrorCode.REFUSED for r in refused), refused
         if policy == "block":
             assert not refused  # every putter waited its turn
-        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
         assert staging_files(daemon.tier) == []
 
 
@@ -153,7 +153,7 @@ def test_the_tier_cap_holds_across_identities_and_after_a_restart_with_a_lower_c
         with Client.connect(daemon.socket_path, require=True) as client:
             after = report(client)
             assert after["bytes"] <= 3 * ENTRY_BYTES
-            assert (after["entries"], after["bytes"]) == files_on_disk(daemon.tier)
+            assert (after["entries"], after["bytes"]) == files_on_disk(daemon)
             for first in range(9, 12):  # the three most recent stay
                 assert looked_up_tokens(client, identities[first % 3], [*_tokens(first), 1])
             for first in range(9):
@@ -196,7 +196,7 @@ def test_a_disk_full_in_the_middle_of_a_write_fails_that_put_only(few_inodes: Pa
             with hit:
                 assert [bytes(v) for v in hit.tensors] == [t.tobytes() for t in kept]
             status = report(client)
-            assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+            assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
             filler += _fill_inodes(few_inodes / "more", leave=0)
             # The snapshot at shutdown meets the full disk too: still a clean stop.
         assert daemon.stop() == 0
@@ -236,7 +236,7 @@ def _settled_and_consistent(daemon: Daemon, client: Client) -> int:
     assert client.flush(SETTLE_SECONDS)
     status = report(client)
     assert status["writeback"]["pending_bytes"] == 0
-    assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+    assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
     stored = 0
     for i in range(6):
         found = looked_up_tokens(client, IDENTITY, [i, *range(511), 1])  # verified if found
@@ -292,6 +292,6 @@ def test_a_client_killed_while_waiting_for_room_leaves_nothing_behind(tmp_path: 
         assert client.flush(SETTLE_SECONDS)
         status = report(client)
         assert (status["staged_bytes"], status["writeback"]["pending_bytes"]) == (0, 0)
-        assert (status["entries"], status["bytes"]) == files_on_disk(daemon.tier)
+        assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
         assert staging_files(daemon.tier) == []
         put_stored(client, IDENTITY, _tokens(100), seed=100)  # room for the next one at once

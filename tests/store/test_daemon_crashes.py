@@ -72,7 +72,7 @@ def test_a_reader_killed_while_holding_a_lease_releases_it(daemon: Daemon) -> No
             wait_until(lambda: report(client)["leased_entries"] == 0, "the lease ends")
         evicted = client.evict(all=True)
         assert evicted.entries == 1
-        assert files_on_disk(daemon.tier) == (0, 0)  # not held: deleted at once
+        assert files_on_disk(daemon) == (0, 0)  # not held: deleted at once
         assert report(client)["bytes"] == 0
 
 
@@ -82,9 +82,9 @@ def test_a_lease_of_a_killed_reader_lets_a_doomed_entry_go(daemon: Daemon) -> No
         assert client.flush(SETTLE_SECONDS)
         with python_child(HOLD_A_LEASE, daemon.socket_path) as child:
             assert client.evict(all=True).entries == 1
-            assert files_on_disk(daemon.tier) == (1, ENTRY_BYTES)  # leased: kept
+            assert files_on_disk(daemon) == (1, ENTRY_BYTES)  # leased: kept
             child.kill()
-            wait_until(lambda: files_on_disk(daemon.tier) == (0, 0), "the file is deleted")
+            wait_until(lambda: files_on_disk(daemon) == (0, 0), "the file is deleted")
         assert report(client)["bytes"] == 0
 
 
@@ -117,7 +117,7 @@ def test_a_daemon_killed_mid_stream_restarts_consistent(daemon: Daemon) -> None:
     assert staging_files(daemon.tier) == []
     with Client.connect(daemon.socket_path, require=True) as client:
         after = report(client)
-        assert (after["entries"], after["bytes"]) == files_on_disk(daemon.tier)
+        assert (after["entries"], after["bytes"]) == files_on_disk(daemon)
         for first in durable:  # flush said durable before the kill
             assert looked_up_tokens(client, IDENTITY, [first, *range(48), 1]) == 49
         served = 0
@@ -154,7 +154,7 @@ def test_hostile_files_are_quarantined_at_start_and_never_served(daemon: Daemon)
         after = report(client)
         assert after["quarantined"] == 5
         assert after["entries"] == 1
-        assert (after["entries"], after["bytes"]) == files_on_disk(daemon.tier)
+        assert (after["entries"], after["bytes"]) == files_on_disk(daemon)
         assert looked_up_tokens(client, IDENTITY, [*range(64), 1]) == 64
         assert looked_up_tokens(client, IDENTITY, [7, *range(64), 1]) is None
         assert client.lookup(OTHER_IDENTITY, [*range(64), 1]) is None

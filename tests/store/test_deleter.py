@@ -1,20 +1,36 @@
-"""Files leave the tier at once and are unlinked off the event loop (kvd/store/deleter.py): the
-place is free for a new file straight away, the bytes go soon after, and what a stop left
-to delete is deleted at the next start."""
+"""Files leave the tier off the event loop (kvd/store/deleter.py): let go of at once, then
+moved out of their place and unlinked on the deleter's own thread; never taken for the
+tier's own meanwhile, a file placed at a leaving path is kept, the bytes count as pending
+until freed, and what a stop left to delete is deleted at the next start."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from blocks_e2e import (
+    BLOCK_TOKENS,
+    Begun,
+    assert_counts_equal_the_directory,
+    begin,
+    commit,
+    look_up,
+    put_v2,
+    same,
+    status,
+    wait,
+    write_blocks,
+)
 from daemon_e2e import IDENTITY as RAW_IDENTITY
-from daemon_e2e import RawPeer, staging_files
+from daemon_e2e import RawPeer, staging_files, wait_until
 from daemon_process import running_daemon
+from fault_shim import built_or_skip
 from kvd_client import Client, TicketState
 from kvd_protocol import Identity, LayerSpec, TensorSpec
 from kvd_protocol import messages as m
@@ -23,6 +39,7 @@ from kvd.store.deleter import SUFFIX, Deleter
 
 IDENTITY = Identity("deleter/model", "cfg", "tok", "codecs/1", "mlx/cpu")
 SETTLE_SECONDS = 10.0  # how long the deleter's thread may take (an eventual result, not a speed)
+RENAME_HOLD_SHIM = Path(__file__).with_name("rename_hold_shim.c")
 
 
 def settled(condition: Callable[[], bool]) -> bool:
@@ -34,46 +51,129 @@ def settled(condition: Callable[[], bool]) -> bool:
     return True
 
 
-def test_a_deleted_file_leaves_its_place_at_once_and_is_unlinked_after(tmp_path: Path) -> None:
+@contextmanager
+def held_renames(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The deleter's thread stops at each rename until the event is set (then, at the end)."""
+    gate = threading.Event()
+    rename = os.rename
+
+    def held_rename(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        if threading.current_thread().name == "kvd-deleter":
+            gate.wait(SETTLE_SECONDS)
+        rename(source, target)
+
+    monkeypatch.setattr(os, "rename", held_rename)
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+def test_a_deleted_file_is_let_go_of_at_once_then_moved_and_unlinked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "deleting"
     folder.mkdir()
     path = tmp_path / "entry.kve"
     path.write_bytes(b"x" * 4096)
-    Deleter(folder).delete(path)
+    deleter = Deleter(folder)
+    with held_renames(monkeypatch) as gate:
+        deleter.delete(path)  # returns with the thread's rename held
+        assert deleter.leaving(path)
+        assert deleter.pending_files == 1
+        assert deleter.pending_bytes == path.stat().st_blocks * 512
+        gate.set()
+        deleter.wait_idle()
     assert not path.exists()
-    assert settled(lambda: not any(folder.iterdir()))
+    assert not deleter.leaving(path)
+    assert (deleter.pending_files, deleter.pending_bytes, deleter.deleted) == (0, 0, 1)
+    assert not any(folder.iterdir())
 
 
-def test_a_new_file_in_the_place_of_a_deleted_one_is_kept(tmp_path: Path) -> None:
-    """Entries and blocks are named by content: the same name comes back at once."""
+def test_a_file_placed_where_one_is_leaving_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks are named by content: the same name comes back at once. The placer reclaims the
+    path first (moving the leaving file itself); the thread then leaves the new file alone."""
+    folder = tmp_path / "deleting"
+    folder.mkdir()
+    first, path = tmp_path / "first.kvb", tmp_path / "block.kvb"
+    first.write_bytes(b"first")
+    path.write_bytes(b"old")
+    deleter = Deleter(folder)
+    with held_renames(monkeypatch) as gate:
+        deleter.delete(first)  # the thread holds this one at its rename ...
+        deleter.delete(path)  # ... so this one is still in its place, leaving
+        deleter.reclaim(path)
+        assert not path.exists()
+        assert not deleter.leaving(path)
+        path.write_bytes(b"new")
+        gate.set()
+        deleter.wait_idle()
+        assert settled(lambda: not any(folder.iterdir()))
+    assert path.read_bytes() == b"new"
+    assert (deleter.pending_bytes, deleter.deleted) == (0, 2)
+
+
+def test_a_placer_waits_for_the_rename_under_way_at_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread is renaming the very path: reclaim() returns once the file is out of it."""
     folder = tmp_path / "deleting"
     folder.mkdir()
     path = tmp_path / "block.kvb"
     path.write_bytes(b"old")
     deleter = Deleter(folder)
-    deleter.delete(path)
-    path.write_bytes(b"new")
-    assert settled(lambda: not any(folder.iterdir()))
+    with held_renames(monkeypatch) as gate:
+        deleter.delete(path)
+        reclaimed = threading.Thread(target=deleter.reclaim, args=(path,))
+        reclaimed.start()
+        reclaimed.join(0.2)
+        assert reclaimed.is_alive(), "reclaim() returned with the file still in its place"
+        assert path.read_bytes() == b"old"
+        gate.set()
+        reclaimed.join(SETTLE_SECONDS)
+        assert not reclaimed.is_alive()
+        assert not path.exists()
+        path.write_bytes(b"new")
+        deleter.wait_idle()
     assert path.read_bytes() == b"new"
+    assert (deleter.pending_bytes, deleter.deleted) == (0, 1)
+
+
+def test_a_path_deleted_twice_is_let_go_of_once(tmp_path: Path) -> None:
+    folder = tmp_path / "deleting"
+    folder.mkdir()
+    path = tmp_path / "entry.kve"
+    path.write_bytes(b"x" * 4096)
+    deleter = Deleter(folder)
+    deleter.delete(path)
+    deleter.delete(path)
+    deleter.wait_idle()
+    assert (deleter.pending_bytes, deleter.deleted) == (0, 1)
 
 
 def test_a_path_already_gone_is_no_error(tmp_path: Path) -> None:
     folder = tmp_path / "deleting"
     folder.mkdir()
-    Deleter(folder).delete(tmp_path / "never.kve")
+    deleter = Deleter(folder)
+    deleter.delete(tmp_path / "never.kve")
+    assert (deleter.pending_files, deleter.pending_bytes) == (0, 0)
     assert not any(folder.iterdir())
 
 
 def test_the_folder_is_made_when_missing(tmp_path: Path) -> None:
     path = tmp_path / "entry.kve"
     path.write_bytes(b"x")
-    Deleter(tmp_path / "deleting").delete(path)
+    deleter = Deleter(tmp_path / "deleting")
+    deleter.delete(path)
+    deleter.wait_idle()
     assert not path.exists()
-    assert settled(lambda: not any((tmp_path / "deleting").iterdir()))
+    assert not any((tmp_path / "deleting").iterdir())
 
 
 def test_a_file_that_cannot_be_moved_stays(tmp_path: Path) -> None:
-    """Another file system: rename cannot move it (EXDEV), so nothing is moved or queued."""
+    """Another file system: rename cannot move it (EXDEV), so nothing is unlinked."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here to be another file system")
     if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
@@ -85,8 +185,10 @@ def test_a_file_that_cannot_be_moved_stays(tmp_path: Path) -> None:
     try:
         deleter = Deleter(folder)
         deleter.delete(path)
+        deleter.wait_idle()
         assert path.read_bytes() == b"x"
         assert (deleter.pending_bytes, deleter.deleted) == (0, 0)
+        assert not deleter.leaving(path)
         assert not any(folder.iterdir())
     finally:
         path.unlink(missing_ok=True)
@@ -103,9 +205,9 @@ def test_reap_deletes_what_an_earlier_run_left(tmp_path: Path) -> None:
 
 
 def test_a_daemon_evicts_through_the_deleter_and_reaps_at_start(tmp_path: Path) -> None:
-    """Evicted entries leave entries/ at once, deleting/ empties, the same prompt put again
-    straight after its eviction is stored and served, and a file left in deleting/ while the
-    daemon was down is gone after its next start."""
+    """Evicted entries leave entries/ once the deleter is idle, deleting/ empties, the same
+    prompt put again straight after its eviction is stored and served, and a file left in
+    deleting/ while the daemon was down is gone after its next start."""
     tokens = list(range(1, 40))
     spec = TensorSpec("float32", (1, 2, len(tokens), 4))
     tensors = [np.full(spec.shape, 3.0, np.float32) for _ in range(2)]
@@ -118,6 +220,7 @@ def test_a_daemon_evicts_through_the_deleter_and_reaps_at_start(tmp_path: Path) 
                 assert ticket.wait(30) == TicketState("stored")
                 assert len(list((daemon.tier / "entries").rglob("*.kve"))) == 1
                 assert client.evict(all=True).entries == 1
+                assert settled(lambda: client.status()["deleting_files"] == 0)
                 assert not list((daemon.tier / "entries").rglob("*.kve"))
             ticket = client.put_entry(IDENTITY, tokens, layers, tensors)
             assert ticket.wait(30) == TicketState("stored")
@@ -139,8 +242,8 @@ def test_a_daemon_evicts_through_the_deleter_and_reaps_at_start(tmp_path: Path) 
 def test_moved_files_count_as_pending_until_unlinked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """pending_bytes is what the free-disk floor counts on as freed: every moved file's
-    allocated bytes, until the thread takes it; wait_idle() returns once all are unlinked."""
+    """pending_bytes is what the free-disk floor counts on as freed: every file's allocated
+    bytes from the moment it is let go of until unlinked; wait_idle() returns once all are."""
     folder = tmp_path / "deleting"
     folder.mkdir()
     gate = threading.Event()
@@ -168,14 +271,76 @@ def test_moved_files_count_as_pending_until_unlinked(
 
 
 def test_an_aborted_puts_staging_file_goes_through_the_deleter(tmp_path: Path) -> None:
-    """Out of staging at once, then unlinked from deleting/ by the deleter's thread."""
+    """Out of staging, then unlinked from deleting/, by the deleter's thread."""
     with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
         put = peer.begin(RAW_IDENTITY, [1, 2, 3], seed=1)
         assert len(staging_files(daemon.tier)) == 1
         reply = peer.call(m.PutAbort(id=peer.next_id(), put=put))
         assert isinstance(reply, m.PutAbortReply)
-        assert staging_files(daemon.tier) == []
         with Client.connect(daemon.socket_path, require=True) as client:
             assert settled(lambda: client.status()["deleted_files"] == 1)
+            assert staging_files(daemon.tier) == []
             assert client.status()["deleting_bytes"] == 0
+        assert not any((daemon.tier / "deleting").iterdir())
+
+
+@pytest.fixture
+def rename_hold_shim(tmp_path: Path) -> Path:
+    return built_or_skip(tmp_path, RENAME_HOLD_SHIM, "HELD RENAME")
+
+
+def test_a_held_rename_holds_up_no_request_and_brings_no_file_back(
+    tmp_path: Path, rename_hold_shim: Path
+) -> None:
+    """Every rename into deleting/ held (as one waiting on a busy journal is) for as long as
+    the test likes: lookups, puts and status are answered meanwhile (each within the peer's
+    timeout; a rename on the event loop would hold them all); the evicted entry's files wait
+    in their place, not served and not adopted back by a full reconcile; a put of the same
+    prompt (its blocks at the very paths leaving) is stored once the renames go on, and
+    served whole; and then every file the daemon let go of is gone."""
+    gone_prompt = list(range(1, 1 + 2 * BLOCK_TOKENS + 3))
+    kept_prompt = list(range(5000, 5000 + 2 * BLOCK_TOKENS + 3))
+    hold = tmp_path / "hold"
+    with running_daemon(tmp_path, ["--reconcile-interval", "0.2"]) as daemon:
+        assert daemon.stop() == 0
+        daemon.start(
+            {
+                "LD_PRELOAD": str(rename_hold_shim),
+                "HOLD_SHIM_DIR": os.path.realpath(daemon.tier / "deleting"),
+                "HOLD_SHIM_FILE": str(hold),
+            }
+        )
+        with RawPeer(daemon.socket_path) as peer:
+            gone = put_v2(peer, RAW_IDENTITY, gone_prompt)
+            placed = {p: p.read_bytes() for p in (daemon.tier / "entries").rglob("*.kv[be]")}
+            hold.touch()
+            with Client.connect(daemon.socket_path, require=True) as client:
+                assert client.evict(all=True).entries == 1
+            kept = put_v2(peer, RAW_IDENTITY, kept_prompt)
+            assert look_up(peer, RAW_IDENTITY, [*gone_prompt, 7]) is None
+            for _ in range(20):
+                assert same(look_up(peer, RAW_IDENTITY, [*kept_prompt, 7]), kept)
+            now = status(peer)
+            assert now["entries"] == 1
+            assert now["deleting_files"] == len(placed)  # the manifest and its blocks
+            assert all(path.read_bytes() == data for path, data in placed.items())  # in place
+            # An identity folder with nothing in it goes at a full reconcile: once it is gone,
+            # one has listed the leaving files, and left them alone.
+            marker = daemon.tier / "entries" / ("0" * 32)
+            marker.mkdir()
+            wait_until(lambda: not marker.exists(), "a full reconcile")
+            assert look_up(peer, RAW_IDENTITY, [*gone_prompt, 7]) is None
+            assert status(peer)["entries"] == 1
+            again = begin(peer, RAW_IDENTITY, gone_prompt)
+            assert isinstance(again, Begun)
+            assert again.held == 0  # its blocks were collected: written again, same paths
+            write_blocks(peer, again)
+            ticket = commit(peer, again.put)
+            assert isinstance(ticket, int), ticket
+            assert same(look_up(peer, RAW_IDENTITY, [*kept_prompt, 7]), kept)  # still answered
+            hold.unlink()
+            assert wait(peer, ticket).state == "stored"
+            assert same(look_up(peer, RAW_IDENTITY, [*gone_prompt, 7]), gone)
+            assert_counts_equal_the_directory(peer, daemon.tier)
+            assert status(peer)["entries"] == 2
         assert not any((daemon.tier / "deleting").iterdir())

@@ -102,6 +102,7 @@ def test_an_entry_dropped_while_its_write_is_under_way_is_counted_once(tmp_path:
             assert tier.catalog.total_bytes == 0
             tier.writer.finish(item, Outcome.STORED, None)  # the writer's continuation
             assert tier.catalog.total_bytes == 0
+            tier.catalog.deleter.wait_idle()
             assert not final.exists()
         finally:
             tier.life.close()
