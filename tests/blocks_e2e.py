@@ -320,10 +320,16 @@ def status(peer: RawPeer) -> dict[str, Any]:
     return dict(reply.status)
 
 
+def deleter_idle(peer: RawPeer) -> None:
+    """Wait until the files the daemon let go of have left (its deleter moves them out of
+    their place on a thread of its own)."""
+    wait_until(lambda: status(peer)["deleting_files"] == 0, "the deleter is idle")
+
+
 def assert_counts_equal_the_directory(peer: RawPeer, tier: Path) -> None:
     """Blocks, bytes and entries as the daemon counts them, against the files on disk; and
     no block file that no manifest lists; once the files the daemon let go of have left."""
-    wait_until(lambda: status(peer)["deleting_files"] == 0, "the deleter is idle")
+    deleter_idle(peer)
     now = status(peer)
     blocks, manifests = block_files(tier), manifest_files(tier)
     assert now["blocks"] == {"count": len(blocks), "bytes": sum(blocks.values())}

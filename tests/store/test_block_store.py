@@ -82,7 +82,8 @@ class Begun:
 
 def check(catalog: Catalog, kept: list[EntryRecord], begun: list[Begun], staging: Path) -> None:
     """Every count against a recount: refs by the manifests that hold bytes (indexed and
-    doomed), pins by the begun puts, bytes by the files."""
+    doomed), pins by the begun puts, bytes by the files (once the deleter is idle)."""
+    catalog.deleter.wait_idle()
     store = catalog.block_store
     blocks = list(store)
     for block in blocks:
@@ -194,6 +195,7 @@ def test_eviction_frees_what_it_measures_not_what_the_policy_guesses(tmp_path: P
     assert len(catalog) == 0
     assert len(catalog.block_store) == 0
     assert catalog.total_bytes == 0
+    catalog.deleter.wait_idle()
     assert list((tmp_path / "staging").iterdir()) == []
 
 
@@ -219,7 +221,8 @@ def test_a_block_neither_held_nor_written_is_refused_and_nothing_changes(tmp_pat
 def test_a_forgotten_block_is_not_the_one_of_its_hash_that_joins_later(tmp_path: Path) -> None:
     """A block quarantined while a doomed manifest still lists it: the manifest's last lease
     later takes no ref from a new block of the same hash."""
-    store = BlockStore(Deleter(tmp_path / "deleting"))
+    deleter = Deleter(tmp_path / "deleting")
+    store = BlockStore(deleter)
     (block_hash,) = chain(0, 1)
     old_path, new_path = tmp_path / "old", tmp_path / "new"
     old_path.write_bytes(b"x")
@@ -233,6 +236,7 @@ def test_a_forgotten_block_is_not_the_one_of_its_hash_that_joins_later(tmp_path:
     assert new_path.exists()
     assert store.bytes == 1
     store.detach([new])
+    deleter.wait_idle()
     assert not new_path.exists()
     assert store.bytes == 0
     assert isinstance(new, Block)

@@ -18,6 +18,7 @@ from blocks_e2e import (
     begin,
     block_files,
     commit,
+    deleter_idle,
     end_lease,
     kv_tensors,
     look_up,
@@ -369,6 +370,7 @@ def test_block_files_appearing_behind_the_daemons_back_are_collected_or_quaranti
         assert isinstance(evicted, m.EvictReply), evicted
         assert evicted.evicted == 1
         assert evicted.bytes == begun.manifest.entry.file_size + 5 * begun.manifest.block_size
+        deleter_idle(peer)
         assert block_files(daemon.tier) == {}, "the blocks go with their last manifest"
         (folder / own_block_name(begun)).write_bytes(copy)
         fake = folder / ("cd" * 16 + ".kvb")
@@ -393,8 +395,10 @@ def test_a_put_that_ends_uncommitted_lets_go_of_its_held_blocks(daemon: Daemon) 
             write_blocks(putter, begun)
             evict = m.Evict(id=peer.next_id(), entry=None, identity=None, all=True)
             assert isinstance(peer.call(evict), m.EvictReply)
+            deleter_idle(peer)
             assert len(block_files(daemon.tier)) == 4, "the held prefix is pinned by the put"
         wait_until(lambda: status(peer)["staged_puts"] == 0, "the put is abandoned")
+        deleter_idle(peer)
         assert block_files(daemon.tier) == {}
         assert not os.listdir(daemon.tier / "staging")
         assert status(peer)["staged_bytes"] == 0
@@ -415,6 +419,7 @@ def test_a_held_block_that_goes_bad_during_a_put_fails_its_commit_cleanly(daemon
         assert isinstance(refused, m.ErrorReply)
         assert refused.code == ErrorCode.NOT_FOUND
         assert "block_missing" in refused.message
+        deleter_idle(peer)
         assert not os.listdir(daemon.tier / "staging")
         now = status(peer)
         assert (now["staged_bytes"], now["blocks"]["count"]) == (0, 0)
