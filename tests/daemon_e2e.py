@@ -101,23 +101,29 @@ def report(client: Client) -> dict[str, Any]:
     return dict(client.status())
 
 
-def files_on_disk(daemon: Daemon) -> tuple[int, int]:
-    """(count, bytes) of the entry files under the daemon's tier/entries, once the files it
-    let go of have left (its deleter moves them out on a thread of its own; a stopped daemon
-    moved them before it ended)."""
+def deleter_idle(daemon: Daemon) -> None:
+    """Wait until the files a running daemon let go of have left (its deleter moves them out
+    of their place on a thread of its own; a stopped daemon moved them before it ended)."""
     try:
         client = Client.connect(daemon.socket_path, require=True)
     except DaemonUnavailableError:
-        client = None
-    if client is not None:
-        with client:
-            wait_until(lambda: report(client)["deleting_files"] == 0, "the deleter is idle")
+        return
+    with client:
+        wait_until(lambda: report(client)["deleting_files"] == 0, "the deleter is idle")
+
+
+def files_on_disk(daemon: Daemon) -> tuple[int, int]:
+    """(count, bytes) of the entry files under the daemon's tier/entries, once its deleter
+    is idle."""
+    deleter_idle(daemon)
     sizes = [p.stat().st_size for p in (daemon.tier / "entries").rglob("*") if p.is_file()]
     return len(sizes), sum(sizes)
 
 
-def staging_files(tier: Path) -> list[str]:
-    return sorted(os.listdir(tier / "staging"))
+def staging_files(daemon: Daemon) -> list[str]:
+    """The names in the daemon's staging folder, once its deleter is idle."""
+    deleter_idle(daemon)
+    return sorted(os.listdir(daemon.tier / "staging"))
 
 
 class RawPeer:

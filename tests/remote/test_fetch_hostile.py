@@ -140,12 +140,12 @@ def test_a_trickled_block_ends_its_fetch_at_the_deadline_and_gives_everything_ba
         with RawPeer(daemon.socket_path) as peer:
             began = time.monotonic()
             ask(peer, [*slow, 7])
-            wait_until(lambda: staging_files(daemon.tier), "the fetch's staging files")
+            wait_until(lambda: staging_files(daemon), "the fetch's staging files")
             now = wait_ended(peer, 1, FETCH_TIMEOUT + ENDED_WITHIN)
             assert time.monotonic() - began < 2 * FETCH_TIMEOUT + ENDED_WITHIN
             assert now["misses_by_reason"] == {"timeout": 1}
             assert now["state"] == "ok"  # the fetch's deadline cut it, not the request's
-            wait_until(lambda: staging_files(daemon.tier) == [], "the staging files gone")
+            wait_until(lambda: staging_files(daemon) == [], "the staging files gone")
             ask(peer, [*honest, 7])
             assert wait_ended(peer, 2)["hits"] == 1
             fetched_exactly(peer, honest)
@@ -169,7 +169,7 @@ def test_sixteen_trickled_prompts_do_not_stop_a_later_honest_fetch(tmp_path: Pat
             ask(peer, [*honest, 7])
             assert wait_ended(peer, 17)["hits"] == 1
             fetched_exactly(peer, honest)
-            wait_until(lambda: staging_files(daemon.tier) == [], "the staging files gone")
+            wait_until(lambda: staging_files(daemon) == [], "the staging files gone")
 
 
 def test_a_download_in_vain_is_cut_off_at_once_and_counted_abandoned(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_a_download_in_vain_is_cut_off_at_once_and_counted_abandoned(tmp_path: P
             assert time.monotonic() - began < ENDED_WITHIN  # far from the fetch's 60 s
             assert now["misses_by_reason"] == {"missing": 1}
             assert now["abandoned_requests"] >= 1  # block 0 (others may have been under way)
-            wait_until(lambda: staging_files(daemon.tier) == [], "the staging files gone")
+            wait_until(lambda: staging_files(daemon) == [], "the staging files gone")
 
 
 def failing_after(seconds: float) -> Answer:
@@ -316,7 +316,7 @@ def test_a_damaged_block_is_downloaded_once_across_lookups(tmp_path: Path, damag
                 ask(peer, [*asked, 7])
                 wait_ended(peer, count)
             now = remote_status(peer)
-            wait_until(lambda: staging_files(daemon.tier) == [], "the staging files gone")
+            wait_until(lambda: staging_files(daemon) == [], "the staging files gone")
         assert bucket.asked("GET", block_keys[3]) == 1
         assert all(bucket.asked("GET", key) <= 1 for key in block_keys[4:])
         assert (now["hits"], now["misses_by_reason"]) == (1, {"damaged": 3})

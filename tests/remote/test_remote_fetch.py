@@ -275,7 +275,7 @@ def test_a_block_damaged_in_the_bucket_is_refused_and_leaves_the_tier_as_it_was(
     assert set(remote["misses_by_reason"]) == {"damaged"}
     assert remote["downloaded_blocks"] == BLOCKS  # once: a chain refused is not fetched again
     # No entry, no block, nothing quarantined; the staging files go (the deleter's work).
-    wait_until(lambda: staging_files(b.tier) == [], "the fetch's staging files are gone")
+    wait_until(lambda: staging_files(b) == [], "the fetch's staging files are gone")
     assert entry_files(b.tier) == []
     assert not list((b.tier / "quarantine").iterdir())
 
@@ -320,7 +320,7 @@ def test_a_block_missing_mid_chain_leaves_the_blocks_before_it_fetched_when_wort
     assert len(fetched) == 3
     assert all(theirs[name] == data for name, data in fetched.items())  # A's, byte for byte
     assert remote_of(b)["hits"] == 1
-    wait_until(lambda: staging_files(b.tier) == [], "the fetches' staging files are gone")
+    wait_until(lambda: staging_files(b) == [], "the fetches' staging files are gone")
     assert len(block_files(b.tier)) == len(before) + 3
 
 

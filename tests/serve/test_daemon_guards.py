@@ -278,7 +278,7 @@ def test_a_put_not_committed_in_time_is_aborted_and_its_bytes_returned(tmp_path:
         wait_until(lambda: _status(daemon)["staged_puts"] == 0, "the put expired")
         status = _status(daemon)
         assert (status["staged_bytes"], status["abandoned_puts"]) == (0, 1)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
         late = peer.call(m.PutCommit(id=peer.next_id(), put=put))
         assert isinstance(late, m.ErrorReply)
         assert late.code is ErrorCode.NOT_FOUND
@@ -327,7 +327,7 @@ def test_a_put_whose_staging_file_outgrows_its_declaration_is_aborted(
         assert late.code is ErrorCode.NOT_FOUND
         status = _status(daemon)
         assert status["staged_puts"] == 1  # the honest put is untouched
-        assert len(staging_files(daemon.tier)) == 1
+        assert len(staging_files(daemon)) == 1
         assert _events(daemon, "put_outgrown")
         committed = peer.call(m.PutCommit(id=peer.next_id(), put=honest))
         assert isinstance(committed, m.PutCommitReply), committed
@@ -377,7 +377,7 @@ def test_the_floor_evicts_for_a_put_begun_and_refuses_what_no_eviction_makes_roo
         assert "no_space" in (refused.state.reason or "")
         status = _status(daemon)
         assert (status["entries"], status["staged_bytes"]) == (entries, 0)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
 
 
 def test_a_snapshot_that_would_cross_the_floor_is_not_written(small_disk: Path) -> None:

@@ -51,7 +51,7 @@ def test_sigterm_flushes_pending_puts_and_exits_0(daemon: Daemon) -> None:
         after = report(client)
         assert after["entries"] == len(tokens)
         assert (after["entries"], after["bytes"]) == files_on_disk(daemon)
-    assert staging_files(daemon.tier) == []
+    assert staging_files(daemon) == []
 
 
 def test_a_second_daemon_on_the_same_socket_refuses_to_start(

@@ -86,7 +86,7 @@ def test_put_begins_pipelined_on_one_connection_hold_max_open_puts(tmp_path: Pat
         handed = _close_all(replies)
         assert handed == 2
         assert _codes(replies) == [ErrorCode.OVER_LIMIT] * (asked - 2)
-        assert len(staging_files(daemon.tier)) == 2
+        assert len(staging_files(daemon)) == 2
         assert report(honest)["staged_puts"] == 2
         put_stored(honest, IDENTITY, [7, 8, 9], seed=1)
 
@@ -142,14 +142,14 @@ def test_block_files_made_for_a_put_aborted_meanwhile_leave_no_staging_file(
             _close_all([began])
             hold.touch()
             peer.send(m.PutBlocks(id=peer.next_id(), put=began.put, first=0, count=40))
-            wait_until(lambda: len(staging_files(daemon.tier)) == 2, "a block file begun")
+            wait_until(lambda: len(staging_files(daemon)) == 2, "a block file begun")
             aborted = peer.call(m.PutAbort(id=peer.next_id(), put=began.put))
             assert isinstance(aborted, m.PutAbortReply)
             hold.unlink()
             late = peer.receive()
             assert isinstance(late, m.ErrorReply), late
             assert late.code is ErrorCode.NOT_FOUND
-            wait_until(lambda: staging_files(daemon.tier) == [], "no staging file left")
+            wait_until(lambda: staging_files(daemon) == [], "no staging file left")
 
 
 def test_open_blocks_asked_and_never_read_hand_out_a_bounded_number(tmp_path: Path) -> None:
@@ -380,7 +380,7 @@ def test_a_put_that_leased_entries_leave_no_room_for_is_refused_before_a_byte(
             assert isinstance(refused, m.ErrorReply)
             assert refused.code is ErrorCode.NO_SPACE
             assert f"leased entries hold {3 * ENTRY_BYTES} bytes" in refused.message
-            assert staging_files(daemon.tier) == []
+            assert staging_files(daemon) == []
             release = reader.call(m.Release(id=reader.next_id(), lease=hits[0].lease or 0))
             assert isinstance(release, m.ReleaseReply)
             put = putter.begin(IDENTITY, [9, 9, 9], seed=9)

@@ -196,7 +196,7 @@ def test_the_write_behind_cap_under_each_policy(tmp_path: Path, policy: str) -> 
         status = status_of(peer)
         assert status["entries"] == states["stored"]
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
 
 
 def status_of(peer: RawPeer) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def test_identical_puts_waiting_for_room_together_are_stored_once(tmp_path: Path
         status = status_of(peer)
         assert (status["entries"], status["duplicates"]) == (3, 1)
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
 
 
 def test_the_cost_policy_evicts_the_least_prefill_per_byte_not_the_oldest(tmp_path: Path) -> None:

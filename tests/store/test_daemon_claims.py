@@ -122,7 +122,7 @@ def test_the_write_behind_cap_holds_all_through_a_burst(tmp_path: Path, policy: 
         if policy == "block":
             assert not refused  # every putter waited its turn
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
 
 
 def test_the_tier_cap_holds_across_identities_and_after_a_restart_with_a_lower_cap(
@@ -190,7 +190,7 @@ def test_a_disk_full_in_the_middle_of_a_write_fails_that_put_only(few_inodes: Pa
             state = ticket.wait(SETTLE_SECONDS)
             assert state.state == "failed"
             assert "No space left on device" in str(state.reason)
-            assert staging_files(daemon.tier) == []  # its file went: the inode is free again
+            assert staging_files(daemon) == []  # its file went: the inode is free again
             hit = client.lookup(IDENTITY, [*_tokens(1), 7])  # the entry before: intact
             assert hit is not None
             with hit:
@@ -232,7 +232,7 @@ def _settled_and_consistent(daemon: Daemon, client: Client) -> int:
     directory, every entry whole; how many of its entries were stored."""
     # A staged file is a put queued or still being committed: none left means all settled
     # (a flush alone would not wait for commits that join the queue after it).
-    wait_until(lambda: not staging_files(daemon.tier), "nothing is left in staging")
+    wait_until(lambda: not staging_files(daemon), "nothing is left in staging")
     assert client.flush(SETTLE_SECONDS)
     status = report(client)
     assert status["writeback"]["pending_bytes"] == 0
@@ -286,12 +286,12 @@ def test_a_client_killed_while_waiting_for_room_leaves_nothing_behind(tmp_path: 
         wait_until(lambda: len(report(client)["clients"]) == 2, "the dead client is gone")
         status = report(client)
         assert status["staged_bytes"] == BIG_BYTES  # the holder's alone
-        assert len(staging_files(daemon.tier)) == 1
+        assert len(staging_files(daemon)) == 1
         commit = holder.call(m.PutCommit(id=holder.next_id(), put=held))
         assert isinstance(commit, m.PutCommitReply), commit
         assert client.flush(SETTLE_SECONDS)
         status = report(client)
         assert (status["staged_bytes"], status["writeback"]["pending_bytes"]) == (0, 0)
         assert (status["entries"], status["bytes"]) == files_on_disk(daemon)
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
         put_stored(client, IDENTITY, _tokens(100), seed=100)  # room for the next one at once

@@ -52,9 +52,9 @@ HOLD_A_LEASE = """
 
 def test_a_putter_killed_before_commit_leaves_nothing_behind(daemon: Daemon) -> None:
     with python_child(HOLD_A_PUT, daemon.socket_path) as child:
-        assert len(staging_files(daemon.tier)) == 1
+        assert len(staging_files(daemon)) == 1
         child.kill()
-        wait_until(lambda: not staging_files(daemon.tier), "the staging file is reaped")
+        wait_until(lambda: not staging_files(daemon), "the staging file is reaped")
     with Client.connect(daemon.socket_path, require=True) as client:
         after = report(client)
     assert after["abandoned_puts"] == 1
@@ -114,7 +114,7 @@ def test_a_daemon_killed_mid_stream_restarts_consistent(daemon: Daemon) -> None:
             wait_until(lambda: report(client)["entries"] >= 20, "the stream makes progress")
             daemon.kill()
     daemon.start()
-    assert staging_files(daemon.tier) == []
+    assert staging_files(daemon) == []
     with Client.connect(daemon.socket_path, require=True) as client:
         after = report(client)
         assert (after["entries"], after["bytes"]) == files_on_disk(daemon)

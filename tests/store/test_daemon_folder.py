@@ -267,7 +267,7 @@ def test_tensor_bytes_spoiled_before_the_commit_fail_it_and_the_writer_goes_on(
         assert isinstance(refused, m.ErrorReply), refused
         assert refused.code == ErrorCode.INVALID_ENTRY
         assert "data_checksum" in refused.message
-    assert staging_files(daemon.tier) == []
+    assert staging_files(daemon) == []
     with Client.connect(daemon.socket_path, require=True) as client:
         put_stored(client, IDENTITY, LONG, seed=2)  # the writer still writes
         accounting_matches_directory(client, daemon)

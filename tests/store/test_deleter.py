@@ -274,12 +274,12 @@ def test_an_aborted_puts_staging_file_goes_through_the_deleter(tmp_path: Path) -
     """Out of staging, then unlinked from deleting/, by the deleter's thread."""
     with running_daemon(tmp_path) as daemon, RawPeer(daemon.socket_path) as peer:
         put = peer.begin(RAW_IDENTITY, [1, 2, 3], seed=1)
-        assert len(staging_files(daemon.tier)) == 1
+        assert len(staging_files(daemon)) == 1
         reply = peer.call(m.PutAbort(id=peer.next_id(), put=put))
         assert isinstance(reply, m.PutAbortReply)
         with Client.connect(daemon.socket_path, require=True) as client:
             assert settled(lambda: client.status()["deleted_files"] == 1)
-            assert staging_files(daemon.tier) == []
+            assert staging_files(daemon) == []
             assert client.status()["deleting_bytes"] == 0
         assert not any((daemon.tier / "deleting").iterdir())
 

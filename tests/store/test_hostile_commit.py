@@ -198,7 +198,7 @@ def test_a_client_that_keeps_its_descriptors_cannot_change_what_is_stored(
         assert served(daemon, PROMPT) == [t.tobytes() for t in kept]
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), begun)
         assert status(peer)["puts"]["sealed_by_copy"] == before + 1 + len(fds)
-        assert staging_files(daemon.tier) == []  # the client's files went to be deleted
+        assert staging_files(daemon) == []  # the client's files went to be deleted
 
 
 @pytest.mark.parametrize("lie", [1, 16384], ids=["one-byte", "a-page-too-many"])
@@ -212,7 +212,7 @@ def test_a_put_that_lies_about_its_block_size_is_refused_at_its_commit(
         assert isinstance(liar, Begun), liar
         write_blocks(peer, liar)  # each block at its true size
         assert_refused(commit(peer, liar.put), "file_size")
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
         assert status(peer)["puts"]["refused_at_commit"] == 1
         assert status(peer)["staged_bytes"] == 0
         assert_counts_equal_the_directory(peer, daemon.tier)
@@ -237,7 +237,7 @@ def test_a_put_that_lies_about_the_size_of_blocks_it_holds_is_refused_at_its_beg
         assert isinstance(liar, m.ErrorReply), liar
         assert liar.code == ErrorCode.BAD_MESSAGE, liar
         assert f"{true_size} bytes" in liar.message, liar.message
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
         assert status(peer)["staged_bytes"] == 0
         assert_counts_equal_the_directory(peer, daemon.tier)
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
@@ -295,7 +295,7 @@ def test_a_header_with_a_creation_time_out_of_range_is_refused(
         os.close(fd)
         assert_refused(peer.call(m.PutCommit(id=peer.next_id(), put=put)), "creation time")
         assert served(daemon, PROMPT) is None
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
 
 
 def test_a_manifest_that_disagrees_with_the_blocks_it_holds_is_refused(
@@ -366,7 +366,7 @@ def test_a_block_asked_for_again_after_its_early_check_is_checked_again_at_its_c
         spoil_a_block(again[0], liar)
         close_all(again)
         assert_refused(commit(peer, liar.put), "data_checksum")
-        assert staging_files(daemon.tier) == []
+        assert staging_files(daemon) == []
         honest = put_v2(peer, IDENTITY, BLOCKS)
         assert honest.held == 0  # nothing of the liar's was kept
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), honest)
@@ -455,7 +455,7 @@ def test_a_put_abandoned_while_its_blocks_are_checked_early_leaves_nothing(
         close_all(handed_over(peer, begun, 3, 1))  # blocks 0..2 checked from here
     with RawPeer(daemon.socket_path) as peer:
         wait_until(lambda: status(peer)["staged_bytes"] == 0, "the put's bytes returned")
-        wait_until(lambda: staging_files(daemon.tier) == [], "the put's files removed")
+        wait_until(lambda: staging_files(daemon) == [], "the put's files removed")
         again = put_v2(peer, IDENTITY, BLOCKS, width=BIG_BLOCK_WIDTH)
         assert again.held == 0
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), again)
