@@ -15,7 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from blocks_e2e import BLOCK_TOKENS, kv_tensors
-from daemon_e2e import IDENTITY, OTHER_IDENTITY, SETTLE_SECONDS, put_stored, wait_until
+from daemon_e2e import (
+    IDENTITY,
+    OTHER_IDENTITY,
+    SETTLE_SECONDS,
+    files_on_disk,
+    put_stored,
+    staging_files,
+    wait_until,
+)
 from daemon_process import Daemon, kvctl, running_daemon
 from kvd_client import AsyncClient, Client, TicketState
 from kvd_client.results import Presence
@@ -92,9 +100,8 @@ def _holds_nothing(daemon: Daemon) -> None:
     with Client.connect(daemon.socket_path, require=True) as client:
         status = client.status()
         assert (status["entries"], status["bytes"]) == (0, 0)
-    files = [p for p in (daemon.tier / "entries").rglob("*") if p.is_file()]
-    assert files == []
-    assert list((daemon.tier / "staging").iterdir()) == []
+    assert files_on_disk(daemon) == (0, 0)
+    assert staging_files(daemon) == []
 
 
 def test_a_damaged_truncated_or_lying_bundle_is_refused_and_stores_nothing(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, put_stored, report
+from daemon_e2e import IDENTITY, SETTLE_SECONDS, RawPeer, put_stored, report, staging_files
 from daemon_process import Daemon, running_daemon
 from kvd_client.client import Client
 from kvd_protocol import LayerSpec, TensorSpec
@@ -90,7 +90,7 @@ def test_a_full_disk_refuses_the_put_and_loses_nothing(small_disk: Path) -> None
             assert state.reason is not None
             assert "no_space" in state.reason
             # Nothing left behind, the earlier entry intact, the daemon still serving.
-            assert list((small_disk / "tier" / "staging").iterdir()) == []
+            assert staging_files(daemon) == []
             hit = client.lookup(IDENTITY, [*range(1, 65), 7])
             assert hit is not None
             with hit:

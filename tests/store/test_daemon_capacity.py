@@ -13,6 +13,7 @@ from daemon_e2e import (
     OTHER_IDENTITY,
     SETTLE_SECONDS,
     RawPeer,
+    deleter_idle,
     entry,
     files_on_disk,
     put_stored,
@@ -85,6 +86,7 @@ def test_a_leased_entry_outlives_evict_until_released(tmp_path: Path) -> None:
         assert [bytes(v) for v in result.tensors] == [t.tobytes() for t in tensors]
         result.verify()
         result.release()
+        deleter_idle(daemon)
         assert not path.exists()
         assert report(admin)["bytes"] == 0
         assert files_on_disk(daemon) == (0, 0)
