@@ -177,9 +177,9 @@ _MAX_DIMENSION: Final = (1 << 31) - 1  # MLX's dimensions are int32: a larger bu
 
 
 def allocated(layouts: Sequence[Layout]) -> list[mx.array]:
-    """Evaluated arrays of these (shape, dtype), in fresh MLX buffers of exactly their size
-    (what MLX's cache of freed buffers holds for reuse), not yet written: the caller fills
-    every byte.
+    """Evaluated arrays of these (shape, dtype), in MLX buffers asked for at exactly their
+    size (so MLX's cache of freed buffers can serve them, and takes them back for reuse), not
+    yet written: the caller fills every byte.
 
     MLX offers no uninitialised allocation but the one mx.load makes before it reads a tensor
     into it: a file object that declares the buffers and writes nothing gets it (mx.zeros
