@@ -222,11 +222,20 @@ def interruptible(daemon: Daemon) -> Iterator[list[subprocess.Popen[str]]]:
             process.wait()
 
 
+# kvctl as a terminal's foreground job runs it: Ctrl-C raises KeyboardInterrupt. A suite run
+# as a background job (`make test &`) ignores SIGINT, and Python started with SIGINT ignored
+# keeps ignoring it: the handler is put back before kvctl's module runs.
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'kvctl'; runpy.run_module('kvd.ops.kvctl', run_name='__main__')"
+)
+
+
 def _start(
     daemon: Daemon, started: list[subprocess.Popen[str]], *args: str
 ) -> subprocess.Popen[str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvd.ops.kvctl", "--socket", daemon.socket_path, *args],
+        [sys.executable, "-c", AS_FROM_A_TERMINAL, "--socket", daemon.socket_path, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
