@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from kvd_protocol import messages
+from kvd_protocol import ops
 from test_packaging import import_graph, module_sources
 
 import kvd
@@ -66,8 +66,8 @@ def test_no_module_imports_an_entry_point() -> None:
 
 
 OP_TABLE = "kvd.serve.handlers"
-REQUEST_OPS = frozenset(messages.OPS)
-REQUEST_TYPES = frozenset(op.request.__name__ for op in messages.OPS.values())
+REQUEST_OPS = frozenset(ops.OPS)
+REQUEST_TYPES = frozenset(op.request.__name__ for op in ops.OPS.values())
 
 
 def _name(node: ast.AST) -> str | None:

@@ -46,7 +46,8 @@ from kvd_protocol.errors import (
 )
 from kvd_protocol.identity import Identity
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
-from kvd_protocol.messages import OPS, PROTOCOL_VERSION, EntrySummary, ErrorReply, Reply, Request
+from kvd_protocol.messages import PROTOCOL_VERSION, EntrySummary, ErrorReply, Reply, Request
+from kvd_protocol.ops import OPS
 from kvd_protocol.tokens import pack_tokens, unpack_tokens
 
 __all__ = [

@@ -21,7 +21,6 @@ from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocol
 from .framing import FrameReader, FrameWriter, decode_body
 from .limits import DEFAULT_LIMITS, Limits
 from .messages import (
-    OPS,
     U32,
     ErrorReply,
     Hello,
@@ -29,9 +28,8 @@ from .messages import (
     Message,
     Reply,
     Request,
-    decode_request,
-    peek_id,
 )
+from .ops import OPS, decode_request, peek_id
 
 
 class NeedData(Enum):

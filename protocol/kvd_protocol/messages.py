@@ -2,8 +2,7 @@
 
 A message's wire map is {"op": <op>, "id": <id>, <its fields>}; every field is always present
 (an absent value is nil), and a field's declaration names its checker (fields.py); each class
-is a Record (record.py). OPS pairs each request class with its reply class: the one table of
-operations. See PROTOCOL.md.
+is a Record (record.py). The op table pairing them is ops.py. See PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, ClassVar, Final, Self
 
 from . import schema
@@ -619,58 +617,3 @@ class PresenceReply(Reply):
     remote: int | None = field(metadata=wire(_optional(_uint(0, U32))))
     remote_miss: str | None = field(metadata=wire(_optional(_name)))
     remote_detail: str | None = field(metadata=wire(_optional(_prose)))
-
-
-@dataclass(frozen=True)
-class Op:
-    request: type[Request]
-    reply: type[Reply]
-
-
-OPS: Final[Mapping[str, Op]] = MappingProxyType(
-    {
-        op.request.op: op
-        for op in (
-            Op(Hello, HelloReply),
-            Op(Ping, PingReply),
-            Op(PutBegin, PutBeginReply),
-            Op(PutBlocks, PutBlocksReply),
-            Op(PutCommit, PutCommitReply),
-            Op(PutAbort, PutAbortReply),
-            Op(WaitTicket, TicketReply),
-            Op(Lookup, LookupReply),
-            Op(OpenBlocks, OpenBlocksReply),
-            Op(FindCheckpoint, FindCheckpointReply),
-            Op(ForgetCheckpoint, ForgetCheckpointReply),
-            Op(Release, ReleaseReply),
-            Op(Flush, FlushReply),
-            Op(Status, StatusReply),
-            Op(ListEntries, ListEntriesReply),
-            Op(Evict, EvictReply),
-            Op(Verify, VerifyReply),
-            Op(OpenEntry, OpenEntryReply),
-            Op(Presence, PresenceReply),
-        )
-    }
-)
-
-
-def peek_id(obj: object) -> int:
-    """The request id of a decoded body, or 0 when it has none that could be answered."""
-    if type(obj) is dict or isinstance(obj, Mapping):
-        value = obj.get("id")
-        if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
-            return value if 1 <= value <= U32 else 0
-    return 0
-
-
-def decode_request(obj: object, limits: Limits) -> Request:
-    """The request a decoded body holds; raises ProtocolError (UNKNOWN_OP, BAD_MESSAGE,
-    TOO_LARGE)."""
-    op = obj.get("op") if type(obj) is dict or isinstance(obj, Mapping) else None
-    if not isinstance(op, str):
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a map with a string 'op'")
-    spec = OPS.get(op)
-    if spec is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r}")
-    return spec.request.from_wire(obj, limits)

@@ -10,8 +10,7 @@ import struct
 
 import msgpack
 import pytest
-from kvd_protocol import bundle
-from kvd_protocol import messages as m
+from kvd_protocol import bundle, ops
 from kvd_protocol.bundle import BundleError
 from kvd_protocol.checksum import checksum
 from kvd_protocol.errors import ErrorCode, ProtocolError
@@ -153,5 +152,5 @@ def test_presence_names_its_identity_whole_or_by_digest_and_not_both() -> None:
             "tokens": tokens,
         }
         with pytest.raises(ProtocolError) as caught:
-            m.decode_request(wire, DEFAULT_LIMITS)
+            ops.decode_request(wire, DEFAULT_LIMITS)
         assert caught.value.code is ErrorCode.BAD_MESSAGE

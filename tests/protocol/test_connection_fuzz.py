@@ -14,7 +14,8 @@ from kvd_protocol.connection import NEED_DATA, BadRequest, Connection, Connectio
 from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.framing import LENGTH
 from kvd_protocol.limits import Limits
-from kvd_protocol.messages import OPS, ErrorReply, HelloReply, Message, Reply, Request
+from kvd_protocol.messages import ErrorReply, HelloReply, Message, Reply, Request
+from kvd_protocol.ops import OPS
 from wire_samples import HELLO, exchanges, feed
 
 LIMITS = Limits(max_frame_bytes=1024, max_in_flight=64, max_tokens=128)

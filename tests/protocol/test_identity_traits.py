@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from entry_samples import data_of, forge, header_of, read, write
 from kvd_protocol import messages as m
+from kvd_protocol import ops
 from kvd_protocol.entry import EntryPlan, LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.errors import ErrorCode, ProtocolError
 from kvd_protocol.identity import (
@@ -40,7 +41,7 @@ def test_traits_change_neither_the_digest_nor_equality() -> None:
 def test_traits_travel_with_a_lookup_and_its_reply_says_why_it_missed() -> None:
     described = dataclasses.replace(IDENTITY, traits=TRAITS)
     request = m.Lookup(id=3, identity=described, tokens=pack_tokens(range(4)), explain=True)
-    decoded = m.decode_request(msgpack.unpackb(msgpack.packb(request.to_wire())), DEFAULT_LIMITS)
+    decoded = ops.decode_request(msgpack.unpackb(msgpack.packb(request.to_wire())), DEFAULT_LIMITS)
     assert isinstance(decoded, m.Lookup)
     assert decoded.explain
     assert decoded.identity.traits == TRAITS
@@ -87,7 +88,7 @@ def test_ill_formed_traits_are_a_bad_message_naming_them(traits: str) -> None:
     request = {**m.Lookup(id=3, identity=IDENTITY, tokens=b"").to_wire()}
     request["identity"] = {**IDENTITY.to_wire(), "traits": traits}
     with pytest.raises(ProtocolError, match=r"identity\.traits") as raised:
-        m.decode_request(request, DEFAULT_LIMITS)
+        ops.decode_request(request, DEFAULT_LIMITS)
     assert raised.value.code is ErrorCode.BAD_MESSAGE
     with pytest.raises(ValueError, match=r"."):  # in any words: ProtocolError's are checked
         dataclasses.replace(IDENTITY, traits=traits)

@@ -30,8 +30,8 @@ from kvd_protocol.messages import (
     Release,
     RestoreReport,
     WaitTicket,
-    decode_request,
 )
+from kvd_protocol.ops import decode_request
 from kvd_protocol.tokens import pack_tokens
 from wire_samples import HELLO, HELLO_REPLY, IDENTITY, drain
 

@@ -14,7 +14,6 @@ from kvd_protocol.framing import decode_body
 from kvd_protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_protocol.messages import (
     MAX_BLOCK_BATCH,
-    OPS,
     DropReport,
     ErrorReply,
     Evict,
@@ -36,9 +35,8 @@ from kvd_protocol.messages import (
     Release,
     Reply,
     StatusReply,
-    decode_request,
-    peek_id,
 )
+from kvd_protocol.ops import OPS, decode_request, peek_id
 from kvd_protocol.tokens import pack_tokens
 from wire_samples import BLOCKS, ENTRY, HELLO, HELLO_REPLY, IDENTITY, TOKENS, exchanges
 
