@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import signal
 import sys
 import time
@@ -83,7 +82,7 @@ from .model_folder import KvQuantization, folder_identity
 from .prompt_hints import PLAIN
 from .request_hints import NO_HINTS, Hints, read_hints
 from .server_flags import PROG, kvd_flags, parse_flags
-from .server_tier import ServerTier, storable
+from .server_tier import ServerTier, exit_without_teardown, storable
 from .warm_up import WARM_UP_HEADER, Served, WarmUp, server_url
 
 log = logging.getLogger("kvd_client")
@@ -443,10 +442,7 @@ def _exit_changed(changed: MlxLmChangedError) -> NoReturn:
     last line. Nothing is lost: the tier is told of a model only once it passed the check.
     Not through mlx_lm.server's own shutdown: an interrupt that lands while its HTTP server
     starts leaves that waiting for a serve_forever that never ran."""
-    logging.shutdown()
-    sys.stdout.flush()
-    print(changed, file=sys.stderr, flush=True)
-    os._exit(1)
+    exit_without_teardown(1, str(changed))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -481,13 +477,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit_changed(changed)
     finally:
         tier.close()
-    # The server has stopped and the tier is closed. Leave without the interpreter's teardown:
-    # MLX's stream threads are still joinable then, and destroying them aborts the process
-    # (SIGABRT, which a service manager takes for a crash).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ logs when it is retired (a reload, the server's exit)."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from kvd_protocol.errors import DaemonUnavailableError
 from kvd_protocol.identity import SOURCE_TRAIT
@@ -172,3 +174,16 @@ def describe_breaker(stats: BreakerStats) -> str:
 def storable(tokens: Sequence[int]) -> bool:
     """Token ids kvd can key by: mlx_lm.server marks image patches with negative ids."""
     return min(tokens, default=0) >= 0
+
+
+def exit_without_teardown(status: int = 0, last_line: str | None = None) -> NoReturn:
+    """Ends a server process, from any thread, skipping the interpreter's teardown: MLX's
+    stream threads are still joinable then, and destroying them aborts the process (SIGABRT,
+    which a service manager takes for a crash). The logs are flushed first; last_line, if
+    any, is the last line on stderr."""
+    logging.shutdown()
+    sys.stdout.flush()
+    if last_line is not None:
+        print(last_line, file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(status)

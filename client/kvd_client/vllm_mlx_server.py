@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -56,7 +55,7 @@ from . import vllm_mlx_hooks
 from .client import Client
 from .model_folder import model_identity
 from .server_flags import kvd_flags, parse_flags
-from .server_tier import ServerTier, storable
+from .server_tier import ServerTier, exit_without_teardown, storable
 from .vllm_mlx_hooks import VllmMlxChangedError
 
 log = logging.getLogger("kvd_client")
@@ -188,11 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pass  # SIGINT or SIGTERM: uvicorn shut the server down, or it had not started
     finally:
         tier.close()
-    # As kvd-mlx-lm-server: MLX's stream threads abort the interpreter's teardown.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
