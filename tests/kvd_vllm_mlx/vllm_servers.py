@@ -4,38 +4,21 @@ cache under ~/.cache at exit and loads it at start: a restart must not be served
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from http_servers import START_SECONDS, HttpServer, free_port
+from http_servers import HttpServer, free_port, running_server
 
 SERVED = "tiny"
 MAX_TOKENS = 12
 
 
 class VllmServer(HttpServer):
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as answer:
-                    if json.loads(answer.read()).get("status") == "healthy":
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"server not ready within {START_SECONDS} s:\n{self.logs()}")
+    healthy = "healthy"
 
 
 def command(
@@ -73,19 +56,10 @@ def vllm_server(
 ) -> Iterator[VllmServer]:
     """A ready server process of model; with kvd_socket None, stock vllm-mlx."""
     port = free_port()
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            command(model, port, kvd_socket, extra, python),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=environment(log.with_suffix(".home")),
-        )
-    server = VllmServer(process, port, log)
-    try:
-        server.wait_ready()
+    launch = command(model, port, kvd_socket, extra, python)
+    env = environment(log.with_suffix(".home"))
+    with running_server(VllmServer, launch, port, log, env) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @dataclass(frozen=True)

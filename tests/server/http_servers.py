@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from kvd_client.client import Client
 from model_folders import words
@@ -41,6 +41,7 @@ class HttpServer:
     process: subprocess.Popen[bytes]
     port: int
     log: Path
+    healthy: ClassVar[str] = "ok"  # the status /health answers once the server serves
 
     @property
     def url(self) -> str:
@@ -67,7 +68,7 @@ class HttpServer:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as answer:
-                    if json.loads(answer.read()).get("status") == "ok":
+                    if json.loads(answer.read()).get("status") == self.healthy:
                         return
             except OSError:
                 pass
@@ -101,6 +102,24 @@ def _command(
     return [python, "-m", "kvd_client.mlx_lm_server", *common, "--kvd-socket", kvd_socket]
 
 
+Server = TypeVar("Server", bound=HttpServer)
+
+
+@contextmanager
+def running_server(
+    kind: type[Server], command: Sequence[str], port: int, log: Path, env: dict[str, str]
+) -> Iterator[Server]:
+    """The server command started, its output to log, until it is ready; killed after."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = kind(process, port, log)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
 @contextmanager
 def http_server(
     model: Path,
@@ -115,19 +134,9 @@ def http_server(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     env["HF_HUB_OFFLINE"] = "1"
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            _command(model, port, kvd_socket, extra, python),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    server = HttpServer(process, port, log)
-    try:
-        server.wait_ready()
+    command = _command(model, port, kvd_socket, extra, python)
+    with running_server(HttpServer, command, port, log, env) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @dataclass(frozen=True)
