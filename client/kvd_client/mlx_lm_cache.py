@@ -318,7 +318,7 @@ class ColdTier:
         first start): the model to call, its prefill cut at the prefill checkpoints (each
         stored), and a progress callback that stores the prompt boundary when the caches may
         become untrimmable, then calls progress with what it was given."""
-        untrimmable = not all(_always_trimmable(layer) for layer in cache)
+        untrimmable = may_become_untrimmable(cache)
         at = self.checkpoint_positions(tokens, start, cache)  # none for caches that trim
 
         def take(position: int, caches: Sequence[Any]) -> None:
@@ -340,7 +340,7 @@ class ColdTier:
         """Where a prefill of tokens from start (cache holds the first start; None: a fresh
         one) stores prefill checkpoints: none when they are off or the caches always trim."""
         layers = make_prompt_cache(self.model) if cache is None else cache
-        if self.checkpoints.interval == 0 or all(_always_trimmable(layer) for layer in layers):
+        if self.checkpoints.interval == 0 or not may_become_untrimmable(layers):
             return []
         interval = self.checkpoints.interval or self._interval(len(tokens))
         return prefill_checkpoints.positions(start, len(tokens) - 1, interval) if interval else []
@@ -539,6 +539,12 @@ class ColdTier:
             self.stats.unavailable += 1
         else:
             self.stats.failed += 1
+
+
+def may_become_untrimmable(layers: Sequence[Any]) -> bool:
+    """Whether caches may become untrimmable (recurrent state, a window that wraps): their
+    prefill stores the prompt boundary and prefill checkpoints."""
+    return not all(_always_trimmable(layer) for layer in layers)
 
 
 def _always_trimmable(layer: Any) -> bool:

@@ -58,7 +58,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -80,6 +80,7 @@ from .mlx_lm_cache import ColdTier
 from .mlx_lm_hooks import MlxLmChangedError
 from .model_folder import KvQuantization, folder_identity
 from .prompt_hints import PLAIN
+from .request_cache import RequestCache, request_tokens
 from .request_hints import NO_HINTS, Hints, read_hints
 from .server_flags import PROG, kvd_flags, parse_flags
 from .server_tier import ServerTier, exit_without_teardown, storable
@@ -100,17 +101,6 @@ mlx_lm_utils: Any = _utils
 
 HINTS_ATTRIBUTE: Final = "kvd_hints"  # a completion request's hints (TieredAPIHandler)
 _RUN_HTTP_SERVER: Final = stock._run_http_server  # stock's, called with the handler's class
-
-
-class RequestCache(list[Any]):
-    """The caches the prompt cache returns for a request: mlx_lm.server passes them on as its
-    generation's prompt_cache, so they carry what the generation continues (the request's
-    tokens, of which the caches hold the first start) and nothing is matched across calls."""
-
-    def __init__(self, layers: Iterable[Any], tokens: list[int], start: int) -> None:
-        super().__init__(layers)
-        self.tokens = tokens
-        self.start = start
 
 
 class TieredPromptCache(stock.LRUPromptCache):  # type: ignore[misc]
@@ -182,7 +172,7 @@ def tiered_stream_generate(
     cold = tier.serving(model)
     cache: Any = kwargs.get("prompt_cache")
     plain = draft_model is None and kwargs.get("input_embeddings") is None
-    request = _request(prompt, cache) if cold is not None and plain else None
+    request = request_tokens(prompt, cache) if cold is not None and plain else None
     if request is not None and not tier.hints.for_store(request[0]).store:
         request = None
     if cold is None or request is None:
@@ -192,21 +182,6 @@ def tiered_stream_generate(
         tokens, start, cache, kwargs.get("prompt_progress_callback")
     )
     return _measured(cold, mlx_lm.stream_generate(called, tokenizer, prompt, max_tokens, **kwargs))
-
-
-def _request(prompt: Any, cache: Any) -> tuple[list[int], int] | None:
-    """The tokens of the request whose rest prompt is, and how many of them cache holds: a
-    cache the lookup returned knows its request; a fresh one (holding nothing) is prefilled
-    with the whole of it. None when prompt is not that rest or the tokens are not kvd's."""
-    if not isinstance(prompt, list) or not prompt:
-        return None
-    if isinstance(cache, RequestCache):
-        tokens, start = cache.tokens, cache.start
-    elif isinstance(cache, list) and all(layer.empty() for layer in cache):
-        tokens, start = prompt, 0
-    else:
-        return None
-    return (tokens, start) if storable(tokens) and tokens[start:] == prompt else None
 
 
 def _measured(cold: ColdTier, responses: Iterator[Any]) -> Iterator[Any]:

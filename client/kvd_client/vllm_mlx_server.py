@@ -12,11 +12,17 @@ it, as under mlx_lm.server's:
 - a prompt with no in-memory prefix, or a shorter one than kvd holds, starts from the longest
   usable prefix in kvd, restored in the prefix cache's lookup (which vllm-mlx runs on the
   thread that owns the model);
-- every cache vllm-mlx keeps in memory (a finished turn, the prompt boundary of a hybrid, the
-  pieces of a chunked prefill) is also handed to kvd: snapshotted where vllm-mlx stores it, sent
-  by a thread of its own (mlx_lm_cache.ColdTier); a request never waits for the daemon. vllm-mlx
-  keys some entries one token past what their caches hold (a finished turn's last token was
-  never run through the model): kvd keys them by what the caches hold.
+- every cache vllm-mlx keeps in memory (a finished turn, a hybrid's prompt with its first
+  generated token, the pieces of a chunked prefill) is also handed to kvd: snapshotted where
+  vllm-mlx stores it, sent by a thread of its own (mlx_lm_cache.ColdTier); a request never
+  waits for the daemon. vllm-mlx keys some entries one token past what their caches hold (a
+  finished turn's last token was never run through the model): kvd keys them by what the
+  caches hold;
+- models whose caches cannot be trimmed (hybrids: Qwen3.5, Qwen3-Next, Nemotron-H; sliding
+  windows that wrap) get prefill checkpoints and the prompt boundary, as on kvd-mlx-lm-server
+  (vllm_mlx_batch.py: the prompt inserted into the batch cut at the checkpoint positions), so
+  a prompt whose end changed restores all but the last interval and an exact repeat all but
+  its last token; the batch's prefill steps are timed for the tier's cost policy.
 
 The identity is kvd-mlx-lm-server's (model_folder.model_identity: the model folder's content,
 the chat template in force, no KV quantisation: vllm-mlx's --kv-cache-quantization quantises
@@ -25,14 +31,15 @@ server stored restores on the other where both run the same mlx. With no daemon,
 restarts, lookups miss and stores are skipped: the server answers as stock vllm-mlx does. A
 hung daemon costs one request the lookup timeout at most (the client's breaker).
 
-Two names are replaced before the server starts: Scheduler in vllm_mlx.engine_core (so the tier
-follows the model each engine serves) and MemoryAwarePrefixCache in vllm_mlx.scheduler. The
-paged and block-aware caches, the multimodal scheduler, a registry of several models and
-vllm-mlx's own SSD tier are refused with a usage error: the tier is under the memory-aware
-cache of one text model. What this relies on is checked at start (vllm_mlx_hooks.py): a
-missing or changed hook stops the server with an error naming the vllm-mlx version found and
-the tested range. SIGTERM stops the server as vllm-mlx's does (uvicorn's shutdown), and the
-snapshots still waiting are sent before the process exits.
+Three names are replaced before the server starts: Scheduler in vllm_mlx.engine_core (so the
+tier follows the model each engine serves), MemoryAwarePrefixCache and BatchGenerator
+(mlx-lm's, for the prefill checkpoints) in vllm_mlx.scheduler. The paged and block-aware
+caches, the multimodal scheduler, a registry of several models and vllm-mlx's own SSD tier are
+refused with a usage error: the tier is under the memory-aware cache of one text model. What
+this relies on is checked at start (vllm_mlx_hooks.py): a missing or changed hook stops the
+server with an error naming the vllm-mlx version found and the tested range. SIGTERM stops the
+server as vllm-mlx's does (uvicorn's shutdown), and the snapshots still waiting are sent before
+the process exits.
 """
 
 from __future__ import annotations
@@ -54,8 +61,10 @@ from vllm_mlx import scheduler as _scheduler
 from . import vllm_mlx_hooks
 from .client import Client
 from .model_folder import model_identity
+from .request_cache import RequestCache
 from .server_flags import kvd_flags, parse_flags
 from .server_tier import ServerTier, exit_without_teardown, storable
+from .vllm_mlx_batch import TieredBatchGenerator
 from .vllm_mlx_hooks import VllmMlxChangedError
 
 log = logging.getLogger("kvd_client")
@@ -83,22 +92,27 @@ class TieredMemoryCache(stock_scheduler.MemoryAwarePrefixCache):  # type: ignore
         self._served = model
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """The caches of the longest prefix of tokens memory or kvd holds, as a RequestCache
+        (vllm_mlx_batch.py continues its request's prefill), and the tokens still to run."""
         cache, rest = super().fetch(tokens)
         cached = 0 if cache is None else len(tokens) - len(rest)
         cold = self.tier.serving(self._served)
-        if cold is None or cached >= len(tokens) - 1 or not storable(tokens):
+        if cold is None or not storable(tokens):
             return cache, rest
-        started = time.perf_counter()
-        restored = cold.restore(tokens, min_tokens=cached + 1)
+        restored = None
+        if cached < len(tokens) - 1:
+            started = time.perf_counter()
+            restored = cold.restore(tokens, min_tokens=cached + 1)
         if restored is None:
-            return cache, rest
+            return (None if cache is None else RequestCache(cache, list(tokens), cached)), rest
         took = (time.perf_counter() - started) * 1000
         log.info(
             "kvd: restored %d of %d prompt tokens in %.1f ms", restored.matched, len(tokens), took
         )
         # A prefix hit to the scheduler; no key: the entry is not one of memory's to evict.
         self._last_match_type, self._last_matched_key = "prefix", None
-        return list(restored.cache), list(tokens[restored.matched :])
+        matched = restored.matched
+        return RequestCache(restored.cache, list(tokens), matched), list(tokens[matched:])
 
     def store(self, tokens: list[int], cache: list[Any], evict_prefixes: bool = True) -> bool:
         cold = self.tier.serving(self._served)
@@ -180,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tier = ServerTier(client, args.kvd_namespace, args.kvd_backlog_bytes, args.kvd_checkpoints)
     stock_engine_core.Scheduler = partial(TieredScheduler, tier=tier)
     stock_scheduler.MemoryAwarePrefixCache = partial(TieredMemoryCache, tier=tier)
+    stock_scheduler.BatchGenerator = partial(TieredBatchGenerator, tier=tier)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         stock_cli.serve_command(options)

@@ -58,6 +58,13 @@ CHANGES = {
         "vllm_mlx.scheduler.Scheduler.__init__ no longer looks up MemoryAwarePrefixCache by "
         "that name",
     ),
+    "the scheduler builds its batch generator under another name": (
+        "scheduler.py",
+        "        bg = BatchGenerator(",
+        "        from mlx_lm.generate import BatchGenerator as Batches\n\n        bg = Batches(",
+        "vllm_mlx.scheduler.Scheduler._create_batch_generator no longer looks up "
+        "BatchGenerator by that name",
+    ),
 }
 
 
