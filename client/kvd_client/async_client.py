@@ -3,14 +3,16 @@
 It drives the same calls (calls.py, prompt_cache.py) as Client; a put's tensor copies run in
 a worker thread so the event loop keeps serving. A get's restore builds its MLX arrays on the
 loop's thread (MLX work stays on the thread that runs the model), which waits while reader
-threads fill them. Exchanges on one AsyncClient take turns (one request in flight at a
+threads fill them. Exchanges on one AsyncClient take turns (one request awaited at a
 time): tasks that must not wait behind a long ticket wait or flush use a client of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -20,7 +22,7 @@ from kvd_protocol.messages import Reply
 
 from . import calls
 from .api import ClientApi, LookupResultApi, TicketApi
-from .calls import Call, Exchange
+from .calls import Call, Exchange, Notice
 from .client import new_link
 from .link import DEFAULT_BACKOFF, DEFAULT_LOOKUP_TIMEOUT, Backoff, Link
 from .operations import AsyncRunner
@@ -106,6 +108,7 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         async with self._lock:
+            await self._hear_notices()
             self._drop()
 
     async def __aenter__(self) -> Self:
@@ -131,6 +134,8 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
                 try:
                     if isinstance(step, Exchange):
                         result = await self._exchange(step)
+                    elif isinstance(step, Notice):
+                        await self._notice(step)
                     else:
                         result = await asyncio.to_thread(step.work)
                 except Exception as exc:
@@ -140,7 +145,29 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
 
     async def _exchange(self, step: Exchange) -> Reply:
         """As Client._exchange."""
-        link = self._link
+        async with self._holding(step):
+            fresh = calls.must_connect(self._link, step, connected=self._transport is not None)
+            try:
+                return await self._exchange_locked(step, fresh=fresh)
+            except DaemonUnavailableError as exc:
+                self._link.failed(str(exc))
+                raise
+
+    async def _notice(self, step: Notice) -> None:
+        """As Client._notice."""
+        async with self._holding(step):
+            calls.must_connect(self._link, step, connected=self._transport is not None)
+            assert self._transport is not None
+            frame = self._link.notice(step.request)
+            try:
+                await self._transport.send(frame)
+            except OSError as exc:
+                self._drop()
+                raise DaemonUnavailableError(f"{step.request.op}: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, step: Exchange | Notice) -> AsyncIterator[None]:
+        """As Client._holding."""
         try:
             async with asyncio.timeout(None if step.by is None else calls.left(step.by)):
                 await self._lock.acquire()
@@ -149,14 +176,19 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
                 f"{step.request.op}: the connection stayed busy past its due"
             ) from None
         try:
-            fresh = calls.must_connect(link, step, connected=self._transport is not None)
-            try:
-                return await self._exchange_locked(step, fresh=fresh)
-            except DaemonUnavailableError as exc:
-                link.failed(str(exc))
-                raise
+            yield
         finally:
             self._lock.release()
+
+    async def _hear_notices(self) -> None:
+        """As Client._hear_notices."""
+        link, transport = self._link, self._transport
+        if transport is None or not link.notices_unanswered:
+            return
+        with contextlib.suppress(OSError, ProtocolError):
+            async with asyncio.timeout(link.lookup_timeout):
+                while link.notices_unanswered and link.next_reply() is None:
+                    link.receive(*await transport.receive())
 
     async def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
         link = self._link

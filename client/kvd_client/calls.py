@@ -100,6 +100,19 @@ class Exchange(NamedTuple):  # not a dataclass: one is made per request, at half
     by: float | None = None
 
 
+class Notice(NamedTuple):
+    """Send request on its connection (epoch: the one the request belongs to) and go on
+    without its reply, which is dropped when it arrives: read by the next exchange on the
+    connection or by the client's close. For a request that nothing waits to hear the answer
+    to (the release that ends a get); the daemon takes a connection's requests in order, so
+    whatever is asked after it is answered after it was done. by: as Exchange's, for the
+    wait for the connection."""
+
+    request: Request
+    epoch: int
+    by: float | None = None
+
+
 @dataclass(frozen=True)
 class Blocking:
     """File work that may take long (copying tensors): an async client runs it in a thread."""
@@ -107,7 +120,7 @@ class Blocking:
     work: Callable[[], object]
 
 
-Step: TypeAlias = Exchange | Blocking
+Step: TypeAlias = Exchange | Notice | Blocking
 Call: TypeAlias = Generator[Step, object, T]
 
 
@@ -123,7 +136,7 @@ def expect(reply: object, kind: type[R]) -> R:
     raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
 
 
-def must_connect(link: Link, step: Exchange, *, connected: bool) -> bool:
+def must_connect(link: Link, step: Exchange | Notice, *, connected: bool) -> bool:
     """Whether a driver connects before sending step's request: the first request of a call
     when no connection is up. A later request belongs to its call's connection (epoch):
     DaemonUnavailableError if that was lost."""
@@ -452,15 +465,20 @@ def release_lease(
     *,
     damaged: str | None = None,
     report: RestoreReport | None = None,
+    awaited: bool = True,
 ) -> Call[None]:
     """End a lease, saying why the entry was unusable if damaged and how the restore went (to
     a daemon that listens), waiting no longer than a lookup; a lease of a lost connection
-    ended with it."""
+    ended with it. Not awaited: the release is sent and its answer not waited for (Notice),
+    for a get whose caches are restored already."""
     damage = damaged if link.offers("release_damaged") else None
     told = report if link.offers("restore_report") else None
     try:
         request = Release(id=link.next_id(), lease=lease, damaged=damage, report=told)
         due = link.due(time.monotonic())
-        expect((yield Exchange(request, epoch=epoch, by=due)), ReleaseReply)
+        if awaited:
+            expect((yield Exchange(request, epoch=epoch, by=due)), ReleaseReply)
+        else:
+            yield Notice(request, epoch, due)
     except (DaemonUnavailableError, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

@@ -6,8 +6,10 @@ see api.py and calls.py for what each operation does. Thread-safe: one exchange 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from types import TracebackType
 from typing import Self, TypeVar
@@ -19,7 +21,7 @@ from kvd_protocol.messages import Reply
 from . import calls
 from .api import ClientApi, LookupResultApi, TicketApi
 from .breaker import Breaker
-from .calls import Call, Exchange
+from .calls import Call, Exchange, Notice
 from .link import (
     DEFAULT_BACKOFF,
     DEFAULT_LOOKUP_TIMEOUT,
@@ -126,6 +128,7 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         with self._lock:
+            self._hear_notices()
             self._drop()
 
     def __enter__(self) -> Self:
@@ -149,7 +152,12 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
                     return done.value  # type: ignore[no-any-return]
                 result, error = None, None
                 try:
-                    result = self._exchange(step) if isinstance(step, Exchange) else step.work()
+                    if isinstance(step, Exchange):
+                        result = self._exchange(step)
+                    elif isinstance(step, Notice):
+                        self._notice(step)
+                    else:
+                        result = step.work()
                 except Exception as exc:
                     error = exc
         finally:
@@ -159,20 +167,50 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         """The reply to step's request, over the current connection or a new one; once more
         on a new one when calls.broken says so. An exchange due by a time waits for the
         connection no longer than that (another thread's exchange may hold it)."""
-        link = self._link
+        with self._holding(step):
+            fresh = calls.must_connect(self._link, step, connected=self._transport is not None)
+            try:
+                return self._exchange_locked(step, fresh=fresh)
+            except DaemonUnavailableError as exc:
+                self._link.failed(str(exc))
+                raise
+
+    def _notice(self, step: Notice) -> None:
+        """Send step's request on its connection, its reply left to the next reader; a send
+        that fails drops the connection (and the daemon ends its leases)."""
+        with self._holding(step):
+            calls.must_connect(self._link, step, connected=self._transport is not None)
+            assert self._transport is not None
+            frame = self._link.notice(step.request)
+            try:
+                self._transport.send(frame)
+            except OSError as exc:
+                self._drop()
+                raise DaemonUnavailableError(f"{step.request.op}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _holding(self, step: Exchange | Notice) -> Iterator[None]:
+        """The connection held for step: waits no longer than its due."""
         if not self._lock.acquire(timeout=-1 if step.by is None else calls.left(step.by)):
             raise DaemonUnavailableError(
                 f"{step.request.op}: the connection stayed busy past its due"
             )
         try:
-            fresh = calls.must_connect(link, step, connected=self._transport is not None)
-            try:
-                return self._exchange_locked(step, fresh=fresh)
-            except DaemonUnavailableError as exc:
-                link.failed(str(exc))
-                raise
+            yield
         finally:
             self._lock.release()
+
+    def _hear_notices(self) -> None:
+        """Read the replies still due to notices (a get's release), within the lookup timeout,
+        so that what they asked is done once close returns; a connection that fails or
+        stays silent is closed all the same."""
+        link, transport = self._link, self._transport
+        if transport is None or not link.notices_unanswered:
+            return
+        with contextlib.suppress(OSError, ProtocolError):
+            transport.settimeout(link.lookup_timeout)
+            while link.notices_unanswered and link.next_reply() is None:
+                link.receive(*transport.receive())
 
     def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
         link = self._link

@@ -8,6 +8,7 @@ and the client's counters (ClientStats). The drivers move the bytes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -37,6 +38,8 @@ from kvd_protocol.messages import (
 from kvd_protocol.paths import default_paths
 
 from .breaker import Breaker
+
+log = logging.getLogger("kvd_client")
 
 
 class DaemonError(Exception):
@@ -144,6 +147,7 @@ class Link:
         self.last_round_trip = 0.0  # seconds, measured by the driver
         self._prefill = _PrefillCost()  # shared with twins: the engine measures, puts send
         self._last_id = 0
+        self._notices: set[int] = set()  # ids of requests sent whose replies go unread
         self._delay = 0.0
         self._retry_at = float("-inf")
 
@@ -263,6 +267,7 @@ class Link:
     def drop(self) -> list[int]:
         """Forget the connection; returns the received descriptors no reply claimed, to close."""
         connection, self.connection = self.connection, None
+        self._notices.clear()
         return connection.take_descriptors() if connection is not None else []
 
     # --- exchanging ---
@@ -274,6 +279,17 @@ class Link:
         except ProtocolError as exc:  # e.g. a frame over the limits: nothing was sent
             raise DaemonError(exc.code, exc.message) from None
 
+    def notice(self, request: Request) -> bytes:
+        """The frame of a request whose reply is dropped when it arrives (calls.Notice)."""
+        frame = self.send(request)
+        self._notices.add(request.id)
+        return frame
+
+    @property
+    def notices_unanswered(self) -> bool:
+        """Whether a notice's reply is still to come on the connection."""
+        return bool(self._notices)
+
     def receive(self, data: bytes, fds: Sequence[int]) -> None:
         assert self.connection is not None
         self.connection.receive_data(data, fds)
@@ -282,13 +298,19 @@ class Link:
         """The reply now complete, or None to receive more; raises ProtocolError when the
         connection is unusable (the driver then drops it)."""
         assert self.connection is not None
-        event = self.connection.next_event()
-        if event is NEED_DATA:
-            return None
-        if isinstance(event, ConnectionClosed):
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon closed the connection")
-        if isinstance(event, ErrorReply) and event.id == 0:
-            # Only one request is ever in flight, and it now awaits a reply that will not come.
-            raise ProtocolError(event.code, f"the daemon could not read a request: {event.message}")
-        assert isinstance(event, Reply)  # a client Connection yields nothing else
-        return event
+        while True:
+            event = self.connection.next_event()
+            if event is NEED_DATA:
+                return None
+            if isinstance(event, ConnectionClosed):
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon closed the connection")
+            if isinstance(event, ErrorReply) and event.id == 0:
+                # The requests in flight (one, and notices) now await a reply that will not come.
+                message = f"the daemon could not read a request: {event.message}"
+                raise ProtocolError(event.code, message)
+            assert isinstance(event, Reply)  # a client Connection yields nothing else
+            if event.id not in self._notices:
+                return event
+            self._notices.discard(event.id)
+            if isinstance(event, ErrorReply):
+                log.debug("notice %d refused: %s: %s", event.id, event.code.value, event.message)

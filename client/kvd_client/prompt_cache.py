@@ -25,7 +25,15 @@ from typing import Any, Final
 
 import mlx.core as mx
 import mlx_lm
-from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
+from kvd_protocol.dtypes import tensor_nbytes
+from kvd_protocol.entry import (
+    Checkpoint,
+    EntryHeader,
+    LayerSpec,
+    MetaValue,
+    TensorSpec,
+    with_rows,
+)
 from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError
 from kvd_protocol.messages import MAX_BLOCK_BATCH, Retention
 from mlx_lm.models.cache import make_prompt_cache
@@ -36,7 +44,15 @@ from .calls import Blocking, Call
 from .codecs import CODEC_ID, Codec, CodecError, codec_for, codec_named, grows, tensor_pieces
 from .identity import EngineIdentity
 from .link import DaemonError, Link
-from .restore import Fill, Filling, Reading, TensorSource, dtype_name, planned
+from .restore import (
+    INLINE_BYTES,
+    Fill,
+    Filling,
+    Reading,
+    TensorSource,
+    dtype_name,
+    planned,
+)
 from .results import LookupHit, PutOutcome
 
 log = logging.getLogger("kvd_client")
@@ -172,9 +188,19 @@ def decode(
     if header.block_hashes:
         raise Miss("blocks", f"the entry lists {len(header.block_hashes)} blocks, read by a get")
     codecs = _codecs(header, matched, model)
-    with _as_miss(), Filling() as filling:
+    with _as_miss(), _filling(header) as filling:
         caches = _loaded(header, codecs, fills, filling, None)
     return _trimmed(caches, header.token_count - matched)
+
+
+def _filling(header: EntryHeader) -> Filling:
+    """The Filling of a restore of header's tensors: on this thread if they are small."""
+    cut = [layer.blocked for layer in header.layers for _ in layer.slots]
+    nbytes = sum(
+        tensor_nbytes(slot.dtype, with_rows(slot.shape, header.token_count) if c else slot.shape)
+        for slot, c in zip(header.slots, cut, strict=True)
+    )
+    return Filling(inline=nbytes <= INLINE_BYTES)
 
 
 def _codecs(header: EntryHeader, matched: int, model: Any) -> list[Codec]:
@@ -335,7 +361,9 @@ def _restore(
     else:
         nbytes, tokens = (0, 0) if restored is None else (hit.summary.bytes, hit.matched)
         report = calls.restore_report(missed, started, nbytes, tokens)
-        yield from calls.release_lease(link, hit.lease, hit.epoch, report=report)
+        # Sent, not waited for: the caches are whole, and the daemon ends the lease before it
+        # takes this connection's next request.
+        yield from calls.release_lease(link, hit.lease, hit.epoch, report=report, awaited=False)
     return restored
 
 
@@ -353,7 +381,7 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
     open_batches: list[tuple[int, ...]] = []  # the descriptors of each, oldest first
     reading: list[Reading] = []  # their reads
     try:
-        with _as_miss(), Filling() as filling:
+        with _as_miss(), _filling(header) as filling:
             for first in range(0, len(header.block_hashes), MAX_BLOCK_BATCH):
                 if len(open_batches) == 2:
                     # Closed only once read: a failure, or the call closed at this yield

@@ -244,24 +244,41 @@ class Filling:
     goes on allocating the next buffers (or asking for the next blocks); leaving the block
     waits for every one of them, then raises the first failure. Nothing may read the arrays
     before (the buffers are still being filled), and nothing is left writing into them
-    after."""
+    after.
 
-    def __init__(self) -> None:
+    inline: each fill and read runs on this thread as it is handed over (its failure still
+    raised on leaving the block, after the others ran): for a restore too small for the
+    reader threads to pay (inline_pays)."""
+
+    def __init__(self, *, inline: bool = False) -> None:
         self._pending: list[Future[None]] = []
+        self._inline = inline
 
     def deferred(self, fill: Fill) -> Fill:
-        """fill, handed to a reader thread: returns at once."""
+        """fill, handed to a reader thread (or run now, inline): returns once handed over."""
 
         def submit(pieces: Sequence[memoryview]) -> None:
-            self._pending.append(_readers().submit(fill, pieces))
+            self._pending.append(self._run(functools.partial(fill, pieces)))
 
         return submit
 
     def started(self, reads: Sequence[Callable[[], None]]) -> Reading:
-        """reads, handed to the reader threads: returns at once."""
-        pending = [_readers().submit(read) for read in reads]
+        """reads, handed to the reader threads (or run now, inline): returns once handed over."""
+        pending = [self._run(read) for read in reads]
         self._pending.extend(pending)
         return Reading(pending)
+
+    def _run(self, work: Callable[[], None]) -> Future[None]:
+        if not self._inline:
+            return _readers().submit(work)
+        done: Future[None] = Future()
+        try:
+            work()
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
     def __enter__(self) -> Filling:
         return self
@@ -280,6 +297,11 @@ class Reading:
         """Wait for every read, then raise the first failure."""
         settle(self.pending)
 
+
+# A restore of at most this many tensor bytes is filled on the caller's thread (Filling's
+# inline): a hand-off to a reader thread and back costs more than the threads save while the
+# reads are few (measured: see INLINE_BYTES's figures in docs/benchmarks.md).
+INLINE_BYTES: Final = 32 << 20
 
 # Reads from the page cache wait on the kernel's copy: more threads than cores go faster
 # (four, as many as mx.load uses, read about twice as fast as one on the 2-core Linux VM).

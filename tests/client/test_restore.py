@@ -4,6 +4,7 @@ source's Fill (here from bytes in memory; test_codecs and the end-to-end tests r
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -186,3 +187,31 @@ def test_dtype_names_are_the_header_names() -> None:
         mx.bfloat16,
         mx.bool_,
     ]
+
+
+def test_inline_filling_runs_each_fill_on_this_thread_then_raises_the_first_failure() -> None:
+    ran: list[tuple[str, threading.Thread]] = []
+
+    def broken(pieces: Sequence[memoryview]) -> None:
+        ran.append(("broken", threading.current_thread()))
+        raise OSError("disk gone")
+
+    def zeros(pieces: Sequence[memoryview]) -> None:
+        for piece in pieces:
+            piece[:] = bytes(piece.nbytes)
+        ran.append(("zeros", threading.current_thread()))
+
+    filling = Filling(inline=True)
+    arrays = owned_all(
+        [
+            TensorSource(filling.deferred(broken), "float32", (4,)),
+            TensorSource(filling.deferred(zeros), "float32", (1 << 10,)),
+        ]
+    )
+    reading = filling.started([lambda: ran.append(("read", threading.current_thread()))])
+    names = ("broken", "zeros", "read")
+    assert ran == [(name, threading.current_thread()) for name in names]  # each as handed over
+    assert not bool(mx.any(arrays[1]).item())
+    reading.wait()  # the read went well
+    with pytest.raises(OSError, match="disk gone"):  # the broken fill's, as the block ends
+        filling.__exit__(None, None, None)
