@@ -364,7 +364,9 @@ class BlockReads:
         # views: a block's rows of it are then a slice of each.
         self._outer_runs: dict[int, list[memoryview]] = {}
         self._heads: BlockHeads | None = None  # set by the first head parsed in full
-        self._heads_tried = False  # once: a writer whose heads differ is parsed in full
+        # Once: a writer whose heads differ is parsed in full. Never for a single block: no
+        # other head to compare with it.
+        self._heads_tried = len(header.block_hashes) < 2
 
     def shape(self, index: int) -> tuple[int, ...]:
         """The whole shape of tensor index (its slot's, for a tensor not cut)."""

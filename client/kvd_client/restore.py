@@ -301,7 +301,7 @@ class Reading:
 # A restore of at most this many tensor bytes is filled on the caller's thread (Filling's
 # inline): a hand-off to a reader thread and back costs more than the threads save while the
 # reads are few (measured: see INLINE_BYTES's figures in docs/benchmarks.md).
-INLINE_BYTES: Final = 32 << 20
+INLINE_BYTES: Final = 64 << 20
 
 # Reads from the page cache wait on the kernel's copy: more threads than cores go faster
 # (four, as many as mx.load uses, read about twice as fast as one on the 2-core Linux VM).

@@ -6,6 +6,7 @@ The planners (entry.py) build these; the reader (entry_reader.py) parses and che
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from collections.abc import Mapping, Sequence
@@ -150,9 +151,10 @@ class EntryHeader:
         """Whether the entry is a prefill checkpoint (its meta marks it)."""
         return self.meta.get(PREFILL_CHECKPOINT_META) is True
 
-    @property
+    @functools.cached_property
     def slots(self) -> tuple[Slot, ...]:
-        """Every slot, layer by layer, in header order."""
+        """Every slot, layer by layer, in header order (made once: a restore asks for it per
+        tensor)."""
         return tuple(slot for layer in self.layers for slot in layer.slots)
 
 
