@@ -134,6 +134,11 @@ def restores_logged(server: HttpServer) -> list[float]:
     return [float(match[3]) for match in _RESTORED.finditer(server.logs())]
 
 
+def restored_tokens_logged(server: HttpServer) -> list[int]:
+    """The prompt tokens of each restore the server logged, in order."""
+    return [int(match[1]) for match in _RESTORED.finditer(server.logs())]
+
+
 _SUPERSEDED: Final = re.compile(r"(\d+) superseded before sending")
 _SNAPSHOTS: Final = re.compile(
     r"snapshots: (\d+) taken in ([\d.]+) ms \(max ([\d.]+) ms\), \d+ bytes copied, "

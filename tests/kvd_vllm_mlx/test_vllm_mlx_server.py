@@ -52,6 +52,18 @@ def test_a_restarted_server_restores_the_prompt_from_kvd_and_answers_as_stock(
     assert _status(daemon)["hits"] == hits + 1
 
 
+def test_the_server_times_its_prefill_for_the_daemons_cost_policy(
+    daemon: Daemon, model: Path, tmp_path: Path
+) -> None:
+    """The batch's prefill steps are timed: the puts after them carry the model's cost per
+    token, which the daemon keeps for the identity."""
+    with vllm_server(model, tmp_path / "server.log", kvd_socket=daemon.socket_path) as server:
+        chat(server, words(600, seed=18))
+        assert server.stop() == 0
+    (identity,) = _status(daemon)["identities"]
+    assert identity["prefill_ms_per_token"] > 0
+
+
 def test_two_servers_on_one_daemon_share_their_prompts(
     daemon: Daemon, model: Path, tmp_path: Path
 ) -> None:
