@@ -58,6 +58,11 @@ def _checkers() -> _Checkers:
     return _Checkers()
 
 
+def on_a_checker(work: Callable[[], None]) -> Future[None]:
+    """work run on one of the checkers' threads, when one is free."""
+    return _checkers().pool.submit(work)
+
+
 def passed_early() -> int:
     """How many blocks passed their check early, before their put's commit."""
     return _checkers().passed

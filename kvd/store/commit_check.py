@@ -6,8 +6,9 @@ declared and what the tier holds: the header (identity, tokens, size, blocks, a 
 the daemon can age it by), the heads of the blocks it was told are held, each new block file
 (its size, head, place in the manifest and checksums) and the manifest's own checksums. The
 new block files are sealed and checked on the block checkers' threads, most of them before
-the commit, as the client hands them over (block_checks.py). A put that fails is refused
-alone: nothing of it was indexed or offered to another put yet.
+the commit, as the client hands them over (block_checks.py); the slots of a whole entry's
+file (or a manifest's), on the commit's thread and those threads at once (slot_checks.py).
+A put that fails is refused alone: nothing of it was indexed or offered to another put yet.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvd_protocol.entry_reader import check_block
 from kvd_protocol.errors import EntryFormatError, Rule
 from kvd_protocol.limits import Limits
 
-from kvd.store import entry_files, sealing
+from kvd.store import entry_files, sealing, slot_checks
 from kvd.store.block_checks import check_block_file
 from kvd.store.blocks import Block
 from kvd.store.staged_put import Put
@@ -42,8 +43,9 @@ def seal_and_check(
     put: Put, dirs: TierDir, limits: Limits, copies: dict[Path, Path]
 ) -> EntryHeader:
     """On a worker thread: seal the manifest, check its header against the declaration
-    and the heads of the blocks held for it, then the manifest's own checksums, while the
-    block checkers check each new block file (sealed, its size, head and checksums: the check
+    and the heads of the blocks held for it, then the manifest's own checksums (on the
+    block checkers' threads too, for a big file: slot_checks.py), while the block checkers
+    check each new block file (sealed, its size, head and checksums: the check
     begun early where it passed, block_checks.py); then each one's place in the manifest; the
     header. copies: each client's file the daemon copied -> its copy, as made (filled even
     when a check fails). Raises EntryFormatError, or OSError when a file can be neither
@@ -62,9 +64,9 @@ def seal_and_check(
         try:
             for index, held in enumerate(put.pinned):
                 _check_held(held, header, index, dirs, limits)
+            slot_checks.verify_slots(fd, put.path.name, header.slots)
             for index, head in sorted(heads.items()):
                 check_block(header, index, head.result(), put.block_name(index))
-            entry_files.verify_slots(fd, put.path.name, header.slots)
         finally:
             wait(heads.values())  # none is left copying or reading the put's files
     finally:

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -207,24 +208,35 @@ def verify_data(path: Path, header: EntryHeader | BlockHeader) -> None:
 VERIFY_CHUNK: Final = 1 << 20
 
 
-def verify_slots(fd: int, name: str, slots: tuple[Slot, ...]) -> None:
+def verify_slots(fd: int, name: str, slots: Sequence[Slot]) -> None:
     """Check every slot's bytes in file fd against its checksum; EntryFormatError for one that
     differs or a file too short to hold it (name: for errors only)."""
     if not slots:
         return
-    buffer = memoryview(bytearray(min(VERIFY_CHUNK, max(slot.nbytes for slot in slots))))
+    buffer = slot_buffer(slots)
     for slot in slots:
-        digest = new_checksum()
-        done = 0
-        while done < slot.nbytes:
-            piece = buffer[: min(len(buffer), slot.nbytes - done)]
-            n = os.preadv(fd, [piece], slot.start + done)
-            if not n:
-                break  # the end of the file: too short
-            digest.update(piece[:n])
-            done += n
-        check_slot_length(name, slot, done)
-        check_slot_digest(name, slot, digest.digest())
+        verify_slot(fd, name, slot, buffer)
+
+
+def slot_buffer(slots: Sequence[Slot]) -> memoryview:
+    """A buffer for verify_slot to read any of slots through."""
+    return memoryview(bytearray(min(VERIFY_CHUNK, max(slot.nbytes for slot in slots))))
+
+
+def verify_slot(fd: int, name: str, slot: Slot, buffer: memoryview) -> None:
+    """Check one slot's bytes in file fd against its checksum, read through buffer (pread:
+    callers on several threads each check other slots of the same descriptor)."""
+    digest = new_checksum()
+    done = 0
+    while done < slot.nbytes:
+        piece = buffer[: min(len(buffer), slot.nbytes - done)]
+        n = os.preadv(fd, [piece], slot.start + done)
+        if not n:
+            break  # the end of the file: too short
+        digest.update(piece[:n])
+        done += n
+    check_slot_length(name, slot, done)
+    check_slot_digest(name, slot, digest.digest())
 
 
 def verify_entry(path: Path, limits: Limits) -> EntryHeader:

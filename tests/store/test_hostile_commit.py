@@ -43,7 +43,7 @@ from daemon_process import Daemon
 from kvd_client.client import Client
 from kvd_client.entry_io import tensor_views, write_entry
 from kvd_protocol import messages as m
-from kvd_protocol.entry import plan_entry
+from kvd_protocol.entry import LayerSpec, TensorSpec, plan_entry
 from kvd_protocol.errors import ErrorCode
 from kvd_protocol.tokens import pack_tokens
 
@@ -459,3 +459,81 @@ def test_a_put_abandoned_while_its_blocks_are_checked_early_leaves_nothing(
         again = put_v2(peer, IDENTITY, BLOCKS, width=BIG_BLOCK_WIDTH)
         assert again.held == 0
         assert same(look_up(peer, IDENTITY, [*BLOCKS, 7]), again)
+
+
+def whole_slots(tokens: Sequence[int], width: int) -> list[int]:
+    """Where the slots of begun_open's entry of tokens start, in file order."""
+    layers, _ = entry(len(tokens), 0, width=width)
+    return [slot.start for slot in plan_for(IDENTITY, tokens, layers).slots]
+
+
+@pytest.mark.parametrize("spoiled", [(0,), (1,), (3,), (1, 3)], ids=["0", "1", "3", "1-and-3"])
+def test_a_whole_entry_with_a_spoiled_slot_is_refused_whichever_thread_checks_it(
+    daemon: Daemon, witness: list[np.ndarray], spoiled: tuple[int, ...]
+) -> None:
+    """A whole entry of 32 MiB (four slots, each checked by the commit's thread or a block
+    checker's, whichever takes it first) with bytes of some slots changed behind its valid
+    head: refused, naming the first spoiled slot in file order; nothing of it stays, and an
+    honest put of the same tokens stores and serves its own."""
+    starts = whole_slots(PROMPT, BIG_WIDTH)
+    with RawPeer(daemon.socket_path) as peer:
+        put, fd, _ = begun_open(peer, PROMPT, seed=5, width=BIG_WIDTH)
+        for index in spoiled:
+            os.pwrite(fd, b"\xff" * 64, starts[index] + 4096)
+        os.close(fd)
+        reply = peer.call(m.PutCommit(id=peer.next_id(), put=put))
+        assert_refused(reply, "data_checksum")
+        assert isinstance(reply, m.ErrorReply)
+        assert f"slot at {starts[spoiled[0]]}:" in reply.message, reply.message
+        assert served(daemon, PROMPT) is None
+        assert staging_files(daemon) == []
+        assert status(peer)["staged_bytes"] == 0
+    with Client.connect(daemon.socket_path, require=True, block_tokens=0) as client:
+        layers, tensors = entry(len(PROMPT), 6, width=BIG_WIDTH)
+        assert client.put_entry(IDENTITY, PROMPT, layers, tensors).wait(30).state == "stored"
+    assert served(daemon, PROMPT) == [t.tobytes() for t in tensors]
+
+
+def test_a_whole_entry_rewritten_while_its_commit_checks_it_is_never_stored_changed(
+    daemon: Daemon, witness: list[np.ndarray]
+) -> None:
+    """A client that keeps its descriptor and rewrites every slot, first to last, while its
+    commit checks them: the commit checks the daemon's copy of the file (a writer was left),
+    so it stores the entry as committed or refuses it; what the tier serves is never the
+    rewrite."""
+    starts = whole_slots(PROMPT, BIG_WIDTH)
+    with RawPeer(daemon.socket_path) as peer:
+        put, fd, tensors = begun_open(peer, PROMPT, seed=7, width=BIG_WIDTH)
+        try:
+            peer.send(m.PutCommit(id=peer.next_id(), put=put))
+            for start in starts:
+                os.pwrite(fd, b"\xff" * 65536, start)
+            reply = peer.receive()
+        finally:
+            os.close(fd)
+        if isinstance(reply, m.PutCommitReply):
+            assert wait(peer, reply.ticket).state == "stored"
+            assert served(daemon, PROMPT) == [t.tobytes() for t in tensors]
+        else:
+            assert_refused(reply, "data_checksum")
+            assert served(daemon, PROMPT) is None
+        assert status(peer)["staged_bytes"] == 0
+        assert staging_files(daemon) == []
+
+
+def test_a_whole_put_of_many_slots_stores_and_restores_exactly(daemon: Daemon) -> None:
+    """A whole entry (block_tokens 0) of 32 layers, 64 slots of 384 KiB, its slots checked on
+    several threads at its commit: stored, then served byte for byte, also once the daemon
+    has started again from its directory."""
+    rng = np.random.default_rng(8)
+    shape = (1, 2, len(PROMPT), 384)
+    spec = TensorSpec("float16", shape)
+    layers = [LayerSpec("kv", (spec, spec), trimmable=True)] * 32
+    tensors = [rng.standard_normal(shape).astype(np.float16) for _ in range(64)]
+    with Client.connect(daemon.socket_path, require=True, block_tokens=0) as client:
+        assert client.put_entry(IDENTITY, PROMPT, layers, tensors).wait(30).state == "stored"
+    expected = [t.tobytes() for t in tensors]
+    assert served(daemon, PROMPT) == expected
+    assert daemon.stop() == 0
+    daemon.start()
+    assert served(daemon, PROMPT) == expected
