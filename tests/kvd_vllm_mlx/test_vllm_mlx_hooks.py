@@ -8,10 +8,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import mlx_lm
 import pytest
 import vllm_mlx
 from http_servers import START_SECONDS, free_port
 from kvd_client import vllm_mlx_hooks
+from kvd_client.vllm_mlx_batch import PREFILL_COUNTERS
+from mlx_lm.generate import BatchGenerator
 from model_folders import build_model_folder
 from vllm_servers import command, environment
 
@@ -91,3 +94,14 @@ def test_a_changed_hook_stops_the_server_with_one_line_naming_version_change_and
         f"with vllm-mlx{tested}: pip install 'vllm-mlx{tested}'"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_batch_generator_without_its_prefill_counters_is_a_changed_hook(model: Path) -> None:
+    """The prefill the tier is told is read from mlx-lm's counters: mlx-lm's BatchGenerator
+    has them, and one without them is refused as any changed hook is, naming what is missing."""
+    built = BatchGenerator(mlx_lm.load(str(model))[0])
+    vllm_mlx_hooks.check_attributes(built, PREFILL_COUNTERS, "mlx-lm's BatchGenerator")
+    delattr(built, "_prompt_time_counter")  # as a release that renamed it would build it
+    with pytest.raises(vllm_mlx_hooks.VllmMlxChangedError) as changed:
+        vllm_mlx_hooks.check_attributes(built, PREFILL_COUNTERS, "mlx-lm's BatchGenerator")
+    assert changed.value.problems == ["mlx-lm's BatchGenerator has no _prompt_time_counter"]
