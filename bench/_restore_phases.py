@@ -2,9 +2,10 @@
 each run alone on this thread with the library's own parts, timed and its page faults
 counted.
 
-A get overlaps some of these (its reads and checksums run on four reader threads while it
-waits; allocation goes before every read of a block entry): the phases' sum is what the get
-would cost done one after another. The phases:
+A get overlaps some of these (past restore.INLINE_BYTES its reads and checksums run on four
+reader threads while it waits; allocation goes before every read of a block entry): the
+phases' sum is what the get would cost done one after another, as it is done at and below
+INLINE_BYTES. The phases:
 
 - lookup: the Lookup exchange, the manifest's descriptor, its head read and checked
   (calls.lookup);
@@ -17,7 +18,8 @@ would cost done one after another. The phases:
   pages, so its page faults are those of fresh memory;
 - checksums: the same reads checksummed, less the same reads unverified (both into pages
   already in memory): what verifying adds;
-- release: the Release exchange.
+- release: the Release sent, as a get sends it (its answer not waited for: read by the next
+  exchange).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def one_run(client: Client, identity: EngineIdentity, tokens: Sequence[int]) -> 
     finally:
         hit.entry.close()
         with clock.phase("release"):
-            client._run(calls.release_lease(link, hit.lease, hit.epoch))
+            client._run(calls.release_lease(link, hit.lease, hit.epoch, awaited=False))
     return clock
 
 
