@@ -50,6 +50,7 @@ from kvd_protocol.tokens import pack_tokens
 WITNESS = list(range(1000, 1064))
 PROMPT = list(range(1, 257))
 BIG_WIDTH = 8192  # 32 MiB an entry of PROMPT: still being read when the client strikes
+SPREAD_WIDTH = 16384  # 64 MiB an entry of PROMPT: its slots checked on several threads
 BLOCKS = list(range(2000, 2000 + 4 * BLOCK_TOKENS + 5))  # four blocks and a tail
 BIG_BLOCK_WIDTH = 32768  # 8 MiB a block
 
@@ -471,13 +472,13 @@ def whole_slots(tokens: Sequence[int], width: int) -> list[int]:
 def test_a_whole_entry_with_a_spoiled_slot_is_refused_whichever_thread_checks_it(
     daemon: Daemon, witness: list[np.ndarray], spoiled: tuple[int, ...]
 ) -> None:
-    """A whole entry of 32 MiB (four slots, each checked by the commit's thread or a block
+    """A whole entry of 64 MiB (four slots, each checked by the commit's thread or a block
     checker's, whichever takes it first) with bytes of some slots changed behind its valid
     head: refused, naming the first spoiled slot in file order; nothing of it stays, and an
     honest put of the same tokens stores and serves its own."""
-    starts = whole_slots(PROMPT, BIG_WIDTH)
+    starts = whole_slots(PROMPT, SPREAD_WIDTH)
     with RawPeer(daemon.socket_path) as peer:
-        put, fd, _ = begun_open(peer, PROMPT, seed=5, width=BIG_WIDTH)
+        put, fd, _ = begun_open(peer, PROMPT, seed=5, width=SPREAD_WIDTH)
         for index in spoiled:
             os.pwrite(fd, b"\xff" * 64, starts[index] + 4096)
         os.close(fd)
@@ -489,7 +490,7 @@ def test_a_whole_entry_with_a_spoiled_slot_is_refused_whichever_thread_checks_it
         assert staging_files(daemon) == []
         assert status(peer)["staged_bytes"] == 0
     with Client.connect(daemon.socket_path, require=True, block_tokens=0) as client:
-        layers, tensors = entry(len(PROMPT), 6, width=BIG_WIDTH)
+        layers, tensors = entry(len(PROMPT), 6, width=SPREAD_WIDTH)
         assert client.put_entry(IDENTITY, PROMPT, layers, tensors).wait(30).state == "stored"
     assert served(daemon, PROMPT) == [t.tobytes() for t in tensors]
 
@@ -501,9 +502,9 @@ def test_a_whole_entry_rewritten_while_its_commit_checks_it_is_never_stored_chan
     commit checks them: the commit checks the daemon's copy of the file (a writer was left),
     so it stores the entry as committed or refuses it; what the tier serves is never the
     rewrite."""
-    starts = whole_slots(PROMPT, BIG_WIDTH)
+    starts = whole_slots(PROMPT, SPREAD_WIDTH)
     with RawPeer(daemon.socket_path) as peer:
-        put, fd, tensors = begun_open(peer, PROMPT, seed=7, width=BIG_WIDTH)
+        put, fd, tensors = begun_open(peer, PROMPT, seed=7, width=SPREAD_WIDTH)
         try:
             peer.send(m.PutCommit(id=peer.next_id(), put=put))
             for start in starts:
@@ -522,11 +523,11 @@ def test_a_whole_entry_rewritten_while_its_commit_checks_it_is_never_stored_chan
 
 
 def test_a_whole_put_of_many_slots_stores_and_restores_exactly(daemon: Daemon) -> None:
-    """A whole entry (block_tokens 0) of 32 layers, 64 slots of 384 KiB, its slots checked on
+    """A whole entry (block_tokens 0) of 32 layers, 64 slots of 1 MiB, its slots checked on
     several threads at its commit: stored, then served byte for byte, also once the daemon
     has started again from its directory."""
     rng = np.random.default_rng(8)
-    shape = (1, 2, len(PROMPT), 384)
+    shape = (1, 2, len(PROMPT), 1024)
     spec = TensorSpec("float16", shape)
     layers = [LayerSpec("kv", (spec, spec), trimmable=True)] * 32
     tensors = [rng.standard_normal(shape).astype(np.float16) for _ in range(64)]

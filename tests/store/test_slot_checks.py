@@ -21,7 +21,7 @@ from kvd_protocol.tokens import pack_tokens
 from kvd.store import entry_files, slot_checks
 
 TOKENS = 256
-SHAPE = (1, 2, TOKENS, 256)  # 256 KiB a slot in float16, 64 slots: 16 MiB, spread
+SHAPE = (1, 2, TOKENS, 1024)  # 1 MiB a slot in float16, 64 slots: 64 MiB, spread
 LAYERS = 32
 
 
