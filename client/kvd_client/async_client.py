@@ -187,8 +187,9 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
             return
         with contextlib.suppress(OSError, ProtocolError):
             async with asyncio.timeout(link.lookup_timeout):
-                while link.notices_unanswered and link.next_reply() is None:
-                    link.receive(*await transport.receive())
+                while link.notices_unanswered:
+                    if link.next_reply() is None and link.notices_unanswered:
+                        link.receive(*await transport.receive())
 
     async def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
         link = self._link

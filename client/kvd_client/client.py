@@ -209,8 +209,9 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
             return
         with contextlib.suppress(OSError, ProtocolError):
             transport.settimeout(link.lookup_timeout)
-            while link.notices_unanswered and link.next_reply() is None:
-                link.receive(*transport.receive())
+            while link.notices_unanswered:
+                if link.next_reply() is None and link.notices_unanswered:
+                    link.receive(*transport.receive())
 
     def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:
         link = self._link

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,14 +28,16 @@ from tiny_models import prefill, prompt, tiny_llama
 BLOCK = 16  # tokens per block: the smallest, so that a tiny prompt spans one block and a tail
 IDENTITY = EngineIdentity("tiny/inline", "cfg", "tok")
 TOKENS = prompt(BLOCK + 3)
-SETTLE_SECONDS = 30.0
+SETTLE_SECONDS = 30.0  # also the clients' lookup_timeout: how long a close waits for releases
 
 
 @contextmanager
 def _stored(daemon: Daemon) -> Iterator[tuple[Client, Any]]:
     """A client that stored TOKENS' caches of a tiny model, in one block and a tail."""
     model = tiny_llama()
-    with Client.connect(daemon.socket_path, require=True, block_tokens=BLOCK) as client:
+    with Client.connect(
+        daemon.socket_path, require=True, block_tokens=BLOCK, lookup_timeout=SETTLE_SECONDS
+    ) as client:
         ticket = client.put(IDENTITY, TOKENS, prefill(model, TOKENS))
         assert ticket.wait(SETTLE_SECONDS) == TicketState("stored")
         yield client, model
@@ -92,6 +95,8 @@ def test_a_get_whose_caches_are_dropped_leaves_no_lease_once_the_client_closes(
         for _ in range(3):
             client.get(IDENTITY, [*TOKENS, 7], model=model)  # the caches dropped at once
         assert client._link.notices_unanswered
+        closing = time.monotonic()
+    assert time.monotonic() - closing < SETTLE_SECONDS / 3  # the answer heard, not waited out
     assert client._link.connection is None
     status = _status(daemon)
     assert status["leased_entries"] == 0
@@ -118,11 +123,15 @@ def test_the_async_client_sends_the_release_and_hears_it_on_close(daemon: Daemon
     with _stored(daemon) as (_, model):
 
         async def run() -> tuple[bool, bool]:
-            client = await AsyncClient.connect(daemon.socket_path, require=True, block_tokens=BLOCK)
+            client = await AsyncClient.connect(
+                daemon.socket_path, require=True, block_tokens=BLOCK, lookup_timeout=SETTLE_SECONDS
+            )
             restored = await client.get(IDENTITY, [*TOKENS, 7], model=model)
             sent = client._link.notices_unanswered
+            closing = time.monotonic()
             await client.close()
-            return restored is not None and sent, client._link.connection is None
+            heard = time.monotonic() - closing < SETTLE_SECONDS / 3  # not waited out
+            return restored is not None and sent, heard and client._link.connection is None
 
         assert asyncio.run(run()) == (True, True)
         status = _status(daemon)
