@@ -22,7 +22,7 @@ from kvd_protocol.messages import Reply
 
 from . import calls
 from .api import ClientApi, LookupResultApi, TicketApi
-from .calls import Call, Exchange, Notice
+from .calls import Call, Exchange, Send
 from .client import new_link
 from .link import DEFAULT_BACKOFF, DEFAULT_LOOKUP_TIMEOUT, Backoff, Link
 from .operations import AsyncRunner
@@ -108,7 +108,7 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         async with self._lock:
-            await self._hear_notices()
+            await self._hear_replies_due()
             self._drop()
 
     async def __aenter__(self) -> Self:
@@ -134,8 +134,8 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
                 try:
                     if isinstance(step, Exchange):
                         result = await self._exchange(step)
-                    elif isinstance(step, Notice):
-                        await self._notice(step)
+                    elif isinstance(step, Send):
+                        await self._send(step)
                     else:
                         result = await asyncio.to_thread(step.work)
                 except Exception as exc:
@@ -153,12 +153,12 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
                 self._link.failed(str(exc))
                 raise
 
-    async def _notice(self, step: Notice) -> None:
-        """As Client._notice."""
+    async def _send(self, step: Send) -> None:
+        """As Client._send."""
         async with self._holding(step):
             calls.must_connect(self._link, step, connected=self._transport is not None)
             assert self._transport is not None
-            frame = self._link.notice(step.request)
+            frame = self._link.send_unawaited(step.request)
             try:
                 await self._transport.send(frame)
             except OSError as exc:
@@ -166,7 +166,7 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
                 raise DaemonUnavailableError(f"{step.request.op}: {exc}") from exc
 
     @contextlib.asynccontextmanager
-    async def _holding(self, step: Exchange | Notice) -> AsyncIterator[None]:
+    async def _holding(self, step: Exchange | Send) -> AsyncIterator[None]:
         """As Client._holding."""
         try:
             async with asyncio.timeout(None if step.by is None else calls.left(step.by)):
@@ -180,15 +180,15 @@ class AsyncClient(ClientApi[AsyncTicket, AsyncLookupResult], AsyncRunner):
         finally:
             self._lock.release()
 
-    async def _hear_notices(self) -> None:
-        """As Client._hear_notices."""
+    async def _hear_replies_due(self) -> None:
+        """As Client._hear_replies_due."""
         link, transport = self._link, self._transport
-        if transport is None or not link.notices_unanswered:
+        if transport is None or not link.replies_due:
             return
         with contextlib.suppress(OSError, ProtocolError):
             async with asyncio.timeout(link.lookup_timeout):
-                while link.notices_unanswered:
-                    if link.next_reply() is None and link.notices_unanswered:
+                while link.replies_due:
+                    if link.next_reply() is None and link.replies_due:
                         link.receive(*await transport.receive())
 
     async def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:

@@ -100,7 +100,7 @@ class Exchange(NamedTuple):  # not a dataclass: one is made per request, at half
     by: float | None = None
 
 
-class Notice(NamedTuple):
+class Send(NamedTuple):
     """Send request on its connection (epoch: the one the request belongs to) and go on
     without its reply, which is dropped when it arrives: read by the next exchange on the
     connection or by the client's close. For a request that nothing waits to hear the answer
@@ -120,7 +120,7 @@ class Blocking:
     work: Callable[[], object]
 
 
-Step: TypeAlias = Exchange | Notice | Blocking
+Step: TypeAlias = Exchange | Send | Blocking
 Call: TypeAlias = Generator[Step, object, T]
 
 
@@ -136,7 +136,7 @@ def expect(reply: object, kind: type[R]) -> R:
     raise TypeError(f"expected a {kind.op!r} reply, got {reply!r}")
 
 
-def must_connect(link: Link, step: Exchange | Notice, *, connected: bool) -> bool:
+def must_connect(link: Link, step: Exchange | Send, *, connected: bool) -> bool:
     """Whether a driver connects before sending step's request: the first request of a call
     when no connection is up. A later request belongs to its call's connection (epoch):
     DaemonUnavailableError if that was lost."""
@@ -469,7 +469,7 @@ def release_lease(
 ) -> Call[None]:
     """End a lease, saying why the entry was unusable if damaged and how the restore went (to
     a daemon that listens), waiting no longer than a lookup; a lease of a lost connection
-    ended with it. Not awaited: the release is sent and its answer not waited for (Notice),
+    ended with it. Not awaited: the release is sent and its answer not waited for (Send),
     for a get whose caches are restored already."""
     damage = damaged if link.offers("release_damaged") else None
     told = report if link.offers("restore_report") else None
@@ -479,6 +479,6 @@ def release_lease(
         if awaited:
             expect((yield Exchange(request, epoch=epoch, by=due)), ReleaseReply)
         else:
-            yield Notice(request, epoch, due)
+            yield Send(request, epoch, due)
     except (DaemonUnavailableError, DaemonError) as exc:
         log.debug("release of lease %d not confirmed: %s", lease, exc)

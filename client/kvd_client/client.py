@@ -21,7 +21,7 @@ from kvd_protocol.messages import Reply
 from . import calls
 from .api import ClientApi, LookupResultApi, TicketApi
 from .breaker import Breaker
-from .calls import Call, Exchange, Notice
+from .calls import Call, Exchange, Send
 from .link import (
     DEFAULT_BACKOFF,
     DEFAULT_LOOKUP_TIMEOUT,
@@ -128,7 +128,7 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         if self._owns_breaker and self._link.breaker is not None:
             self._link.breaker.stop()
         with self._lock:
-            self._hear_notices()
+            self._hear_replies_due()
             self._drop()
 
     def __enter__(self) -> Self:
@@ -154,8 +154,8 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
                 try:
                     if isinstance(step, Exchange):
                         result = self._exchange(step)
-                    elif isinstance(step, Notice):
-                        self._notice(step)
+                    elif isinstance(step, Send):
+                        self._send(step)
                     else:
                         result = step.work()
                 except Exception as exc:
@@ -175,13 +175,13 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
                 self._link.failed(str(exc))
                 raise
 
-    def _notice(self, step: Notice) -> None:
+    def _send(self, step: Send) -> None:
         """Send step's request on its connection, its reply left to the next reader; a send
         that fails drops the connection (and the daemon ends its leases)."""
         with self._holding(step):
             calls.must_connect(self._link, step, connected=self._transport is not None)
             assert self._transport is not None
-            frame = self._link.notice(step.request)
+            frame = self._link.send_unawaited(step.request)
             try:
                 self._transport.send(frame)
             except OSError as exc:
@@ -189,7 +189,7 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
                 raise DaemonUnavailableError(f"{step.request.op}: {exc}") from exc
 
     @contextlib.contextmanager
-    def _holding(self, step: Exchange | Notice) -> Iterator[None]:
+    def _holding(self, step: Exchange | Send) -> Iterator[None]:
         """The connection held for step: waits no longer than its due."""
         if not self._lock.acquire(timeout=-1 if step.by is None else calls.left(step.by)):
             raise DaemonUnavailableError(
@@ -200,17 +200,17 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         finally:
             self._lock.release()
 
-    def _hear_notices(self) -> None:
-        """Read the replies still due to notices (a get's release), within the lookup timeout,
-        so that what they asked is done once close returns; a connection that fails or
-        stays silent is closed all the same."""
+    def _hear_replies_due(self) -> None:
+        """Read the replies still due to requests sent unawaited (a get's release), within the
+        lookup timeout, so that what they asked is done once close returns; a connection that
+        fails or stays silent is closed all the same."""
         link, transport = self._link, self._transport
-        if transport is None or not link.notices_unanswered:
+        if transport is None or not link.replies_due:
             return
         with contextlib.suppress(OSError, ProtocolError):
             transport.settimeout(link.lookup_timeout)
-            while link.notices_unanswered:
-                if link.next_reply() is None and link.notices_unanswered:
+            while link.replies_due:
+                if link.next_reply() is None and link.replies_due:
                     link.receive(*transport.receive())
 
     def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:

@@ -147,7 +147,7 @@ class Link:
         self.last_round_trip = 0.0  # seconds, measured by the driver
         self._prefill = _PrefillCost()  # shared with twins: the engine measures, puts send
         self._last_id = 0
-        self._notices: set[int] = set()  # ids of requests sent whose replies go unread
+        self._unawaited: set[int] = set()  # ids of requests sent whose replies go unread
         self._delay = 0.0
         self._retry_at = float("-inf")
 
@@ -267,7 +267,7 @@ class Link:
     def drop(self) -> list[int]:
         """Forget the connection; returns the received descriptors no reply claimed, to close."""
         connection, self.connection = self.connection, None
-        self._notices.clear()
+        self._unawaited.clear()
         return connection.take_descriptors() if connection is not None else []
 
     # --- exchanging ---
@@ -279,16 +279,16 @@ class Link:
         except ProtocolError as exc:  # e.g. a frame over the limits: nothing was sent
             raise DaemonError(exc.code, exc.message) from None
 
-    def notice(self, request: Request) -> bytes:
-        """The frame of a request whose reply is dropped when it arrives (calls.Notice)."""
+    def send_unawaited(self, request: Request) -> bytes:
+        """The frame of a request whose reply is dropped when it arrives (calls.Send)."""
         frame = self.send(request)
-        self._notices.add(request.id)
+        self._unawaited.add(request.id)
         return frame
 
     @property
-    def notices_unanswered(self) -> bool:
-        """Whether a notice's reply is still to come on the connection."""
-        return bool(self._notices)
+    def replies_due(self) -> bool:
+        """Whether the reply to a request sent unawaited is still to come on the connection."""
+        return bool(self._unawaited)
 
     def receive(self, data: bytes, fds: Sequence[int]) -> None:
         assert self.connection is not None
@@ -305,12 +305,18 @@ class Link:
             if isinstance(event, ConnectionClosed):
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon closed the connection")
             if isinstance(event, ErrorReply) and event.id == 0:
-                # The requests in flight (one, and notices) now await a reply that will not come.
+                # The requests in flight (one, and any sent unawaited) await replies that will
+                # not come.
                 message = f"the daemon could not read a request: {event.message}"
                 raise ProtocolError(event.code, message)
             assert isinstance(event, Reply)  # a client Connection yields nothing else
-            if event.id not in self._notices:
+            if event.id not in self._unawaited:
                 return event
-            self._notices.discard(event.id)
+            self._unawaited.discard(event.id)
             if isinstance(event, ErrorReply):
-                log.debug("notice %d refused: %s: %s", event.id, event.code.value, event.message)
+                log.debug(
+                    "request %d, sent unawaited, refused: %s: %s",
+                    event.id,
+                    event.code.value,
+                    event.message,
+                )

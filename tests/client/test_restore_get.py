@@ -80,12 +80,12 @@ def test_a_small_get_reads_its_block_on_the_callers_thread_and_its_lease_ends(
         assert restored.matched == len(TOKENS)
         assert threads == [threading.current_thread()]
         # Answered before the release was: its reply is still to be read...
-        assert client._link.notices_unanswered
+        assert client._link.replies_due
         # ...and the daemon ended the lease before it took the next request.
         status = client.status()
         assert status["leased_entries"] == 0
         assert status["restores"] == 1
-        assert not client._link.notices_unanswered
+        assert not client._link.replies_due
 
 
 def test_a_get_whose_caches_are_dropped_leaves_no_lease_once_the_client_closes(
@@ -94,7 +94,7 @@ def test_a_get_whose_caches_are_dropped_leaves_no_lease_once_the_client_closes(
     with _stored(daemon) as (client, model):
         for _ in range(3):
             client.get(IDENTITY, [*TOKENS, 7], model=model)  # the caches dropped at once
-        assert client._link.notices_unanswered
+        assert client._link.replies_due
         closing = time.monotonic()
     assert time.monotonic() - closing < SETTLE_SECONDS / 3  # the answer heard, not waited out
     assert client._link.connection is None
@@ -127,7 +127,7 @@ def test_the_async_client_sends_the_release_and_hears_it_on_close(daemon: Daemon
                 daemon.socket_path, require=True, block_tokens=BLOCK, lookup_timeout=SETTLE_SECONDS
             )
             restored = await client.get(IDENTITY, [*TOKENS, 7], model=model)
-            sent = client._link.notices_unanswered
+            sent = client._link.replies_due
             closing = time.monotonic()
             await client.close()
             heard = time.monotonic() - closing < SETTLE_SECONDS / 3  # not waited out
