@@ -96,6 +96,7 @@ PURE_IMPORTS = {
     "collections",
     "dataclasses",
     "enum",
+    "functools",  # cached_property
     "hashlib",
     "itertools",
     "kvd_protocol",  # its own modules

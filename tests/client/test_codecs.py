@@ -3,6 +3,7 @@ bit-exact state, trimmability as the class really behaves, and the table's refus
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -250,10 +251,10 @@ def test_unknown_kinds_and_codec_sets_are_misses(tmp_path: Path) -> None:
             "mystery", header.layers[0].meta, True, header.layers[0].slots
         )
         with pytest.raises(Miss, match="unknown kind"):
-            decode(header.__class__(**{**vars(header), "layers": (renamed,)}), entry.fills(), 3)
-        other = header.identity.__class__(**{**vars(header.identity), "codec_id": "x/0"})
+            decode(dataclasses.replace(header, layers=(renamed,)), entry.fills(), 3)
+        other = dataclasses.replace(header.identity, codec_id="x/0")
         with pytest.raises(Miss, match="codec"):
-            decode(header.__class__(**{**vars(header), "identity": other}), entry.fills(), 3)
+            decode(dataclasses.replace(header, identity=other), entry.fills(), 3)
     assert header.identity.codec_id == CODEC_ID
 
 
@@ -261,7 +262,7 @@ def test_tensors_that_do_not_fit_the_meta_are_a_miss(tmp_path: Path) -> None:
     with _entry(tmp_path, [_filled(mlc.KVCache(), 3)], 3) as entry:
         layer = entry.header.layers[0]
         lying = layer.__class__(layer.kind, {"offset": 4}, True, layer.slots)
-        header = entry.header.__class__(**{**vars(entry.header), "layers": (lying,)})
+        header = dataclasses.replace(entry.header, layers=(lying,))
         with pytest.raises(Miss, match="load failed"):
             decode(header, entry.fills(), 3)
 
