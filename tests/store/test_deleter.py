@@ -51,14 +51,23 @@ def settled(condition: Callable[[], bool]) -> bool:
     return True
 
 
+class Gate(threading.Event):
+    """Set: the deleter's thread renames. held: it has come to a rename and waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = threading.Event()
+
+
 @contextmanager
-def held_renames(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """The deleter's thread stops at each rename until the event is set (then, at the end)."""
-    gate = threading.Event()
+def held_renames(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    """The deleter's thread stops at each rename until the gate is set (then, at the end)."""
+    gate = Gate()
     rename = os.rename
 
     def held_rename(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
         if threading.current_thread().name == "kvd-deleter":
+            gate.held.set()
             gate.wait(SETTLE_SECONDS)
         rename(source, target)
 
@@ -126,6 +135,7 @@ def test_a_placer_waits_for_the_rename_under_way_at_its_path(
     deleter = Deleter(folder)
     with held_renames(monkeypatch) as gate:
         deleter.delete(path)
+        assert gate.held.wait(SETTLE_SECONDS), "the deleter's thread never came to the rename"
         reclaimed = threading.Thread(target=deleter.reclaim, args=(path,))
         reclaimed.start()
         reclaimed.join(0.2)
