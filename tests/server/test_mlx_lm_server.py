@@ -250,7 +250,13 @@ def test_a_conversation_copies_its_rows_about_once_and_the_summary_counts_it(
             messages.append({"role": "assistant", "content": answer.text})
         assert server.stop() == 0
     with Client.connect(daemon.socket_path, require=True) as client:
-        (entry,) = client.list_entries()  # the last turn, which superseded all before it
+        listed = client.list_entries()
+    # the last turn, which superseded all before it
+    assert len(listed) == 1, (
+        [(e.tokens, e.trimmable, e.durable, e.leases, e.created) for e in listed],
+        [line for line in log.read_text().splitlines() if "kvd" in line][-40:],
+    )
+    (entry,) = listed
     assert entry.tokens > answer.prompt_tokens
     summary = re.search(
         r"snapshots: (\d+) taken in [\d.]+ ms \(max [\d.]+ ms\), (\d+) bytes copied, (\d+) "
