@@ -207,10 +207,11 @@ class Client(ClientApi[Ticket, LookupResult], BlockingRunner):
         link, transport = self._link, self._transport
         if transport is None or not link.replies_due:
             return
+        due = time.monotonic() + link.lookup_timeout  # for all of them, as AsyncClient's
         with contextlib.suppress(OSError, ProtocolError):
-            transport.settimeout(link.lookup_timeout)
             while link.replies_due:
                 if link.next_reply() is None and link.replies_due:
+                    transport.settimeout(calls.left(due))
                     link.receive(*transport.receive())
 
     def _exchange_locked(self, step: Exchange, *, fresh: bool) -> Reply:

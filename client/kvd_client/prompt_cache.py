@@ -26,14 +26,7 @@ from typing import Any, Final
 import mlx.core as mx
 import mlx_lm
 from kvd_protocol.dtypes import tensor_nbytes
-from kvd_protocol.entry import (
-    Checkpoint,
-    EntryHeader,
-    LayerSpec,
-    MetaValue,
-    TensorSpec,
-    with_rows,
-)
+from kvd_protocol.entry import Checkpoint, EntryHeader, LayerSpec, MetaValue, TensorSpec
 from kvd_protocol.errors import DaemonUnavailableError, EntryFormatError
 from kvd_protocol.messages import MAX_BLOCK_BATCH, Retention
 from mlx_lm.models.cache import make_prompt_cache
@@ -188,19 +181,22 @@ def decode(
     if header.block_hashes:
         raise Miss("blocks", f"the entry lists {len(header.block_hashes)} blocks, read by a get")
     codecs = _codecs(header, matched, model)
-    with _as_miss(), _filling(header) as filling:
+    with _as_miss(), _filling(header, None) as filling:
         caches = _loaded(header, codecs, fills, filling, None)
     return _trimmed(caches, header.token_count - matched)
 
 
-def _filling(header: EntryHeader) -> Filling:
+def _filling(header: EntryHeader, blocks: BlockReads | None) -> Filling:
     """The Filling of a restore of header's tensors: on this thread if they are small."""
-    cut = [layer.blocked for layer in header.layers for _ in layer.slots]
-    nbytes = sum(
-        tensor_nbytes(slot.dtype, with_rows(slot.shape, header.token_count) if c else slot.shape)
-        for slot, c in zip(header.slots, cut, strict=True)
-    )
+    shapes = zip(header.slots, _whole_shapes(header, blocks), strict=True)
+    nbytes = sum(tensor_nbytes(slot.dtype, shape) for slot, shape in shapes)
     return Filling(inline=nbytes <= INLINE_BYTES)
+
+
+def _whole_shapes(header: EntryHeader, blocks: BlockReads | None) -> list[tuple[int, ...]]:
+    """Each tensor's whole shape: its slot's, or a cut tensor's with the rows of its blocks."""
+    slots = header.slots
+    return [slot.shape if blocks is None else blocks.shape(i) for i, slot in enumerate(slots)]
 
 
 def _codecs(header: EntryHeader, matched: int, model: Any) -> list[Codec]:
@@ -233,7 +229,7 @@ def _loaded(
     and handed to the fills (on reader threads); the cut tensors' rows in blocks are left
     to blocks.read_block."""
     slots = header.slots
-    shapes = [slot.shape if blocks is None else blocks.shape(i) for i, slot in enumerate(slots)]
+    shapes = _whole_shapes(header, blocks)
     growing = [
         grows(codec)
         for codec, layer in zip(codecs, header.layers, strict=True)
@@ -381,7 +377,7 @@ def _decoded(link: Link, hit: LookupHit, model: Any) -> Call[list[Any]]:
     open_batches: list[tuple[int, ...]] = []  # the descriptors of each, oldest first
     reading: list[Reading] = []  # their reads
     try:
-        with _as_miss(), _filling(header) as filling:
+        with _as_miss(), _filling(header, blocks) as filling:
             for first in range(0, len(header.block_hashes), MAX_BLOCK_BATCH):
                 if len(open_batches) == 2:
                     # Closed only once read: a failure, or the call closed at this yield

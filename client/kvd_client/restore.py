@@ -248,7 +248,7 @@ class Filling:
 
     inline: each fill and read runs on this thread as it is handed over (its failure still
     raised on leaving the block, after the others ran): for a restore too small for the
-    reader threads to pay (inline_pays)."""
+    reader threads to pay (INLINE_BYTES)."""
 
     def __init__(self, *, inline: bool = False) -> None:
         self._pending: list[Future[None]] = []
